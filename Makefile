@@ -1,0 +1,31 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Each creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stageplan-installed
+
+.PHONY: demo test lint bench figures profiles clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,hf]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check stageplan tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/run_all.py
+
+figures: $(STAMP)
+	$(PY) benchmarks/figures.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

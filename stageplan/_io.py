@@ -1,0 +1,76 @@
+"""Atomic JSON writes and schema checks shared by Profile, Plan and RunReport (no torch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from stageplan.errors import SchemaError, StageplanError
+
+
+def check_output_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse an output path whose folder does not exist (before any work is done)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
+    if p.is_dir():
+        raise StageplanError(f"output path {str(p)!r} is a folder; give a file name such as {str(p / 'out.json')!r}")
+    return p
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf are not JSON: store them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write JSON to a temporary file in the same folder, then os.replace it: never half-written."""
+    p = check_output_path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent) if str(p.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(data), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise StageplanError(f"{what} file {str(p)!r} does not exist; check the path")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SchemaError(f"{what} file {str(p)!r} is not valid JSON ({exc}); regenerate it with stageplan") from exc
+    if not isinstance(data, dict):
+        raise SchemaError(f"{what} file {str(p)!r} holds a {type(data).__name__}, not a JSON object; regenerate it with stageplan")
+    return data
+
+
+def check_schema(data: dict[str, Any], expected: str, what: str) -> None:
+    """Accept exactly ``expected`` (e.g. 'stageplan.profile/1'); name both versions otherwise."""
+    got = data.get("schema")
+    if got == expected:
+        return
+    kind = expected.rsplit("/", 1)[0]
+    if isinstance(got, str) and got.startswith(kind + "/"):
+        raise SchemaError(
+            f"{what} has schema {got!r} but this stageplan reads {expected!r}; "
+            "use the stageplan version that wrote it, or regenerate the file"
+        )
+    raise SchemaError(f"{what} has schema {got!r}, expected {expected!r}; this is not a stageplan {kind.split('.')[-1]} file")

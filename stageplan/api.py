@@ -1,0 +1,277 @@
+"""Composition of the public API: profile_model(), plan(), run(); torch parts are imported lazily."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stageplan.costmodel import (
+    CostOptions,
+    Device,
+    LayerArrays,
+    comm_time,
+    layer_time,
+    make_options,
+    rank_peak_activation_bytes,
+    solver_inputs,
+    stage_costs,
+)
+from stageplan.errors import StageplanError
+from stageplan.plan import Plan, StagePlan
+from stageplan.profile import Profile
+from stageplan.schedules import normalize_schedule, simulate
+from stageplan.units import format_bytes, parse_bandwidth, parse_bytes
+from stageplan.workload import Workload
+
+if TYPE_CHECKING:
+    import torch
+
+
+def profile_model(
+    workload: Workload,
+    *,
+    microbatch_size: int,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    warmup: int = 5,
+    repeats: int = 20,
+    layers: Sequence[str] | None = None,
+    progress: bool = False,
+) -> Profile:
+    """Profile each layer of ``workload`` at ``microbatch_size``: forward/backward seconds (median of
+    ``repeats`` after ``warmup``, with IQR), saved-for-backward bytes, boundary bytes and parameter bytes.
+
+    The user's model is not changed (a copy is profiled; RNG state, threads and grads are restored).
+    """
+    from stageplan.profiler import profile_model as _profile_model
+
+    return _profile_model(workload, microbatch_size=microbatch_size, device=device, dtype=dtype, warmup=warmup,
+                          repeats=repeats, layers=layers, progress=progress)
+
+
+def default_microbatch_size(batch_size: int) -> int:
+    """Default microbatch: a quarter of the batch when it divides, else 1 (so m = 4 microbatches)."""
+    return batch_size // 4 if batch_size % 4 == 0 and batch_size >= 4 else 1
+
+
+def build_workload(model: str, options: dict[str, Any] | None = None) -> Workload:
+    """A built-in name or ``package.module:factory`` called with ``options``."""
+    from stageplan.zoo import build_workload as _build
+
+    return _build(model, options)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Planning
+
+METHODS = ("optimal", "uniform", "parameters")
+
+
+def _as_profile(profile: Profile | str | os.PathLike[str]) -> Profile:
+    return profile if isinstance(profile, Profile) else Profile.load(profile)
+
+
+def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
+    if devices is None:
+        return None
+    return [d if isinstance(d, Device) else Device(float(d)) for d in devices]
+
+
+def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
+    from stageplan import solver
+
+    S = opts.num_stages
+    L = len(arr.forward_s)
+    if method == "uniform":  # equal layer counts: Megatron's default, DeepSpeed partition_method="uniform"
+        return tuple(solver.partition_uniform(L, S)), {}
+    if method == "parameters":  # DeepSpeed's default partition_method="parameters": balance parameter counts
+        return tuple(solver.partition_balanced(arr.param_bytes, S)), {}
+    inp = solver_inputs(arr, opts)
+    if opts.virtual_stages > 1:
+        rank_speeds = np.array([d.speed for d in opts.devices])
+        isol = solver.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
+                                        memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"])
+        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
+    sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
+                       memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
+                       memory_end_bytes=inp["memory_end_bytes"], memory_limit_bytes=inp["limits"])
+    return tuple(sol.boundaries), {"optimal": True}
+
+
+def _evaluate(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any]) -> Plan:
+    boundaries, evidence = _boundaries(method, arr, opts)
+    costs = stage_costs(arr, boundaries, opts)
+    p = opts.num_ranks
+    rank_time = [0.0] * p
+    static = [0.0] * p
+    for c in costs:
+        rank_time[c.rank] += c.time_s
+        static[c.rank] += c.memory["total"] - c.memory["activations"]
+    peaks = rank_peak_activation_bytes(arr, boundaries, opts)
+    if opts.recompute:  # in-flight stage inputs plus one microbatch recomputed; per stage, summed per rank
+        peaks = tuple(sum(c.memory["activations"] for c in costs if c.rank == r) for r in range(p))
+    comm = comm_time(arr, opts)
+    sim = simulate(opts.schedule, [c.forward_s for c in costs], [c.backward_s for c in costs], opts.num_microbatches,
+                   comm_s=[float(comm[b - 1]) for b in boundaries[1:-1]], virtual_stages=opts.virtual_stages)
+    t = layer_time(arr, opts)
+    speeds = [d.speed for d in opts.devices]
+    lower = max(float(t.sum()) / sum(speeds), float(t.max()) / max(speeds))
+    bottleneck = max(rank_time)
+    mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
+    names = tuple(profile.names)
+    stages = tuple(
+        StagePlan(c.index, c.rank, names[c.first_layer:c.end_layer], c.first_layer, c.end_layer, c.forward_s, c.backward_s,
+                  c.comm_s, c.time_s, c.inflight, c.memory, c.memory_limit_bytes)
+        for c in costs
+    )
+    notes = []
+    if opts.bandwidth_bytes_per_s is None:
+        notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
+    rank_mem = tuple(static[r] + peaks[r] for r in range(p))
+    for r, d in enumerate(opts.devices):
+        if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
+            notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
+    if opts.num_microbatches < p:
+        notes.append(f"num_microbatches ({opts.num_microbatches}) < stages ({p}): bubble {sim.bubble_fraction:.0%}; "
+                     f"use at least {2 * p} microbatches")
+    if evidence.get("optimal") is False:
+        notes.append(f"interleaved solve hit its time limit: within {bottleneck / evidence['proven_lower_bound_s']:.3f}x "
+                     "of the proven optimum")
+    options = {"method": method, **opts.to_json(), "microbatch_size": mb, **evidence}
+    meta_keys = ("model", "options", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype")
+    pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
+    pmeta.update(meta_extra)
+    return Plan(
+        boundaries=boundaries, layer_names=names, stages=stages, bottleneck_s=bottleneck, lower_bound_s=lower,
+        balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
+        bubble_fraction=sim.bubble_fraction,
+        throughput_samples_s=opts.num_microbatches * mb / sim.step_s if sim.step_s > 0 else math.inf,
+        rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem, rank_peak_activation_bytes=tuple(peaks),
+        options=options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+    )
+
+
+def _rescaled(profile: Profile, factor: float) -> Profile:
+    """The profile at ``factor`` x its microbatch size, assuming time and activations linear in the batch
+    (an extrapolation: see FIELD.md, pipedream #47; re-profile at the chosen size to confirm)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(x, forward_s=x.forward_s * factor, backward_s=x.backward_s * factor,
+                           activation_bytes=int(x.activation_bytes * factor), output_bytes=int(x.output_bytes * factor))
+                   for x in profile.layers)
+    return Profile(layers, dict(profile.meta))
+
+
+def plan(
+    profile: Profile | str | os.PathLike[str],
+    num_stages: int,
+    *,
+    num_microbatches: int | str | None = None,
+    schedule: str = "1F1B",
+    virtual_stages: int = 1,
+    memory_limit: float | str | None = None,
+    bandwidth: float | str | None = None,
+    optimizer: str = "adam",
+    devices: Sequence[Device | float] | None = None,
+    recompute: bool = False,
+    method: str = "optimal",
+) -> Plan:
+    """Choose stage boundaries for ``profile`` on ``num_stages`` pipeline ranks and predict the step.
+
+    ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
+    the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
+    tries GPipe, 1F1B and Interleaved1F1B; the plan keeps the fastest feasible candidate and lists them all.
+    ``memory_limit`` ("40GiB" or bytes) applies to every rank without its own; ``bandwidth`` ("25GB/s" or
+    bytes/s) prices boundary traffic; ``devices`` are speeds relative to the profiled device (or Device).
+
+    Example (no torch needed)::
+
+        >>> from stageplan import LayerProfile, Profile, plan
+        >>> prof = Profile(tuple(LayerProfile(f"l{i}", t, t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4, 5, 6])))
+        >>> plan(prof, 2, num_microbatches=4).boundaries
+        (0, 4, 6)
+    """
+    prof = _as_profile(profile)
+    if method not in METHODS:
+        raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
+    devs = _devices(devices)
+    arr0 = LayerArrays.of(prof)
+    if len(prof) == 0:
+        raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
+    batch = int(prof.meta["batch_size"]) if prof.meta.get("batch_size") else 0
+    mb0 = int(prof.meta.get("microbatch_size") or 1)
+
+    schedules = ["1F1B", "GPipe", "Interleaved1F1B"] if schedule == "auto" else [schedule]
+    if num_microbatches == "auto":
+        if not batch:
+            raise StageplanError("num_microbatches='auto' needs the global batch size in the profile meta (batch_size); "
+                                 "pass a number of microbatches instead")
+        ms = [m for m in range(1, batch + 1) if batch % m == 0]
+    elif num_microbatches is None:
+        ms = [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_stages]
+    elif isinstance(num_microbatches, str):
+        raise StageplanError(f"num_microbatches must be an integer or 'auto', got {num_microbatches!r}")
+    else:
+        ms = [num_microbatches]
+
+    auto = len(ms) * len(schedules) > 1
+    candidates: list[dict[str, Any]] = []
+    best: Plan | None = None
+    last_error: StageplanError | None = None
+    for sched in schedules:
+        for m in ms:
+            v = virtual_stages if normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
+            try:
+                mb = batch // m if num_microbatches == "auto" else mb0
+                prof_m = _rescaled(prof, mb / mb0) if mb != mb0 else prof
+                arr = arr0 if prof_m is prof else LayerArrays.of(prof_m)
+                opts = make_options(prof_m, num_stages, num_microbatches=m, schedule=sched, virtual_stages=v,
+                                    optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
+                                    memory_limit_bytes=limit, recompute=recompute)
+                cand = _evaluate(prof, arr, opts, method, {"microbatch_size": mb})
+            except StageplanError as exc:
+                if not auto:
+                    raise
+                last_error = exc
+                candidates.append({"schedule": sched, "num_microbatches": m, "feasible": False, "reason": str(exc)})
+                continue
+            over = any("over its limit" in n for n in cand.notes)
+            candidates.append({"schedule": cand.schedule, "num_microbatches": m, "virtual_stages": cand.virtual_stages,
+                               "microbatch_size": mb, "feasible": not over, "predicted_step_s": cand.predicted_step_s,
+                               "bottleneck_s": cand.bottleneck_s, "bubble_fraction": cand.bubble_fraction})
+            if over and auto:
+                continue
+            if best is None or cand.predicted_step_s < best.predicted_step_s - 1e-15:
+                best = cand
+    if best is None:
+        assert last_error is not None
+        raise last_error
+    if auto:
+        notes = list(best.notes)
+        if num_microbatches == "auto" and best.options["microbatch_size"] != mb0:
+            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.options['microbatch_size']}; "
+                         "re-profile at that size to confirm")
+        best = replace_plan(best, candidates=tuple(candidates), notes=tuple(notes))
+    for note in best.notes:
+        if "bubble" in note:
+            warnings.warn(note, stacklevel=2)
+    return best
+
+
+def replace_plan(plan: Plan, **changes: Any) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
+
+
+def compare_methods(profile: Profile | str | os.PathLike[str], num_stages: int, **options: Any) -> dict[str, Plan]:
+    """Plan with every method (optimal, uniform, parameters) under the same options."""
+    return {m: plan(profile, num_stages, method=m, **options) for m in METHODS}

@@ -1,0 +1,195 @@
+"""Command line: stageplan profile | plan | run | compare | show | calibrate. Parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from stageplan.errors import RunError, StageplanError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
+        raise StageplanError(f"{self.prog}: {message}; see '{self.prog} --help'")
+
+
+def parse_set(items: Sequence[str] | None) -> dict[str, Any]:
+    """--set key=value, values parsed as int, float or bool where they look like one."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
+            raise StageplanError(f"--set expects key=value with a Python identifier as key, got {item!r}; e.g. --set n_layer=12")
+        out[key.strip()] = _parse_value(raw.strip())
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama) or package.module:factory")
+    p.add_argument("--set", dest="options", action="append", metavar="KEY=VALUE", help="factory option (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stageplan", description="Profile, plan, run and check pipeline-parallel stage splits.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("profile", help="profile every layer of a model -> PROFILE.json")
+    _add_model_args(p)
+    p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the layers")
+    p.add_argument("--microbatch-size", type=int, default=None, help="default: a quarter of the batch")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
+
+    p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json")
+    p.add_argument("profile", metavar="PROFILE.json")
+    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
+    p.add_argument("--microbatches", default=None, help="m, or 'auto' (default: batch / profiled microbatch size)")
+    p.add_argument("--schedule", default="1F1B", help="1F1B, GPipe, Interleaved1F1B, ... or auto")
+    p.add_argument("--virtual-stages", type=int, default=1, help="v chunks per rank for interleaved schedules")
+    p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB")
+    p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s")
+    p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam, adamw")
+    p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
+    p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
+    p.add_argument("--method", default="optimal", help="optimal, uniform or parameters")
+    p.add_argument("--compare", action="store_true", help="print every method side by side")
+    p.add_argument("--export", default=None, help="split-spec, torchtitan, megatron, deepspeed or torchgpipe")
+    p.add_argument("-o", "--output", default=None, metavar="PLAN.json")
+
+    p = sub.add_parser("show", help="print a profile, plan or run report (optionally plot it)")
+    p.add_argument("path", metavar="FILE.json")
+    p.add_argument("--plot", metavar="OUT.png", help="write the figure that fits the file")
+    return parser
+
+
+def _cmd_profile(a: argparse.Namespace) -> int:
+    from stageplan._io import check_output_path
+    from stageplan.api import build_workload, default_microbatch_size, profile_model
+    from stageplan.report import profile_table
+
+    check_output_path(a.output)
+    if a.csv:
+        check_output_path(a.csv)
+    workload = build_workload(a.model, parse_set(a.options))
+    mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
+    prof = profile_model(workload, microbatch_size=mb, device=a.device, dtype=a.dtype, warmup=a.warmup,
+                         repeats=a.repeats, layers=a.layers, progress=not a.quiet)
+    prof.save(a.output)
+    if a.csv:
+        prof.to_csv(a.csv)
+    if not a.quiet:
+        print(profile_table(prof))
+    print(f"wrote {a.output} ({len(prof)} layers)")
+    return 0
+
+
+def _load_any(path: str) -> tuple[str, Any]:
+    from stageplan._io import read_json
+
+    data = read_json(path, "input")
+    schema = str(data.get("schema", ""))
+    if schema.startswith("stageplan.profile/"):
+        from stageplan.profile import Profile
+
+        return "profile", Profile.from_json(data, source=f"profile {path!r}")
+    if schema.startswith("stageplan.plan/"):
+        from stageplan.plan import Plan
+
+        return "plan", Plan.from_json(data, source=f"plan {path!r}")
+    raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan and run files")
+
+
+def _cmd_show(a: argparse.Namespace) -> int:
+    from stageplan.report import plan_table, profile_table
+
+    kind, obj = _load_any(a.path)
+    if kind == "profile":
+        print(profile_table(obj))
+    elif kind == "plan":
+        print(plan_table(obj))
+    return 0
+
+
+def _speeds(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise StageplanError(f"--device-speeds must be comma-separated numbers, got {text!r}; e.g. --device-speeds 1,1,0.5,0.5") from None
+
+
+def _microbatches(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise StageplanError(f"--microbatches must be an integer or auto, got {text!r}; e.g. --microbatches 8") from None
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    import json
+
+    from stageplan._io import check_output_path
+    from stageplan.api import compare_methods, plan
+    from stageplan.profile import Profile
+    from stageplan.report import compare_table, plan_table
+
+    if a.output:
+        check_output_path(a.output)
+    prof = Profile.load(a.profile)
+    opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
+                                virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
+                                optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute)
+    result = plan(prof, a.stages, method=a.method, **opts)
+    export = result.export(a.export) if a.export else None
+    print(plan_table(result))
+    if a.compare:
+        print()
+        print(compare_table(compare_methods(prof, a.stages, **opts)))
+    if export is not None:
+        print(json.dumps(export) if not isinstance(export, str) else export)
+    if a.output:
+        result.save(a.output)
+        print(f"wrote {a.output}")
+    return 0
+
+
+COMMANDS = {"profile": _cmd_profile, "plan": _cmd_plan, "show": _cmd_show}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (0 ok, 1 run/check failure, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        return COMMANDS[args.command](args)
+    except StageplanError as exc:
+        print(f"stageplan: error: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"stageplan: run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stageplan: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,147 @@
+"""Profile / LayerProfile: per-layer measured costs, versioned JSON, DataFrame view (no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan.errors import SchemaError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+PROFILE_SCHEMA = "stageplan.profile/1"
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured costs of one layer at the profiled microbatch size.
+
+    - ``forward_s`` / ``backward_s``: median seconds per microbatch; backward is the layer's backward given a
+      gradient of its outputs, weight gradients included (the last layer includes the loss).
+    - ``forward_iqr_s`` / ``backward_iqr_s``: interquartile range of the repeats (the spread).
+    - ``activation_bytes``: bytes saved for backward per microbatch (saved_tensors_hooks, deduplicated by
+      storage, parameters excluded).
+    - ``output_bytes``: bytes that cross to the next stage if a boundary falls after this layer (every tensor
+      produced up to here and used later). The gradient coming back across that boundary has the same size.
+    - ``param_bytes`` / ``param_count``: parameters this layer uses.
+    - ``peak_bytes``: CUDA only, peak allocated bytes above the baseline during forward+backward (else None).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    output_bytes: int
+    param_bytes: int
+    param_count: int = 0
+    forward_iqr_s: float = 0.0
+    backward_iqr_s: float = 0.0
+    peak_bytes: int | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's per-layer profile plus ``meta`` (how it was measured)."""
+
+    layers: tuple[LayerProfile, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def sum_vs_whole(self) -> float | None:
+        """Sum of per-layer forward+backward divided by the uncut model's forward+backward."""
+        whole = self.meta.get("whole_model_s")
+        if not whole:
+            return None
+        return sum(layer.time_s for layer in self.layers) / float(whole)
+
+    def to_pandas(self) -> pd.DataFrame:
+        import pandas as pd
+
+        rows = [asdict(layer) for layer in self.layers]
+        return pd.DataFrame(rows, columns=[f.name for f in fields(LayerProfile)])
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        import io
+
+        from stageplan._io import check_output_path
+
+        p = check_output_path(path)
+        buf = io.StringIO()
+        self.to_pandas().to_csv(buf, index=False)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(buf.getvalue())
+        os.replace(tmp, p)
+
+    def scaled(self, factors: list[float]) -> Profile:
+        """A copy with each layer's forward/backward times multiplied by its factor (calibration)."""
+        layers = tuple(
+            replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
+                    forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * f)
+            for layer, f in zip(self.layers, factors)
+        )
+        return Profile(layers, dict(self.meta))
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": PROFILE_SCHEMA, "meta": self.meta, "layers": [asdict(layer) for layer in self.layers]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, source: str = "profile") -> Profile:
+        check_schema(data, PROFILE_SCHEMA, source)
+        raw = data.get("layers")
+        if not isinstance(raw, list):
+            raise SchemaError(f"{source}: 'layers' must be a list of layer objects; regenerate the profile")
+        known = {f.name for f in fields(LayerProfile)}
+        required = ["name", "forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes"]
+        layers = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict):
+                raise SchemaError(f"{source}: layer {i} is not an object; regenerate the profile")
+            missing = [k for k in required if k not in item]
+            if missing:
+                raise SchemaError(f"{source}: layer {i} lacks {', '.join(missing)}; every layer needs {', '.join(required)}")
+            for k in required[1:]:
+                v = item[k]
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                    raise SchemaError(
+                        f"{source}: layer {i} ({item['name']!r}) has {k} = {v!r}; costs must be finite numbers >= 0; "
+                        "re-profile the model"
+                    )
+            layers.append(LayerProfile(**{k: v for k, v in item.items() if k in known}))
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise SchemaError(f"{source}: 'meta' must be an object")
+        return cls(tuple(layers), meta)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        return cls.from_json(read_json(path, "profile"), source=f"profile {str(path)!r}")
+
+    def digest(self) -> str:
+        """sha256 (first 16 hex) of the canonical JSON of the layers: identifies what a plan was made from."""
+        blob = json.dumps([asdict(layer) for layer in self.layers], sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

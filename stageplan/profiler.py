@@ -1,0 +1,321 @@
+"""Per-layer forward/backward timing, saved-for-backward bytes, parameter and boundary bytes -> Profile."""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stageplan.errors import StageplanError, WorkloadError
+from stageplan.layers import CutModel, cut_layers, resolve, store_outputs, tensor_bytes, used_parameters
+from stageplan.profile import LayerProfile, Profile
+from stageplan.workload import Workload
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeviceError(StageplanError):
+    """The requested device is not available here."""
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:i', refused with a clear line when CUDA or that index is not present."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DeviceError(f"device {str(device)!r} asked for, but this machine has no CUDA GPU "
+                              f"(torch {torch.__version__}); use --device cpu or run on a GPU machine")
+        if dev.index is not None and dev.index >= count:
+            raise DeviceError(f"device {str(device)!r} asked for, but only {count} CUDA device(s) exist (0..{count - 1}); pick one of those")
+    elif dev.type != "cpu":
+        raise DeviceError(f"device type {dev.type!r} is not supported; use cpu, cuda or cuda:N")
+    return dev
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise StageplanError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def microbatch_args(workload: Workload, microbatch_size: int) -> tuple[Any, ...]:
+    """The first microbatch of the workload's inputs (slices along dim 0); validates the size."""
+    batch = workload.batch_size
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise StageplanError(f"microbatch size must be a positive integer, got {microbatch_size!r}; e.g. --microbatch-size 2")
+    if batch % microbatch_size:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise StageplanError(
+            f"microbatch size {microbatch_size} does not divide the batch of {batch}; use one of {divisors}"
+        )
+    return tuple(a[:microbatch_size] if isinstance(a, torch.Tensor) else a for a in workload.input_tuple())
+
+
+class _Timer:
+    """Seconds of a callable: perf_counter on CPU, CUDA events (after a synchronize) on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+
+def _median_iqr(xs: Sequence[float]) -> tuple[float, float]:
+    if len(xs) == 1:
+        return xs[0], 0.0
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return statistics.median(xs), q[2] - q[0]
+
+
+def _to(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device, dtype) for v in value)
+    return value
+
+
+def _grad_tensors(out: Any) -> list[torch.Tensor]:
+    flat = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
+    return [t for t in flat if t.requires_grad]
+
+
+def _zero_grads(params: Sequence[nn.Parameter], inputs: Sequence[Any]) -> None:
+    for p in params:
+        p.grad = None
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+
+
+def saved_bytes(fn: Callable[[], Any], exclude_ptrs: set[int]) -> tuple[int, Any]:
+    """Bytes saved for backward while running ``fn`` (deduplicated by storage, ``exclude_ptrs`` skipped)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude_ptrs and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+
+    def update(self, k: int, name: str) -> None:
+        if self.enabled:
+            width = 30
+            done = int(width * k / self.total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {k}/{self.total} {name[:40]:<40}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.flush()
+
+
+def profile_model(
+    workload: Workload,
+    *,
+    microbatch_size: int,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    warmup: int = 5,
+    repeats: int = 20,
+    layers: Sequence[str] | None = None,
+    progress: bool = False,
+) -> Profile:
+    """Profile every layer of ``workload`` at ``microbatch_size`` on ``device``; the user's model is untouched."""
+    if warmup < 0 or repeats < 1:
+        raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
+    dev = parse_device(device)
+    dt = parse_dtype(dtype)
+    mb_args_cpu = microbatch_args(workload, microbatch_size)
+    if not isinstance(workload.model, nn.Module):
+        raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
+
+    rng_cpu = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # one intra-op thread, as each pipeline rank will run
+    try:
+        return _profile(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng_cpu)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
+
+
+def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | None, warmup: int, repeats: int,
+             layers: Sequence[str] | None, progress: bool, mb_args_cpu: tuple[Any, ...]) -> Profile:
+    model = copy.deepcopy(workload.model).to(dev)
+    if dt is not None:
+        model = model.to(dt)
+    model.train()
+    args = _to(mb_args_cpu, dev, dt)
+    target = workload.target[:mb] if isinstance(workload.target, torch.Tensor) else workload.target
+    target = _to(target, dev, None)
+    cut: CutModel = cut_layers(model, args, layers)
+    timer = _Timer(dev)
+
+    # One forward pass through the chain gives every piece its real inputs.
+    env: dict[Any, Any] = {}
+    with torch.no_grad():
+        for k, piece in enumerate(cut.pieces):
+            store_outputs(env, k, piece.module(*[resolve(r, args, env) for r in piece.inputs]))
+
+    n = len(cut.pieces)
+    bar = _Progress(n, progress)
+    states = []
+    for k, piece in enumerate(cut.pieces):
+        params = list({p.data_ptr(): p for p in used_parameters(piece.module).values()}.values())
+        inputs = []
+        for r in piece.inputs:
+            v = resolve(r, args, env)
+            if isinstance(v, torch.Tensor):
+                v = v.detach().clone()
+                if k > 0 and v.is_floating_point():
+                    v.requires_grad_(True)  # a later stage computes the gradient of what it received
+            inputs.append(v)
+
+        def fwd(piece: Any = piece, inputs: list[Any] = inputs, last: bool = k == n - 1) -> Any:
+            out = piece.module(*inputs)
+            return workload.compute_loss(out, target) if last else out
+
+        states.append((piece, params, inputs, fwd))
+
+    def fwd_bwd_time(fwd: Callable[[], Any], params: list[nn.Parameter], inputs: list[Any]) -> tuple[float, float]:
+        t_f, out = timer(fwd)
+        del out
+        out = fwd()
+        tensors = _grad_tensors(out)
+        t_b = 0.0
+        if tensors:
+            grads = [torch.ones_like(t) for t in tensors]
+
+            def bwd(tensors: list[torch.Tensor] = tensors, grads: list[torch.Tensor] = grads) -> None:
+                torch.autograd.backward(tensors, grads)
+
+            t_b, _ = timer(bwd)
+        del out, tensors
+        _zero_grads(params, inputs)
+        return t_f, t_b
+
+    whole_params = list(model.parameters())
+
+    def whole() -> None:
+        loss = workload.compute_loss(model(*args), target)
+        loss.backward()
+
+    # Rounds: each round times every layer's forward, every layer's backward and the whole model once,
+    # so that a load change on the machine hits all of them alike (medians are taken across rounds).
+    fwd_times: list[list[float]] = [[] for _ in range(n)]
+    bwd_times: list[list[float]] = [[] for _ in range(n)]
+    whole_times: list[float] = []
+    for rnd in range(warmup + repeats):
+        bar.update(rnd, f"round {rnd + 1}/{warmup + repeats}")
+        for k, (_, params, inputs, fwd) in enumerate(states):
+            t_f, t_b = fwd_bwd_time(fwd, params, inputs)
+            if rnd >= warmup:
+                fwd_times[k].append(t_f)
+                bwd_times[k].append(t_b)
+        t_w, _ = timer(whole)
+        _zero_grads(whole_params, [])
+        if rnd >= warmup:
+            whole_times.append(t_w)
+    bar.close()
+    whole_med, whole_iqr = _median_iqr(whole_times)
+
+    results: list[LayerProfile] = []
+    for k, (piece, params, inputs, fwd) in enumerate(states):
+        param_ptrs = {p.untyped_storage().data_ptr() for p in piece.module.parameters()}
+        act_bytes, out = saved_bytes(fwd, param_ptrs)
+        del out
+        peak: int | None = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            out = fwd()
+            tensors = _grad_tensors(out)
+            if tensors:
+                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+            torch.cuda.synchronize(dev)
+            peak = int(torch.cuda.max_memory_allocated(dev) - base)
+            del out, tensors
+        _zero_grads(params, inputs)
+        crossing = 0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k))
+        f_med, f_iqr = _median_iqr(fwd_times[k])
+        b_med, b_iqr = _median_iqr(bwd_times[k])
+        results.append(LayerProfile(
+            name=piece.name, forward_s=f_med, backward_s=b_med, activation_bytes=int(act_bytes),
+            output_bytes=int(crossing), param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
+            param_count=int(sum(p.numel() for p in params)), forward_iqr_s=f_iqr, backward_iqr_s=b_iqr, peak_bytes=peak,
+        ))
+
+    import stageplan
+
+    layer_sum = sum(r.forward_s + r.backward_s for r in results)
+    meta: dict[str, Any] = {
+        "model": workload.name,
+        "options": dict(workload.options),
+        "layers_arg": list(layers) if layers else None,
+        "split_method": cut.method,
+        "named_layers": list(cut.named),
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()),
+        "dtype": str(dt or next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", ""),
+        "microbatch_size": mb,
+        "batch_size": workload.batch_size,
+        "input_shapes": [list(a.shape) for a in args if isinstance(a, torch.Tensor)],
+        "torch_version": torch.__version__,
+        "stageplan_version": stageplan.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats": repeats,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
+        "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
+                  "activation bytes via saved_tensors_hooks deduplicated by storage",
+        "whole_model_s": whole_med,
+        "whole_model_iqr_s": whole_iqr,
+        "sum_vs_whole": layer_sum / whole_med if whole_med > 0 else None,
+    }
+    return Profile(tuple(results), meta)

@@ -1,0 +1,109 @@
+"""Plain-text tables for profiles, plans and runs (no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stageplan.plan import Plan
+from stageplan.profile import Profile
+
+MiB = 1024.0**2
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[bool] | None = None) -> str:
+    """Aligned plain-text table; numbers right-aligned."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    if right is None:
+        right = [i > 0 for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        parts = [c.rjust(w) if right[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def mib(nbytes: float | None) -> str:
+    return "" if nbytes is None else f"{nbytes / MiB:.2f}"
+
+
+def ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def profile_table(profile: Profile) -> str:
+    """Per-layer table in ms and MiB, with totals and the sum-vs-whole ratio."""
+    headers = ["#", "layer", "fwd ms", "bwd ms", "spread %", "act MiB", "out MiB", "param MiB"]
+    rows = []
+    for i, layer in enumerate(profile.layers):
+        total = layer.forward_s + layer.backward_s
+        spread = 100.0 * (layer.forward_iqr_s + layer.backward_iqr_s) / total if total > 0 else 0.0
+        rows.append([i, layer.name, ms(layer.forward_s), ms(layer.backward_s), f"{spread:.1f}",
+                     mib(layer.activation_bytes), mib(layer.output_bytes), mib(layer.param_bytes)])
+    f = sum(layer.forward_s for layer in profile.layers)
+    b = sum(layer.backward_s for layer in profile.layers)
+    rows.append(["", "total", ms(f), ms(b), "", mib(sum(x.activation_bytes for x in profile.layers)), "",
+                 mib(sum(x.param_bytes for x in profile.layers))])
+    table = format_table(headers, rows, right=[True, False, True, True, True, True, True, True])
+    meta = profile.meta
+    lines = [table]
+    whole = meta.get("whole_model_s")
+    if whole:
+        lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = {ratio(profile.sum_vs_whole)}")
+    desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats") if k in meta)
+    if desc:
+        lines.append(desc)
+    return "\n".join(lines)
+
+
+def plan_table(plan: Plan) -> str:
+    """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures."""
+    headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", "comm ms", "time ms", "% of bottleneck",
+               "in flight", "mem MiB", "limit MiB"]
+    rows = []
+    for st in plan.stages:
+        span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]} .. {st.layers[-1]}"
+        rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s), ms(st.comm_s),
+                     ms(st.time_s), f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
+                     st.inflight, mib(st.memory["total"]), mib(st.memory_limit_bytes)])
+    right = [True, True, False] + [True] * 9
+    lines = [format_table(headers, rows, right=right)]
+    if plan.virtual_stages > 1:
+        lines.append("rank time ms: " + ", ".join(f"{t * 1e3:.3f}" for t in plan.rank_time_s))
+    lines.append(
+        f"{plan.method} plan, {plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual, "
+        f"{plan.num_microbatches} microbatches of {plan.options.get('microbatch_size')}"
+    )
+    lines.append(
+        f"bottleneck {ms(plan.bottleneck_s)} ms, lower bound {ms(plan.lower_bound_s)} ms, balance efficiency "
+        f"{plan.balance_efficiency:.3f}, predicted step {ms(plan.predicted_step_s)} ms, bubble {100 * plan.bubble_fraction:.1f}%, "
+        f"{plan.throughput_samples_s:.1f} samples/s"
+    )
+    lines.append(f"boundaries {list(plan.boundaries)}")
+    lines.extend(f"note: {n}" for n in plan.notes)
+    if plan.candidates:
+        lines.append("candidates:")
+        crow = [[c["schedule"], c["num_microbatches"], c.get("microbatch_size", ""), "yes" if c["feasible"] else "no",
+                 ms(c.get("predicted_step_s"))] for c in plan.candidates]
+        lines.append(format_table(["schedule", "m", "mb size", "feasible", "step ms"], crow,
+                                  right=[False, True, True, False, True]))
+    return "\n".join(lines)
+
+
+def compare_table(plans: dict[str, Plan]) -> str:
+    """Every method side by side with ratios to optimal."""
+    ref = plans["optimal"]
+    headers = ["method", "boundaries", "bottleneck ms", "x optimal", "step ms", "x optimal", "efficiency", "max mem MiB"]
+    rows = []
+    for name, p in plans.items():
+        rows.append([name, " ".join(map(str, p.boundaries)), ms(p.bottleneck_s), ratio(p.bottleneck_s / ref.bottleneck_s),
+                     ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s), ratio(p.balance_efficiency),
+                     mib(max(p.rank_memory_bytes))])
+    return format_table(headers, rows, right=[False, False] + [True] * 6)

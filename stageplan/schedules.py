@@ -1,0 +1,573 @@
+"""Per-rank action orders of torch.distributed.pipelining schedules and an event simulator of one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from stageplan.errors import StageplanError
+
+if TYPE_CHECKING:
+    import pandas
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Simulation",
+    "TimelineEvent",
+    "bubble_closed_form",
+    "check_microbatches",
+    "normalize_schedule",
+    "peak_inflight",
+    "rank_orders",
+    "simulate",
+    "stage_ranks",
+]
+
+# Canonical names are the keys of torch 2.13 `schedules.get_schedule_class`. ScheduleDualPipeV is not
+# reproduced: its order fuses a forward and a backward into one OVERLAP_F_B action.
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)
+
+# Schedules built on torch's PipelineScheduleSingle: exactly one stage per rank.
+_SINGLE_STAGE = frozenset({"GPipe", "1F1B"})
+# Schedules that split the backward into I (input gradient) and W (weight gradient) actions.
+_ZERO_BUBBLE = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+# Share of a stage's backward time given to W in zero-bubble schedules; I gets the rest. A profile
+# measures one backward per layer (hooks cannot time the weight-gradient work alone; see FIELD.md), so
+# the split is an assumption: an even split, the I = W case the zero-bubble paper analyses.
+_WEIGHT_GRAD_SHARE = 0.5
+
+
+def _key(name: str) -> str:
+    key = name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
+    return key.removeprefix("schedule") if key != "schedule" else key
+
+
+_ALIASES: dict[str, str] = {_key(name): name for name in SCHEDULES}
+
+
+def normalize_schedule(name: str) -> str:
+    """Return the canonical torch name of a schedule, ignoring case, ``_``/``-`` and a ``Schedule`` prefix.
+
+    >>> normalize_schedule("ScheduleInterleaved1F1B"), normalize_schedule("gpipe")
+    ('Interleaved1F1B', 'GPipe')
+    """
+    if not isinstance(name, str):
+        raise StageplanError(
+            f"schedule must be a string, got {name!r} ({type(name).__name__}); use one of {', '.join(SCHEDULES)}"
+        )
+    canonical = _ALIASES.get(_key(name))
+    if canonical is None:
+        raise StageplanError(
+            f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)} "
+            "(case-insensitive, torch class names such as 'Schedule1F1B' are accepted)"
+        )
+    return canonical
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StageplanError(f"{name} must be an integer, got {value!r}; pass a whole number >= 1")
+    if value < 1:
+        raise StageplanError(f"{name} must be >= 1, got {value}; pass a whole number >= 1")
+    return int(value)
+
+
+def _interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
+    # torch 2.13 ScheduleInterleaved1F1B/ScheduleInterleavedZeroBubble.__init__:
+    # number_of_rounds = max(1, n_microbatches // pp_group_size); n_microbatches % number_of_rounds == 0.
+    return max(1, num_microbatches // num_ranks)
+
+
+def _nearest_interleaved_microbatches(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
+    below = next(m for m in range(num_microbatches, 0, -1) if m % _interleaved_rounds(num_ranks, m) == 0)
+    above = next(
+        m
+        for m in range(num_microbatches, num_microbatches + num_ranks + 1)
+        if m % _interleaved_rounds(num_ranks, m) == 0
+    )
+    return below, above
+
+
+def check_microbatches(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise StageplanError where torch 2.13 would refuse these numbers for this schedule.
+
+    The rules, read in torch 2.13 ``distributed/pipelining/schedules.py`` and confirmed by building the
+    schedules:
+
+    - GPipe, 1F1B (PipelineScheduleSingle): one stage per rank, so ``virtual_stages == 1``;
+    - 1F1B: ``num_microbatches >= num_ranks`` (Schedule1F1B.__init__ raises otherwise);
+    - Interleaved1F1B, InterleavedZeroBubble: with ``rounds = max(1, m // p)``, ``m % rounds == 0``
+      (so any m < 2p and any multiple of p work); any ``virtual_stages >= 1`` is accepted;
+    - ZBVZeroBubble: exactly ``virtual_stages == 2``; any m >= 1;
+    - LoopedBFS: any m, v >= 1.
+
+    >>> check_microbatches("1F1B", 4, 8)
+    >>> check_microbatches("1F1B", 4, 2)
+    Traceback (most recent call last):
+    ...
+    stageplan.errors.StageplanError: 1F1B needs num_microbatches >= num_ranks, got num_microbatches=2 < num_ranks=4 (torch's Schedule1F1B refuses it); use at least 4 microbatches, or GPipe
+    """
+    name = normalize_schedule(schedule)
+    p = _check_count("num_ranks", num_ranks)
+    m = _check_count("num_microbatches", num_microbatches)
+    v = _check_count("virtual_stages", virtual_stages)
+    if name in _SINGLE_STAGE and v != 1:
+        raise StageplanError(
+            f"{name} runs one stage per rank, got virtual_stages={v}; "
+            "use virtual_stages=1, or Interleaved1F1B/LoopedBFS for several stages per rank"
+        )
+    if name == "1F1B" and m < p:
+        raise StageplanError(
+            f"1F1B needs num_microbatches >= num_ranks, got num_microbatches={m} < num_ranks={p} "
+            f"(torch's Schedule1F1B refuses it); use at least {p} microbatches, or GPipe"
+        )
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = _interleaved_rounds(p, m)
+        if m % rounds != 0:
+            below, above = _nearest_interleaved_microbatches(p, m)
+            raise StageplanError(
+                f"{name} needs num_microbatches to be a multiple of its rounds max(1, m // p); "
+                f"got num_microbatches={m}, num_ranks={p}, rounds={rounds} "
+                f"(torch refuses it); use {below} or {above} microbatches (a multiple of {p} always works)"
+            )
+    if name == "ZBVZeroBubble" and v != 2:
+        raise StageplanError(
+            f"ZBVZeroBubble runs exactly 2 stages per rank (a V shape), got virtual_stages={v}; "
+            "use virtual_stages=2"
+        )
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action: kind "F" forward, "B" full backward, "I" input-grad, "W" weight-grad."""
+
+    stage: int
+    microbatch: int
+    kind: str
+
+    def __str__(self) -> str:
+        # torch's _Action notation, e.g. "2F0" = stage 2, forward, microbatch 0.
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Per stage (length ``num_ranks * virtual_stages``), the rank that runs it.
+
+    Stage k runs on rank k % p (torch's "loop" style), except ZBVZeroBubble, which uses torch's "v"
+    style: rank r holds stages r and 2p - 1 - r.
+
+    >>> stage_ranks("Interleaved1F1B", 2, 2), stage_ranks("ZBVZeroBubble", 2, 2)
+    ((0, 1, 0, 1), (0, 1, 1, 0))
+    """
+    name = normalize_schedule(schedule)
+    p = _check_count("num_ranks", num_ranks)
+    v = _check_count("virtual_stages", virtual_stages)
+    if name == "ZBVZeroBubble":
+        check_microbatches(name, p, 1, v)
+        return tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
+    return tuple(k % p for k in range(p * v))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orders. Each generator mirrors the torch 2.13 code that decides what a rank executes; the tests
+# compare them with torch's own execution loop run on recording fake stages.
+
+
+def _gpipe(p: int, m: int, rank: int) -> list[Action]:
+    # ScheduleGPipe._step_microbatches: all forwards, then all backwards, both in microbatch order.
+    return [Action(rank, i, "F") for i in range(m)] + [Action(rank, i, "B") for i in range(m)]
+
+
+def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
+    # Schedule1F1B._step_microbatches (the executed loop; its pipeline_order IR differs on the last
+    # rank, where it starts at F1). Warm-up min(m, p - rank) forwards, then B/F pairs, then cool-down Bs.
+    warmup = min(m, p - rank)
+    order = [Action(rank, i, "F") for i in range(warmup)]
+    fwd, bwd = warmup, 0
+    while True:
+        order.append(Action(rank, bwd, "B"))
+        bwd += 1
+        if fwd == m:
+            break
+        order.append(Action(rank, fwd, "F"))
+        fwd += 1
+    order.extend(Action(rank, i, "B") for i in range(bwd, m))
+    return order
+
+
+def _interleaved(p: int, m: int, v: int, rank: int, *, zero_bubble: bool) -> list[Action]:
+    # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble._calculate_single_rank_operations with
+    # _get_warmup_ops and _get_1f1b_rank_ops, without the None (idle) slots. The zero-bubble variant's
+    # _add_bubbles_to_actions only inserts None slots, so it does not change the compute order.
+    rounds = _interleaved_rounds(p, m)
+    per_round = m // rounds
+    factor = 1 if zero_bubble else 2
+    warmup = min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
+    total_mb_ops = v * m
+    fwd_bwd = total_mb_ops - warmup
+    cooldown = total_mb_ops - fwd_bwd
+    delay_w = rank  # num_1f1b_microbatches: W lags I by this many steady-state steps
+
+    def fwd_stage(step: int) -> int:
+        return ((step // per_round) % v) * p + rank
+
+    def bwd_stage(step: int) -> int:
+        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+
+    next_mb: dict[tuple[str, int], int] = {}
+
+    def take(kind: str, stage: int) -> Action:
+        mb = next_mb.get((kind, stage), 0)
+        next_mb[(kind, stage)] = mb + 1
+        return Action(stage, mb, kind)
+
+    grad_kind = "I" if zero_bubble else "B"
+    order: list[Action] = []
+    backward_steps: list[int] = []
+    weights_done = 0
+    for step in range(warmup + fwd_bwd + cooldown):
+        if step < warmup:
+            order.append(take("F", fwd_stage(step)))
+            continue
+        if step < warmup + fwd_bwd:
+            order.append(take("F", fwd_stage(step)))
+        order.append(take(grad_kind, bwd_stage(step)))
+        backward_steps.append(step)
+        if zero_bubble and step - warmup >= delay_w:
+            order.append(take("W", bwd_stage(backward_steps[weights_done])))
+            weights_done += 1
+    if zero_bubble:
+        for step in backward_steps[weights_done:]:
+            order.append(take("W", bwd_stage(step)))
+    return order
+
+
+def _looped_bfs(p: int, m: int, v: int, rank: int) -> list[Action]:
+    # ScheduleLoopedBFS._calculate_single_rank_operations: every microbatch through each local stage in
+    # turn, then backwards through the local stages in reverse, microbatches in reverse.
+    stages = range(rank, p * v, p)
+    order = [Action(s, i, "F") for s in stages for i in range(m)]
+    order += [Action(s, i, "B") for s in reversed(stages) for i in reversed(range(m))]
+    return order
+
+
+def _zbv(p: int, m: int, rank: int) -> list[Action]:
+    # ScheduleZBVZeroBubble._calculate_single_rank_operations: it plans max(2p - 1, m) microbatches and
+    # then drops the actions of microbatches >= m.
+    n = max(2 * p - 1, m)
+    c0, c1 = rank, 2 * p - 1 - rank
+    order: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - rank) - 1):
+        order.append(Action(c0, f0, "F"))
+        f0 += 1
+    for _ in range(rank):
+        order += [Action(c1, f1, "F"), Action(c0, f0, "F")]
+        f1 += 1
+        f0 += 1
+    for _ in range(p - rank):
+        order += [Action(c1, f1, "F"), Action(c1, b1, "I"), Action(c1, b1, "W")]
+        f1 += 1
+        b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            order.append(Action(c0, f0, "F"))
+            f0 += 1
+        order += [Action(c0, b0, "I"), Action(c0, b0, "W")]
+        b0 += 1
+        order += [Action(c1, f1, "F"), Action(c1, b1, "I"), Action(c1, b1, "W")]
+        f1 += 1
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        order += [Action(c0, b0, "I"), Action(c1, b1, "I")]
+        b0 += 1
+        b1 += 1
+    for _ in range(p - rank):
+        order += [Action(c0, b0, "I"), Action(c0, w0, "W")]
+        b0 += 1
+        w0 += 1
+    order += [Action(c1, i, "W") for i in range(w1, b1)]
+    order += [Action(c0, i, "W") for i in range(w0, b0)]
+    return [a for a in order if a.microbatch < m]
+
+
+@lru_cache(maxsize=256)
+def _orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    orders: list[list[Action]] = []
+    for rank in range(p):
+        if name == "GPipe":
+            orders.append(_gpipe(p, m, rank))
+        elif name == "1F1B":
+            orders.append(_one_f_one_b(p, m, rank))
+        elif name == "Interleaved1F1B":
+            orders.append(_interleaved(p, m, v, rank, zero_bubble=False))
+        elif name == "InterleavedZeroBubble":
+            orders.append(_interleaved(p, m, v, rank, zero_bubble=True))
+        elif name == "LoopedBFS":
+            orders.append(_looped_bfs(p, m, v, rank))
+        else:  # ZBVZeroBubble
+            orders.append(_zbv(p, m, rank))
+    return tuple(tuple(order) for order in orders)
+
+
+def rank_orders(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the compute actions torch 2.13 executes, in order (no communication actions).
+
+    >>> [str(a) for a in rank_orders("1F1B", 2, 3)[0]]
+    ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
+    """
+    name = normalize_schedule(schedule)
+    check_microbatches(name, num_ranks, num_microbatches, virtual_stages)
+    return _orders(name, int(num_ranks), int(num_microbatches), int(virtual_stages))
+
+
+def _peak_inflight(orders: tuple[tuple[Action, ...], ...], num_stages: int) -> tuple[int, ...]:
+    # A forward saves the stage's activations for one microbatch; a full backward (B) frees them. With
+    # I/W split, W still needs the stage's saved inputs, so the microbatch counts until its W.
+    held = [0] * num_stages
+    peak = [0] * num_stages
+    for order in orders:
+        for action in order:
+            if action.kind == "F":
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind in ("B", "W"):
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
+def peak_inflight(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose activations the stage holds at once, from the order alone.
+
+    Counted as #F - #B done on the stage (for zero-bubble schedules #F - #W: W needs the saved inputs).
+
+    >>> peak_inflight("GPipe", 4, 8), peak_inflight("1F1B", 4, 8)
+    ((8, 8, 8, 8), (4, 3, 2, 1))
+    """
+    orders = rank_orders(schedule, num_ranks, num_microbatches, virtual_stages)
+    return _peak_inflight(orders, int(num_ranks) * int(virtual_stages))
+
+
+def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
+    """Idle share of a step for balanced GPipe and 1F1B without communication: (p - 1) / (m + p - 1).
+
+    Source: GPipe (Huang et al. 2019); see FIELD.md. 8 ranks and 8 microbatches give 46.7%.
+
+    >>> round(bubble_closed_form(8, 8), 3), round(bubble_closed_form(8, 64), 3)
+    (0.467, 0.099)
+    """
+    p = _check_count("num_ranks", num_ranks)
+    m = _check_count("num_microbatches", num_microbatches)
+    return (p - 1) / (m + p - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Simulation.
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s."""
+
+    rank: int
+    stage: int
+    microbatch: int
+    kind: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One simulated training step: makespan, per-rank busy/idle time, bubble, in-flight peaks, timeline."""
+
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    virtual_stages: int
+    step_s: float
+    busy_s: tuple[float, ...]
+    idle_s: tuple[float, ...]
+    bubble_fraction: float
+    peak_inflight: tuple[int, ...]
+    timeline: tuple[TimelineEvent, ...]
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """One row per timeline event, columns rank, stage, microbatch, kind, start_s, end_s."""
+        import pandas as pd
+
+        columns = ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
+        return pd.DataFrame(
+            [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s) for e in self.timeline],
+            columns=columns,
+        )
+
+
+def _times(name: str, values: npt.ArrayLike, length: int | None, remedy: str) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        raise StageplanError(
+            f"{name} must be a sequence of numbers in seconds, got {values!r}; {remedy}"
+        ) from None
+    if array.ndim != 1:
+        raise StageplanError(
+            f"{name} must be one-dimensional (one value per stage), got shape {array.shape}; {remedy}"
+        )
+    if length is not None and array.shape[0] != length:
+        raise StageplanError(f"{name} must have {length} values, got {array.shape[0]}; {remedy}")
+    bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
+    if bad.size:
+        k = int(bad[0])
+        raise StageplanError(
+            f"{name} must be finite and >= 0 seconds, got {name}[{k}] = {array[k]}; "
+            "fix the profile or cost model that produced it"
+        )
+    return array
+
+
+def simulate(
+    schedule: str,
+    forward_s: npt.ArrayLike,
+    backward_s: npt.ArrayLike,
+    num_microbatches: int,
+    *,
+    comm_s: npt.ArrayLike | None = None,
+    virtual_stages: int = 1,
+) -> Simulation:
+    """Simulate one training step of ``schedule`` on per-stage times (seconds, one microbatch each).
+
+    ``forward_s`` and ``backward_s`` have one value per stage (S = num_ranks * virtual_stages); ``comm_s``
+    has one per boundary k -> k+1 (S - 1 values): an activation or gradient crossing it arrives that long
+    after its producer ends. Each rank runs its torch order one action at a time; an action starts when
+    the rank is free and its inputs have arrived. Sends and receives are asynchronous and occupy no rank;
+    a boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). The
+    rendezvous waits of torch's fused send/recv in Schedule1F1B are not modelled. In zero-bubble
+    schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
+    ``_WEIGHT_GRAD_SHARE``).
+
+    >>> sim = simulate("1F1B", [1.0] * 4, [2.0] * 4, 8)
+    >>> sim.step_s, round(sim.bubble_fraction, 4)   # (m + p - 1)(f + b) = 11 * 3
+    (33.0, 0.2727)
+    """
+    name = normalize_schedule(schedule)
+    v = _check_count("virtual_stages", virtual_stages)
+    length_hint = "pass one value per stage (num_ranks * virtual_stages values)"
+    fwd = _times("forward_s", forward_s, None, length_hint)
+    num_stages = fwd.shape[0]
+    if num_stages == 0:
+        raise StageplanError(f"forward_s must have at least one stage, got 0 values; {length_hint}")
+    bwd = _times(
+        "backward_s", backward_s, num_stages, "pass one backward time per stage, as many as forward_s"
+    )
+    if num_stages % v != 0:
+        raise StageplanError(
+            f"the number of stages ({num_stages}) must be a multiple of virtual_stages ({v}) "
+            "(each rank runs virtual_stages stages); pass num_ranks * virtual_stages stage times"
+        )
+    comm = (
+        np.zeros(max(num_stages - 1, 0))
+        if comm_s is None
+        else _times(
+            "comm_s", comm_s, num_stages - 1, f"pass one value per boundary between stages ({num_stages - 1})"
+        )
+    )
+    p = num_stages // v
+    check_microbatches(name, p, num_microbatches, v)
+    m = int(num_microbatches)
+    orders = _orders(name, p, m, v)
+    ranks = stage_ranks(name, p, v)
+    # A boundary between two stages on one rank is a local hand-over in torch: no transfer time.
+    hop = [0.0 if ranks[k] == ranks[k + 1] else float(comm[k]) for k in range(num_stages - 1)]
+    duration = {
+        "F": fwd.tolist(),
+        "B": bwd.tolist(),
+        "I": (bwd * (1.0 - _WEIGHT_GRAD_SHARE)).tolist(),
+        "W": (bwd * _WEIGHT_GRAD_SHARE).tolist(),
+    }
+    # End times: forward_end[k][i]; grad_end[k][i] = end of B or I (the action sending the gradient).
+    forward_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    grad_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    last = num_stages - 1
+
+    def ready_at(a: Action) -> float | None:
+        """When a's inputs are available, or None if a producer has not been simulated yet."""
+        k, i = a.stage, a.microbatch
+        if a.kind == "F":
+            if k == 0:
+                return 0.0
+            end = forward_end[k - 1][i]
+            return None if end is None else end + hop[k - 1]
+        if a.kind == "W":
+            return grad_end[k][i]
+        own = forward_end[k][i]
+        if own is None or k == last:
+            return own
+        end = grad_end[k + 1][i]
+        return None if end is None else max(own, end + hop[k])
+
+    events: list[TimelineEvent] = []
+    free = [0.0] * p
+    busy = [0.0] * p
+    position = [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            order = orders[rank]
+            while position[rank] < len(order):
+                action = order[position[rank]]
+                ready = ready_at(action)
+                if ready is None:
+                    break
+                start = max(free[rank], ready)
+                took = duration[action.kind][action.stage]
+                end = start + took
+                if action.kind == "F":
+                    forward_end[action.stage][action.microbatch] = end
+                elif action.kind in ("B", "I"):
+                    grad_end[action.stage][action.microbatch] = end
+                events.append(TimelineEvent(rank, action.stage, action.microbatch, action.kind, start, end))
+                free[rank] = end
+                busy[rank] += took
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # torch's orders are deadlock-free; reaching this is a bug in this module
+            raise RuntimeError(
+                f"simulation of {name} (p={p}, m={m}, v={v}) deadlocked at positions {position}"
+            )
+
+    step = max(e.end_s for e in events)
+    idle = tuple(step - b for b in busy)
+    bubble = sum(idle) / (p * step) if step > 0 else 0.0
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    return Simulation(
+        schedule=name,
+        num_ranks=p,
+        num_microbatches=m,
+        virtual_stages=v,
+        step_s=step,
+        busy_s=tuple(busy),
+        idle_s=idle,
+        bubble_fraction=bubble,
+        peak_inflight=_peak_inflight(orders, num_stages),
+        timeline=tuple(events),
+    )

@@ -1,0 +1,1341 @@
+"""Exact min-max partitioning of per-layer costs into contiguous pipeline stages, under memory limits."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NoReturn
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from scipy import optimize, sparse
+
+from stageplan.errors import InfeasiblePlanError, StageplanError
+
+__all__ = [
+    "InterleavedSolution",
+    "Solution",
+    "partition_balanced",
+    "partition_uniform",
+    "solve",
+    "solve_interleaved",
+]
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+# Two bottlenecks (or two memory utilisations) within this relative distance count as equal: the
+# tie-breaking rules below then decide. Bisection also stops once its bracket is this narrow.
+_TIE_REL = 1e-12
+_INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Solution:
+    """An optimal contiguous partition of L layers into p stages.
+
+    ``boundaries`` is ``(0, b1, ..., L)``; stage k holds layers ``[b_k, b_{k+1})``. ``stage_costs``
+    are stage times in the unit of ``costs`` (seconds), ``stage_memory`` stage memory in bytes
+    (``None`` when no memory was given), ``bottleneck == max(stage_costs)`` and ``lower_bound`` is
+    ``max(sum(costs) / sum(speeds), max(costs) / max(speeds))``, a bound no partition can beat.
+    """
+
+    boundaries: tuple[int, ...]
+    bottleneck: float
+    stage_costs: tuple[float, ...]
+    stage_memory: tuple[float, ...] | None
+    lower_bound: float
+
+
+@dataclass(frozen=True)
+class InterleavedSolution:
+    """A partition of L layers into p*v contiguous chunks, chunk c running on rank ``c % p``.
+
+    ``rank_loads[r]`` is the summed cost of rank r's chunks divided by its speed,
+    ``bottleneck == max(rank_loads)``. ``lower_bound`` is a proven lower bound on the optimal
+    bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk.
+    """
+
+    boundaries: tuple[int, ...]
+    rank_loads: tuple[float, ...]
+    bottleneck: float
+    lower_bound: float
+    optimal: bool
+    chunk_memory: tuple[float, ...] | None
+
+
+# --------------------------------------------------------------------------------------------------
+# Input validation (errors state the rule, the values and the remedy)
+# --------------------------------------------------------------------------------------------------
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _index_text(name: str, index: tuple[int, ...]) -> str:
+    return f"{name}[{', '.join(str(int(i)) for i in index)}]"
+
+
+def _as_float_array(name: str, value: ArrayLike) -> FloatArray:
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise StageplanError(f"{name} must be numeric, got {value!r}; pass numbers ({exc})") from exc
+    return arr
+
+
+def _check_finite_nonneg(name: str, arr: FloatArray, unit: str, remedy: str) -> None:
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise StageplanError(
+            f"{_index_text(name, index)} is {float(arr[index])!r}; every value must be a finite number >= 0 "
+            f"({unit}); {remedy}"
+        )
+
+
+def _validate_costs(costs: ArrayLike) -> FloatArray:
+    arr = _as_float_array("costs", costs)
+    if arr.ndim != 1:
+        raise StageplanError(
+            f"costs must be one-dimensional (one time per layer), got shape {_shape_text(arr.shape)}; "
+            "pass a flat sequence of per-layer times"
+        )
+    if arr.size == 0:
+        raise StageplanError("costs is empty; profile at least one layer before planning")
+    _check_finite_nonneg("costs", arr, "seconds", "re-profile that layer")
+    return arr
+
+
+def _validate_count(name: str, value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StageplanError(f"{name} must be an integer, got {value!r}; pass a whole number of {what}")
+    count = int(value)
+    if count < 1:
+        raise StageplanError(f"{name} ({count}) must be at least 1; pass a positive number of {what}")
+    return count
+
+
+def _validate_speeds(name: str, speeds: ArrayLike | None, count: int, what: str) -> FloatArray:
+    if speeds is None:
+        return np.ones(count)
+    arr = _as_float_array(name, speeds)
+    if arr.shape != (count,):
+        raise StageplanError(
+            f"{name} has shape {_shape_text(arr.shape)}; expected {_shape_text((count,))} "
+            f"(one relative speed per {what}); pass one value per {what}"
+        )
+    bad = ~np.isfinite(arr) | (arr <= 0)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise StageplanError(
+            f"{name}[{k}] is {float(arr[k])!r}; every speed must be finite and > 0; "
+            "pass relative throughputs such as 1.0 (reference device) or 0.5 (half as fast)"
+        )
+    return arr
+
+
+def _validate_rows(name: str, value: ArrayLike, rows: int, num_layers: int, row_what: str) -> FloatArray:
+    """Accept shape (L,) (same for every row) or (rows, L); return (rows, L), finite and >= 0."""
+    arr = _as_float_array(name, value)
+    if arr.shape not in ((num_layers,), (rows, num_layers)):
+        raise StageplanError(
+            f"{name} has shape {_shape_text(arr.shape)}; expected {_shape_text((num_layers,))} "
+            f"(one value per layer) or {_shape_text((rows, num_layers))} (one row per {row_what})"
+        )
+    unit = "seconds" if name == "boundary_costs" else "bytes"
+    _check_finite_nonneg(name, arr, unit, "check the cost model that produced it")
+    return np.ascontiguousarray(np.broadcast_to(arr, (rows, num_layers)), dtype=np.float64)
+
+
+def _validate_limits(limits: ArrayLike, count: int, what: str) -> FloatArray:
+    arr = _as_float_array("memory_limit_bytes", limits)
+    scalar = arr.ndim == 0
+    if scalar:
+        arr = np.full(count, float(arr))
+    elif arr.shape != (count,):
+        raise StageplanError(
+            f"memory_limit_bytes has shape {_shape_text(arr.shape)}; expected a scalar or "
+            f"{_shape_text((count,))} (one limit per {what})"
+        )
+    bad = np.isnan(arr) | (arr <= 0)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        name = "memory_limit_bytes" if scalar else f"memory_limit_bytes[{k}]"
+        raise StageplanError(
+            f"{name} is {float(arr[k])!r}; every limit must be > 0 bytes; "
+            "pass the usable device memory (inf means no limit)"
+        )
+    return arr
+
+
+# --------------------------------------------------------------------------------------------------
+# Byte formatting for messages (reports use MiB/GiB; code stays in bytes)
+# --------------------------------------------------------------------------------------------------
+
+_UNITS = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def _unit_for(value: float) -> tuple[str, float]:
+    for unit, scale in _UNITS:
+        if abs(value) >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
+def _fmt_bytes(value: float) -> str:
+    if not math.isfinite(value):
+        return "unlimited"
+    unit, scale = _unit_for(value)
+    return f"{value:g} B" if unit == "B" else f"{value / scale:.2f} {unit}"
+
+
+def _fmt_limits(limits: FloatArray, what: str) -> str:
+    if np.all(limits == limits[0]):
+        return f"the memory limit of {_fmt_bytes(float(limits[0]))} per {what}"
+    finite = limits[np.isfinite(limits)]
+    unit, scale = _unit_for(float(finite.max()) if finite.size else 1.0)
+    parts = [
+        ("inf" if not math.isfinite(x) else (f"{x:g}" if unit == "B" else f"{x / scale:.2f}"))
+        for x in limits.tolist()
+    ]
+    return f"the per-{what} memory limits [{', '.join(parts)}] {unit}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The normalised problem
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Instance:
+    """Validated arrays in the layout the algorithms use; positions run over 0..L (boundaries).
+
+    Canonical float expressions (used by every code path, so that feasibility never depends on
+    which path evaluated it):
+      time_k(i, j) = (P[j] - P[i]) / speed_k + boundary[k, j]
+      mem_k(i, j)  = ((M[k, j] - M[k, i]) + start[k, i]) + end[k, j]
+    A stage is acceptable under thresholds (T, U) when time <= T, mem <= cap_k and
+    mem / div_k <= U (U is the memory utilisation; div_k is the limit, or 1 without limits).
+    Terms that are all zero are stored as None (adding 0.0 changes no float).
+    """
+
+    num_layers: int
+    num_stages: int
+    prefix: FloatArray  # (L+1,) prefix sums of costs
+    prefix_list: list[float]
+    speeds: FloatArray  # (p,)
+    speeds_list: list[float]
+    boundary: FloatArray | None  # (p, L+1): boundary[k, j] charged to stage k ending at j < L
+    mem_prefix: FloatArray | None  # (p, L+1) prefix sums of memory_bytes rows
+    mem_prefix_list: list[list[float]] | None
+    mem_start: FloatArray | None  # (p, L+1): start[k, i] = memory_start_bytes[k, i]
+    mem_end: FloatArray | None  # (p, L+1): end[k, j] = memory_end_bytes[k, j-1]
+    cap: FloatArray  # (p,) hard limits (inf when none)
+    cap_list: list[float]
+    div: FloatArray  # (p,) utilisation divisors
+    div_list: list[float]
+    time_lower: float
+    util_lower: float
+    single_time: float  # largest one-layer stage time (fast-path precondition)
+    single_fits_cap: bool  # every one-layer stage fits every stage's cap
+    single_util: float  # largest one-layer utilisation over stages and layers
+
+    @property
+    def has_memory(self) -> bool:
+        return self.mem_prefix is not None
+
+    @property
+    def simple(self) -> bool:
+        """No boundary, start or end terms: feasibility is monotone in both ends of a stage."""
+        return self.boundary is None and self.mem_start is None and self.mem_end is None
+
+
+def _build_instance(
+    costs: FloatArray,
+    num_stages: int,
+    speeds: FloatArray,
+    boundary_costs: FloatArray | None,
+    memory: FloatArray | None,
+    start: FloatArray | None,
+    end: FloatArray | None,
+    limits: FloatArray | None,
+) -> _Instance:
+    num_layers = costs.size
+    p = num_stages
+    prefix = np.zeros(num_layers + 1)
+    np.cumsum(costs, out=prefix[1:])
+    boundary = None
+    if boundary_costs is not None and np.any(boundary_costs[:, :-1] > 0):
+        boundary = np.zeros((p, num_layers + 1))
+        boundary[:, 1:num_layers] = boundary_costs[:, : num_layers - 1]  # last layer's entry unused
+    mem_prefix = mem_start = mem_end = None
+    cap = np.full(p, _INF)
+    div = np.ones(p)
+    util_lower = 0.0
+    single_mem = np.zeros(p)
+    if memory is not None:
+        mem_prefix = np.zeros((p, num_layers + 1))
+        np.cumsum(memory, axis=1, out=mem_prefix[:, 1:])
+        single = np.diff(mem_prefix, axis=1)
+        single_mem = single.max(axis=1)
+        if start is not None and np.any(start > 0):
+            mem_start = np.zeros((p, num_layers + 1))
+            mem_start[:, :num_layers] = start
+        if end is not None and np.any(end > 0):
+            mem_end = np.zeros((p, num_layers + 1))
+            mem_end[:, 1:] = end
+        if limits is not None:
+            cap = limits.copy()
+            div = limits.copy()
+        # Every layer sits on some stage, so the best utilisation is at least this (start and end
+        # terms only apply to a stage's first and last layer, so they are left out).
+        util_lower = float((single / div[:, None]).min(axis=0).max())
+    speeds_min = float(speeds.min())
+    single_time = float(np.diff(prefix).max()) / speeds_min
+    total = math.fsum(costs.tolist())
+    time_lower = max(total / float(speeds.sum()), float(costs.max()) / float(speeds.max()))
+    return _Instance(
+        num_layers=num_layers,
+        num_stages=p,
+        prefix=prefix,
+        prefix_list=prefix.tolist(),
+        speeds=speeds,
+        speeds_list=speeds.tolist(),
+        boundary=boundary,
+        mem_prefix=mem_prefix,
+        mem_prefix_list=None if mem_prefix is None else mem_prefix.tolist(),
+        mem_start=mem_start,
+        mem_end=mem_end,
+        cap=cap,
+        cap_list=cap.tolist(),
+        div=div,
+        div_list=div.tolist(),
+        time_lower=time_lower,
+        util_lower=util_lower,
+        single_time=single_time,
+        single_fits_cap=bool(np.all(single_mem <= cap)),
+        single_util=float((single_mem / div).max()),
+    )
+
+
+def _times(inst: _Instance, k: int, i: IntArray | int, j: IntArray | int) -> FloatArray:
+    t = (inst.prefix[j] - inst.prefix[i]) / inst.speeds_list[k]
+    if inst.boundary is not None:
+        t = t + inst.boundary[k, j]
+    return np.asarray(t)
+
+
+def _mems(inst: _Instance, k: int, i: IntArray | int, j: IntArray | int) -> FloatArray:
+    assert inst.mem_prefix is not None
+    row = inst.mem_prefix[k]
+    m = row[j] - row[i]
+    if inst.mem_start is not None:
+        m = m + inst.mem_start[k, i]
+    if inst.mem_end is not None:
+        m = m + inst.mem_end[k, j]
+    return np.asarray(m)
+
+
+def _mem_ok(inst: _Instance, k: int, m: FloatArray, util: float) -> BoolArray:
+    return (m <= inst.cap_list[k]) & (m / inst.div_list[k] <= util)
+
+
+def _stage_times(inst: _Instance, bounds: list[int]) -> FloatArray:
+    b = np.asarray(bounds)
+    t = (inst.prefix[b[1:]] - inst.prefix[b[:-1]]) / inst.speeds
+    if inst.boundary is not None:
+        t = t + inst.boundary[np.arange(inst.num_stages), b[1:]]
+    return np.asarray(t)
+
+
+def _stage_mems(inst: _Instance, bounds: list[int]) -> FloatArray:
+    assert inst.mem_prefix is not None
+    b = np.asarray(bounds)
+    ks = np.arange(inst.num_stages)
+    m = inst.mem_prefix[ks, b[1:]] - inst.mem_prefix[ks, b[:-1]]
+    if inst.mem_start is not None:
+        m = m + inst.mem_start[ks, b[:-1]]
+    if inst.mem_end is not None:
+        m = m + inst.mem_end[ks, b[1:]]
+    return np.asarray(m)
+
+
+def _max_time(inst: _Instance, bounds: list[int]) -> float:
+    return float(_stage_times(inst, bounds).max())
+
+
+def _max_util(inst: _Instance, bounds: list[int]) -> float:
+    return float((_stage_mems(inst, bounds) / inst.div).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Feasibility probes: is there a partition with every stage acceptable under (T, U)?
+#
+# Reachable sets: R_0 = {0}, R_{k+1} = {j : some i in R_k, i < j, stage k over [i, j) acceptable};
+# feasible iff L is in R_p. Stage k can only end in [k+1, L-(p-1-k)] (the others need a layer each).
+# Besides the answer, a probe returns the "next event": the smallest threshold above T (or U) at
+# which any reachable set would grow. Below it nothing changes, so it is a valid new lower bound
+# and the bisection jumps straight to the next candidate value (Pinar & Aykanat 2004, "exact
+# bisection", use the same idea for the plain chains-on-chains problem).
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    feasible: bool
+    bounds: list[int] | None
+    next_time: float
+    next_util: float
+
+
+def _fast_applies(inst: _Instance, time_cap: float, util_cap: float) -> bool:
+    """Reachable sets are intervals [k, b_k] when feasibility is monotone and every single layer fits."""
+    return (
+        inst.simple
+        and inst.single_time <= time_cap
+        and inst.single_fits_cap
+        and inst.single_util <= util_cap
+    )
+
+
+def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+    """O(p log L): each R_k is an interval [k, b_k], so only its right end moves (greedy furthest end)."""
+    P = inst.prefix_list
+    L, p = inst.num_layers, inst.num_stages
+    rows = inst.mem_prefix_list
+    b = 0
+    bounds = [0]
+    next_time = next_util = _INF
+    for k in range(p):
+        jmax = L - (p - 1 - k)
+        s = inst.speeds_list[k]
+        pb = P[b]
+        # furthest end with time_k(b, j) <= T; bisect on an approximate threshold, then fix up
+        # with the canonical expression (monotone in j), which is what every other path uses
+        j = bisect.bisect_right(P, pb + time_cap * s, b + 1, jmax + 1) - 1
+        while j < jmax and (P[j + 1] - pb) / s <= time_cap:
+            j += 1
+        while j > b and (P[j] - pb) / s > time_cap:
+            j -= 1
+        if rows is not None:
+            row = rows[k]
+            mb = row[b]
+            cap = inst.cap_list[k]
+            d = inst.div_list[k]
+            jm = bisect.bisect_right(row, mb + min(cap, util_cap * d), b + 1, j + 1) - 1
+            while jm < j and row[jm + 1] - mb <= cap and (row[jm + 1] - mb) / d <= util_cap:
+                jm += 1
+            while jm > b and not (row[jm] - mb <= cap and (row[jm] - mb) / d <= util_cap):
+                jm -= 1
+            j = jm
+        if j == b:  # cannot happen when _fast_applies holds; stay safe
+            return _Probe(False, None, time_cap, util_cap)
+        if j < jmax:
+            t1 = (P[j + 1] - pb) / s
+            if rows is not None:
+                m1 = rows[k][j + 1] - rows[k][b]
+                u1 = m1 / inst.div_list[k]
+                if m1 <= inst.cap_list[k]:
+                    if u1 <= util_cap:
+                        next_time = min(next_time, t1)
+                    if t1 <= time_cap:
+                        next_util = min(next_util, u1)
+            else:
+                next_time = min(next_time, t1)
+        b = j
+        bounds.append(b)
+    feasible = b == L
+    return _Probe(feasible, bounds if feasible else None, next_time, next_util)
+
+
+def _probe_monotone(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+    """O(pL) numpy: without start terms the best predecessor of j is the largest i in R_k below j."""
+    L, p = inst.num_layers, inst.num_stages
+    reach = np.zeros(L + 1, dtype=bool)
+    reach[0] = True
+    preds: list[tuple[int, IntArray]] = []
+    next_time = next_util = _INF
+    for k in range(p):
+        jlo, jhi = k + 1, L - (p - 1 - k)
+        seg = reach[jlo - 1 : jhi]  # candidate starts i = jlo-1 .. jhi-1
+        first = int(np.argmax(seg))
+        if not seg[first]:
+            return _Probe(False, None, next_time, next_util)
+        # for j = jlo+first+t: largest reachable i <= j-1
+        ip = np.maximum.accumulate(np.where(seg[first:], np.arange(jlo - 1 + first, jhi), -1))
+        js = np.arange(jlo + first, jhi + 1)
+        t = _times(inst, k, ip, js)
+        ok = t <= time_cap
+        if inst.has_memory:
+            m = _mems(inst, k, ip, js)
+            u = m / inst.div_list[k]
+            fits = m <= inst.cap_list[k]
+            mem_ok = fits & (u <= util_cap)
+            blocked = ~ok & mem_ok
+            if blocked.any():
+                next_time = min(next_time, float(t[blocked].min()))
+            blocked_u = ok & fits & ~mem_ok
+            if blocked_u.any():
+                next_util = min(next_util, float(u[blocked_u].min()))
+            ok &= mem_ok
+        elif not ok.all():
+            next_time = min(next_time, float(t[~ok].min()))
+        reach = np.zeros(L + 1, dtype=bool)
+        reach[js[ok]] = True
+        preds.append((jlo + first, ip))
+    if not reach[L]:
+        return _Probe(False, None, next_time, next_util)
+    bounds = [L]
+    for offset, ip in reversed(preds):
+        bounds.append(int(ip[bounds[-1] - offset]))
+    bounds.reverse()
+    return _Probe(True, bounds, next_time, next_util)
+
+
+def _time_lo(inst: _Instance, k: int, time_cap: float, js: IntArray) -> IntArray:
+    """For each end j: the smallest start i <= j with time_k(i, j) <= T (j itself when none).
+
+    time_k(i, j) does not increase with i, so the answer is a threshold; searchsorted gives it up
+    to rounding and the canonical expression settles it.
+    """
+    P = inst.prefix
+    if js.size == 0:
+        return js.copy()
+    slack = time_cap - (inst.boundary[k, js] if inst.boundary is not None else 0.0)
+    with np.errstate(invalid="ignore"):
+        thr = P[js] - slack * inst.speeds_list[k]
+    i = np.minimum(np.searchsorted(P, thr, side="left"), js).astype(np.int64)
+
+    def ok(ii: IntArray) -> BoolArray:
+        return (ii < js) & (_times(inst, k, ii, js) <= time_cap)
+
+    for _ in range(3):
+        down = (i > 0) & ok(np.maximum(i - 1, 0))
+        up = (i < js) & ~ok(i)
+        if not down.any() and not up.any():
+            return i
+        i = i - down + up
+    # rare: fall back to an exact vectorised binary search over [0, j]
+    lo = np.zeros_like(js)
+    hi = js.copy()
+    while True:
+        active = lo < hi
+        if not active.any():
+            return lo
+        mid = (lo + hi) // 2
+        good = ok(mid)
+        hi = np.where(active & good, mid, hi)
+        lo = np.where(active & ~good, mid + 1, lo)
+
+
+def _range_argmin(vals: FloatArray, lo: IntArray, hi: IntArray) -> IntArray:
+    """Index of the minimum of vals over each inclusive range [lo, hi] (sparse table, O(n log n))."""
+    n = vals.size
+    levels = max(1, n.bit_length())
+    table = np.empty((levels, n), dtype=np.int64)
+    table[0] = np.arange(n)
+    for t in range(1, levels):
+        half, span = 1 << (t - 1), 1 << t
+        cnt = n - span + 1
+        a = table[t - 1, :cnt]
+        b = table[t - 1, half : half + cnt]
+        table[t, :cnt] = np.where(vals[b] < vals[a], b, a)
+        table[t, cnt:] = table[t - 1, cnt:]
+    lvl = np.frexp((hi - lo + 1).astype(np.float64))[1].astype(np.int64) - 1
+    a = table[lvl, lo]
+    b = table[lvl, hi - (np.int64(1) << lvl) + 1]
+    return np.where(vals[b] < vals[a], b, a)
+
+
+def _probe_general(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+    """O(pL log L): with start terms, j needs the reachable i in its time window [lo(j), j) that
+    minimises start[i] - M[i] (a range-minimum query on a sparse table)."""
+    assert inst.mem_prefix is not None and inst.mem_start is not None
+    L, p = inst.num_layers, inst.num_stages
+    reach = np.zeros(L + 1, dtype=bool)
+    reach[0] = True
+    preds: list[IntArray] = []
+    next_util = _INF
+    for k in range(p):
+        jlo, jhi = k + 1, L - (p - 1 - k)
+        seg = reach[jlo - 1 : jhi]
+        first = int(np.argmax(seg))
+        if not seg[first]:
+            return _Probe(False, None, time_cap, next_util)
+        base = jlo - 1 + first  # smallest reachable start
+        js = np.arange(base + 1, jhi + 1)
+        lo = np.maximum(_time_lo(inst, k, time_cap, js), base)
+        nonempty = lo < js
+        js, lo = js[nonempty], lo[nonempty]
+        pred = np.full(L + 1, -1, dtype=np.int64)
+        if js.size:
+            starts = np.arange(base, jhi)
+            g = np.where(seg[first:], inst.mem_start[k, starts] - inst.mem_prefix[k, starts], _INF)
+            best = _range_argmin(g, lo - base, js - 1 - base)
+            valid = np.isfinite(g[best])
+            js, ib = js[valid], best[valid] + base
+            m = _mems(inst, k, ib, js)
+            u = m / inst.div_list[k]
+            fits = m <= inst.cap_list[k]
+            ok = fits & (u <= util_cap)
+            if (fits & ~ok).any():
+                next_util = min(next_util, float(u[fits & ~ok].min()))
+            pred[js[ok]] = ib[ok]
+        reach = pred >= 0
+        preds.append(pred)
+    if not reach[L]:
+        return _Probe(False, None, time_cap, next_util)
+    bounds = [L]
+    for pred in reversed(preds):
+        bounds.append(int(pred[bounds[-1]]))
+    bounds.reverse()
+    return _Probe(True, bounds, time_cap, next_util)
+
+
+def _probe(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+    if _fast_applies(inst, time_cap, util_cap):
+        return _probe_fast(inst, time_cap, util_cap)
+    if inst.mem_start is None:
+        return _probe_monotone(inst, time_cap, util_cap)
+    return _probe_general(inst, time_cap, util_cap)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lexicographically smallest feasible partition under fixed thresholds
+#
+# Backward sets Q_k = {i : layers [i, L) split into stages k..p-1 acceptably}; then b_0 = 0 and
+# b_{k+1} = the smallest j in Q_{k+1} with stage k over [b_k, j) acceptable.
+# --------------------------------------------------------------------------------------------------
+
+
+def _lex_fast(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
+    """Interval case: Q_k = [a_k, L-(p-k)], a_k = the leftmost start that still reaches a_{k+1}."""
+    P = inst.prefix_list
+    L, p = inst.num_layers, inst.num_stages
+    rows = inst.mem_prefix_list
+    a = [0] * (p + 1)
+    a[p] = L
+    for k in range(p - 1, -1, -1):
+        j = a[k + 1]
+        s = inst.speeds_list[k]
+        pj = P[j]
+        i = bisect.bisect_left(P, pj - time_cap * s, k, j - 1)
+        while i > k and (pj - P[i - 1]) / s <= time_cap:
+            i -= 1
+        while i < j - 1 and (pj - P[i]) / s > time_cap:
+            i += 1
+        if rows is not None:
+            row = rows[k]
+            mj = row[j]
+            cap = inst.cap_list[k]
+            d = inst.div_list[k]
+            i2 = bisect.bisect_left(row, mj - min(cap, util_cap * d), k, j - 1)
+            while i2 > k and mj - row[i2 - 1] <= cap and (mj - row[i2 - 1]) / d <= util_cap:
+                i2 -= 1
+            while i2 < j - 1 and not (mj - row[i2] <= cap and (mj - row[i2]) / d <= util_cap):
+                i2 += 1
+            i = max(i, i2)
+        a[k] = i
+    if a[0] != 0:
+        return None
+    bounds = [0]
+    for k in range(p):
+        bounds.append(max(bounds[-1] + 1, a[k + 1]))
+    return bounds
+
+
+def _stab_argmin(n: int, lo: IntArray, hi: IntArray, w: FloatArray) -> IntArray:
+    """For each point x in [0, n): the interval r with lo[r] <= x <= hi[r] of smallest w[r] (-1: none).
+
+    Each interval is written on the two power-of-two blocks that cover it (as a sparse table
+    query would read them), then blocks are pushed down level by level. O((n + m) log n).
+    """
+    out = np.full(n, -1, dtype=np.int64)
+    m = lo.size
+    if m == 0:
+        return out
+    lvl = np.frexp((hi - lo + 1).astype(np.float64))[1].astype(np.int64) - 1
+    levels = int(lvl.max()) + 1
+    table = np.full((levels, n), -1, dtype=np.int64)
+    pos = np.concatenate([lo, hi - (np.int64(1) << lvl) + 1])
+    lv = np.concatenate([lvl, lvl])
+    rid = np.concatenate([np.arange(m), np.arange(m)])
+    order = np.lexsort((w[rid], pos, lv))
+    key = lv[order] * n + pos[order]
+    head = np.ones(order.size, dtype=bool)
+    head[1:] = key[1:] != key[:-1]
+    sel = order[head]
+    table[lv[sel], pos[sel]] = rid[sel]
+    wext = np.append(w, _INF)  # index -1 reads +inf
+    for t in range(levels - 1, 0, -1):
+        xs = np.flatnonzero(table[t] >= 0)
+        if xs.size == 0:
+            continue
+        cand = table[t, xs]
+        for target in (xs, xs + (1 << (t - 1))):
+            cur = table[t - 1, target]
+            better = wext[cand] < wext[cur]
+            table[t - 1, target[better]] = cand[better]
+    return table[0]
+
+
+def _acceptable(inst: _Instance, k: int, i: IntArray | int, j: IntArray, time_cap: float, util_cap: float) -> BoolArray:
+    ok = _times(inst, k, i, j) <= time_cap
+    if inst.has_memory:
+        ok &= _mem_ok(inst, k, _mems(inst, k, i, j), util_cap)
+    return np.asarray(ok)
+
+
+def _lex_general(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
+    """Backward sets with boundary, start and end terms: for a fixed end j the acceptable starts by
+    time form [lo(j), j); among the ends whose window holds i, memory is least for the smallest
+    M[j] + end[j] (a stabbing query), which is then checked with the canonical expression."""
+    L, p = inst.num_layers, inst.num_stages
+    q_sets: list[BoolArray] = [np.zeros(0, dtype=bool)] * (p + 1)
+    q = np.zeros(L + 1, dtype=bool)
+    q[L] = True
+    q_sets[p] = q
+    for k in range(p - 1, -1, -1):
+        jlo, jhi = k + 1, L - (p - 1 - k)
+        js = np.flatnonzero(q_sets[k + 1][jlo : jhi + 1]).astype(np.int64) + jlo
+        lo = np.maximum(_time_lo(inst, k, time_cap, js), k)
+        keep = lo < js
+        js, lo = js[keep], lo[keep]
+        if inst.has_memory:
+            assert inst.mem_prefix is not None
+            w = inst.mem_prefix[k, js]
+            if inst.mem_end is not None:
+                w = w + inst.mem_end[k, js]
+        else:
+            w = np.zeros(js.size)
+        witness = _stab_argmin(L + 1, lo, js - 1, w)
+        starts = np.flatnonzero(witness >= 0).astype(np.int64)
+        q = np.zeros(L + 1, dtype=bool)
+        if starts.size:
+            ends = js[witness[starts]]
+            q[starts[_acceptable(inst, k, starts, ends, time_cap, util_cap)]] = True
+        q_sets[k] = q
+    if not q_sets[0][0]:
+        return None
+    bounds = [0]
+    for k in range(p):
+        b = bounds[-1]
+        jhi = L - (p - 1 - k)
+        js = np.flatnonzero(q_sets[k + 1][b + 1 : jhi + 1]).astype(np.int64) + b + 1
+        ok = _acceptable(inst, k, b, js, time_cap, util_cap)
+        if not ok.any():
+            return None
+        bounds.append(int(js[int(np.argmax(ok))]))
+    return bounds
+
+
+def _lex_smallest(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
+    if _fast_applies(inst, time_cap, util_cap):
+        return _lex_fast(inst, time_cap, util_cap)
+    return _lex_general(inst, time_cap, util_cap)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bisection on a real threshold with snapping
+# --------------------------------------------------------------------------------------------------
+
+
+def _minimise(
+    lo: float,
+    hi: float,
+    best: list[int],
+    probe: Callable[[float], _Probe],
+    next_of: Callable[[_Probe], float],
+    value: Callable[[list[int]], float],
+    try_lo_first: bool,
+) -> tuple[float, list[int]]:
+    """Smallest threshold admitting a partition, to within _TIE_REL; hi must be admissible (by best).
+
+    A feasible probe snaps hi down to the actual value of the partition it found; an infeasible
+    probe lifts lo to its next event (the next candidate value), or to the probe point itself.
+    """
+    first = try_lo_first
+    while hi > lo and hi - lo > _TIE_REL * hi:
+        if first:
+            mid = lo
+            first = False
+        elif lo > 0 and hi > 4 * lo:
+            mid = math.sqrt(lo * hi)  # far apart: bisect in log space
+        else:
+            mid = lo + (hi - lo) / 2
+        result = probe(mid)
+        if result.feasible:
+            assert result.bounds is not None
+            best = result.bounds
+            hi = min(hi, value(best))
+        else:
+            nxt = next_of(result)
+            lo = max(lo, mid, nxt if math.isfinite(nxt) else mid)
+    return hi, best
+
+
+# --------------------------------------------------------------------------------------------------
+# solve
+# --------------------------------------------------------------------------------------------------
+
+
+def solve(
+    costs: ArrayLike,
+    num_stages: int,
+    *,
+    stage_speeds: ArrayLike | None = None,
+    boundary_costs: ArrayLike | None = None,
+    memory_bytes: ArrayLike | None = None,
+    memory_start_bytes: ArrayLike | None = None,
+    memory_end_bytes: ArrayLike | None = None,
+    memory_limit_bytes: ArrayLike | None = None,
+) -> Solution:
+    """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage time.
+
+    Stage k over layers ``[i, j)`` takes ``sum(costs[i:j]) / stage_speeds[k]`` plus, when ``j < L``,
+    ``boundary_costs[k, j-1]`` (the communication after its last layer; rows may be shared, shape
+    ``(L,)``). Its memory is ``sum(memory_bytes[k, i:j]) + memory_start_bytes[k, i] +
+    memory_end_bytes[k, j-1]`` (each ``(L,)`` or ``(p, L)``), and must not exceed
+    ``memory_limit_bytes`` (a scalar or one limit per stage).
+
+    The bottleneck is minimised exactly (bisection on the bottleneck over reachable-set feasibility
+    probes, stopped at 1e-12 relative). Ties are broken deterministically: among partitions whose
+    bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum memory
+    utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
+    relative) wins, then the lexicographically smallest ``boundaries``.
+
+    Raises ``StageplanError`` on invalid input and ``InfeasiblePlanError`` (with
+    ``min_memory_limit_bytes``, the smallest uniform limit that admits a plan) when no partition
+    fits the limits.
+
+    >>> solve([1, 2, 3, 4, 5, 6], 2).boundaries
+    (0, 4, 6)
+    >>> solve([1, 2, 3, 4, 5, 6], 2).stage_costs
+    (10.0, 11.0)
+    """
+    c = _validate_costs(costs)
+    num_layers = c.size
+    p = _validate_count("num_stages", num_stages, "pipeline stages")
+    if p > num_layers:
+        raise StageplanError(
+            f"num_stages ({p}) exceeds the number of layers ({num_layers}); "
+            "use fewer stages or profile at a finer granularity"
+        )
+    speeds = _validate_speeds("stage_speeds", stage_speeds, p, "stage")
+    bcosts = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage")
+    memory = start = end = limits = None
+    if memory_bytes is None:
+        for name, given in (
+            ("memory_limit_bytes", memory_limit_bytes),
+            ("memory_start_bytes", memory_start_bytes),
+            ("memory_end_bytes", memory_end_bytes),
+        ):
+            if given is not None:
+                raise StageplanError(
+                    f"{name} is given but memory_bytes is None; pass per-layer memory_bytes "
+                    f"(shape ({num_layers},) or ({p}, {num_layers})) or drop {name}"
+                )
+    else:
+        memory = _validate_rows("memory_bytes", memory_bytes, p, num_layers, "stage")
+        if memory_start_bytes is not None:
+            start = _validate_rows("memory_start_bytes", memory_start_bytes, p, num_layers, "stage")
+        if memory_end_bytes is not None:
+            end = _validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage")
+        if memory_limit_bytes is not None:
+            limits = _validate_limits(memory_limit_bytes, p, "stage")
+    inst = _build_instance(c, p, speeds, bcosts, memory, start, end, limits)
+
+    first = _probe(inst, _INF, _INF)
+    if not first.feasible:
+        assert limits is not None
+        _raise_infeasible(inst, limits)
+    assert first.bounds is not None
+
+    # 1. the optimal bottleneck
+    best_time, best = _minimise(
+        inst.time_lower,
+        _max_time(inst, first.bounds),
+        first.bounds,
+        lambda t: _probe(inst, t, _INF),
+        lambda r: r.next_time,
+        lambda b: _max_time(inst, b),
+        try_lo_first=True,
+    )
+    time_cap = best_time + _TIE_REL * best_time
+    util_cap = _INF
+    # 2. among (near-)optimal partitions, the smallest peak memory utilisation
+    if inst.has_memory:
+        best_util, best = _minimise(
+            inst.util_lower,
+            _max_util(inst, best),
+            best,
+            lambda u: _probe(inst, time_cap, u),
+            lambda r: r.next_util,
+            lambda b: _max_util(inst, b),
+            try_lo_first=False,
+        )
+        util_cap = best_util + _TIE_REL * best_util
+    # 3. among those, the lexicographically smallest boundaries
+    bounds = _lex_smallest(inst, time_cap, util_cap) or best
+
+    stage_costs = tuple(float(x) for x in _stage_times(inst, bounds))
+    stage_memory = tuple(float(x) for x in _stage_mems(inst, bounds)) if inst.has_memory else None
+    return Solution(
+        boundaries=tuple(int(b) for b in bounds),
+        bottleneck=max(stage_costs),
+        stage_costs=stage_costs,
+        stage_memory=stage_memory,
+        lower_bound=inst.time_lower,
+    )
+
+
+def _min_peak_memory(inst: _Instance) -> float:
+    """min over partitions of max_k memory_k: the same min-max machinery with memory as the cost."""
+    free = replace(
+        inst,
+        cap=np.full(inst.num_stages, _INF),
+        cap_list=[_INF] * inst.num_stages,
+        div=np.ones(inst.num_stages),
+        div_list=[1.0] * inst.num_stages,
+        single_fits_cap=True,
+        util_lower=0.0,
+        single_util=_INF,  # force the general probes until set below
+    )
+    assert free.mem_prefix is not None
+    single = np.diff(free.mem_prefix, axis=1)
+    free = replace(free, single_util=float(single.max()), util_lower=float(single.min(axis=0).max()))
+    first = _probe(free, _INF, _INF)
+    assert first.bounds is not None
+    peak, _ = _minimise(
+        free.util_lower,
+        _max_util(free, first.bounds),
+        first.bounds,
+        lambda u: _probe(free, _INF, u),
+        lambda r: r.next_util,
+        lambda b: _max_util(free, b),
+        try_lo_first=True,
+    )
+    return peak
+
+
+def _raise_infeasible(inst: _Instance, limits: FloatArray) -> NoReturn:
+    assert inst.mem_prefix is not None
+    L, p = inst.num_layers, inst.num_stages
+    needed = _min_peak_memory(inst)
+    single = np.diff(inst.mem_prefix, axis=1)
+    if inst.mem_start is not None:
+        single = single + inst.mem_start[:, :-1]
+    if inst.mem_end is not None:
+        single = single + inst.mem_end[:, 1:]
+    too_big = np.all(single > limits[:, None], axis=0)
+    limit_text = _fmt_limits(limits, "stage")
+    if too_big.any():
+        layer = int(np.argmax(too_big))
+        layer_bytes = float(single[:, layer].min())
+        message = (
+            f"layer {layer} alone needs {_fmt_bytes(layer_bytes)} ({layer_bytes:.0f} bytes) on any stage, "
+            f"more than {limit_text}, so no partition of {L} layers into {p} stages fits; the smallest "
+            f"limit that admits a plan is {_fmt_bytes(needed)}; raise the limit, or use recomputation / "
+            "a schedule with fewer microbatches in flight, or split that layer"
+        )
+    else:
+        message = (
+            f"no partition of {L} layers into {p} stages fits {limit_text}; the smallest limit that "
+            f"admits a plan is {_fmt_bytes(needed)}; raise the limit, add stages, or use recomputation "
+            "/ a schedule with fewer microbatches in flight"
+        )
+    raise InfeasiblePlanError(message, min_memory_limit_bytes=needed)
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed baselines (faithful ports of deepspeed/runtime/utils.py, DeepSpeed 0.19)
+# --------------------------------------------------------------------------------------------------
+
+
+def partition_uniform(num_items: int, num_parts: int) -> tuple[int, ...]:
+    """DeepSpeed's ``partition_uniform``: equal layer counts, the first ``n % p`` parts one larger.
+
+    With ``num_items <= num_parts`` part k ends at ``min(k, num_items)`` (so some parts are empty).
+
+    >>> partition_uniform(10, 4)
+    (0, 3, 6, 8, 10)
+    """
+    n = _validate_count_zero("num_items", num_items)
+    p = _validate_count("num_parts", num_parts, "parts")
+    if n <= p:
+        return tuple(min(k, n) for k in range(p + 1))
+    chunksize = n // p
+    residual = n - chunksize * p
+    # DeepSpeed: arange(0, (p+1)*chunksize, chunksize), then parts[i+1:] += 1 for i < residual
+    return tuple(k * chunksize + min(k, residual) for k in range(p + 1))
+
+
+def _validate_count_zero(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 0:
+        raise StageplanError(f"{name} must be an integer >= 0, got {value!r}; pass a count of layers")
+    return int(value)
+
+
+def partition_balanced(weights: ArrayLike, num_parts: int) -> tuple[int, ...]:
+    """DeepSpeed's ``partition_balanced``: the O(n^2 p) DP minimising (max part sum - min part sum).
+
+    Same results as DeepSpeed's triple loop, ties included (``if dp_cost[i, j] >= cost`` keeps the
+    last k with the minimal cost); only the innermost loop over k is vectorised, and over j too.
+    With ``n <= num_parts`` it falls back to :func:`partition_uniform`.
+
+    >>> partition_balanced([1, 1, 1, 1, 4], 2)
+    (0, 4, 5)
+    """
+    w = np.asarray(weights)
+    if w.ndim != 1:
+        raise StageplanError(
+            f"weights must be one-dimensional (one value per layer), got shape {_shape_text(w.shape)}; "
+            "pass a flat sequence"
+        )
+    try:
+        wf = w.astype(np.float64)
+    except (TypeError, ValueError) as exc:
+        raise StageplanError(f"weights must be numeric, got {weights!r}; pass numbers") from exc
+    if not np.all(np.isfinite(wf)):
+        k = int(np.flatnonzero(~np.isfinite(wf))[0])
+        raise StageplanError(f"weights[{k}] is {float(wf[k])!r}; every weight must be finite; check the weights")
+    m = _validate_count("num_parts", num_parts, "parts")
+    n = w.size
+    if n <= m:
+        return partition_uniform(n, m)
+    dp_max = np.full((n + 1, m + 1), np.inf)
+    dp_min = np.full((n + 1, m + 1), np.inf)
+    dp_cost = np.full((n + 1, m + 1), np.inf)
+    position = np.zeros((n + 1, m + 1), dtype=np.int64)
+    prefix_sum = np.zeros(n + 1)
+    prefix_sum[1:] = np.cumsum(w) if w.size else []  # as DeepSpeed: cumsum in the input dtype
+    dp_max[0, 0] = 0
+    dp_cost[0, 0] = 0
+    for i in range(1, n + 1):
+        jm = min(i, m)
+        seg = (prefix_sum[i] - prefix_sum[:i])[:, None]  # (k, 1)
+        max_sum = np.maximum(dp_max[:i, :jm], seg)  # column j-1 for j = 1..jm
+        min_sum = np.minimum(dp_min[:i, :jm], seg)
+        cost = max_sum - min_sum
+        # the last k attaining the minimum (DeepSpeed updates on >=)
+        k = i - 1 - np.argmin(cost[::-1], axis=0)
+        cols = np.arange(jm)
+        dp_cost[i, 1 : jm + 1] = cost[k, cols]
+        dp_max[i, 1 : jm + 1] = max_sum[k, cols]
+        dp_min[i, 1 : jm + 1] = min_sum[k, cols]
+        position[i, 1 : jm + 1] = k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(int(position[parts[-1], j]))
+    parts.reverse()
+    return tuple(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Interleaved virtual stages (MILP)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MilpResult:
+    bounds: list[int] | None
+    optimal: bool
+    infeasible: bool
+    dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
+
+
+def _interleaved_milp(
+    costs: FloatArray,
+    p: int,
+    v: int,
+    speeds: FloatArray,
+    memory: FloatArray | None,
+    limits: FloatArray | None,
+    objective: str,
+    upper: float,
+    lower: float,
+    time_limit_s: float,
+) -> _MilpResult:
+    """Solve with HiGHS. u[l, c] = 1 iff layer l sits in chunk >= c (c = 1..C-1): a staircase,
+    non-decreasing in l, rising by at most one per layer, so every chunk is non-empty and contiguous.
+    With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs S_c - S_{c+1}."""
+    L = costs.size
+    C = p * v
+    nc = C - 1
+    nu = L * nc
+    z = nu  # the objective variable: bottleneck (time) or peak rank memory (memory)
+    ls, cs = np.meshgrid(np.arange(L), np.arange(1, C), indexing="ij")
+
+    def var(layer: IntArray, chunk: IntArray) -> IntArray:
+        return layer * nc + (chunk - 1)
+
+    lb = np.zeros(nu + 1)
+    ub = np.ones(nu + 1)
+    ub[var(ls, cs)[ls < cs]] = 0.0  # layer l is in chunk <= l
+    lb[var(ls, cs)[cs <= ls - (L - C)]] = 1.0  # ... and in chunk >= C - L + l
+    rows: list[IntArray] = []
+    cols: list[IntArray] = []
+    vals: list[FloatArray] = []
+    row_lo: list[float] = []
+    row_hi: list[float] = []
+    n_rows = 0
+
+    def add(r: IntArray, cidx: IntArray, val: FloatArray) -> None:
+        rows.append(r)
+        cols.append(cidx)
+        vals.append(val)
+
+    # u[l, c] >= u[l-1, c]
+    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(1, C), indexing="ij")
+    ll, cc = ll2.ravel(), cc2.ravel()
+    r = n_rows + np.arange(ll.size)
+    add(r, var(ll, cc), np.ones(ll.size))
+    add(r, var(ll - 1, cc), -np.ones(ll.size))
+    row_lo += [0.0] * ll.size
+    row_hi += [_INF] * ll.size
+    n_rows += ll.size
+    # u[l, c] <= u[l-1, c-1]
+    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(2, C), indexing="ij")
+    ll, cc = ll2.ravel(), cc2.ravel()
+    r = n_rows + np.arange(ll.size)
+    add(r, var(ll - 1, cc - 1), np.ones(ll.size))
+    add(r, var(ll, cc), -np.ones(ll.size))
+    row_lo += [0.0] * ll.size
+    row_hi += [_INF] * ll.size
+    n_rows += ll.size
+
+    layers = np.arange(L)
+
+    def add_rank_rows(weights: FloatArray, rhs: FloatArray, z_coef: FloatArray) -> None:
+        """sum over rank r's chunks of their weight + z_coef[r] * z <= rhs[r]; weights is (C, L)."""
+        nonlocal n_rows
+        for rank in range(p):
+            const = 0.0
+            for chunk in range(rank, C, p):
+                # + sum_l weights[chunk, l] * u[l, chunk]   (u[., 0] = 1)
+                if chunk == 0:
+                    const += float(weights[0].sum())
+                else:
+                    add(np.full(L, n_rows), var(layers, np.full(L, chunk)), weights[chunk])
+                # - sum_l weights[chunk, l] * u[l, chunk+1]   (u[., C] = 0)
+                if chunk + 1 <= C - 1:
+                    add(np.full(L, n_rows), var(layers, np.full(L, chunk + 1)), -weights[chunk])
+            add(np.array([n_rows]), np.array([z]), np.array([z_coef[rank]]))
+            row_lo.append(-_INF)
+            row_hi.append(float(rhs[rank]) - const)
+            n_rows += 1
+
+    time_scale = lower if lower > 0 else 1.0
+    mem_scale = 1.0
+    if memory is not None:
+        mem_scale = max(float(memory.sum(axis=1).max()) / p, 1e-300)
+    if objective == "time":
+        add_rank_rows(np.broadcast_to(costs / time_scale, (C, L)), np.zeros(p), -speeds)
+        if memory is not None and limits is not None:
+            finite = np.where(np.isfinite(limits), limits / mem_scale, 1e300)
+            add_rank_rows(memory / mem_scale, finite, np.zeros(p))
+        lb[z] = lower / time_scale
+        ub[z] = upper / time_scale * (1 + 1e-9) if math.isfinite(upper) else _INF
+        scale = time_scale
+    else:
+        assert memory is not None
+        add_rank_rows(memory / mem_scale, np.zeros(p), -np.ones(p))
+        lb[z] = 0.0
+        ub[z] = _INF
+        scale = mem_scale
+    a = sparse.csr_array(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_rows, nu + 1)
+    )
+    objective_vec = np.zeros(nu + 1)
+    objective_vec[z] = 1.0
+    integrality = np.ones(nu + 1)
+    integrality[z] = 0
+    with warnings.catch_warnings():
+        # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = optimize.milp(
+            objective_vec,
+            integrality=integrality,
+            bounds=optimize.Bounds(lb, ub),
+            constraints=optimize.LinearConstraint(a, np.asarray(row_lo), np.asarray(row_hi)),
+            options={"time_limit": float(time_limit_s), "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9},
+        )
+    dual = res.get("mip_dual_bound")
+    dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -_INF
+    bounds = None
+    if res.x is not None:
+        u = np.rint(res.x[:nu]).reshape(L, nc)
+        inner = (L - u.sum(axis=0)).astype(np.int64).tolist()
+        cand = [0, *inner, L]
+        if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)):
+            bounds = cand
+    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound)
+
+
+def _rank_loads(costs: FloatArray, p: int, speeds: FloatArray, bounds: list[int]) -> tuple[float, ...]:
+    prefix = np.zeros(costs.size + 1)
+    np.cumsum(costs, out=prefix[1:])
+    b = np.asarray(bounds)
+    chunk = prefix[b[1:]] - prefix[b[:-1]]
+    return tuple(math.fsum(chunk[r::p].tolist()) / float(speeds[r]) for r in range(p))
+
+
+def _chunk_memory(memory: FloatArray, bounds: list[int]) -> FloatArray:
+    prefix = np.zeros((memory.shape[0], memory.shape[1] + 1))
+    np.cumsum(memory, axis=1, out=prefix[:, 1:])
+    b = np.asarray(bounds)
+    ks = np.arange(memory.shape[0])
+    return np.asarray(prefix[ks, b[1:]] - prefix[ks, b[:-1]])
+
+
+def _rank_memory(memory: FloatArray, p: int, bounds: list[int]) -> FloatArray:
+    chunk = _chunk_memory(memory, bounds)
+    return np.array([math.fsum(chunk[r::p].tolist()) for r in range(p)])
+
+
+def solve_interleaved(
+    costs: ArrayLike,
+    num_ranks: int,
+    virtual_stages: int,
+    *,
+    rank_speeds: ArrayLike | None = None,
+    memory_bytes: ArrayLike | None = None,
+    memory_limit_bytes: ArrayLike | None = None,
+    time_limit_s: float = 2.0,
+) -> InterleavedSolution:
+    """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``c % p``, minimising
+    the largest rank load (the summed cost of a rank's chunks divided by its speed).
+
+    ``memory_bytes`` is ``(L,)`` or ``(p*v, L)`` (one row per chunk); a rank's memory is the sum of
+    its chunks' and must fit ``memory_limit_bytes`` (scalar or one per rank). ``v == 1`` is the
+    contiguous problem and is solved exactly by :func:`solve`. Otherwise a MILP is solved with
+    HiGHS (scipy.optimize.milp) within ``time_limit_s``: ``optimal`` is True when HiGHS proves it
+    (gap 1e-9 of the objective scaled by the trivial bound); else the best plan found is returned
+    with ``lower_bound`` = the proven dual bound. Among optimal plans the one HiGHS returns is kept
+    (deterministic, but not canonical).
+
+    >>> solve_interleaved([1, 1, 1, 1], 2, 2).rank_loads
+    (2.0, 2.0)
+    """
+    c = _validate_costs(costs)
+    L = c.size
+    p = _validate_count("num_ranks", num_ranks, "pipeline ranks")
+    v = _validate_count("virtual_stages", virtual_stages, "virtual stages per rank")
+    C = p * v
+    if L < C:
+        raise StageplanError(
+            f"interleaved needs at least p*v = {C} layers, the profile has {L}; "
+            "lower virtual_stages or profile at a finer granularity"
+        )
+    speeds = _validate_speeds("rank_speeds", rank_speeds, p, "rank")
+    memory = limits = None
+    if memory_bytes is None:
+        if memory_limit_bytes is not None:
+            raise StageplanError(
+                f"memory_limit_bytes is given but memory_bytes is None; pass per-layer memory_bytes "
+                f"(shape ({L},) or ({C}, {L})) or drop memory_limit_bytes"
+            )
+    else:
+        memory = _validate_rows("memory_bytes", memory_bytes, C, L, "chunk")
+        if memory_limit_bytes is not None:
+            limits = _validate_limits(memory_limit_bytes, p, "rank")
+    if (
+        isinstance(time_limit_s, bool)
+        or not isinstance(time_limit_s, (int, float))
+        or not (time_limit_s > 0)
+        or math.isnan(time_limit_s)
+    ):
+        raise StageplanError(f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
+
+    if v == 1:
+        sol = solve(c, p, stage_speeds=speeds, memory_bytes=memory, memory_limit_bytes=limits)
+        return InterleavedSolution(
+            boundaries=sol.boundaries,
+            rank_loads=sol.stage_costs,
+            bottleneck=sol.bottleneck,
+            lower_bound=sol.bottleneck,
+            optimal=True,
+            chunk_memory=sol.stage_memory,
+        )
+    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s))
+
+
+def _solve_interleaved_milp(
+    c: FloatArray,
+    p: int,
+    v: int,
+    speeds: FloatArray,
+    memory: FloatArray | None,
+    limits: FloatArray | None,
+    time_limit_s: float,
+) -> InterleavedSolution:
+    L = c.size
+    C = p * v
+    trivial = max(math.fsum(c.tolist()) / float(speeds.sum()), float(c.max()) / float(speeds.max()))
+
+    def fits(bounds: list[int]) -> bool:
+        if memory is None or limits is None:
+            return True
+        return bool(np.all(_rank_memory(memory, p, bounds) <= limits))
+
+    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored)
+    heur = list(solve(c, C, stage_speeds=np.tile(speeds, v)).boundaries)
+    heur_ok = fits(heur)
+    upper = max(_rank_loads(c, p, speeds, heur)) if heur_ok else _INF
+
+    result = _interleaved_milp(c, p, v, speeds, memory, limits, "time", upper, trivial, time_limit_s)
+    if result.infeasible and not heur_ok:
+        _raise_interleaved_infeasible(c, p, v, memory, limits, time_limit_s)
+    candidates: list[tuple[float, int, list[int], bool]] = []
+    if result.bounds is not None and fits(result.bounds):
+        candidates.append((max(_rank_loads(c, p, speeds, result.bounds)), 0, result.bounds, result.optimal))
+    if heur_ok:
+        candidates.append((max(_rank_loads(c, p, speeds, heur)), 1, heur, False))
+    if not candidates:
+        raise StageplanError(
+            f"no interleaved plan of {L} layers into {p} ranks x {v} virtual stages was found within "
+            f"time_limit_s={time_limit_s:g}, and infeasibility was not proven either; raise time_limit_s"
+        )
+    bottleneck, _, bounds, optimal = min(candidates, key=lambda t: (t[0], t[1]))
+    loads = _rank_loads(c, p, speeds, bounds)
+    lower = bottleneck if optimal else min(bottleneck, max(trivial, result.dual_bound))
+    return InterleavedSolution(
+        boundaries=tuple(int(b) for b in bounds),
+        rank_loads=loads,
+        bottleneck=max(loads),
+        lower_bound=lower,
+        optimal=optimal,
+        chunk_memory=None if memory is None else tuple(float(x) for x in _chunk_memory(memory, bounds)),
+    )
+
+
+def _raise_interleaved_infeasible(
+    c: FloatArray, p: int, v: int, memory: FloatArray | None, limits: FloatArray | None, time_limit_s: float
+) -> NoReturn:
+    assert memory is not None and limits is not None
+    L = c.size
+    res = _interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", _INF, 0.0, time_limit_s)
+    needed = float(_rank_memory(memory, p, res.bounds).max()) if res.optimal and res.bounds else None
+    tail = (
+        f"the smallest limit that admits a plan is {_fmt_bytes(needed)}"
+        if needed is not None
+        else f"the smallest limit that admits a plan was not found within time_limit_s={time_limit_s:g}"
+    )
+    raise InfeasiblePlanError(
+        f"no partition of {L} layers into {p * v} chunks ({p} ranks x {v} virtual stages) fits "
+        f"{_fmt_limits(limits, 'rank')}; {tail}; raise the limit, add ranks, use fewer virtual stages, "
+        "or use recomputation / a schedule with fewer microbatches in flight",
+        min_memory_limit_bytes=needed,
+    )

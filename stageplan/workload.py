@@ -1,0 +1,48 @@
+"""Workload: a model, one full batch of inputs, an optional target and loss (what gets profiled and run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stageplan.errors import WorkloadError
+
+
+@dataclass
+class Workload:
+    """A model with one full batch of example inputs.
+
+    ``inputs`` is a tensor or a tuple of tensors holding one full batch; microbatches are slices
+    along dim 0. ``loss_fn(output, target)`` returns a scalar. Without a ``loss_fn`` the loss is
+    ``output.float().pow(2).mean()`` (enough to drive a backward pass through every layer).
+    ``options`` records how a factory built it (saved in profile metadata).
+    """
+
+    model: Any
+    inputs: Any
+    target: Any = None
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    name: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def input_tuple(self) -> tuple[Any, ...]:
+        return tuple(self.inputs) if isinstance(self.inputs, (tuple, list)) else (self.inputs,)
+
+    @property
+    def batch_size(self) -> int:
+        first = self.input_tuple()[0]
+        shape = getattr(first, "shape", None)
+        if not shape:
+            raise WorkloadError(
+                f"workload {self.name!r}: inputs must be tensors with a batch dimension (dim 0); "
+                f"got {type(first).__name__}; pass a tensor or a tuple of tensors"
+            )
+        return int(shape[0])
+
+    def compute_loss(self, output: Any, target: Any) -> Any:
+        if self.loss_fn is not None:
+            return self.loss_fn(output, target)
+        if isinstance(output, (tuple, list)):
+            output = output[0]
+        return output.float().pow(2).mean()

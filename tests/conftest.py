@@ -1,0 +1,36 @@
+"""Shared fixtures: one intra-op thread, as every rank runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> None:
+    if "torch" in sys.modules or True:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from stageplan.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    import re
+
+    assert code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert re.search(pattern, lines[0]), lines[0]

@@ -1,0 +1,66 @@
+"""CLI: stageplan profile / show, and every bad input as one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+
+
+def test_profile_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    code, stdout, _ = run_cli(["profile", "gpt", "--set", "n_layer=2", "--set", "d_model=64", "--warmup", "1",
+                               "--repeats", "2", "-o", str(out), "--csv", str(tmp_path / "p.csv")], capsys)
+    assert code == 0
+    assert "ln_f+head" in stdout and "sum of layers / whole" in stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["options"]["d_model"] == 64 and data["meta"]["microbatch_size"] == 2
+    code, stdout, _ = run_cli(["show", str(out)], capsys)
+    assert code == 0 and "blocks.1" in stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["profile", "nope", "-o", "{tmp}/x.json"], r"unknown model 'nope'.*use a built-in name"),
+        (["profile", "gpt", "--set", "n_layer", "-o", "{tmp}/x.json"], r"--set expects key=value"),
+        (["profile", "gpt", "--microbatch-size", "0", "-o", "{tmp}/x.json"], r"microbatch size must be a positive integer, got 0"),
+        (["profile", "gpt", "--microbatch-size", "3", "-o", "{tmp}/x.json"], r"does not divide the batch of 8"),
+        (["profile", "gpt", "--layers", "nothing.*", "-o", "{tmp}/x.json"], r"matches no module"),
+        (["profile", "gpt", "-o", "{tmp}/missing/x.json"], r"output folder .* does not exist"),
+        (["profile", "gpt", "--set", "colour=3", "-o", "{tmp}/x.json"], r"takes no option 'colour'; its options are"),
+        (["profile", "no_such_module_xyz:make", "-o", "{tmp}/x.json"], r"cannot import module 'no_such_module_xyz'"),
+        (["profile", "badfactory:wrong_type", "-o", "{tmp}/x.json"], r"returned int, not a stageplan.Workload"),
+        (["profile", "badfactory:missing", "-o", "{tmp}/x.json"], r"has no callable 'missing'"),
+        (["profile", "badfactory:unsplittable", "-o", "{tmp}/x.json"], r"torch.export cannot split .*--layers"),
+        (["show", "{tmp}/none.json"], r"does not exist"),
+        (["profile", "gpt"], r"required: -o/--output"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "badfactory.py").write_text(
+        "import torch\nfrom torch import nn\nimport stageplan\n"
+        "def wrong_type():\n    return 3\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))\n"
+        "    def forward(self, x):\n"
+        "        for m in self.layers:\n            x = m(x)\n            if x.sum() > 0:\n                x = x * 2\n"
+        "        return x\n"
+        "def unsplittable():\n    return stageplan.Workload(M(), torch.randn(8, 4))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("badfactory", None)
+    code, _, err = run_cli([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert_one_line_error(code, err, pattern)
+
+
+@pytest.mark.skipif("torch" in sys.modules and __import__("torch").cuda.is_available(), reason="no-GPU message")
+def test_cuda_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["profile", "gpt", "--device", "cuda", "-o", str(tmp_path / "x.json")], capsys)
+    assert_one_line_error(code, err, r"no CUDA GPU")
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,238 @@
+"""Planner: plan invariants, memory-aware splits, exports round trip, auto choice, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from stageplan import InfeasiblePlanError, LayerProfile, Profile, StageplanError
+from stageplan.api import compare_methods, plan
+from stageplan.costmodel import Device
+from stageplan.errors import SchemaError
+from stageplan.plan import (
+    Plan,
+    boundaries_from_balance,
+    boundaries_from_megatron,
+    boundaries_from_module_fqns,
+    boundaries_from_split_spec,
+)
+from stageplan.units import parse_bandwidth, parse_bytes
+
+
+def make_profile(times, act=None, params=None, out=None, *, named=True, batch=8, mb=2) -> Profile:  # type: ignore[no-untyped-def]
+    n = len(times)
+    act = act if act is not None else [0] * n
+    params = params if params is not None else [0] * n
+    out = out if out is not None else [0] * n
+    names = ["embed", *[f"blocks.{i}" for i in range(n - 2)], "head+norm"]
+    layers = tuple(LayerProfile(names[i], float(times[i]) * 0.4, float(times[i]) * 0.6, int(act[i]), int(out[i]), int(params[i]))
+                   for i in range(n))
+    meta = {"batch_size": batch, "microbatch_size": mb, "model": "toy"}
+    if named:
+        meta["named_layers"] = names[1:-1]
+    return Profile(layers, meta)
+
+
+def brute_force(times, p, speeds=None) -> float:  # type: ignore[no-untyped-def]
+    L = len(times)
+    speeds = speeds or [1.0] * p
+    best = math.inf
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        b = (0, *cuts, L)
+        best = min(best, max(sum(times[b[s]:b[s + 1]]) / speeds[s] for s in range(p)))
+    return best
+
+
+def check_invariants(pl: Plan) -> None:
+    b = pl.boundaries
+    assert b[0] == 0 and b[-1] == len(pl.layer_names)
+    assert all(x < y for x, y in itertools.pairwise(b))
+    covered = [name for st in pl.stages for name in st.layers]
+    assert covered == list(pl.layer_names)
+    if pl.virtual_stages == 1:
+        assert pl.bottleneck_s == max(st.time_s for st in pl.stages)
+    assert pl.bottleneck_s == max(pl.rank_time_s)
+    assert pl.balance_efficiency == pytest.approx(pl.lower_bound_s / pl.bottleneck_s)
+    assert pl.lower_bound_s <= pl.bottleneck_s * (1 + 1e-12)
+    assert boundaries_from_balance(pl.torchgpipe_balance()) == b
+    assert tuple(pl.deepspeed_parts()) == b
+    assert boundaries_from_split_spec(pl.split_spec(), pl.layer_names) == b
+    assert boundaries_from_module_fqns(pl.module_fqns_per_model_part(), pl.layer_names) == b
+    assert boundaries_from_megatron(pl.megatron_layout()) == b
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_invariants_and_optimality_on_random_profiles(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(4, 11))
+    times = list(rng.lognormal(0, 1, L))
+    prof = make_profile(times, params=list(rng.integers(1, 100, L)))
+    for p in range(1, min(L, 4) + 1):
+        for method in ("optimal", "uniform", "parameters"):
+            pl = plan(prof, p, num_microbatches=max(p, 2), method=method)
+            check_invariants(pl)
+        opt = plan(prof, p, num_microbatches=max(p, 2))
+        assert opt.bottleneck_s == pytest.approx(brute_force(times, p), rel=1e-9)
+
+
+def test_json_round_trip_and_schema(tmp_path: Path) -> None:
+    pl = plan(make_profile([1, 2, 3, 4, 5, 6]), 2, num_microbatches=4)
+    assert pl.boundaries == (0, 4, 6)
+    pl.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["schema"] == "stageplan.plan/1" and data["boundaries"] == [0, 4, 6]
+    assert Plan.load(tmp_path / "plan.json") == pl
+    data["schema"] = "stageplan.plan/9"
+    with pytest.raises(SchemaError, match=r"schema 'stageplan.plan/9' but this stageplan reads 'stageplan.plan/1'"):
+        Plan.from_json(data)
+    df = pl.to_pandas()
+    assert list(df["stage"]) == [0, 1] and "activations_bytes" in df.columns
+
+
+def test_memory_moves_layers_off_stage_zero_under_1f1b() -> None:
+    # 8 equal layers, 100 activation bytes each. 1F1B with p=2, m=4: stage 0 holds 2 microbatches, stage 1 holds 1.
+    prof = make_profile([1.0] * 8, act=[100] * 8)
+    free = plan(prof, 2, num_microbatches=4, schedule="1F1B", optimizer="none")
+    assert free.boundaries == (0, 4, 8)
+    assert [st.memory["activations"] for st in free.stages] == [800, 400]
+    capped = plan(prof, 2, num_microbatches=4, schedule="1F1B", optimizer="none", memory_limit=700)
+    assert capped.boundaries == (0, 3, 8)  # stage 0: 2 x 300 = 600 <= 700; stage 1: 1 x 500 = 500
+    assert max(capped.rank_memory_bytes) <= 700
+    gpipe = plan(prof, 2, num_microbatches=4, schedule="GPipe", optimizer="none")
+    assert max(gpipe.rank_memory_bytes) == 1600 > max(free.rank_memory_bytes)  # GPipe holds all 4 microbatches
+    with pytest.raises(InfeasiblePlanError, match=r"smallest limit that admits a plan is") as info:
+        plan(prof, 2, num_microbatches=4, schedule="GPipe", optimizer="none", memory_limit=700)
+    assert info.value.min_memory_limit_bytes == pytest.approx(1600)
+    with pytest.raises(InfeasiblePlanError) as info:
+        plan(prof, 2, num_microbatches=4, schedule="1F1B", optimizer="none", memory_limit=550)
+    assert info.value.min_memory_limit_bytes == pytest.approx(600)  # brute force: (3, 5) -> max(600, 500)
+
+
+def test_optimizer_state_and_recompute_memory() -> None:
+    prof = make_profile([1.0] * 4, act=[100] * 4, params=[10] * 4, out=[7] * 4)
+    adam = plan(prof, 2, num_microbatches=4, optimizer="adam")
+    st = adam.stages[0]
+    assert st.memory["params"] == 20 and st.memory["grads"] == 20 and st.memory["optimizer"] == 40
+    assert st.memory["buffers"] == 14 and adam.stages[1].memory["buffers"] == 0
+    rec = plan(prof, 2, num_microbatches=4, optimizer="adam", recompute=True)
+    # recompute: in flight keep only the stage input (7 bytes for stage 1), plus one microbatch's activations.
+    assert rec.stages[1].memory["activations"] == 1 * 7 + 200
+    assert rec.stages[0].time_s == pytest.approx(adam.stages[0].time_s + adam.stages[0].forward_s)
+
+
+def test_heterogeneous_devices_and_bandwidth() -> None:
+    times = [1.0, 2.0, 1.0, 3.0, 1.0, 2.0]
+    prof = make_profile(times, out=[1e6] * 6)
+    slow = plan(prof, 2, num_microbatches=4, devices=[1.0, 0.5])
+    assert slow.bottleneck_s == pytest.approx(brute_force(times, 2, [1.0, 0.5]), rel=1e-9)
+    fast = plan(prof, 2, num_microbatches=4, devices=[Device(1.0), Device(1.0)])
+    assert slow.stages[1].end_layer - slow.stages[1].first_layer <= fast.stages[1].end_layer - fast.stages[1].first_layer
+    comm = plan(prof, 2, num_microbatches=4, bandwidth="1MB/s")
+    assert comm.stages[0].comm_s == pytest.approx(2.0) and comm.stages[1].comm_s == 0
+    assert not any("not modelled" in n for n in comm.notes)
+    assert any("not modelled" in n for n in fast.notes)
+
+
+def test_auto_picks_the_fastest_feasible_candidate() -> None:
+    prof = make_profile([1.0] * 8, act=[100] * 8)
+    pl = plan(prof, 2, num_microbatches="auto", schedule="auto")
+    feasible = [c for c in pl.candidates if c["feasible"]]
+    assert len(pl.candidates) > 3 and feasible
+    assert pl.predicted_step_s == pytest.approx(min(c["predicted_step_s"] for c in feasible))
+
+
+def test_interleaved_rank_loads() -> None:
+    times = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0]
+    pl = plan(make_profile(times, act=[10] * 8), 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    assert pl.num_stages == 4 and pl.virtual_stages == 2
+    loads = [sum(st.time_s for st in pl.stages if st.rank == r) for r in range(2)]
+    assert pl.rank_time_s == pytest.approx(loads) and pl.bottleneck_s == pytest.approx(max(loads))
+    # brute force over 4 chunks, chunk c on rank c % 2
+    best = math.inf
+    for cuts in itertools.combinations(range(1, 8), 3):
+        b = (0, *cuts, 8)
+        best = min(best, max(sum(sum(times[b[c]:b[c + 1]]) for c in range(r, 4, 2)) for r in range(2)))
+    assert pl.bottleneck_s == pytest.approx(best)
+    per_stage_sum = [sum(st.inflight * st.memory["activations"] / st.inflight for st in pl.stages if st.rank == r) for r in range(2)]
+    assert all(a <= b + 1e-9 for a, b in zip(pl.rank_peak_activation_bytes, per_stage_sum))
+
+
+def test_compare_methods_ratios() -> None:
+    prof = make_profile([1.0, 1.0, 1.0, 1.0, 1.0, 8.0], params=[50, 1, 1, 1, 1, 50])
+    plans = compare_methods(prof, 2, num_microbatches=4)
+    assert plans["optimal"].bottleneck_s <= plans["uniform"].bottleneck_s
+    assert plans["uniform"].boundaries == (0, 3, 6)
+
+
+def test_units() -> None:
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("40GB") == 40e9 and parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bandwidth("25GB/s") == 25e9 and parse_bandwidth(1e9) == 1e9
+    with pytest.raises(StageplanError, match=r"cannot read memory limit '40 gigs'; use a number with a unit such as 40GiB"):
+        parse_bytes("40 gigs")
+
+
+def _write(tmp_path: Path, prof: Profile) -> str:
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    return str(path)
+
+
+def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, make_profile([1, 2, 3, 4, 5, 6]))
+    code, out, _ = run_cli(["plan", path, "--stages", "2", "--microbatches", "4", "--compare", "--export", "megatron",
+                            "-o", str(tmp_path / "plan.json")], capsys)
+    assert code == 0
+    assert "balance efficiency" in out and "x optimal" in out and "Ettt|tL" in out
+    code, out, _ = run_cli(["show", str(tmp_path / "plan.json")], capsys)
+    assert code == 0 and "boundaries [0, 4, 6]" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--stages", "9"], r"num_stages \(9\) exceeds the number of layers \(6\); use fewer stages"),
+        (["--stages", "0"], r"num_stages must be an integer >= 1, got 0"),
+        (["--stages", "2", "--microbatches", "0"], r"num_microbatches must be an integer >= 1, got 0"),
+        (["--stages", "2", "--schedule", "Zigzag"], r"unknown schedule 'Zigzag'"),
+        (["--stages", "2", "--method", "random"], r"unknown method 'random'; use one of optimal, uniform, parameters"),
+        (["--stages", "2", "--memory-limit", "40 gigs"], r"cannot read memory limit '40 gigs'"),
+        (["--stages", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "4"], r"needs at least 8 layers, the profile has 6"),
+        (["--stages", "2", "--device-speeds", "1,1,0.5"], r"got 3 device entries for 2 stages"),
+        (["--stages", "2", "--memory-limit", "1KiB", "--microbatches", "4"], r"smallest limit that admits a plan is"),
+        (["--stages", "4", "--microbatches", "2"], r"1F1B needs num_microbatches >= num_ranks"),
+        (["--stages", "2", "--export", "nope"], r"unknown export 'nope'"),
+    ],
+)
+def test_cli_plan_bad_input(args: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, make_profile([1, 2, 3, 4, 5, 6], act=[1000] * 6))
+    code, _, err = run_cli(["plan", path, *args], capsys)
+    assert_one_line_error(code, err, pattern)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        (lambda d: d["layers"][0].update(forward_s=float("nan")), r"has forward_s = None; costs must be finite"),
+        (lambda d: d["layers"][1].update(backward_s=-1), r"has backward_s = -1; costs must be finite numbers >= 0"),
+        (lambda d: d.update(layers=[]), r"the profile has no layers"),
+        (lambda d: d.update(schema="stageplan.profile/2"), r"schema 'stageplan.profile/2' but this stageplan reads"),
+    ],
+)
+def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    data = make_profile([1, 2, 3, 4]).to_json()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data).replace("NaN", "null"))
+    code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "2"], capsys)
+    assert_one_line_error(code, err, pattern)
+
+
+def test_small_m_warns() -> None:
+    with pytest.warns(UserWarning, match=r"num_microbatches \(1\) < stages \(2\)"):
+        plan(make_profile([1, 1, 1, 1]), 2, num_microbatches=1, schedule="GPipe")

@@ -1,0 +1,143 @@
+"""Profiler against layers of known cost, known saved bytes and the whole model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from stageplan import Workload, profile_model
+from stageplan.errors import StageplanError, WorkloadError
+from stageplan.profiler import DeviceError
+from stageplan.zoo import gpt
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x * self.scale
+
+
+def _sum_loss(out: torch.Tensor, target: object) -> torch.Tensor:
+    return out.sum()  # sum saves no tensor for backward
+
+
+def test_sleep_layers_measure_their_known_time() -> None:
+    model = nn.Sequential(Sleep(0.02), Sleep(0.04))
+    wl = Workload(model, torch.randn(4, 8), loss_fn=_sum_loss)
+    prof = profile_model(wl, microbatch_size=4, warmup=1, repeats=5)
+    assert prof.layers[0].forward_s == pytest.approx(0.02, rel=0.10)
+    assert prof.layers[1].forward_s == pytest.approx(0.04, rel=0.10)
+
+
+def test_matmul_layers_scale_with_flops() -> None:
+    # 256x256, 256x512, 512x512 weights: 1x, 2x, 4x the FLOPs per row.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 512, bias=False), nn.Linear(512, 512, bias=False))
+    wl = Workload(model, torch.randn(1024, 256), loss_fn=_sum_loss)
+    prof = profile_model(wl, microbatch_size=1024, warmup=3, repeats=15)
+    f = [layer.forward_s for layer in prof.layers]
+    assert f[1] / f[0] == pytest.approx(2.0, rel=0.25)
+    assert f[2] / f[0] == pytest.approx(4.0, rel=0.25)
+
+
+def test_activation_bytes_of_linear_gelu_linear_is_analytic() -> None:
+    a, b, c, batch = 24, 40, 8, 6
+    model = nn.Sequential(nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, c)))
+    wl = Workload(model, torch.randn(batch, a), loss_fn=_sum_loss)
+    prof = profile_model(wl, microbatch_size=batch, warmup=0, repeats=1)
+    # saved: the first Linear's input (B*a), GELU's input (B*b), the second Linear's input (B*b); float32.
+    assert prof.layers[0].activation_bytes == 4 * batch * (a + 2 * b)
+    assert prof.layers[0].param_bytes == 4 * (a * b + b + b * c + c)
+    assert prof.layers[0].param_count == a * b + b + b * c + c
+
+
+def test_output_bytes_are_the_boundary_tensor() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    wl = Workload(model, torch.randn(8, 16), loss_fn=_sum_loss)
+    prof = profile_model(wl, microbatch_size=2, warmup=0, repeats=1)
+    assert [layer.output_bytes for layer in prof.layers] == [2 * 32 * 4, 2 * 32 * 4, 0]
+    assert prof.meta["microbatch_size"] == 2 and prof.meta["input_shapes"] == [[2, 16]]
+
+
+def test_gpt_profile_bytes_are_deterministic_and_sum_matches_whole() -> None:
+    wl = gpt(n_layer=3)
+    p1 = profile_model(wl, microbatch_size=2, warmup=3, repeats=15)
+    p2 = profile_model(wl, microbatch_size=2, warmup=1, repeats=3)
+    assert [x.activation_bytes for x in p1.layers] == [x.activation_bytes for x in p2.layers]
+    assert p1.names == ["tok_emb+pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f+head"]
+    blocks = [x for x in p1.layers if x.name.startswith("blocks.")]
+    assert len({x.activation_bytes for x in blocks}) == 1 and blocks[0].activation_bytes > 0
+    # The skew users fight: the LM head outweighs a block in time, the embedding in parameters.
+    assert p1.layers[-1].forward_s + p1.layers[-1].backward_s > 2 * (blocks[0].forward_s + blocks[0].backward_s)
+    assert p1.layers[0].param_bytes > 2 * blocks[0].param_bytes
+    assert p1.sum_vs_whole is not None and 0.8 <= p1.sum_vs_whole <= 1.25
+    for key in ("model", "options", "device", "dtype", "microbatch_size", "input_shapes", "torch_version",
+                "stageplan_version", "threads", "warmup", "repeats", "date", "method", "whole_model_s"):
+        assert key in p1.meta
+
+
+def test_model_is_unchanged_by_profiling() -> None:
+    wl = gpt(n_layer=2, tied=True)
+    model = wl.model
+    model.eval()
+    model.blocks[0].ln_1.weight.requires_grad_(False)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    profile_model(wl, microbatch_size=4, warmup=1, repeats=2)
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert {k: p.requires_grad for k, p in model.named_parameters()} == flags
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_num_threads() == threads
+    assert model.head.weight is model.tok_emb.weight
+
+
+def test_bad_microbatch_sizes_are_refused() -> None:
+    wl = gpt(n_layer=1)
+    with pytest.raises(StageplanError, match=r"microbatch size must be a positive integer, got 0"):
+        profile_model(wl, microbatch_size=0)
+    with pytest.raises(StageplanError, match=r"microbatch size 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]"):
+        profile_model(wl, microbatch_size=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu_is_refused() -> None:
+    with pytest.raises(DeviceError, match=r"no CUDA GPU .* use --device cpu"):
+        profile_model(gpt(n_layer=1), microbatch_size=2, device="cuda")
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if x.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+                x = x * 2
+        return x
+
+
+def test_unsplittable_model_names_the_reason_and_the_remedy() -> None:
+    wl = Workload(DataDependent(), torch.randn(4, 4))
+    with pytest.raises(WorkloadError, match=r"torch.export cannot split DataDependent \(.+\); name layers explicitly with --layers"):
+        profile_model(wl, microbatch_size=2, warmup=0, repeats=1)
+
+
+def test_layer_pattern_matching_nothing_is_refused() -> None:
+    with pytest.raises(WorkloadError, match=r"layer pattern 'decoder\.\*' matches no module of GPT; top-level modules are: tok_emb"):
+        profile_model(gpt(n_layer=1), microbatch_size=2, layers=["decoder.*"])

@@ -1,0 +1,607 @@
+"""Tests of stageplan.schedules: torch's own execution order, closed forms, hand-computed timelines."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import math
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stageplan import schedules
+from stageplan.errors import StageplanError
+from stageplan.schedules import (
+    SCHEDULES,
+    Action,
+    bubble_closed_form,
+    check_microbatches,
+    normalize_schedule,
+    peak_inflight,
+    rank_orders,
+    simulate,
+    stage_ranks,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Oracle 1: torch's own execution loop.
+#
+# torch 2.13 executes GPipe and 1F1B with the hand-written loops in ScheduleGPipe/Schedule1F1B.
+# _step_microbatches (their `pipeline_order` IR is only for display, and Schedule1F1B's IR is wrong on
+# the last rank: it starts at F1 and ends at F(m)). The multi-stage schedules execute
+# `pipeline_order_with_comms` in _PipelineScheduleRuntime._step_microbatches. So instead of reading any
+# IR, we build torch's real schedule objects on fake stages (no process group is needed) and run each
+# rank's real `_step_microbatches`: the fake stage records every forward_one_chunk /
+# backward_one_chunk(full_backward=...) / backward_weight_one_chunk call, and returns no p2p ops.
+
+
+class _RecordingStage:
+    """Just enough of torch's _PipelineStageBase for the schedules' bookkeeping; records compute calls."""
+
+    def __init__(self, index: int, num_stages: int, num_ranks: int, rank: int, log: list[Any]) -> None:
+        self.stage_index = index
+        self.num_stages = num_stages
+        self.group_size = num_ranks
+        self.group_rank = rank
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.submod = None
+        self.device = "cpu"
+        self.has_backward = True
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.args_recv_info: dict[int, tuple[()]] = {0: ()}  # read by the adjacency validator
+        self.act_send_info: dict[int, list[int]] = {}
+        self.log = log
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        return []
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_fwd_recv_ops(self, mb: int) -> list[Any]:
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.log.append(Action(self.stage_index, mb, "F"))
+
+    def backward_one_chunk(
+        self, mb: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        self.log.append(Action(self.stage_index, mb, "B" if full_backward else "I"))
+
+    def backward_weight_one_chunk(self, mb: int, last_backward: bool = False) -> None:
+        self.log.append(Action(self.stage_index, mb, "W"))
+
+    def perform_reduce_grad(self, *args: Any) -> None:
+        pass
+
+    def set_local_fwd_input(self, *args: Any) -> None:
+        pass
+
+    def set_local_bwd_input(self, *args: Any) -> None:
+        pass
+
+    def get_local_bwd_output(self, mb: int) -> None:
+        return None
+
+
+def _torch_schedule(name: str, num_ranks: int, m: int, v: int, rank: int, log: list[Any]) -> Any:
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
+    style = "v" if name == "ZBVZeroBubble" else "loop"
+    local = generate_rank_to_stage_mapping(num_ranks, num_ranks * v, style)[rank]
+    stages = [_RecordingStage(k, num_ranks * v, num_ranks, rank, log) for k in local]
+    cls = torch_schedules.get_schedule_class(name)
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        return cls(stages[0], m)
+    return cls(stages, m)
+
+
+def _torch_executed_orders(name: str, num_ranks: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    orders = []
+    for rank in range(num_ranks):
+        log: list[Action] = []
+        _torch_schedule(name, num_ranks, m, v, rank, log)._step_microbatches()
+        orders.append(tuple(log))
+    return tuple(orders)
+
+
+def _grid() -> list[tuple[str, int, int, int]]:
+    cases = []
+    for name in SCHEDULES:
+        virtual = (1,) if name in ("GPipe", "1F1B") else (2,) if name == "ZBVZeroBubble" else (1, 2, 3)
+        for p, v, m in itertools.product((1, 2, 3, 4), virtual, range(1, 10)):
+            cases.append((name, p, m, v))
+    return cases
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_orders_equal_torch_execution_and_torch_accepts_the_same_numbers(name: str) -> None:
+    pytest.importorskip("torch")
+    compared = 0
+    for case_name, p, m, v in _grid():
+        if case_name != name:
+            continue
+        try:
+            expected = _torch_executed_orders(name, p, m, v)
+        except ValueError:  # torch refuses these numbers: so must we
+            with pytest.raises(StageplanError):
+                check_microbatches(name, p, m, v)
+            continue
+        assert rank_orders(name, p, m, v) == expected, (name, p, m, v)
+        compared += 1
+    assert compared >= 20
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [
+        ("Interleaved1F1B", 2, 2, 2),
+        ("Interleaved1F1B", 2, 4, 2),
+        ("Interleaved1F1B", 2, 8, 2),
+        ("Interleaved1F1B", 4, 2, 2),
+        ("Interleaved1F1B", 4, 4, 2),
+        ("Interleaved1F1B", 4, 8, 2),
+        ("Interleaved1F1B", 4, 6, 3),
+        ("InterleavedZeroBubble", 4, 8, 2),
+        ("LoopedBFS", 4, 8, 2),
+        ("ZBVZeroBubble", 4, 8, 2),
+        ("ZBVZeroBubble", 4, 3, 2),
+    ],
+)
+def test_multi_stage_orders_equal_torch_pipeline_order_ir(name: str, p: int, m: int, v: int) -> None:
+    # For the runtime schedules torch also exposes `pipeline_order` (rank -> [_Action | None]); its
+    # compute actions, without the None idle slots, are what the runtime executes.
+    pytest.importorskip("torch")
+    ir = _torch_schedule(name, p, m, v, 0, []).pipeline_order
+    expected = tuple(
+        tuple(
+            Action(a.stage_index, a.microbatch_index, a.computation_type.value)
+            for a in ir[rank]
+            if a is not None
+        )
+        for rank in range(p)
+    )
+    assert rank_orders(name, p, m, v) == expected
+
+
+def test_stage_placement_matches_torch() -> None:
+    pytest.importorskip("torch")
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for p, v in [(2, 2), (4, 2), (3, 3)]:
+        loop = generate_stage_to_rank_mapping(p, p * v, "loop")
+        assert stage_ranks("Interleaved1F1B", p, v) == tuple(loop[k] for k in range(p * v))
+    for p in (1, 2, 4):
+        vee = generate_stage_to_rank_mapping(p, 2 * p, "v")
+        assert stage_ranks("ZBVZeroBubble", p, 2) == tuple(vee[k] for k in range(2 * p))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Oracle 2: closed forms.
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+def test_balanced_step_and_bubble_match_closed_form(name: str) -> None:
+    # Balanced stages, no communication: step = (m + p - 1)(f + b), bubble = (p - 1)/(m + p - 1).
+    f, b = 0.5, 1.25
+    for p, m in itertools.product(range(1, 9), range(1, 17)):
+        if name == "1F1B" and m < p:
+            continue
+        sim = simulate(name, [f] * p, [b] * p, m)
+        assert sim.step_s == pytest.approx((m + p - 1) * (f + b))
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+        assert sim.bubble_fraction == pytest.approx(bubble_closed_form(p, m))
+
+
+def test_seed_numbers() -> None:
+    # The seeds: 8 stages and 8 microbatches give 47% bubble, 64 microbatches give 10%.
+    for name in ("GPipe", "1F1B"):
+        assert round(100 * simulate(name, [1.0] * 8, [2.0] * 8, 8).bubble_fraction, 1) == 46.7
+        assert round(100 * simulate(name, [1.0] * 8, [2.0] * 8, 64).bubble_fraction, 1) == 9.9
+    assert round(100 * bubble_closed_form(8, 8), 1) == 46.7
+    assert round(100 * bubble_closed_form(8, 64), 1) == 9.9
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (4, 2), (4, 3), (3, 2)])
+def test_interleaved_balanced_step_matches_megatron(p: int, v: int) -> None:
+    # Megatron (Narayanan et al. 2021): with v chunks per rank of time (f + b)/v each and m a multiple
+    # of p, the step is m(f + b) + (p - 1)(f + b)/v, i.e. a bubble of (p - 1)/(v m) relative to ideal.
+    f, b = 1.0, 2.0
+    for m in (p, 2 * p, 4 * p):
+        sim = simulate("Interleaved1F1B", [f / v] * (p * v), [b / v] * (p * v), m, virtual_stages=v)
+        assert sim.step_s == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+
+
+def test_zero_bubble_schedules_beat_1f1b_when_balanced() -> None:
+    # Zero bubble (Qi et al. 2024) fills the drain with W; with I = W = b/2 the step shrinks.
+    p, m = 4, 8
+    one_f_one_b = simulate("1F1B", [1.0] * p, [2.0] * p, m).step_s
+    zbh1 = simulate("InterleavedZeroBubble", [1.0] * p, [2.0] * p, m).step_s
+    zbv = simulate("ZBVZeroBubble", [0.5] * (2 * p), [1.0] * (2 * p), m, virtual_stages=2).step_s
+    assert zbh1 < one_f_one_b
+    assert zbv < one_f_one_b
+    assert zbv >= m * 3.0  # never below the busy time of one rank
+
+
+def test_peak_inflight_gpipe_holds_all_microbatches() -> None:
+    for p, m in itertools.product(range(1, 7), range(1, 10)):
+        assert peak_inflight("GPipe", p, m) == (m,) * p
+
+
+def test_peak_inflight_1f1b_matches_warmup_count() -> None:
+    # 1F1B: stage s holds min(p - s, m) microbatches in flight (Megatron's warm-up count). torch's
+    # Schedule1F1B warms up exactly min(m, p - s) forwards, then alternates B and F.
+    for p, m in itertools.product(range(1, 7), range(1, 13)):
+        if m < p:
+            continue
+        assert peak_inflight("1F1B", p, m) == tuple(min(p - s, m) for s in range(p))
+
+
+def test_peak_inflight_zero_bubble_counts_until_weight_grad() -> None:
+    # Rank 0 of ZBV with p = 1 runs F0,F0' then I,W per chunk: stage 0 holds 1 microbatch until its W.
+    assert peak_inflight("ZBVZeroBubble", 1, 1, 2) == (1, 1)
+    orders = rank_orders("InterleavedZeroBubble", 2, 4)
+    held = 0
+    for action in orders[0]:  # replay stage 0 by hand: F adds one, W removes one, I changes nothing
+        held += {"F": 1, "W": -1}.get(action.kind, 0)
+        assert held <= peak_inflight("InterleavedZeroBubble", 2, 4)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Oracle 3: timelines computed by hand.
+
+
+def test_gpipe_two_stages_by_hand() -> None:
+    # f = (1, 2), b = (2, 4), m = 2, no comm.
+    # rank 0: F(0,0) 0-1, F(0,1) 1-2
+    # rank 1: F(1,0) 1-3, F(1,1) 3-5, B(1,0) 5-9, B(1,1) 9-13
+    # rank 0: B(0,0) waits for B(1,0): 9-11; B(0,1) waits for B(1,1): 13-15  -> step 15
+    sim = simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2)
+    assert sim.step_s == 15.0
+    assert sim.busy_s == (6.0, 12.0)
+    assert sim.idle_s == (9.0, 3.0)
+    assert sim.bubble_fraction == pytest.approx(12.0 / 30.0)
+    times = {(e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in sim.timeline}
+    assert times == {
+        (0, 0, "F"): (0.0, 1.0),
+        (0, 1, "F"): (1.0, 2.0),
+        (1, 0, "F"): (1.0, 3.0),
+        (1, 1, "F"): (3.0, 5.0),
+        (1, 0, "B"): (5.0, 9.0),
+        (1, 1, "B"): (9.0, 13.0),
+        (0, 0, "B"): (9.0, 11.0),
+        (0, 1, "B"): (13.0, 15.0),
+    }
+    # With comm 0.5 on the boundary:
+    # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5, B(1,0) 5.5-9.5, B(1,1) 9.5-13.5
+    # rank 0: B(0,0) 9.5+0.5=10-12, B(0,1) 13.5+0.5=14-16  -> step 16
+    assert simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5]).step_s == 16.0
+
+
+def test_1f1b_two_stages_by_hand() -> None:
+    # f = (1, 2), b = (2, 4), m = 3. Orders: rank 0 F0 F1 B0 F2 B1 B2; rank 1 F0 B0 F1 B1 F2 B2.
+    # rank 0: F(0,0) 0-1, F(0,1) 1-2
+    # rank 1: F(1,0) 1-3, B(1,0) 3-7, F(1,1) max(7, 2)=7-9, B(1,1) 9-13
+    # rank 0: B(0,0) max(2, 7)=7-9, F(0,2) 9-10, B(0,1) max(10, 13)=13-15
+    # rank 1: F(1,2) max(13, 10)=13-15, B(1,2) 15-19
+    # rank 0: B(0,2) 19-21  -> step 21; busy (9, 18); bubble (12 + 3) / 42
+    assert [str(a) for a in rank_orders("1F1B", 2, 3)[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"]
+    sim = simulate("1F1B", [1.0, 2.0], [2.0, 4.0], 3)
+    assert sim.step_s == 21.0
+    assert sim.busy_s == (9.0, 18.0)
+    assert sim.bubble_fraction == pytest.approx(15.0 / 42.0)
+    # With comm 0.5:
+    # rank 1: F(1,0) 1.5-3.5, B(1,0) 3.5-7.5, F(1,1) max(7.5, 2.5)=7.5-9.5, B(1,1) 9.5-13.5
+    # rank 0: B(0,0) 7.5+0.5=8-10, F(0,2) 10-11, B(0,1) 13.5+0.5=14-16
+    # rank 1: F(1,2) max(13.5, 11.5)=13.5-15.5, B(1,2) 15.5-19.5
+    # rank 0: B(0,2) 19.5+0.5=20-22  -> step 22
+    assert simulate("1F1B", [1.0, 2.0], [2.0, 4.0], 3, comm_s=[0.5]).step_s == 22.0
+
+
+def test_gpipe_three_stages_with_comm_by_hand() -> None:
+    # f = (1, 2, 1), b = (2, 3, 1), comm = (0.5, 0.25), m = 2.
+    # rank 0: F(0,0) 0-1, F(0,1) 1-2
+    # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5
+    # rank 2: F(2,0) 3.75-4.75, F(2,1) 5.75-6.75, B(2,0) 6.75-7.75, B(2,1) 7.75-8.75
+    # rank 1: B(1,0) 7.75+0.25=8-11, B(1,1) max(11, 9)=11-14
+    # rank 0: B(0,0) 11+0.5=11.5-13.5, B(0,1) 14+0.5=14.5-16.5  -> step 16.5
+    sim = simulate("GPipe", [1.0, 2.0, 1.0], [2.0, 3.0, 1.0], 2, comm_s=[0.5, 0.25])
+    assert sim.step_s == 16.5
+    assert sim.busy_s == (6.0, 10.0, 4.0)
+    assert sim.bubble_fraction == pytest.approx((10.5 + 6.5 + 12.5) / (3 * 16.5))
+
+
+def test_comm_between_stages_on_one_rank_is_free() -> None:
+    # ZBV puts stages p-1 and p on rank p-1; torch hands the tensor over locally (no send/recv).
+    base = simulate("ZBVZeroBubble", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2)
+    middle_only = simulate("ZBVZeroBubble", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2, comm_s=[0, 5.0, 0])
+    assert middle_only.step_s == base.step_s
+
+
+def test_zero_bubble_splits_backward_in_halves() -> None:
+    sim = simulate("InterleavedZeroBubble", [1.0, 1.0], [3.0, 5.0], 2)
+    durations = {(e.stage, e.kind): e.end_s - e.start_s for e in sim.timeline}
+    assert durations == {
+        (0, "F"): 1.0,
+        (1, "F"): 1.0,
+        (0, "I"): 1.5,
+        (0, "W"): 1.5,
+        (1, "I"): 2.5,
+        (1, "W"): 2.5,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Invariants on random times.
+
+
+def _valid_cases() -> list[tuple[str, int, int, int]]:
+    cases = []
+    for name, p, m, v in _grid():
+        try:
+            check_microbatches(name, p, m, v)
+        except StageplanError:
+            continue
+        cases.append((name, p, m, v))
+    return cases
+
+
+_CASES = _valid_cases()
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from(_CASES), data=st.data())
+def test_simulation_invariants(case: tuple[str, int, int, int], data: st.DataObject) -> None:
+    name, p, m, v = case
+    num_stages = p * v
+    times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
+    fwd = data.draw(st.lists(times, min_size=num_stages, max_size=num_stages))
+    bwd = data.draw(st.lists(times, min_size=num_stages, max_size=num_stages))
+    comm = data.draw(st.lists(times, min_size=num_stages - 1, max_size=num_stages - 1))
+    sim = simulate(name, fwd, bwd, m, comm_s=comm, virtual_stages=v)
+    ranks = stage_ranks(name, p, v)
+    orders = rank_orders(name, p, m, v)
+
+    # Every rank runs exactly torch's order, one action at a time.
+    events = {(e.stage, e.microbatch, e.kind): e for e in sim.timeline}
+    assert len(events) == len(sim.timeline) == sum(len(o) for o in orders)
+    for rank, order in enumerate(orders):
+        mine = [events[(a.stage, a.microbatch, a.kind)] for a in order]
+        assert all(e.rank == rank == ranks[e.stage] for e in mine)
+        assert all(x.end_s <= y.start_s for x, y in itertools.pairwise(mine))
+        assert sum(e.end_s - e.start_s for e in mine) == pytest.approx(sim.busy_s[rank])
+
+    # Dependencies: activations forward, gradients backward, each plus its comm if it changes rank.
+    def arrival(k: int, src: int, dst: int) -> float:
+        return 0.0 if ranks[src] == ranks[dst] else comm[k]
+
+    eps = 1e-9
+    for (k, i, kind), e in events.items():
+        if kind == "F" and k > 0:
+            assert e.start_s >= events[(k - 1, i, "F")].end_s + arrival(k - 1, k - 1, k) - eps
+        if kind in ("B", "I"):
+            assert e.start_s >= events[(k, i, "F")].end_s - eps
+            if k < num_stages - 1:
+                upstream = events.get((k + 1, i, "B")) or events[(k + 1, i, "I")]
+                assert e.start_s >= upstream.end_s + arrival(k, k + 1, k) - eps
+        if kind == "W":
+            assert e.start_s >= events[(k, i, "I")].end_s - eps
+
+    assert min(e.start_s for e in sim.timeline) == 0.0
+    assert sim.step_s == pytest.approx(max(e.end_s for e in sim.timeline))
+    assert sim.step_s >= max(sim.busy_s) - eps
+    assert sim.idle_s == pytest.approx(tuple(sim.step_s - b for b in sim.busy_s))
+    if sim.step_s > 0:
+        assert sim.bubble_fraction == pytest.approx(sum(sim.idle_s) / (p * sim.step_s))
+    assert sim.peak_inflight == peak_inflight(name, p, m, v)
+
+    # Start times are max-plus expressions of the durations, so slowing one stage never speeds the step.
+    k = data.draw(st.integers(min_value=0, max_value=num_stages - 1))
+    slower = list(fwd)
+    slower[k] += 1.0
+    assert simulate(name, slower, bwd, m, comm_s=comm, virtual_stages=v).step_s >= sim.step_s - eps
+
+
+def test_to_pandas_has_one_row_per_event() -> None:
+    pytest.importorskip("pandas")
+    sim = simulate("Interleaved1F1B", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2)
+    frame = sim.to_pandas()
+    assert list(frame.columns) == ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
+    assert len(frame) == len(sim.timeline) == 2 * 4 * 4
+    assert frame["end_s"].max() == sim.step_s
+    assert frame.groupby("rank")["kind"].count().tolist() == [16, 16]
+
+
+def test_numpy_inputs_and_zero_times() -> None:
+    sim = simulate("GPipe", np.zeros(3), np.zeros(3), 4, comm_s=np.zeros(2))
+    assert sim.step_s == 0.0
+    assert sim.bubble_fraction == 0.0
+    assert math.isfinite(sim.bubble_fraction)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names and errors.
+
+
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [
+        ("GPipe", "GPipe"),
+        ("gpipe", "GPipe"),
+        ("ScheduleGPipe", "GPipe"),
+        ("1f1b", "1F1B"),
+        ("Schedule1F1B", "1F1B"),
+        ("interleaved1f1b", "Interleaved1F1B"),
+        ("ScheduleInterleaved1F1B", "Interleaved1F1B"),
+        ("interleaved_1f1b", "Interleaved1F1B"),
+        ("ScheduleLoopedBFS", "LoopedBFS"),
+        ("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble"),
+        ("zbvzerobubble", "ZBVZeroBubble"),
+    ],
+)
+def test_normalize_schedule(alias: str, canonical: str) -> None:
+    assert normalize_schedule(alias) == canonical
+
+
+def test_canonical_names_are_torch_names() -> None:
+    pytest.importorskip("torch")
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    for name in SCHEDULES:
+        assert get_schedule_class(name).__name__ in (name, f"Schedule{name}")
+
+
+def test_unknown_schedule_lists_valid_names() -> None:
+    with pytest.raises(
+        StageplanError, match=r"unknown schedule 'PipeDream'; use one of GPipe, 1F1B, Interleaved1F1B"
+    ):
+        normalize_schedule("PipeDream")
+    with pytest.raises(StageplanError, match=r"schedule must be a string, got 3 \(int\)"):
+        normalize_schedule(3)  # type: ignore[arg-type]
+    with pytest.raises(StageplanError, match="unknown schedule 'DualPipeV'"):
+        simulate("DualPipeV", [1.0], [1.0], 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("GPipe", 0, 4), r"num_ranks must be >= 1, got 0; pass a whole number >= 1"),
+        (("GPipe", 2, 0), r"num_microbatches must be >= 1, got 0"),
+        (("GPipe", 2, 4, 0), r"virtual_stages must be >= 1, got 0"),
+        (("GPipe", 2, 2.5), r"num_microbatches must be an integer, got 2.5"),
+        (("GPipe", True, 2), r"num_ranks must be an integer, got True"),
+        (("GPipe", 2, 4, 2), r"GPipe runs one stage per rank, got virtual_stages=2; use virtual_stages=1"),
+        (("1F1B", 2, 4, 2), r"1F1B runs one stage per rank, got virtual_stages=2"),
+        (
+            ("1F1B", 4, 3),
+            r"1F1B needs num_microbatches >= num_ranks, got num_microbatches=3 < num_ranks=4 "
+            r"\(torch's Schedule1F1B refuses it\); use at least 4 microbatches, or GPipe",
+        ),
+        (
+            ("Interleaved1F1B", 4, 9, 2),
+            r"Interleaved1F1B needs num_microbatches to be a multiple of its rounds max\(1, m // p\); "
+            r"got num_microbatches=9, num_ranks=4, rounds=2 \(torch refuses it\); use 8 or 10 microbatches",
+        ),
+        (
+            ("InterleavedZeroBubble", 2, 7, 2),
+            r"InterleavedZeroBubble needs .* rounds=3 .* use 6 or 8 microbatches",
+        ),
+        (("ZBVZeroBubble", 2, 4, 1), r"ZBVZeroBubble runs exactly 2 stages per rank .* got virtual_stages=1"),
+        (("ZBVZeroBubble", 2, 4, 3), r"got virtual_stages=3; use virtual_stages=2"),
+    ],
+)
+def test_check_microbatches_errors(args: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(StageplanError, match=message):
+        check_microbatches(*args)
+    with pytest.raises(StageplanError, match=message):
+        rank_orders(*args)
+    with pytest.raises(StageplanError, match=message):
+        peak_inflight(*args)
+
+
+def test_check_microbatches_accepts_what_torch_accepts() -> None:
+    check_microbatches("GPipe", 8, 2)  # m < p runs under GPipe (a large bubble, not an error)
+    check_microbatches("1F1B", 4, 4)
+    check_microbatches("Interleaved1F1B", 4, 3, 2)  # rounds = 1 for any m < 2p
+    check_microbatches("Interleaved1F1B", 4, 10, 2)  # rounds = 2 divides 10
+    check_microbatches("Interleaved1F1B", 4, 8, 1)  # torch accepts one stage per rank
+    check_microbatches("ZBVZeroBubble", 4, 1, 2)
+    check_microbatches("LoopedBFS", 3, 5, 4)
+
+
+def test_bubble_closed_form_errors() -> None:
+    with pytest.raises(StageplanError, match=r"num_ranks must be >= 1, got 0"):
+        bubble_closed_form(0, 4)
+    with pytest.raises(StageplanError, match=r"num_microbatches must be >= 1, got -1"):
+        bubble_closed_form(4, -1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"forward_s": [1.0, 2.0], "backward_s": [1.0]},
+            r"backward_s must have 2 values, got 1; pass one backward time per stage",
+        ),
+        ({"forward_s": [], "backward_s": []}, r"forward_s must have at least one stage, got 0 values"),
+        (
+            {"forward_s": [[1.0, 2.0]], "backward_s": [1.0, 2.0]},
+            r"forward_s must be one-dimensional .* got shape \(1, 2\)",
+        ),
+        (
+            {"forward_s": ["a", 1.0], "backward_s": [1.0, 1.0]},
+            r"forward_s must be a sequence of numbers in seconds, got \['a', 1.0\]",
+        ),
+        (
+            {"forward_s": [1.0, float("nan")], "backward_s": [1.0, 1.0]},
+            r"forward_s must be finite and >= 0 seconds, got forward_s\[1\] = nan",
+        ),
+        (
+            {"forward_s": [1.0, 1.0], "backward_s": [-1.0, 1.0]},
+            r"backward_s must be finite and >= 0 seconds, got backward_s\[0\] = -1.0; fix the profile",
+        ),
+        (
+            {"forward_s": [1.0, 1.0], "backward_s": [1.0, 1.0], "comm_s": [0.1, 0.1]},
+            r"comm_s must have 1 values, got 2; pass one value per boundary between stages \(1\)",
+        ),
+        (
+            {"forward_s": [1.0, 1.0], "backward_s": [1.0, 1.0], "comm_s": [float("inf")]},
+            r"comm_s must be finite and >= 0 seconds, got comm_s\[0\] = inf",
+        ),
+        (
+            {
+                "forward_s": [1.0] * 3,
+                "backward_s": [1.0] * 3,
+                "virtual_stages": 2,
+                "schedule": "Interleaved1F1B",
+            },
+            r"the number of stages \(3\) must be a multiple of virtual_stages \(2\)",
+        ),
+        (
+            {"forward_s": [1.0] * 2, "backward_s": [1.0] * 2, "num_microbatches": 0},
+            r"num_microbatches must be >= 1, got 0",
+        ),
+        (
+            {"forward_s": [1.0] * 4, "backward_s": [1.0] * 4, "schedule": "1F1B", "num_microbatches": 2},
+            r"1F1B needs num_microbatches >= num_ranks",
+        ),
+        (
+            {"forward_s": [1.0] * 4, "backward_s": [1.0] * 4, "virtual_stages": 0},
+            r"virtual_stages must be >= 1, got 0",
+        ),
+    ],
+)
+def test_simulate_errors(kwargs: dict[str, Any], message: str) -> None:
+    call: dict[str, Any] = {"schedule": "GPipe", "num_microbatches": 4, **kwargs}
+    with pytest.raises(StageplanError, match=message):
+        simulate(
+            call.pop("schedule"),
+            call.pop("forward_s"),
+            call.pop("backward_s"),
+            call.pop("num_microbatches"),
+            **call,
+        )
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(schedules, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_module_does_not_import_torch() -> None:
+    code = "import sys, stageplan.schedules; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
