@@ -1290,10 +1290,30 @@ def _solve_interleaved_milp(
             return True
         return bool(np.all(_rank_memory(memory, p, bounds) <= limits))
 
-    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored)
-    heur = list(solve(c, C, stage_speeds=np.tile(speeds, v)).boundaries)
-    heur_ok = fits(heur)
-    upper = max(_rank_loads(c, p, speeds, heur)) if heur_ok else _INF
+    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored, or
+    # each chunk held to 1/v of its rank's limit), improved by local search; it bounds the MILP
+    starts = [list(solve(c, C, stage_speeds=np.tile(speeds, v)).boundaries)]
+    if memory is not None and limits is not None:
+        try:
+            starts.append(
+                list(
+                    solve(
+                        c, C, stage_speeds=np.tile(speeds, v), memory_bytes=memory,
+                        memory_limit_bytes=np.tile(limits / v, v),
+                    ).boundaries
+                )
+            )
+        except InfeasiblePlanError:
+            pass
+    heur: list[int] = []
+    upper = _INF
+    for start in starts:
+        if fits(start):
+            cand = _improve_interleaved(c, p, v, speeds, memory, limits, start)
+            load = max(_rank_loads(c, p, speeds, cand))
+            if load < upper:
+                heur, upper = cand, load
+    heur_ok = bool(heur)
 
     result = _interleaved_milp(c, p, v, speeds, memory, limits, "time", upper, trivial, time_limit_s)
     if result.infeasible and not heur_ok:
@@ -1319,6 +1339,68 @@ def _solve_interleaved_milp(
         optimal=optimal,
         chunk_memory=None if memory is None else tuple(float(x) for x in _chunk_memory(memory, bounds)),
     )
+
+
+def _improve_interleaved(
+    c: FloatArray,
+    p: int,
+    v: int,
+    speeds: FloatArray,
+    memory: FloatArray | None,
+    limits: FloatArray | None,
+    bounds: list[int],
+) -> list[int]:
+    """Local search: move one layer across a chunk boundary whenever that lowers the larger load of
+    the two ranks involved (and both still fit in memory). The sorted load vector decreases, so it
+    stops; the result is a heuristic incumbent, not a proof."""
+    C = p * v
+    if p == 1:
+        return bounds
+    b = list(bounds)
+    prefix = np.zeros(c.size + 1)
+    np.cumsum(c, out=prefix[1:])
+    P = prefix.tolist()
+    s = speeds.tolist()
+    cost = [P[b[i + 1]] - P[b[i]] for i in range(C)]
+    load = [math.fsum(cost[r::p]) for r in range(p)]
+    check_memory = memory is not None and limits is not None
+    if check_memory:
+        assert memory is not None and limits is not None
+        mp = np.zeros((C, c.size + 1))
+        np.cumsum(memory, axis=1, out=mp[:, 1:])
+        M = mp.tolist()
+        lim = limits.tolist()
+        cmem = [M[i][b[i + 1]] - M[i][b[i]] for i in range(C)]
+        rmem = [math.fsum(cmem[r::p]) for r in range(p)]
+    improved = True
+    while improved:
+        improved = False
+        for ci in range(1, C):
+            ra, rb = (ci - 1) % p, ci % p
+            for nb in (b[ci] + 1, b[ci] - 1):
+                if not b[ci - 1] < nb < b[ci + 1]:
+                    continue
+                ca = P[nb] - P[b[ci - 1]]
+                cb = P[b[ci + 1]] - P[nb]
+                la = load[ra] - cost[ci - 1] + ca
+                lb = load[rb] - cost[ci] + cb
+                if max(la / s[ra], lb / s[rb]) >= max(load[ra] / s[ra], load[rb] / s[rb]) * (1 - 1e-12):
+                    continue
+                if check_memory:
+                    ma = M[ci - 1][nb] - M[ci - 1][b[ci - 1]]
+                    mb = M[ci][b[ci + 1]] - M[ci][nb]
+                    na = rmem[ra] - cmem[ci - 1] + ma
+                    nbm = rmem[rb] - cmem[ci] + mb
+                    if na > lim[ra] or nbm > lim[rb]:
+                        continue
+                    rmem[ra], rmem[rb], cmem[ci - 1], cmem[ci] = na, nbm, ma, mb
+                load[ra], load[rb], cost[ci - 1], cost[ci] = la, lb, ca, cb
+                b[ci] = nb
+                improved = True
+                break
+    if check_memory and not np.all(_rank_memory(memory, p, b) <= limits):  # type: ignore[arg-type]
+        return bounds  # incremental sums drifted past a limit: keep the start
+    return b
 
 
 def _raise_interleaved_infeasible(

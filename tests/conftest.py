@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -12,10 +11,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> None:
-    if "torch" in sys.modules or True:
-        import torch
+    import torch
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import assert_one_line_error, run_cli
+
 from stageplan import InfeasiblePlanError, LayerProfile, Profile, StageplanError
 from stageplan.api import compare_methods, plan
 from stageplan.costmodel import Device
