@@ -15,17 +15,36 @@ from stageplan.workload import Workload
 __version__ = "0.1.0"
 
 __all__ = [
+    "Device",
     "InfeasiblePlanError",
     "LayerProfile",
+    "Plan",
     "Profile",
     "RunError",
+    "RunReport",
     "StageplanError",
     "Workload",
     "__version__",
+    "calibrate",
+    "plan",
     "profile_model",
+    "run",
+    "simulate",
+    "solve",
 ]
 
-_LAZY = {"profile_model": "stageplan.api"}
+# Loaded on first use: the planning names pull numpy/scipy; profile_model and run pull torch.
+_LAZY = {
+    "profile_model": "stageplan.api",
+    "plan": "stageplan.api",
+    "run": "stageplan.api",
+    "calibrate": "stageplan.api",
+    "Plan": "stageplan.plan",
+    "RunReport": "stageplan.runreport",
+    "Device": "stageplan.costmodel",
+    "simulate": "stageplan.schedules",
+    "solve": "stageplan.solver",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from stageplan.costmodel import (
 from stageplan.errors import StageplanError
 from stageplan.plan import Plan, StagePlan
 from stageplan.profile import Profile
+from stageplan.runreport import RunReport
 from stageplan.schedules import normalize_schedule, simulate
 from stageplan.units import format_bytes, parse_bandwidth, parse_bytes
 from stageplan.workload import Workload
@@ -275,3 +276,61 @@ def replace_plan(plan: Plan, **changes: Any) -> Plan:
 def compare_methods(profile: Profile | str | os.PathLike[str], num_stages: int, **options: Any) -> dict[str, Plan]:
     """Plan with every method (optimal, uniform, parameters) under the same options."""
     return {m: plan(profile, num_stages, method=m, **options) for m in METHODS}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Running and calibrating
+
+
+def run(
+    workload: Workload | str,
+    plan: Plan | str | os.PathLike[str],
+    *,
+    steps: int = 20,
+    warmup: int = 3,
+    optimizer: str = "sgd",
+    lr: float | None = None,
+    check: bool = False,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    options: dict[str, Any] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> RunReport:
+    """Train ``workload`` (a Workload or a model spec built with ``options``) with ``plan`` on one local process
+    per pipeline rank; returns the RunReport (predicted vs measured; ``check`` compares with one process)."""
+    from stageplan.executor import run as _run
+
+    return _run(workload, plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check, backend=backend,
+                timeout_s=timeout_s, options=options, output=output, log_dir=log_dir)
+
+
+def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str | os.PathLike[str]) -> Profile:
+    """Rescale each layer's times by the measured / predicted compute ratio of the rank that ran it, so the
+    next plan starts from what the run measured."""
+    prof = _as_profile(profile)
+    rep = report if isinstance(report, RunReport) else RunReport.load(report)
+    names = rep.plan.get("layer_names")
+    if names is not None and list(names) != prof.names:
+        raise StageplanError(
+            "the run report was made from a plan over other layers than this profile's; "
+            "calibrate the profile that the run's plan was made from"
+        )
+    bounds = rep.plan["boundaries"]
+    p = int(rep.plan["num_ranks"])
+    stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
+    factors_by_rank = {}
+    for row in rep.stages:
+        pred, meas = row["predicted_compute_s"], row["measured_compute_s"]
+        if not (pred > 0 and meas > 0 and math.isfinite(meas)):
+            raise StageplanError(f"rank {row['rank']} has no usable measurement (predicted {pred}, measured {meas}); rerun with more --steps")
+        factors_by_rank[int(row["rank"])] = meas / pred
+    factors = [1.0] * len(prof)
+    for s in range(len(bounds) - 1):
+        for layer in range(bounds[s], bounds[s + 1]):
+            factors[layer] = factors_by_rank[stage_rank[s]]
+    out = prof.scaled(factors)
+    meta = dict(out.meta)
+    meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
+                           "from_profile_digest": prof.digest(), "run_plan": rep.plan}
+    return Profile(out.layers, meta)

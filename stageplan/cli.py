@@ -76,6 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, help="split-spec, torchtitan, megatron, deepspeed or torchgpipe")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json")
 
+    p = sub.add_parser("run", help="train with a plan on one process per rank; measure, optionally check")
+    _add_model_args(p)
+    p.add_argument("--plan", required=True, metavar="PLAN.json")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--optimizer", default="sgd", help="sgd or adamw")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--check", action="store_true", help="compare with single-process training; exit 1 on FAIL")
+    p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
+    p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder)")
+    p.add_argument("-o", "--output", default=None, metavar="RUN.json")
+
+    p = sub.add_parser("calibrate", help="rescale a profile's layer times by a run's measured / predicted ratios")
+    p.add_argument("profile", metavar="PROFILE.json")
+    p.add_argument("run", metavar="RUN.json")
+    p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json")
+
     p = sub.add_parser("show", help="print a profile, plan or run report (optionally plot it)")
     p.add_argument("path", metavar="FILE.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure that fits the file")
@@ -112,6 +130,10 @@ def _load_any(path: str) -> tuple[str, Any]:
         from stageplan.profile import Profile
 
         return "profile", Profile.from_json(data, source=f"profile {path!r}")
+    if schema.startswith("stageplan.run/"):
+        from stageplan.runreport import RunReport
+
+        return "run", RunReport.from_json(data, source=f"run report {path!r}")
     if schema.startswith("stageplan.plan/"):
         from stageplan.plan import Plan
 
@@ -120,13 +142,15 @@ def _load_any(path: str) -> tuple[str, Any]:
 
 
 def _cmd_show(a: argparse.Namespace) -> int:
-    from stageplan.report import plan_table, profile_table
+    from stageplan.report import plan_table, profile_table, run_table
 
     kind, obj = _load_any(a.path)
     if kind == "profile":
         print(profile_table(obj))
     elif kind == "plan":
         print(plan_table(obj))
+    else:
+        print(run_table(obj))
     return 0
 
 
@@ -176,7 +200,48 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"profile": _cmd_profile, "plan": _cmd_plan, "show": _cmd_show}
+def _cmd_run(a: argparse.Namespace) -> int:
+    import os
+
+    from stageplan.api import build_workload, run
+    from stageplan.report import run_table
+
+    kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
+                                  backend=a.backend, timeout_s=a.timeout)
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                and "LOCAL_RANK" in os.environ):
+        from stageplan.executor import torchrun_main
+        from stageplan.plan import Plan
+
+        the_plan = Plan.load(a.plan)
+        report = torchrun_main(build_workload(a.model, parse_set(a.options)), the_plan, output=a.output, **kwargs)
+        if report is None:  # not rank 0
+            return 0
+    else:
+        report = run(a.model, a.plan, options=parse_set(a.options), output=a.output, log_dir=a.log_dir, **kwargs)
+    print(run_table(report))
+    if a.output:
+        print(f"wrote {a.output}")
+    if report.check is not None and not report.check["passed"]:
+        return 1
+    return 0
+
+
+def _cmd_calibrate(a: argparse.Namespace) -> int:
+    from stageplan._io import check_output_path
+    from stageplan.api import calibrate
+    from stageplan.profile import Profile
+    from stageplan.runreport import RunReport
+
+    check_output_path(a.output)
+    calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
+    calibrated.save(a.output)
+    factors = calibrated.meta["calibration"]["rank_factors"]
+    print(f"wrote {a.output}: layer times scaled per rank by {', '.join(f'{f:.3f}' for f in factors)} (measured / predicted)")
+    return 0
+
+
+COMMANDS = {"profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -297,10 +297,13 @@ def cut_stages(model: nn.Module, example_args: tuple[Any, ...], layer_names: Seq
     rules as :func:`cut_layers`: slices for Sequential, export splitting at the stage-start layers otherwise."""
     bounds = list(boundaries)
     if isinstance(model, nn.Sequential) and not layers:
-        children = list(model.children())
+        from collections import OrderedDict
+
+        children = list(model.named_children())
         pieces = []
         for s in range(len(bounds) - 1):
-            mod = nn.Sequential(*children[bounds[s] : bounds[s + 1]])
+            # keep the children's names, so parameter FQNs match the uncut model's
+            mod = nn.Sequential(OrderedDict(children[bounds[s] : bounds[s + 1]]))
             refs = [("arg", i) for i in range(len(example_args))] if s == 0 else [("out", s - 1, None)]
             pieces.append(Piece(f"stage{s}", mod, refs))
         return CutModel(pieces, [("out", len(pieces) - 1, None)], "sequential")

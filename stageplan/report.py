@@ -7,6 +7,7 @@ from typing import Any
 
 from stageplan.plan import Plan
 from stageplan.profile import Profile
+from stageplan.runreport import RunReport
 
 MiB = 1024.0**2
 
@@ -107,3 +108,31 @@ def compare_table(plans: dict[str, Plan]) -> str:
                      ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s), ratio(p.balance_efficiency),
                      mib(max(p.rank_memory_bytes))])
     return format_table(headers, rows, right=[False, False] + [True] * 6)
+
+
+def run_table(report: RunReport) -> str:
+    """Predicted vs measured, per rank and for the step, with ratios; then the check result."""
+    headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "idle ms pred", "idle ms meas",
+               "act MiB pred", "act MiB meas", "ratio"]
+    rows = []
+    for r in report.stages:
+        rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]), ms(r["measured_compute_s"]),
+                     ratio(r["compute_ratio"]), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
+                     mib(r["predicted_peak_activation_bytes"]), mib(r["measured_peak_activation_bytes"]),
+                     ratio(r["activation_ratio"])])
+    lines = [format_table(headers, rows)]
+    lines.append(
+        f"step: predicted {ms(report.predicted_step_s)} ms, measured {ms(report.measured_step_s)} ms "
+        f"(IQR {ms(report.measured_step_iqr_s)}), ratio {ratio(report.step_ratio)}; "
+        f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured {100 * report.measured_bubble_fraction:.1f}%; "
+        f"{report.samples_per_s:.1f} samples/s"
+    )
+    plan = report.plan
+    lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
+                 f"{plan.get('num_microbatches')} microbatches; compute per microbatch")
+    if report.check is not None:
+        c = report.check
+        verdict = "PASS" if c["passed"] else "FAIL"
+        lines.append(f"check: {verdict} (max loss diff {c['max_loss_diff']:.3g}, max param diff {c['max_param_diff']:.3g} "
+                     f"at {c['worst_param'] or '-'}, {c['params_compared']} parameters compared)")
+    return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import math
 import warnings
@@ -540,8 +541,8 @@ def _time_lo(inst: _Instance, k: int, time_cap: float, js: IntArray) -> IntArray
         lo = np.where(active & ~good, mid + 1, lo)
 
 
-def _range_argmin(vals: FloatArray, lo: IntArray, hi: IntArray) -> IntArray:
-    """Index of the minimum of vals over each inclusive range [lo, hi] (sparse table, O(n log n))."""
+def _argmin_table(vals: FloatArray) -> IntArray:
+    """Sparse table: row t holds, at x, the index of the minimum of vals[x : x + 2**t]."""
     n = vals.size
     levels = max(1, n.bit_length())
     table = np.empty((levels, n), dtype=np.int64)
@@ -552,38 +553,65 @@ def _range_argmin(vals: FloatArray, lo: IntArray, hi: IntArray) -> IntArray:
         a = table[t - 1, :cnt]
         b = table[t - 1, half : half + cnt]
         table[t, :cnt] = np.where(vals[b] < vals[a], b, a)
-        table[t, cnt:] = table[t - 1, cnt:]
+        table[t, cnt:] = table[t - 1, cnt:]  # padding, never read
+    return table
+
+
+def _range_argmin(table: IntArray, vals: FloatArray, lo: IntArray, hi: IntArray) -> IntArray:
+    """Index of the minimum of vals over each inclusive range [lo, hi] (two overlapping blocks)."""
     lvl = np.frexp((hi - lo + 1).astype(np.float64))[1].astype(np.int64) - 1
     a = table[lvl, lo]
     b = table[lvl, hi - (np.int64(1) << lvl) + 1]
     return np.where(vals[b] < vals[a], b, a)
 
 
-def _probe_general(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+def _last_at_most(table: IntArray, vals: FloatArray, hi: IntArray, thr: FloatArray) -> IntArray:
+    """Largest index x <= hi with vals[x] <= thr (-1 if none): skip power-of-two blocks, largest
+    first, whose minimum exceeds thr (the skipped run has length < 2**levels, so each size is
+    needed at most once)."""
+    mins = vals[table]
+    pos = hi.copy()
+    for t in range(table.shape[0] - 1, -1, -1):
+        span = 1 << t
+        start = pos - (span - 1)
+        skip = (start >= 0) & (mins[t, np.maximum(start, 0)] > thr)
+        pos -= skip * span
+    good = pos >= 0
+    good &= vals[np.maximum(pos, 0)] <= thr
+    return np.where(good, pos, -1)
+
+
+def _probe_general(inst: _Instance, time_cap: float, util_cap: float, time_events: bool) -> _Probe:
     """O(pL log L): with start terms, j needs the reachable i in its time window [lo(j), j) that
-    minimises start[i] - M[i] (a range-minimum query on a sparse table)."""
+    minimises start[i] - M[i] (a range-minimum query on a sparse table).
+
+    Next event for the time: an unreached j becomes reachable first from the largest reachable i
+    whose memory fits (time falls as i grows), found by binary lifting on the same table.
+    """
     assert inst.mem_prefix is not None and inst.mem_start is not None
     L, p = inst.num_layers, inst.num_stages
     reach = np.zeros(L + 1, dtype=bool)
     reach[0] = True
     preds: list[IntArray] = []
-    next_util = _INF
+    next_time = next_util = _INF
+    exact_next_time = True
     for k in range(p):
         jlo, jhi = k + 1, L - (p - 1 - k)
         seg = reach[jlo - 1 : jhi]
         first = int(np.argmax(seg))
         if not seg[first]:
-            return _Probe(False, None, time_cap, next_util)
+            break
         base = jlo - 1 + first  # smallest reachable start
-        js = np.arange(base + 1, jhi + 1)
-        lo = np.maximum(_time_lo(inst, k, time_cap, js), base)
-        nonempty = lo < js
-        js, lo = js[nonempty], lo[nonempty]
+        starts = np.arange(base, jhi)
+        g = np.where(seg[first:], inst.mem_start[k, starts] - inst.mem_prefix[k, starts], _INF)
+        table = _argmin_table(g)
+        all_js = np.arange(base + 1, jhi + 1)
+        lo = np.maximum(_time_lo(inst, k, time_cap, all_js), base)
+        nonempty = lo < all_js
+        js, lo = all_js[nonempty], lo[nonempty]
         pred = np.full(L + 1, -1, dtype=np.int64)
         if js.size:
-            starts = np.arange(base, jhi)
-            g = np.where(seg[first:], inst.mem_start[k, starts] - inst.mem_prefix[k, starts], _INF)
-            best = _range_argmin(g, lo - base, js - 1 - base)
+            best = _range_argmin(table, g, lo - base, js - 1 - base)
             valid = np.isfinite(g[best])
             js, ib = js[valid], best[valid] + base
             m = _mems(inst, k, ib, js)
@@ -593,23 +621,45 @@ def _probe_general(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
             if (fits & ~ok).any():
                 next_util = min(next_util, float(u[fits & ~ok].min()))
             pred[js[ok]] = ib[ok]
+        # next event for the time (only needed while bisecting on it)
+        if time_events and math.isfinite(time_cap) and exact_next_time:
+            open_js = all_js[pred[all_js] < 0]
+            if open_js.size:
+                room = min(inst.cap_list[k], util_cap * inst.div_list[k])
+                thr = room - inst.mem_prefix[k, open_js]
+                if inst.mem_end is not None:
+                    thr = thr - inst.mem_end[k, open_js]
+                cand = _last_at_most(table, g, open_js - 1 - base, thr)
+                has = cand >= 0
+                ci, cj = cand[has] + base, open_js[has]
+                if ci.size:
+                    t = _times(inst, k, ci, cj)
+                    mem_fine = _mem_ok(inst, k, _mems(inst, k, ci, cj), util_cap)
+                    if not np.all(mem_fine & (t > time_cap)):
+                        exact_next_time = False  # rounding disagreement: do not jump
+                    else:
+                        next_time = min(next_time, float(t.min()))
         reach = pred >= 0
         preds.append(pred)
-    if not reach[L]:
-        return _Probe(False, None, time_cap, next_util)
+    if not exact_next_time:
+        next_time = time_cap
+    if len(preds) < p or not reach[L]:
+        return _Probe(False, None, next_time, next_util)
     bounds = [L]
     for pred in reversed(preds):
         bounds.append(int(pred[bounds[-1]]))
     bounds.reverse()
-    return _Probe(True, bounds, time_cap, next_util)
+    return _Probe(True, bounds, next_time, next_util)
 
 
-def _probe(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
+def _probe(inst: _Instance, time_cap: float, util_cap: float, *, time_events: bool = True) -> _Probe:
+    """Feasibility under (T, U) by the cheapest exact method; time_events=False skips the (costly
+    on the start-term path) next event for T when the caller bisects on U."""
     if _fast_applies(inst, time_cap, util_cap):
         return _probe_fast(inst, time_cap, util_cap)
     if inst.mem_start is None:
         return _probe_monotone(inst, time_cap, util_cap)
-    return _probe_general(inst, time_cap, util_cap)
+    return _probe_general(inst, time_cap, util_cap, time_events)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -881,7 +931,7 @@ def solve(
             inst.util_lower,
             _max_util(inst, best),
             best,
-            lambda u: _probe(inst, time_cap, u),
+            lambda u: _probe(inst, time_cap, u, time_events=False),
             lambda r: r.next_util,
             lambda b: _max_util(inst, b),
             try_lo_first=False,
@@ -1294,22 +1344,19 @@ def _solve_interleaved_milp(
     # each chunk held to 1/v of its rank's limit), improved by local search; it bounds the MILP
     starts = [list(solve(c, C, stage_speeds=np.tile(speeds, v)).boundaries)]
     if memory is not None and limits is not None:
-        try:
-            starts.append(
-                list(
-                    solve(
-                        c, C, stage_speeds=np.tile(speeds, v), memory_bytes=memory,
-                        memory_limit_bytes=np.tile(limits / v, v),
-                    ).boundaries
-                )
-            )
-        except InfeasiblePlanError:
-            pass
+        with contextlib.suppress(InfeasiblePlanError):
+            chunk_limits = np.tile(limits / v, v)
+            sol = solve(c, C, stage_speeds=np.tile(speeds, v), memory_bytes=memory, memory_limit_bytes=chunk_limits)
+            starts.append(list(sol.boundaries))
     heur: list[int] = []
     upper = _INF
+    time_rows = np.broadcast_to(c, (C, L))
     for start in starts:
+        if not fits(start):
+            assert memory is not None
+            start = _improve_interleaved(memory, p, np.ones(p), None, None, start)  # repair memory
         if fits(start):
-            cand = _improve_interleaved(c, p, v, speeds, memory, limits, start)
+            cand = _improve_interleaved(time_rows, p, speeds, memory, limits, start)
             load = max(_rank_loads(c, p, speeds, cand))
             if load < upper:
                 heur, upper = cand, load
@@ -1342,34 +1389,37 @@ def _solve_interleaved_milp(
 
 
 def _improve_interleaved(
-    c: FloatArray,
+    values: FloatArray,
     p: int,
-    v: int,
-    speeds: FloatArray,
-    memory: FloatArray | None,
-    limits: FloatArray | None,
+    div: FloatArray,
+    guard_rows: FloatArray | None,
+    guard_limits: FloatArray | None,
     bounds: list[int],
 ) -> list[int]:
-    """Local search: move one layer across a chunk boundary whenever that lowers the larger load of
-    the two ranks involved (and both still fit in memory). The sorted load vector decreases, so it
-    stops; the result is a heuristic incumbent, not a proof."""
-    C = p * v
+    """Local search over chunk boundaries: move one layer across a boundary whenever that lowers the
+    larger load of the two ranks involved (rank load = sum of its chunks' values[c] / div[rank]),
+    keeping every rank within guard_limits on guard_rows when given. The sorted load vector falls
+    with every move, so it stops; the result is a heuristic incumbent, not a proof."""
+    C = values.shape[0]
     if p == 1:
         return bounds
     b = list(bounds)
-    prefix = np.zeros(c.size + 1)
-    np.cumsum(c, out=prefix[1:])
-    P = prefix.tolist()
-    s = speeds.tolist()
-    cost = [P[b[i + 1]] - P[b[i]] for i in range(C)]
+    vp = np.zeros((C, values.shape[1] + 1))
+    np.cumsum(values, axis=1, out=vp[:, 1:])
+    V = vp.tolist()
+    d = div.tolist()
+    cost = [V[i][b[i + 1]] - V[i][b[i]] for i in range(C)]
     load = [math.fsum(cost[r::p]) for r in range(p)]
-    check_memory = memory is not None and limits is not None
-    if check_memory:
-        assert memory is not None and limits is not None
-        mp = np.zeros((C, c.size + 1))
-        np.cumsum(memory, axis=1, out=mp[:, 1:])
+    guarded = guard_rows is not None and guard_limits is not None
+    M: list[list[float]] = []
+    lim: list[float] = []
+    cmem: list[float] = []
+    rmem: list[float] = []
+    if guard_rows is not None and guard_limits is not None:
+        mp = np.zeros((C, guard_rows.shape[1] + 1))
+        np.cumsum(guard_rows, axis=1, out=mp[:, 1:])
         M = mp.tolist()
-        lim = limits.tolist()
+        lim = guard_limits.tolist()
         cmem = [M[i][b[i + 1]] - M[i][b[i]] for i in range(C)]
         rmem = [math.fsum(cmem[r::p]) for r in range(p)]
     improved = True
@@ -1380,25 +1430,27 @@ def _improve_interleaved(
             for nb in (b[ci] + 1, b[ci] - 1):
                 if not b[ci - 1] < nb < b[ci + 1]:
                     continue
-                ca = P[nb] - P[b[ci - 1]]
-                cb = P[b[ci + 1]] - P[nb]
+                ca = V[ci - 1][nb] - V[ci - 1][b[ci - 1]]
+                cb = V[ci][b[ci + 1]] - V[ci][nb]
                 la = load[ra] - cost[ci - 1] + ca
                 lb = load[rb] - cost[ci] + cb
-                if max(la / s[ra], lb / s[rb]) >= max(load[ra] / s[ra], load[rb] / s[rb]) * (1 - 1e-12):
+                if max(la / d[ra], lb / d[rb]) >= max(load[ra] / d[ra], load[rb] / d[rb]) * (1 - 1e-12):
                     continue
-                if check_memory:
+                if guarded:
                     ma = M[ci - 1][nb] - M[ci - 1][b[ci - 1]]
                     mb = M[ci][b[ci + 1]] - M[ci][nb]
                     na = rmem[ra] - cmem[ci - 1] + ma
-                    nbm = rmem[rb] - cmem[ci] + mb
-                    if na > lim[ra] or nbm > lim[rb]:
+                    nm = rmem[rb] - cmem[ci] + mb
+                    if na > lim[ra] or nm > lim[rb]:
                         continue
-                    rmem[ra], rmem[rb], cmem[ci - 1], cmem[ci] = na, nbm, ma, mb
+                    rmem[ra], rmem[rb], cmem[ci - 1], cmem[ci] = na, nm, ma, mb
                 load[ra], load[rb], cost[ci - 1], cost[ci] = la, lb, ca, cb
                 b[ci] = nb
                 improved = True
                 break
-    if check_memory and not np.all(_rank_memory(memory, p, b) <= limits):  # type: ignore[arg-type]
+    if guard_rows is not None and guard_limits is not None and not np.all(
+        _rank_memory(guard_rows, p, b) <= guard_limits
+    ):
         return bounds  # incremental sums drifted past a limit: keep the start
     return b
 

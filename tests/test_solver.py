@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,7 +170,7 @@ def instance(draw: st.DrawFn, max_layers: int = 8) -> tuple[list[float], int]:
     return costs, p
 
 
-def rows_strategy(draw: st.DrawFn, p: int, L: int, values: st.SearchStrategy[float]) -> list[float] | Rows:
+def rows_strategy(draw: Callable[..., Any], p: int, L: int, values: st.SearchStrategy[float]) -> list[float] | Rows:
     if draw(st.booleans()):
         return draw(st.lists(values, min_size=L, max_size=L))
     return [draw(st.lists(values, min_size=L, max_size=L)) for _ in range(p)]
@@ -253,31 +254,64 @@ def test_larger_random_float_instances_match_brute_force_bottleneck(data: st.Dat
     check_solution(sol, costs, p, speeds=speeds)
 
 
-def test_wide_instances_agree_between_probe_paths() -> None:
-    """The O(p log L) interval probes and the O(pL) reachable-set probes must agree."""
-    rng = np.random.default_rng(7)
-    for _ in range(20):
-        L = int(rng.integers(30, 120))
-        p = int(rng.integers(2, 12))
-        costs = rng.integers(1, 50, L).astype(float)
-        mem = rng.integers(1, 30, (p, L)).astype(float)
-        limit = float(rng.integers(int(mem.sum(axis=1).max() / p) + 30, int(mem.sum(axis=1).max())))
-        fast = solve(costs, p, memory_bytes=mem, memory_limit_bytes=limit)
-        # a boundary cost of 0 on the last layer only is ignored, so add a tiny real one on another
-        # layer far from everything else: identical optimum unless it binds, checked below
-        bc = np.zeros(L)
-        general = solve(costs, p, boundary_costs=bc + 0.0, memory_bytes=mem, memory_limit_bytes=limit,
-                        memory_end_bytes=np.zeros(L))
-        assert general.boundaries == fast.boundaries
-        start = solve(costs, p, memory_bytes=mem, memory_limit_bytes=limit, memory_start_bytes=np.zeros(L))
-        assert start.boundaries == fast.boundaries
-        inst = solver._build_instance(
-            costs, p, np.ones(p), None, mem, None, None, np.full(p, limit)
-        )
-        t = fast.bottleneck
-        for probe in (solver._probe_fast, solver._probe_monotone):
-            assert probe(inst, t, math.inf).feasible
-            assert not probe(inst, t * (1 - 1e-9), math.inf).feasible
+def dp_bottleneck(
+    costs: np.ndarray, p: int, speeds: np.ndarray, bc: np.ndarray, mem: np.ndarray,
+    start: np.ndarray, end: np.ndarray, limit: np.ndarray,
+) -> float:
+    """O(L^2 p) min-max DP over all (i, j) pairs with every term: an oracle for larger L."""
+    L = costs.size
+    P = np.concatenate([[0.0], np.cumsum(costs)])
+    i, j = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    for k in range(p):
+        M = np.concatenate([[0.0], np.cumsum(mem[k])])
+        t = (P[j] - P[i]) / speeds[k] + np.where(j < L, bc[k][np.clip(j - 1, 0, L - 1)], 0.0)
+        m = M[j] - M[i] + start[k][np.clip(i, 0, L - 1)] + end[k][np.clip(j - 1, 0, L - 1)]
+        t = np.where((i < j) & (m <= limit[k]), t, np.inf)
+        best = np.min(np.maximum(best[:, None], t), axis=0)
+    return float(best[L])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_larger_instances_match_dp_and_every_probe_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """L up to 60: the bottleneck equals an O(L^2 p) DP, and forcing the O(pL) reachable-set probes
+    or the start-term probes (instead of the O(p log L) interval probes) changes nothing."""
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(20, 61))
+    p = int(rng.integers(2, 9))
+    costs = rng.integers(1, 40, L).astype(float)
+    speeds = rng.choice([0.5, 1.0, 2.0], p)
+    mem = rng.integers(1, 30, (p, L)).astype(float)
+    zeros = np.zeros((p, L))
+    peak = float(mem.sum(axis=1).max())
+    limit = np.full(p, float(rng.integers(int(peak / p) + 30, int(peak))))
+    ref = dp_bottleneck(costs, p, speeds, zeros, mem, zeros, zeros, limit)
+    fast = solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit)
+    assert fast.bottleneck == ref
+
+    monkeypatch.setattr(solver, "_fast_applies", lambda *args: False)
+    assert solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit) == fast
+    build = solver._build_instance
+
+    def with_start_terms(*args: object) -> object:
+        inst = build(*args)  # type: ignore[arg-type]
+        return solver.replace(inst, mem_start=np.zeros((inst.num_stages, inst.num_layers + 1)))
+
+    monkeypatch.setattr(solver, "_build_instance", with_start_terms)
+    assert solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit) == fast
+    monkeypatch.undo()
+
+    # every term at once, against the DP
+    bc = rng.integers(0, 20, (p, L)).astype(float)
+    start = rng.integers(0, 20, L).astype(float)
+    end = rng.integers(0, 20, (p, L)).astype(float)
+    full = solve(costs, p, stage_speeds=speeds, boundary_costs=bc, memory_bytes=mem,
+                 memory_start_bytes=start, memory_end_bytes=end, memory_limit_bytes=limit + 40)
+    check_solution(full, costs.tolist(), p, speeds=speeds.tolist(), bc=bc.tolist(), mem=mem.tolist(),
+                   start=start.tolist(), end=end.tolist(), limit=(limit + 40).tolist())
+    starts = np.broadcast_to(start, (p, L))
+    assert full.bottleneck == dp_bottleneck(costs, p, speeds, bc, mem, starts, end, limit + 40)
 
 
 def test_general_paths_forced() -> None:
