@@ -289,7 +289,6 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     has_first = 0 in mine
     has_last = last_stage in mine
     steps, warmup = int(options["steps"]), int(options["warmup"])
-    fail = options.get("fail_rank_step")  # (rank, step): used by the fault test through the environment
 
     step_times: list[float] = []
     compute_f: list[float] = []
@@ -299,8 +298,6 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     peaks: list[int] = []
     timeline: list[dict[str, Any]] = []
     for step in range(warmup + steps):
-        if fail and int(fail[0]) == rank and int(fail[1]) == step:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()
         tracker.reset_peak()
@@ -461,7 +458,7 @@ def _report(plan: Plan, gathered: list[Any], options: dict[str, Any], check: dic
               "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
               "stage_ranks": [st.rank for st in plan.stages],
               "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names)},
-        options={k: v for k, v in options.items() if k not in ("fail_rank_step",)},
+        options=dict(options),
         meta={"torch_version": torch.__version__, "device": str(device), "world_size": p,
               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
@@ -551,11 +548,9 @@ def _run_options(plan: Plan, wl: Workload, *, steps: int, warmup: int, optimizer
         raise StageplanError(f"unknown backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
     if backend == "nccl" and torch.cuda.device_count() < 1:
         raise StageplanError("backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
-    fail = os.environ.get("STAGEPLAN_FAIL_RANK_STEP")  # "rank,step": inject a failure (fault tests)
     return {"steps": steps, "warmup": warmup, "optimizer": optimizer, "lr": lr if lr is not None else DEFAULT_LR[optimizer],
             "check": check, "backend": backend, "timeout_s": timeout_s,
-            "microbatch_size": wl.batch_size // plan.num_microbatches if wl.batch_size % plan.num_microbatches == 0 else None,
-            "fail_rank_step": [int(x) for x in fail.split(",")] if fail else None}
+            "microbatch_size": wl.batch_size // plan.num_microbatches if wl.batch_size % plan.num_microbatches == 0 else None}
 
 
 def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, opts: dict[str, Any]) -> None:
@@ -673,7 +668,11 @@ def _child(run_dir: str, rank: int, world: int) -> int:
         return 0
     except BaseException as exc:
         traceback.print_exc()
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        root: BaseException = exc  # torch wraps a stage's error; the innermost cause says what went wrong
+        while (root.__cause__ or root.__context__) is not None and len(str(root.__cause__ or root.__context__)) > 0:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
+        msg = f"{type(root).__name__}: {lines[0]}" if lines else type(root).__name__
         (Path(run_dir) / f"rank{rank}.error").write_text(msg + "\n")
         sys.stdout.flush()
         sys.stderr.flush()

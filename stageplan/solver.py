@@ -861,7 +861,10 @@ def solve(
     ``memory_limit_bytes`` (a scalar or one limit per stage).
 
     The bottleneck is minimised exactly (bisection on the bottleneck over reachable-set feasibility
-    probes, stopped at 1e-12 relative). Ties are broken deterministically: among partitions whose
+    probes, stopped at 1e-12 relative; each infeasible probe lifts the lower end to the next value
+    at which any stage could grow). A probe costs O(p log L) without boundary, start and end terms
+    (when every layer alone fits every stage), O(pL) numpy with boundary or end terms and
+    O(pL log L) with start terms. Ties are broken deterministically: among partitions whose
     bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum memory
     utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
     relative) wins, then the lexicographically smallest ``boundaries``.
@@ -1274,7 +1277,8 @@ def solve_interleaved(
     HiGHS (scipy.optimize.milp) within ``time_limit_s``: ``optimal`` is True when HiGHS proves it
     (gap 1e-9 of the objective scaled by the trivial bound); else the best plan found is returned
     with ``lower_bound`` = the proven dual bound. Among optimal plans the one HiGHS returns is kept
-    (deterministic, but not canonical).
+    (not canonical; repeatable when HiGHS finishes within the time limit). Each MILP (the plan,
+    and on infeasibility the smallest limit) gets ``time_limit_s``.
 
     >>> solve_interleaved([1, 1, 1, 1], 2, 2).rank_loads
     (2.0, 2.0)

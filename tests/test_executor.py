@@ -1,0 +1,182 @@
+"""Executor: pipeline training equals single-process training; faults end every rank; bad input is refused
+before any process starts. 2 gloo ranks on CPU, one thread each."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_one_line_error, run_cli
+
+from stageplan import RunError, RunReport, StageplanError
+from stageplan.api import plan, profile_model, run
+from stageplan.profile import LayerProfile, Profile
+from stageplan.zoo import build_workload
+
+pytestmark = pytest.mark.slow
+
+SMALL_GPT = {"n_layer": 3, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 512, "batch_size": 8}
+
+
+def _plan_for(spec: str, options: dict, p: int = 2, **kw):  # type: ignore[no-untyped-def]
+    wl = build_workload(spec, options)
+    prof = profile_model(wl, microbatch_size=wl.batch_size // kw.get("num_microbatches", 4), warmup=0, repeats=1)
+    return prof, plan(prof, p, **kw)
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "schedule", "extra"),
+    [
+        ("gpt", {**SMALL_GPT, "tied": True}, "GPipe", {}),
+        ("gpt", {**SMALL_GPT, "tied": True}, "1F1B", {}),
+        ("convnet", {"batch_size": 8, "image_size": 32, "width": 4}, "1F1B", {}),
+        ("hf-gpt2", {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 512}, "1F1B", {}),
+        ("gpt", {**SMALL_GPT, "n_layer": 4}, "Interleaved1F1B", {"virtual_stages": 2}),
+    ],
+    ids=["gpt-tied-gpipe", "gpt-tied-1f1b", "convnet-1f1b", "hf-gpt2-1f1b", "gpt-interleaved-v2"],
+)
+def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_path: Path) -> None:
+    _prof, pl = _plan_for(spec, options, num_microbatches=4, schedule=schedule, method="uniform", **extra)
+    if options.get("tied"):
+        holders = [st.index for st in pl.stages if any(n.startswith(("tok_emb", "ln_f+head")) for n in st.layers)]
+        assert holders == [0, 1]  # the tied embedding/head weight lives on both ranks
+    report = run(spec, pl, options=options, steps=3, warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")
+    assert report.check is not None and report.check["passed"], report.check
+    assert report.check["params_compared"] >= len(list(build_workload(spec, options).model.parameters()))
+    assert [r["rank"] for r in report.stages] == [0, 1]
+    assert RunReport.load(tmp_path / "run.json") == report
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert {"measured_step_s", "predicted_step_s", "stages"} <= data.keys() and data["schema"] == "stageplan.run/1"
+    for row in report.stages:
+        assert row["measured_compute_s"] > 0 and row["measured_peak_activation_bytes"] > 0
+
+
+def test_check_detects_a_wrong_result() -> None:
+    """The comparator is not vacuous: a one-ulp-free perturbation of one parameter fails the check."""
+    from stageplan.executor import _check
+
+    wl = build_workload("workloads:mlp", {})
+    reference = __import__("copy").deepcopy(wl.model)
+    options = {"optimizer": "sgd", "lr": 0.05, "warmup": 0, "steps": 1}
+    # what a correct pipeline would have gathered: run the same training on a copy
+    twin = __import__("copy").deepcopy(wl.model)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    losses = []
+    opt.zero_grad()
+    total = 0.0
+    for i in range(2):
+        loss = wl.compute_loss(twin(wl.inputs[i * 4:(i + 1) * 4]), wl.target[i * 4:(i + 1) * 4])
+        (loss / 2).backward()
+        total += float(loss.detach())
+    opt.step()
+    losses.append(total / 2)
+    params = {k: v.detach().clone() for k, v in twin.named_parameters()}
+    good = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options, 2)
+    assert good["passed"], good
+    params["2.weight"] += 1e-2
+    bad = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options, 2)
+    assert not bad["passed"] and bad["worst_param"] == "2.weight"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_failing_rank_ends_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from stageplan import executor
+
+    spawned: list[int] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        proc = real_popen(*args, **kwargs)
+        spawned.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(executor.subprocess, "Popen", recording_popen)
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
+    pl = plan(prof, 2, num_microbatches=2, method="uniform")
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"rank 1 failed: RuntimeError: bad layer: forward call 5; full traceback in .*rank1\.log") as info:
+        run("workloads:faulty", pl, options={"fail_step": 2, "num_microbatches": 2}, steps=5, warmup=0,
+            log_dir=tmp_path / "logs", output=tmp_path / "run.json")
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1 and "Traceback" in Path(str(info.value.log_path)).read_text()
+    assert len(spawned) == 2 and not any(_alive(pid) for pid in spawned)
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
+    plan(prof, 2, num_microbatches=2, method="uniform").save(tmp_path / "plan.json")
+    code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan", str(tmp_path / "plan.json"),
+                            "--steps", "2", "--warmup", "1", "--check", "-o", str(tmp_path / "run.json")], capsys)
+    assert code == 0, out
+    assert "check: PASS" in out and "step: predicted" in out
+    code, out, _ = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert code == 0 and "compute ms pred" in out
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json"), "--steps", "4", "--warmup", "0"], capsys)
+    assert code == 1 and "rank 1 failed" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture()
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stageplan import executor
+
+    def refuse(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("a process was spawned for input that should have been refused")
+
+    monkeypatch.setattr(executor.subprocess, "Popen", refuse)
+
+
+def _toy_plan(tmp_path: Path, *, layers: int = 4, m: int = 2, schedule: str = "GPipe") -> str:
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(layers)), {"batch_size": 8, "microbatch_size": 4})
+    path = tmp_path / "plan.json"
+    plan(prof, 2, num_microbatches=m, method="uniform", schedule=schedule).save(path)
+    return str(path)
+
+
+@pytest.mark.usefixtures("no_spawn")
+def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    plan_path = _toy_plan(tmp_path)
+    cases = [
+        (["run", "workloads:mlp", "--plan", plan_path], r"the plan does not match this model: it has 4 layers, the model 8"),
+        (["run", "workloads:faulty", "--plan", str(tmp_path / "missing.json")], r"plan file .*missing.json' does not exist"),
+        (["run", "workloads:faulty", "--set", "batch_size=7", "--plan", plan_path],
+         r"the batch of 7 does not divide into the plan's 2 microbatches"),
+        (["run", "workloads:faulty", "--plan", plan_path, "--optimizer", "lamb"], r"unknown optimizer 'lamb'"),
+    ]
+    for argv, pattern in cases:
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, pattern)
+    # m < p for 1F1B: torch's Schedule1F1B refuses it; we refuse first
+    data = json.loads(Path(plan_path).read_text())
+    data["options"].update(num_microbatches=1, schedule="1F1B")
+    Path(plan_path).write_text(json.dumps(data))
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", plan_path], capsys)
+    assert_one_line_error(code, err, r"1F1B needs num_microbatches >= num_ranks, got num_microbatches=1 < num_ranks=2")
+    # a world size that does not match (as torchrun would set it)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", _toy_plan(tmp_path)], capsys)
+    assert_one_line_error(code, err, r"world size 3 does not match the plan's 2 pipeline ranks")
+
+
+def test_api_refuses_too(tmp_path: Path) -> None:
+    with pytest.raises(StageplanError, match=r"does not divide into the plan's 2 microbatches"):
+        run("workloads:faulty", _toy_plan(tmp_path), options={"batch_size": 9})

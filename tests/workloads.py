@@ -1,0 +1,43 @@
+"""Workload factories used by the multi-process tests (importable by the rank processes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import stageplan
+
+
+class FailingLayer(nn.Module):
+    """A layer that raises on its ``fail_at``-th forward call (a bad layer deep inside a run)."""
+
+    def __init__(self, width: int, fail_at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise RuntimeError(f"bad layer: forward call {self.calls}")
+        return self.linear(x)
+
+
+def faulty(fail_step: int = 2, num_microbatches: int = 2, width: int = 16, batch_size: int = 8) -> stageplan.Workload:
+    """Four layers; the last one raises in step ``fail_step`` (0-based), i.e. after fail_step * m calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+                          FailingLayer(width, fail_step * num_microbatches))
+    return stageplan.Workload(model, torch.randn(batch_size, width), torch.randn(batch_size, width),
+                              nn.functional.mse_loss, name="faulty")
+
+
+def mlp(width: int = 16, depth: int = 4, batch_size: int = 8) -> stageplan.Workload:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    return stageplan.Workload(model, torch.randn(batch_size, width), torch.randn(batch_size, width),
+                              nn.functional.mse_loss, name="mlp")
