@@ -34,6 +34,13 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def default_mode() -> int:
+    """0o666 minus the umask: what open() would give (mkstemp's 0o600 would surprise users)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     """Write JSON to a temporary file in the same folder, then os.replace it: never half-written."""
     p = check_output_path(path)
@@ -42,6 +49,7 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
         with os.fdopen(fd, "w") as f:
             json.dump(_clean(data), f, indent=1, allow_nan=False)
             f.write("\n")
+        os.chmod(tmp, default_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):

@@ -25,7 +25,7 @@ from stageplan.errors import StageplanError
 from stageplan.plan import Plan, StagePlan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
-from stageplan.schedules import normalize_schedule, simulate
+from stageplan.schedules import Simulation, normalize_schedule, simulate
 from stageplan.units import format_bytes, parse_bandwidth, parse_bytes
 from stageplan.workload import Workload
 
@@ -334,3 +334,78 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
                            "from_profile_digest": prof.digest(), "run_plan": rep.plan}
     return Profile(out.layers, meta)
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """The simulator's step for a plan (its timeline feeds plot_timeline)."""
+    comm = [st.comm_s / 2.0 for st in plan.stages[:-1]]  # stage comm counts both directions; a boundary is one way
+    return simulate(plan.schedule, [st.forward_s for st in plan.stages], [st.backward_s for st in plan.stages],
+                    plan.num_microbatches, comm_s=comm, virtual_stages=plan.virtual_stages)
+
+
+def compare(
+    model: str,
+    num_stages: int,
+    *,
+    options: dict[str, Any] | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1F1B",
+    steps: int = 10,
+    warmup: int = 2,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each plan and
+    return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``, also write
+    compare.json, the plans, the run reports and the figures there."""
+    from pathlib import Path
+
+    out = Path(output_dir) if output_dir is not None else None
+    if out is not None and not out.parent.is_dir():
+        raise StageplanError(f"output folder {str(out.parent)!r} does not exist; create it first or choose another -o")
+    if out is not None:
+        out.mkdir(exist_ok=True)
+    if profile is None:
+        workload = build_workload(model, options)
+        mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
+        if workload.batch_size % mb:
+            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}")
+        prof = profile_model(workload, microbatch_size=mb)
+    else:
+        prof = _as_profile(profile)
+    plans = compare_methods(prof, num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    reports: dict[str, RunReport] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, pl in plans.items():
+        same = next((other for other in reports if plans[other].boundaries == pl.boundaries), None)
+        if same is not None:  # an identical split is the same run: measure it once
+            reports[name] = reports[same]
+        else:
+            reports[name] = run(model, pl, options=options, steps=steps, warmup=warmup, timeout_s=timeout_s,
+                                output=None if out is None else out / f"run_{name}.json")
+        rep = reports[name]
+        rows[name] = {"measured_step_s": rep.measured_step_s, "predicted_step_s": rep.predicted_step_s,
+                      "measured_step_iqr_s": rep.measured_step_iqr_s, "balance_efficiency": pl.balance_efficiency,
+                      "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes),
+                      "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in rep.stages],
+                      "same_run_as": same}
+        if out is not None:
+            pl.save(out / f"plan_{name}.json")
+    base = rows["uniform"]["measured_step_s"]
+    for row in rows.values():
+        row["speedup_over_uniform"] = base / row["measured_step_s"] if row["measured_step_s"] else None
+    result = {"model": model, "options": options or {}, "num_stages": num_stages, "schedule": plans["optimal"].schedule,
+              "num_microbatches": plans["optimal"].num_microbatches, "profile_digest": prof.digest(), "methods": rows}
+    if out is not None:
+        from stageplan._io import write_json_atomic
+        from stageplan.plots import plot_stage_balance, plot_timeline, save
+
+        write_json_atomic(out / "compare.json", result)
+        save(plot_stage_balance(plans), str(out / "balance.png"))
+        for name in ("optimal", "uniform"):
+            save(plot_timeline(reports[name], title=f"{name}: measured timeline (last step)"), str(out / f"timeline_{name}.png"))
+        import matplotlib.pyplot as plt
+
+        plt.close("all")
+    return result

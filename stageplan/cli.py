@@ -94,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN.json")
     p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json")
 
+    p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys")
+    _add_model_args(p)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--schedule", default="1F1B")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="use this profile instead of profiling")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
+
     p = sub.add_parser("show", help="print a profile, plan or run report (optionally plot it)")
     p.add_argument("path", metavar="FILE.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure that fits the file")
@@ -141,10 +152,50 @@ def _load_any(path: str) -> tuple[str, Any]:
     raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan and run files")
 
 
+def _plot(kind: str, obj: Any, path: str) -> None:
+    """The figure that fits the file: a profile's layer costs, a plan's balance + memory + simulated timeline,
+    a run's measured timeline + predicted vs measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stageplan._io import check_output_path
+    from stageplan.api import simulate_plan
+    from stageplan.plots import (
+        plot_layer_costs,
+        plot_memory,
+        plot_predicted_vs_measured,
+        plot_stage_balance,
+        plot_timeline,
+        save,
+    )
+
+    check_output_path(path)
+    if kind == "profile":
+        ax = plot_layer_costs(obj)
+    elif kind == "plan":
+        _fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+        plot_stage_balance(obj, ax=axes[0])
+        plot_memory(obj, ax=axes[1])
+        plot_timeline(simulate_plan(obj), ax=axes[2], title="simulated timeline")
+        ax = axes[0]
+    else:
+        _fig, axes = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2.5, 1]})
+        plot_timeline(obj, ax=axes[0], title="measured timeline (last step)")
+        plot_predicted_vs_measured(obj, ax=axes[1])
+        ax = axes[0]
+    save(ax, path)
+    plt.close("all")
+    print(f"wrote {path}")
+
+
 def _cmd_show(a: argparse.Namespace) -> int:
     from stageplan.report import plan_table, profile_table, run_table
 
     kind, obj = _load_any(a.path)
+    if a.plot:
+        _plot(kind, obj, a.plot)
     if kind == "profile":
         print(profile_table(obj))
     elif kind == "plan":
@@ -241,7 +292,20 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "calibrate": _cmd_calibrate, "show": _cmd_show}
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from stageplan.api import compare
+    from stageplan.report import compare_run_table
+
+    result = compare(a.model, a.stages, options=parse_set(a.options), num_microbatches=a.microbatches,
+                     schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
+                     timeout_s=a.timeout)
+    print(compare_run_table(result))
+    if a.output:
+        print(f"wrote {a.output}/compare.json and figures")
+    return 0
+
+
+COMMANDS = {"compare": _cmd_compare, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

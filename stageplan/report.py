@@ -136,3 +136,14 @@ def run_table(report: RunReport) -> str:
         lines.append(f"check: {verdict} (max loss diff {c['max_loss_diff']:.3g}, max param diff {c['max_param_diff']:.3g} "
                      f"at {c['worst_param'] or '-'}, {c['params_compared']} parameters compared)")
     return "\n".join(lines)
+
+
+def compare_run_table(result: dict[str, Any]) -> str:
+    """The `stageplan compare` table: predicted and measured step, speed-up over uniform, efficiency, memory."""
+    headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.", "peak MiB per rank"]
+    rows = []
+    for name, r in result["methods"].items():
+        rows.append([name, " ".join(map(str, r["boundaries"])), ms(r["predicted_step_s"]), ms(r["measured_step_s"]),
+                     ratio(r["speedup_over_uniform"]), ratio(r["balance_efficiency"]),
+                     " / ".join(mib(x) for x in r["peak_memory_bytes"])])
+    return format_table(headers, rows, right=[False, False, True, True, True, True, True])
