@@ -25,7 +25,7 @@ from stageplan.errors import StageplanError
 from stageplan.plan import Plan, StagePlan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
-from stageplan.schedules import Simulation, normalize_schedule, simulate
+from stageplan.schedules import normalize_schedule, simulate
 from stageplan.units import format_bytes, parse_bandwidth, parse_bytes
 from stageplan.workload import Workload
 
@@ -334,13 +334,6 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
                            "from_profile_digest": prof.digest(), "run_plan": rep.plan}
     return Profile(out.layers, meta)
-
-
-def simulate_plan(plan: Plan) -> Simulation:
-    """The simulator's step for a plan (its timeline feeds plot_timeline)."""
-    comm = [st.comm_s / 2.0 for st in plan.stages[:-1]]  # stage comm counts both directions; a boundary is one way
-    return simulate(plan.schedule, [st.forward_s for st in plan.stages], [st.backward_s for st in plan.stages],
-                    plan.num_microbatches, comm_s=comm, virtual_stages=plan.virtual_stages)
 
 
 def compare(

@@ -161,7 +161,6 @@ def _plot(kind: str, obj: Any, path: str) -> None:
     import matplotlib.pyplot as plt
 
     from stageplan._io import check_output_path
-    from stageplan.api import simulate_plan
     from stageplan.plots import (
         plot_layer_costs,
         plot_memory,
@@ -178,7 +177,7 @@ def _plot(kind: str, obj: Any, path: str) -> None:
         _fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         plot_stage_balance(obj, ax=axes[0])
         plot_memory(obj, ax=axes[1])
-        plot_timeline(simulate_plan(obj), ax=axes[2], title="simulated timeline")
+        plot_timeline(obj.simulate(), ax=axes[2], title="simulated timeline")
         ax = axes[0]
     else:
         _fig, axes = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2.5, 1]})

@@ -138,10 +138,11 @@ class _Clock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.events: list[tuple[str, int, int, Any, Any, float]] = []  # kind, stage, mb, start, end, wall
+        self.events: list[tuple[str, int, int, Any, Any, float, float]] = []  # kind, stage, mb, start, end, wall, cpu
 
     def timed(self, kind: str, stage: int, mb: int, fn: Callable[[], Any]) -> Any:
         wall = time.time()
+        cpu0 = time.thread_time()
         start: Any
         end: Any
         if self.cuda:
@@ -153,17 +154,17 @@ class _Clock:
             start = time.perf_counter()
             out = fn()
             end = time.perf_counter()
-        self.events.append((kind, stage, mb, start, end, wall))
+        self.events.append((kind, stage, mb, start, end, wall, time.thread_time() - cpu0))
         return out
 
-    def drain(self) -> list[tuple[str, int, int, float, float]]:
-        """(kind, stage, microbatch, wall start, seconds) of the step's intervals."""
+    def drain(self) -> list[tuple[str, int, int, float, float, float]]:
+        """(kind, stage, microbatch, wall start, seconds, thread CPU seconds) of the step's intervals."""
         if self.cuda:
             torch.cuda.synchronize()
         out = []
-        for kind, stage, mb, start, end, wall in self.events:
+        for kind, stage, mb, start, end, wall, cpu in self.events:
             seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
-            out.append((kind, stage, mb, wall, seconds))
+            out.append((kind, stage, mb, wall, seconds, cpu))
         self.events = []
         return out
 
@@ -251,13 +252,16 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         all_params.extend(st.submod.parameters())
     unique = list({id(p): p for p in all_params}.values())
     tracker = _ActivationTracker({p.untyped_storage().data_ptr() for p in unique})
+    # The saved-tensor hooks cost Python time per saved tensor (~6% of a small stage, seen here), so they run
+    # in the warm-up steps only (activation peaks repeat every step) and the timed steps run without them.
+    tracking = [True]
 
     for st in stages:
         fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
         bwd_w = getattr(st, "backward_weight_one_chunk", None)
 
         def forward_one_chunk(chunk: int, *a: Any, _f: Any = fwd, _s: int = st.stage_index, **k: Any) -> Any:
-            with tracker.hooks():
+            with tracker.hooks() if tracking[0] else contextlib.nullcontext():
                 return clock.timed("F", _s, chunk, lambda: _f(chunk, *a, **k))
 
         def backward_one_chunk(chunk: int, *a: Any, _b: Any = bwd, _s: int = st.stage_index, **k: Any) -> Any:
@@ -277,7 +281,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     def loss_fn(output: Any, tgt: Any) -> Any:
         mb = loss_counter[0] % m
         loss_counter[0] += 1
-        with tracker.hooks():
+        with tracker.hooks() if tracking[0] else contextlib.nullcontext():
             return clock.timed("F", last_stage, mb, lambda: workload.compute_loss(output, tgt))
 
     cls = get_schedule_class(plan.schedule)
@@ -297,7 +301,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     losses_per_step: list[float] = []
     peaks: list[int] = []
     timeline: list[dict[str, Any]] = []
+    compute_cpu: list[float] = []
     for step in range(warmup + steps):
+        tracking[0] = step < warmup or warmup == 0
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()
         tracker.reset_peak()
@@ -319,21 +325,25 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
         intervals = clock.drain()
+        if device.type == "cuda":
+            peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
+        elif tracking[0]:
+            peaks.append(tracker.peak)
         if step >= warmup:
             step_times.append(t1 - t0)
-            compute_f.append(sum(sec for kind, _, _, _, sec in intervals if kind == "F"))
-            compute_b.append(sum(sec for kind, _, _, _, sec in intervals if kind in ("B", "W")))
+            compute_f.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
+            compute_b.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
+            compute_cpu.append(sum(cpu for *_, cpu in intervals))
             other_times.append(t1 - t_other)
-            peaks.append(int(torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else tracker.peak)
             if step == warmup + steps - 1:
                 timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w, "duration_s": sec,
-                             "step_wall": wall0} for kind, s, mb, w, sec in intervals]
+                             "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
         if has_last:
             losses_per_step.append(float(torch.stack([x.detach().float() for x in losses]).mean()))
 
     result = {
         "rank": rank, "stages": mine, "step_s": step_times, "forward_s": compute_f, "backward_s": compute_b,
-        "other_s": other_times, "peak_activation_bytes": peaks, "losses": losses_per_step, "timeline": timeline,
+        "other_s": other_times, "peak_activation_bytes": peaks, "compute_cpu_s": compute_cpu, "losses": losses_per_step, "timeline": timeline,
         "params": {k: v.detach().cpu().clone() for k, v in params.items()} if check else {},
     }
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
@@ -434,6 +444,8 @@ def _report(plan: Plan, gathered: list[Any], options: dict[str, Any], check: dic
             "predicted_forward_s": pf, "predicted_backward_s": pb, "predicted_compute_s": pf + pb,
             "measured_forward_s": f / m, "measured_backward_s": b / m, "measured_compute_s": (f + b) / m,
             "measured_compute_iqr_s": (f_iqr + b_iqr) / m,
+            # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
+            "measured_compute_cpu_s": _median_iqr(g["compute_cpu_s"])[0] / m,
             "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
             "measured_idle_s": max(step - (f + b) - other, 0.0), "optimizer_s": other,
             "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
@@ -462,6 +474,7 @@ def _report(plan: Plan, gathered: list[Any], options: dict[str, Any], check: dic
         meta={"torch_version": torch.__version__, "device": str(device), "world_size": p,
               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
+              "load_average_1min": os.getloadavg()[0],
               "activation_measure": "max_memory_allocated" if device.type == "cuda" else "saved_tensors_hooks live bytes"},
         check=check, timeline=timeline,
     )

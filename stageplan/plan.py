@@ -15,6 +15,8 @@ from stageplan.errors import SchemaError, StageplanError
 if TYPE_CHECKING:
     import pandas as pd
 
+    from stageplan.schedules import Simulation
+
 PLAN_SCHEMA = "stageplan.plan/1"
 EXPORTS = ("split-spec", "torchtitan", "megatron", "deepspeed", "torchgpipe")
 
@@ -91,6 +93,15 @@ class Plan:
     @property
     def stage_sizes(self) -> list[int]:
         return [self.boundaries[s + 1] - self.boundaries[s] for s in range(self.num_stages)]
+
+    def simulate(self) -> Simulation:
+        """The simulator's step for this plan (per-stage times and one-way boundary comm); its timeline
+        feeds ``plots.plot_timeline``."""
+        from stageplan.schedules import simulate
+
+        comm = [st.comm_s / 2.0 for st in self.stages[:-1]]  # a stage's comm_s counts both directions
+        return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
+                        self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages)
 
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd

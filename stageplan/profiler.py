@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import os
 import platform
 import statistics
 import sys
@@ -235,6 +236,9 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
 
             t_b, _ = timer(bwd)
         del out, tensors
+        # Grads are reset each repeat. Keeping them (as a pipeline step's later microbatches accumulate) was
+        # tried: +10% on a block in isolation, but +30-100% inside these rounds (memory held by every layer's
+        # grads), which then over-predicted the pipeline; see the closing note of the executor issue.
         _zero_grads(params, inputs)
         return t_f, t_b
 
@@ -317,5 +321,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
         "whole_model_s": whole_med,
         "whole_model_iqr_s": whole_iqr,
         "sum_vs_whole": layer_sum / whole_med if whole_med > 0 else None,
+        # other processes on the machine inflate wall-clock timings (seen here: up to 2x on 2 shared cores)
+        "load_average_1min": os.getloadavg()[0],
     }
     return Profile(tuple(results), meta)

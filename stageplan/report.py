@@ -112,12 +112,12 @@ def compare_table(plans: dict[str, Plan]) -> str:
 
 def run_table(report: RunReport) -> str:
     """Predicted vs measured, per rank and for the step, with ratios; then the check result."""
-    headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "idle ms pred", "idle ms meas",
+    headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "(cpu ms)", "idle ms pred", "idle ms meas",
                "act MiB pred", "act MiB meas", "ratio"]
     rows = []
     for r in report.stages:
         rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]), ms(r["measured_compute_s"]),
-                     ratio(r["compute_ratio"]), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
+                     ratio(r["compute_ratio"]), ms(r.get("measured_compute_cpu_s")), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
                      mib(r["predicted_peak_activation_bytes"]), mib(r["measured_peak_activation_bytes"]),
                      ratio(r["activation_ratio"])])
     lines = [format_table(headers, rows)]
@@ -125,7 +125,7 @@ def run_table(report: RunReport) -> str:
         f"step: predicted {ms(report.predicted_step_s)} ms, measured {ms(report.measured_step_s)} ms "
         f"(IQR {ms(report.measured_step_iqr_s)}), ratio {ratio(report.step_ratio)}; "
         f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured {100 * report.measured_bubble_fraction:.1f}%; "
-        f"{report.samples_per_s:.1f} samples/s"
+        f"{report.samples_per_s:.1f} samples/s; load average {report.meta.get('load_average_1min', float('nan')):.2f}"
     )
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.patches import Rectangle
 
 from stageplan import LayerProfile, Profile
-from stageplan.api import compare_methods, plan, simulate_plan
+from stageplan.api import compare_methods, plan
 from stageplan.plots import (
     plot_layer_costs,
     plot_memory,
@@ -72,7 +72,7 @@ def test_layer_costs_with_boundaries(tmp_path: Path) -> None:
 
 def test_timeline_from_simulation_and_rows(tmp_path: Path) -> None:
     pl = plan(_profile(), 2, num_microbatches=4, schedule="GPipe")
-    sim = simulate_plan(pl)
+    sim = pl.simulate()
     ax = plot_timeline(sim)
     # one idle background per rank + one box per action (2 ranks x 4 microbatches x F and B)
     assert len(ax.collections) == 2 + 2 * 4 * 2
