@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stageplan-installed
 
-.PHONY: demo test lint bench figures profiles clean
+.PHONY: demo test lint bench figures notebooks clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ bench: $(STAMP)
 
 figures: $(STAMP)
 	$(PY) benchmarks/figures.py
+
+notebooks: $(STAMP)
+	$(PY) benchmarks/build_notebooks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -28,15 +28,15 @@ plt.rcParams["figure.dpi"] = 60"""
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "01_stage_balance": [
         ("md", "# Stage balance: where the embedding/head skew comes from, and what fixes it\n"
-               "We load a profile measured on this project's CPU (`profiles/cpu/gpt-large.json`: a GPT with 12 blocks, "
-               "d_model 512, an 8192-token vocabulary), plan 2, 4 and 8 pipeline stages with each method, and plot the "
+               "We load a profile measured on this project's CPU (`profiles/cpu/gpt-12l-v16k.json`: a GPT with 12 blocks, "
+               "d_model 128, a 16384-token vocabulary), plan 2, 4 and 8 pipeline stages with each method, and plot the "
                "balance and the memory. Nothing is run here: every number is the cost model's prediction from the profile."),
         ("code", SETUP),
-        ("code", "profile = stageplan.Profile.load(PROFILES / 'gpt-large.json')\n"
+        ("code", "profile = stageplan.Profile.load(PROFILES / 'gpt-12l-v16k.json')\n"
                  "df = profile.to_pandas()\n"
                  "df['time_ms'] = (df.forward_s + df.backward_s) * 1e3\n"
                  "df[['name', 'time_ms', 'param_bytes', 'activation_bytes']].round(3)"),
-        ("md", "The LM head (with the loss over the vocabulary) costs several blocks' time, and the embedding holds "
+        ("md", "The LM head (with the loss over the vocabulary) costs about eight blocks' time, and the embedding holds "
                "several blocks' parameters while costing almost no time. Equal layer counts (Megatron's default, "
                "DeepSpeed `uniform`) and equal parameters (DeepSpeed's default) both misplace them."),
         ("code", "rows = []\n"
@@ -55,15 +55,17 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                "embedding shares its stage with more blocks."),
         ("code", "ax = plots.plot_layer_costs(profile, plans4['optimal'])\nplt.show()"),
         ("md", "Memory can change the answer: under 1F1B stage 0 keeps p microbatches of activations in flight. "
-               "With a per-device limit just below what the time-optimal split needs, the planner moves layers "
-               "off stage 0 and pays a little time for it."),
-        ("code", "free = plans4['optimal']\n"
-                 "limit = 0.97 * max(free.rank_memory_bytes)\n"
-                 "capped = stageplan.plan(profile, 4, num_microbatches=16, memory_limit=limit)\n"
-                 "print('limit', round(limit / 2**20, 1), 'MiB')\n"
+               "With a per-device limit just below what the time-optimal 2-stage split needs on stage 0, the planner "
+               "moves a block off stage 0 and pays some time for it."),
+        ("code", "free = stageplan.plan(profile, 2, num_microbatches=8)  # 1F1B: stage 0 holds 2 microbatches, stage 1 holds 1\n"
+                 "limit = 0.95 * free.rank_memory_bytes[0]\n"
+                 "capped = stageplan.plan(profile, 2, num_microbatches=8, memory_limit=limit)\n"
+                 "print('limit', round(limit / 2**20, 1), 'MiB per device')\n"
                  "print('time-optimal', free.boundaries, 'needs', [round(x / 2**20, 1) for x in free.rank_memory_bytes], 'MiB')\n"
                  "print('memory-capped', capped.boundaries, 'needs', [round(x / 2**20, 1) for x in capped.rank_memory_bytes], 'MiB',\n"
-                 "      f'bottleneck x{capped.bottleneck_s / free.bottleneck_s:.3f}')"),
+                 "      f'bottleneck x{capped.bottleneck_s / free.bottleneck_s:.3f}')\n"
+                 "gpipe = stageplan.plan(profile, 2, num_microbatches=8, schedule='GPipe')\n"
+                 "print('the same split under GPipe needs', [round(x / 2**20, 1) for x in gpipe.rank_memory_bytes], 'MiB (all 8 microbatches in flight)')"),
     ],
     "02_schedules_and_bubbles": [
         ("md", "# Schedules and bubbles\nThe simulator executes, on each rank, the action order that "

@@ -1,15 +1,22 @@
 """stageplan: profile a model per layer, plan pipeline stages exactly, run and check the plan.
 
 ``import stageplan`` does not import torch: planning from a stored profile works without it.
-The torch-backed names (``profile_model``, ``run``) are loaded on first use (PEP 562).
+The torch-backed functions (``profile_model``, ``run``) import torch when called; ``solve`` loads on first
+use (PEP 562).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+# Bound eagerly: importing the submodule stageplan.plan would otherwise shadow the function plan().
+from stageplan.api import calibrate, plan, profile_model, run
+from stageplan.costmodel import Device
 from stageplan.errors import InfeasiblePlanError, RunError, StageplanError
+from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile
+from stageplan.runreport import RunReport
+from stageplan.schedules import simulate
 from stageplan.workload import Workload
 
 __version__ = "0.1.0"
@@ -33,18 +40,8 @@ __all__ = [
     "solve",
 ]
 
-# Loaded on first use: the planning names pull numpy/scipy; profile_model and run pull torch.
-_LAZY = {
-    "profile_model": "stageplan.api",
-    "plan": "stageplan.api",
-    "run": "stageplan.api",
-    "calibrate": "stageplan.api",
-    "Plan": "stageplan.plan",
-    "RunReport": "stageplan.runreport",
-    "Device": "stageplan.costmodel",
-    "simulate": "stageplan.schedules",
-    "solve": "stageplan.solver",
-}
+# Loaded on first use (it pulls scipy); profile_model and run import torch only when called.
+_LAZY = {"solve": "stageplan.solver"}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,10 +14,10 @@ from stageplan.costmodel import (
     CostOptions,
     Device,
     LayerArrays,
-    comm_time,
     layer_time,
     make_options,
     rank_peak_activation_bytes,
+    simulated_comm,
     solver_inputs,
     stage_costs,
 )
@@ -117,9 +117,8 @@ def _evaluate(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str
     peaks = rank_peak_activation_bytes(arr, boundaries, opts)
     if opts.recompute:  # in-flight stage inputs plus one microbatch recomputed; per stage, summed per rank
         peaks = tuple(sum(c.memory["activations"] for c in costs if c.rank == r) for r in range(p))
-    comm = comm_time(arr, opts)
     sim = simulate(opts.schedule, [c.forward_s for c in costs], [c.backward_s for c in costs], opts.num_microbatches,
-                   comm_s=[float(comm[b - 1]) for b in boundaries[1:-1]], virtual_stages=opts.virtual_stages)
+                   comm_s=simulated_comm(arr, boundaries, opts), virtual_stages=opts.virtual_stages)
     t = layer_time(arr, opts)
     speeds = [d.speed for d in opts.devices]
     lower = max(float(t.sum()) / sum(speeds), float(t.max()) / max(speeds))
@@ -132,8 +131,10 @@ def _evaluate(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str
         for c in costs
     )
     notes = []
-    if opts.bandwidth_bytes_per_s is None:
+    if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
         notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
+    if opts.boundary_latency_s > 0:
+        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, fitted by calibrate from a run")
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
     for r, d in enumerate(opts.devices):
         if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
@@ -236,7 +237,8 @@ def plan(
                 arr = arr0 if prof_m is prof else LayerArrays.of(prof_m)
                 opts = make_options(prof_m, num_stages, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
-                                    memory_limit_bytes=limit, recompute=recompute)
+                                    memory_limit_bytes=limit, recompute=recompute,
+                                    boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
                 cand = _evaluate(prof, arr, opts, method, {"microbatch_size": mb})
             except StageplanError as exc:
                 if not auto:
@@ -330,10 +332,34 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
         for layer in range(bounds[s], bounds[s + 1]):
             factors[layer] = factors_by_rank[stage_rank[s]]
     out = prof.scaled(factors)
+    latency = _fit_boundary_latency(out, rep, stage_rank)
     meta = dict(out.meta)
     meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
-                           "from_profile_digest": prof.digest(), "run_plan": rep.plan}
+                           "boundary_latency_s": latency, "from_profile_digest": prof.digest(), "run_plan": rep.plan}
     return Profile(out.layers, meta)
+
+
+def _fit_boundary_latency(profile: Profile, rep: RunReport, stage_rank: list[int]) -> float:
+    """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times)
+    equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
+    Bisection: the simulated step does not decrease as the delay grows."""
+    bounds = rep.plan["boundaries"]
+    f = [sum(x.forward_s for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+    b = [sum(x.backward_s for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+    schedule, m, v = rep.plan["schedule"], int(rep.plan["num_microbatches"]), int(rep.plan.get("virtual_stages", 1))
+
+    def step(latency: float) -> float:
+        comm = [latency if stage_rank[s] != stage_rank[s + 1] else 0.0 for s in range(len(f) - 1)]
+        return simulate(schedule, f, b, m, comm_s=comm, virtual_stages=v).step_s
+
+    target = rep.measured_step_s
+    if not (math.isfinite(target) and target > step(0.0)):
+        return 0.0
+    lo, hi = 0.0, target
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+    return hi
 
 
 def compare(

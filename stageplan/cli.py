@@ -286,8 +286,9 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     check_output_path(a.output)
     calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
     calibrated.save(a.output)
-    factors = calibrated.meta["calibration"]["rank_factors"]
-    print(f"wrote {a.output}: layer times scaled per rank by {', '.join(f'{f:.3f}' for f in factors)} (measured / predicted)")
+    cal = calibrated.meta["calibration"]
+    print(f"wrote {a.output}: layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} "
+          f"(measured / predicted); boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 
 

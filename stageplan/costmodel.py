@@ -51,6 +51,7 @@ class CostOptions:
     bandwidth_bytes_per_s: float | None = None
     devices: tuple[Device, ...] = ()
     recompute: bool = False
+    boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (fitted by calibrate from a run)
 
     @property
     def num_stages(self) -> int:
@@ -65,7 +66,7 @@ class CostOptions:
 def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, schedule: str = "1F1B",
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
-                 recompute: bool = False) -> CostOptions:
+                 recompute: bool = False, boundary_latency_s: float = 0.0) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -111,7 +112,10 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                          for d in devs)
     else:
         devs = tuple(Device(1.0, memory_limit_bytes) for _ in range(num_ranks))
-    return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute))
+    if not (math.isfinite(boundary_latency_s) and boundary_latency_s >= 0):
+        raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
+    return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
+                       float(boundary_latency_s))
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,20 @@ def layer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
 
 
 def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
-    """Seconds a boundary after each layer costs one way: output_bytes / bandwidth (0 with no bandwidth)."""
+    """Seconds a boundary after each layer costs one way: output_bytes / bandwidth (0 with no bandwidth).
+
+    The calibrated per-crossing latency (``boundary_latency_s``) is not part of this: it is the same at every
+    boundary, so it cannot change which split is best, and charging it to one side of each boundary would bias
+    the split. It delays the simulated step only (see ``simulated_comm``)."""
     if opts.bandwidth_bytes_per_s is None:
         return np.zeros_like(arr.output_bytes)
     return arr.output_bytes / opts.bandwidth_bytes_per_s
+
+
+def simulated_comm(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> list[float]:
+    """One-way delay at each stage boundary for the simulator: bytes / bandwidth + the calibrated latency."""
+    comm = comm_time(arr, opts)
+    return [float(comm[b - 1]) + opts.boundary_latency_s for b in boundaries[1:-1]]
 
 
 def static_factor(opts: CostOptions) -> float:

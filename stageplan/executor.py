@@ -541,10 +541,14 @@ def run(
             "'package.module:factory' instead, or use module-level functions and classes"
         ) from exc
     report_path = run_dir / "report.json"
-    _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), opts)
+    _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), opts)  # on failure the logs stay for the user
     report = RunReport.load(report_path)
     if output is not None:
         report.save(output)
+    if log_dir is None:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
     return report
 
 

@@ -99,7 +99,8 @@ class Plan:
         feeds ``plots.plot_timeline``."""
         from stageplan.schedules import simulate
 
-        comm = [st.comm_s / 2.0 for st in self.stages[:-1]]  # a stage's comm_s counts both directions
+        latency = float(self.options.get("boundary_latency_s", 0.0))  # calibrated delay per crossing
+        comm = [st.comm_s / 2.0 + latency for st in self.stages[:-1]]  # a stage's comm_s counts both directions
         return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages)
 

@@ -1,0 +1,64 @@
+"""Executor benchmark: the skewed-vocabulary gpt on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}.
+
+Prints, per configuration: measured step time per method and the ratios uniform/optimal and
+parameters/optimal; predicted vs measured per-rank compute and step; measured vs predicted peak activation
+bytes; and the step prediction error before and after calibration (re-plan from the calibrated profile, run again).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import stageplan
+from stageplan.api import build_workload, compare_methods
+from stageplan.report import format_table
+
+STEPS, WARMUP = 8, 2
+
+
+def main() -> None:
+    start = time.perf_counter()
+    workload = build_workload("gpt")
+    rows, err_compute, err_step, act_ratio, calib = [], [], [], [], []
+    for m in (4, 8):
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
+        for schedule in ("GPipe", "1F1B"):
+            plans = compare_methods(profile, 2, num_microbatches=m, schedule=schedule)
+            reports = {}
+            for name, pl in plans.items():
+                same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
+                reports[name] = reports[same] if same else stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP)
+            opt = reports["optimal"]
+            rows.append([schedule, m, " ".join(map(str, plans["optimal"].boundaries)), " ".join(map(str, plans["uniform"].boundaries)),
+                         f"{opt.measured_step_s * 1e3:.1f}", f"{reports['uniform'].measured_step_s * 1e3:.1f}",
+                         f"{reports['parameters'].measured_step_s * 1e3:.1f}",
+                         f"{reports['uniform'].measured_step_s / opt.measured_step_s:.3f}",
+                         f"{reports['parameters'].measured_step_s / opt.measured_step_s:.3f}",
+                         f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}"])
+            for rep in {id(r): r for r in reports.values()}.values():
+                err_step.append(abs(rep.step_ratio - 1))
+                for r in rep.stages:
+                    err_compute.append(abs(r["compute_ratio"] - 1))
+                    act_ratio.append(r["activation_ratio"])
+            calibrated = stageplan.calibrate(profile, opt)
+            replanned = stageplan.plan(calibrated, 2, num_microbatches=m, schedule=schedule)
+            after = stageplan.run("gpt", replanned, steps=STEPS, warmup=WARMUP)
+            calib.append([schedule, m, f"{opt.step_ratio:.3f}", f"{abs(opt.step_ratio - 1):.1%}",
+                          " ".join(map(str, replanned.boundaries)), f"{after.step_ratio:.3f}", f"{abs(after.step_ratio - 1):.1%}"])
+    print("measured step time (ms, median of", STEPS, "steps) per method; speed-up = method / optimal")
+    print(format_table(["schedule", "m", "optimal split", "uniform split", "optimal", "uniform", "parameters",
+                        "uniform/optimal", "parameters/optimal", "predicted uniform/optimal"], rows))
+    print(f"\nper-rank compute, |measured/predicted - 1|: median {statistics.median(err_compute):.1%}, "
+          f"max {max(err_compute):.1%} over {len(err_compute)} rank runs")
+    print(f"step time, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, max {max(err_step):.1%} "
+          f"over {len(err_step)} runs")
+    print(f"peak activation bytes, measured/predicted: median {statistics.median(act_ratio):.4f}, "
+          f"range {min(act_ratio):.4f}..{max(act_ratio):.4f}")
+    print("\ncalibration: measured/predicted step before, and after re-planning from the calibrated profile")
+    print(format_table(["schedule", "m", "before", "error", "re-planned split", "after", "error"], calib))
+    print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
