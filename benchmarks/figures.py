@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    profile = stageplan.Profile.load(ROOT / "profiles" / "cpu" / "gpt-large.json")
+    profile = stageplan.Profile.load(ROOT / "profiles" / "cpu" / "gpt-12l-v16k.json")
     plans = compare_methods(profile, 4, num_microbatches=16, schedule="1F1B")
     out = ROOT / "docs" / "figures"
     out.mkdir(parents=True, exist_ok=True)

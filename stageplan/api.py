@@ -165,6 +165,7 @@ def _rescaled(profile: Profile, factor: float) -> Profile:
     from dataclasses import replace
 
     layers = tuple(replace(x, forward_s=x.forward_s * factor, backward_s=x.backward_s * factor,
+                           backward_accumulate_s=None if x.backward_accumulate_s is None else x.backward_accumulate_s * factor,
                            activation_bytes=int(x.activation_bytes * factor), output_bytes=int(x.output_bytes * factor))
                    for x in profile.layers)
     return Profile(layers, dict(profile.meta))
@@ -205,7 +206,7 @@ def plan(
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     devs = _devices(devices)
-    arr0 = LayerArrays.of(prof)
+    LayerArrays.of(prof)  # refuses NaN or negative costs before any candidate is tried
     if len(prof) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
     batch = int(prof.meta["batch_size"]) if prof.meta.get("batch_size") else 0
@@ -234,7 +235,7 @@ def plan(
             try:
                 mb = batch // m if num_microbatches == "auto" else mb0
                 prof_m = _rescaled(prof, mb / mb0) if mb != mb0 else prof
-                arr = arr0 if prof_m is prof else LayerArrays.of(prof_m)
+                arr = LayerArrays.of(prof_m, m)
                 opts = make_options(prof_m, num_stages, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute,
@@ -345,8 +346,8 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport, stage_rank: list[int
     Bisection: the simulated step does not decrease as the delay grows."""
     bounds = rep.plan["boundaries"]
     f = [sum(x.forward_s for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
-    b = [sum(x.backward_s for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
     schedule, m, v = rep.plan["schedule"], int(rep.plan["num_microbatches"]), int(rep.plan.get("virtual_stages", 1))
+    b = [sum(x.backward_per_microbatch_s(m) for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
 
     def step(latency: float) -> float:
         comm = [latency if stage_rank[s] != stage_rank[s + 1] else 0.0 for s in range(len(f) - 1)]

@@ -127,9 +127,12 @@ class LayerArrays:
     param_bytes: np.ndarray
 
     @classmethod
-    def of(cls, profile: Profile) -> LayerArrays:
+    def of(cls, profile: Profile, num_microbatches: int = 1) -> LayerArrays:
+        """Per-layer arrays; backward_s is the mean over a step of ``num_microbatches``: the first backward into
+        empty grads, the others accumulating into them (measured separately by the profiler)."""
         arr = {k: np.array([getattr(x, k) for x in profile.layers], dtype=float)
-               for k in ("forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes")}
+               for k in ("forward_s", "activation_bytes", "output_bytes", "param_bytes")}
+        arr["backward_s"] = np.array([x.backward_per_microbatch_s(num_microbatches) for x in profile.layers], dtype=float)
         for k, a in arr.items():
             bad = np.flatnonzero(~np.isfinite(a) | (a < 0))
             if bad.size:

@@ -590,7 +590,15 @@ def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, opts: dict[str,
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                first = min(failed, key=lambda r: _error_time(run_dir, r))
+                # A rank that fails often takes its peers down with it (their sockets close): give them a moment
+                # to exit, then blame the root cause: a rank killed by a signal, else the earliest error that is
+                # not a lost connection.
+                grace = time.monotonic() + 1.0
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                first = min(failed, key=lambda r: _blame_order(run_dir, r, codes[r]))
                 _kill_all(procs)
                 raise RunError(f"rank {first} failed: {_error_line(run_dir, first, codes[first])}; "
                                f"full traceback in {logs[first]}", rank=first, log_path=str(logs[first]))
@@ -605,9 +613,18 @@ def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, opts: dict[str,
         _kill_all(procs)
 
 
-def _error_time(run_dir: Path, rank: int) -> float:
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "timed out")
+
+
+def _blame_order(run_dir: Path, rank: int, code: int | None) -> tuple[int, float]:
+    """Sort key for the failing rank to report: killed by a signal, then own errors, then lost peers."""
+    if code is not None and code < 0:
+        return (0, 0.0)
     path = run_dir / f"rank{rank}.error"
-    return path.stat().st_mtime if path.exists() else float("inf")
+    if not path.exists():
+        return (1, float("inf"))
+    text = path.read_text()
+    return (2 if any(s in text for s in _LOST_PEER) else 1, path.stat().st_mtime)
 
 
 def _error_line(run_dir: Path, rank: int, code: int | None) -> str:

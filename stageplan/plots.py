@@ -38,6 +38,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
     n = len(group)
     width = 0.8 / n
     max_stages = 0
+    tallest = 0.0
     for k, (name, plan) in enumerate(group.items()):
         xs = [s + (k - (n - 1) / 2) * width for s in range(plan.num_stages)]
         f = [st.forward_s * 1e3 for st in plan.stages]
@@ -50,6 +51,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
                label="comm" if k == 0 else None)
         worst = max(range(plan.num_stages), key=lambda s: plan.stages[s].time_s)
         top = f[worst] + b[worst] + c[worst]
+        tallest = max(tallest, top)
         ax.plot([xs[worst]], [top], marker="v", color="black", markersize=7, linestyle="none",
                 label="bottleneck" if k == 0 else None)
         if n > 1:  # name each plan under its bars
@@ -58,13 +60,13 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
         max_stages = max(max_stages, plan.num_stages)
     first = next(iter(group.values()))
     ax.axhline(first.lower_bound_s * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
-    ax.margins(y=0.12)
+    ax.set_ylim(0, max(tallest, next(iter(group.values())).lower_bound_s * 1e3) * 1.12)
     ax.set_xticks(range(max_stages))
     ax.set_xlabel("stage")
     ax.set_ylabel("ms per microbatch")
     title = ", ".join(f"{name}: {p.balance_efficiency:.2f}" for name, p in group.items())
     ax.set_title(f"stage balance (efficiency {title})", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax
 
 

@@ -31,6 +31,9 @@ class LayerProfile:
       produced up to here and used later). The gradient coming back across that boundary has the same size.
     - ``param_bytes`` / ``param_count``: parameters this layer uses.
     - ``peak_bytes``: CUDA only, peak allocated bytes above the baseline during forward+backward (else None).
+    - ``backward_accumulate_s``: the backward again with the parameter grads already filled, as for every
+      microbatch after the first in a pipeline step (an add into .grad, where the first one hands its buffer
+      over); None in profiles that did not measure it (then taken equal to ``backward_s``).
     """
 
     name: str
@@ -43,10 +46,17 @@ class LayerProfile:
     forward_iqr_s: float = 0.0
     backward_iqr_s: float = 0.0
     peak_bytes: int | None = None
+    backward_accumulate_s: float | None = None
 
     @property
     def time_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    def backward_per_microbatch_s(self, num_microbatches: int) -> float:
+        """Mean backward seconds per microbatch over a step of m: one into empty grads, m - 1 accumulating."""
+        acc = self.backward_s if self.backward_accumulate_s is None else self.backward_accumulate_s
+        m = max(1, int(num_microbatches))
+        return (self.backward_s + (m - 1) * acc) / m
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,8 @@ class Profile:
         """A copy with each layer's forward/backward times multiplied by its factor (calibration)."""
         layers = tuple(
             replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
-                    forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * f)
+                    forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * f,
+                    backward_accumulate_s=None if layer.backward_accumulate_s is None else layer.backward_accumulate_s * f)
             for layer, f in zip(self.layers, factors)
         )
         return Profile(layers, dict(self.meta))

@@ -222,25 +222,30 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
 
         states.append((piece, params, inputs, fwd))
 
-    def fwd_bwd_time(fwd: Callable[[], Any], params: list[nn.Parameter], inputs: list[Any]) -> tuple[float, float]:
-        t_f, out = timer(fwd)
-        del out
+    def bwd_time(fwd: Callable[[], Any]) -> float:
         out = fwd()
         tensors = _grad_tensors(out)
-        t_b = 0.0
-        if tensors:
-            grads = [torch.ones_like(t) for t in tensors]
+        if not tensors:
+            return 0.0
+        grads = [torch.ones_like(t) for t in tensors]
 
-            def bwd(tensors: list[torch.Tensor] = tensors, grads: list[torch.Tensor] = grads) -> None:
-                torch.autograd.backward(tensors, grads)
+        def bwd(tensors: list[torch.Tensor] = tensors, grads: list[torch.Tensor] = grads) -> None:
+            torch.autograd.backward(tensors, grads)
 
-            t_b, _ = timer(bwd)
-        del out, tensors
-        # Grads are reset each repeat. Keeping them (as a pipeline step's later microbatches accumulate) was
-        # tried: +10% on a block in isolation, but +30-100% inside these rounds (memory held by every layer's
-        # grads), which then over-predicted the pipeline; see the closing note of the executor issue.
+        t_b, _ = timer(bwd)
+        return t_b
+
+    def fwd_bwd_time(fwd: Callable[[], Any], params: list[nn.Parameter], inputs: list[Any]) -> tuple[float, float, float]:
+        """Forward; backward into empty .grad (autograd hands its buffer over: a step's first microbatch);
+        backward again into the filled .grad (an add: every later microbatch of a pipeline step)."""
+        t_f, out = timer(fwd)
+        del out
         _zero_grads(params, inputs)
-        return t_f, t_b
+        t_first = bwd_time(fwd)
+        _zero_grads([], inputs)
+        t_acc = bwd_time(fwd)
+        _zero_grads(params, inputs)
+        return t_f, t_first, t_acc
 
     whole_params = list(model.parameters())
 
@@ -252,14 +257,16 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
     # so that a load change on the machine hits all of them alike (medians are taken across rounds).
     fwd_times: list[list[float]] = [[] for _ in range(n)]
     bwd_times: list[list[float]] = [[] for _ in range(n)]
+    acc_times: list[list[float]] = [[] for _ in range(n)]
     whole_times: list[float] = []
     for rnd in range(warmup + repeats):
         bar.update(rnd, f"round {rnd + 1}/{warmup + repeats}")
         for k, (_, params, inputs, fwd) in enumerate(states):
-            t_f, t_b = fwd_bwd_time(fwd, params, inputs)
+            t_f, t_b, t_acc = fwd_bwd_time(fwd, params, inputs)
             if rnd >= warmup:
                 fwd_times[k].append(t_f)
                 bwd_times[k].append(t_b)
+                acc_times[k].append(t_acc)
         t_w, _ = timer(whole)
         _zero_grads(whole_params, [])
         if rnd >= warmup:
@@ -292,6 +299,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
             name=piece.name, forward_s=f_med, backward_s=b_med, activation_bytes=int(act_bytes),
             output_bytes=int(crossing), param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
             param_count=int(sum(p.numel() for p in params)), forward_iqr_s=f_iqr, backward_iqr_s=b_iqr, peak_bytes=peak,
+            backward_accumulate_s=statistics.median(acc_times[k]),
         ))
 
     import stageplan
@@ -317,6 +325,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
+                  "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
                   "activation bytes via saved_tensors_hooks deduplicated by storage",
         "whole_model_s": whole_med,
         "whole_model_iqr_s": whole_iqr,

@@ -63,3 +63,13 @@ def test_cuda_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     code, _, err = run_cli(["profile", "gpt", "--device", "cuda", "-o", str(tmp_path / "x.json")], capsys)
     assert_one_line_error(code, err, r"no CUDA GPU")
     assert not (tmp_path / "x.json").exists()
+
+
+def test_hf_workloads_without_transformers_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stageplan.errors import WorkloadError
+    from stageplan.zoo import hf_gpt2, hf_llama
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
+    for factory in (hf_gpt2, hf_llama):
+        with pytest.raises(WorkloadError, match=r"need the 'transformers' package.*pip install 'stageplan\[hf\]'"):
+            factory()

@@ -33,11 +33,14 @@ def _plan_for(spec: str, options: dict, p: int = 2, **kw):  # type: ignore[no-un
     [
         ("gpt", {**SMALL_GPT, "tied": True}, "GPipe", {}),
         ("gpt", {**SMALL_GPT, "tied": True}, "1F1B", {}),
+        ("convnet", {"batch_size": 8, "image_size": 32, "width": 4}, "GPipe", {}),
         ("convnet", {"batch_size": 8, "image_size": 32, "width": 4}, "1F1B", {}),
+        ("hf-gpt2", {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 512}, "GPipe", {}),
         ("hf-gpt2", {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 512}, "1F1B", {}),
         ("gpt", {**SMALL_GPT, "n_layer": 4}, "Interleaved1F1B", {"virtual_stages": 2}),
     ],
-    ids=["gpt-tied-gpipe", "gpt-tied-1f1b", "convnet-1f1b", "hf-gpt2-1f1b", "gpt-interleaved-v2"],
+    ids=["gpt-tied-gpipe", "gpt-tied-1f1b", "convnet-gpipe", "convnet-1f1b", "hf-gpt2-gpipe", "hf-gpt2-1f1b",
+         "gpt-interleaved-v2"],
 )
 def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_path: Path) -> None:
     _prof, pl = _plan_for(spec, options, num_microbatches=4, schedule=schedule, method="uniform", **extra)
@@ -117,6 +120,15 @@ def test_a_failing_rank_ends_every_rank(tmp_path: Path, monkeypatch: pytest.Monk
     assert info.value.rank == 1 and "Traceback" in Path(str(info.value.log_path)).read_text()
     assert len(spawned) == 2 and not any(_alive(pid) for pid in spawned)
     assert not (tmp_path / "run.json").exists()
+
+
+def test_a_killed_rank_ends_every_rank(tmp_path: Path) -> None:
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
+    pl = plan(prof, 2, num_microbatches=2, method="uniform")
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"rank 1 failed: killed by signal 9 \(SIGKILL\); full traceback in .*rank1\.log"):
+        run("workloads:faulty", pl, options={"fail_step": 1, "kill": True}, steps=4, warmup=0, log_dir=tmp_path)
+    assert time.monotonic() - start < 30
 
 
 def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

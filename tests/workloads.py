@@ -11,24 +11,32 @@ import stageplan
 class FailingLayer(nn.Module):
     """A layer that raises on its ``fail_at``-th forward call (a bad layer deep inside a run)."""
 
-    def __init__(self, width: int, fail_at: int) -> None:
+    def __init__(self, width: int, fail_at: int, kill: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
         self.fail_at = fail_at
+        self.kill = kill
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls > self.fail_at:
+            if self.kill:  # the process dies without a word, as under the OOM killer
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"bad layer: forward call {self.calls}")
         return self.linear(x)
 
 
-def faulty(fail_step: int = 2, num_microbatches: int = 2, width: int = 16, batch_size: int = 8) -> stageplan.Workload:
-    """Four layers; the last one raises in step ``fail_step`` (0-based), i.e. after fail_step * m calls."""
+def faulty(fail_step: int = 2, num_microbatches: int = 2, width: int = 16, batch_size: int = 8,
+           kill: bool = False) -> stageplan.Workload:
+    """Four layers; the last one raises (or SIGKILLs its process) in step ``fail_step`` (0-based), i.e. after
+    fail_step * m calls."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
-                          FailingLayer(width, fail_step * num_microbatches))
+                          FailingLayer(width, fail_step * num_microbatches, kill))
     return stageplan.Workload(model, torch.randn(batch_size, width), torch.randn(batch_size, width),
                               nn.functional.mse_loss, name="faulty")
 
