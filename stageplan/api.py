@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -263,22 +264,33 @@ def plan(
         if num_microbatches == "auto" and best.options["microbatch_size"] != mb0:
             notes.append(f"times scaled linearly from microbatch size {mb0} to {best.options['microbatch_size']}; "
                          "re-profile at that size to confirm")
-        best = replace_plan(best, candidates=tuple(candidates), notes=tuple(notes))
+        best = dataclasses.replace(best, candidates=tuple(candidates), notes=tuple(notes))
     for note in best.notes:
         if "bubble" in note:
             warnings.warn(note, stacklevel=2)
     return best
 
 
-def replace_plan(plan: Plan, **changes: Any) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, **changes)
-
-
-def compare_methods(profile: Profile | str | os.PathLike[str], num_stages: int, **options: Any) -> dict[str, Plan]:
+def compare_methods(
+    profile: Profile | str | os.PathLike[str],
+    num_stages: int,
+    *,
+    num_microbatches: int | str | None = None,
+    schedule: str = "1F1B",
+    virtual_stages: int = 1,
+    memory_limit: float | str | None = None,
+    bandwidth: float | str | None = None,
+    optimizer: str = "adam",
+    devices: Sequence[Device | float] | None = None,
+    recompute: bool = False,
+) -> dict[str, Plan]:
     """Plan with every method (optimal, uniform, parameters) under the same options."""
-    return {m: plan(profile, num_stages, method=m, **options) for m in METHODS}
+    return {
+        m: plan(profile, num_stages, num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                memory_limit=memory_limit, bandwidth=bandwidth, optimizer=optimizer, devices=devices, recompute=recompute,
+                method=m)
+        for m in METHODS
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
