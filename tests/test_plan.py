@@ -159,7 +159,8 @@ def test_interleaved_rank_loads() -> None:
         b = (0, *cuts, 8)
         best = min(best, max(sum(sum(times[b[c]:b[c + 1]]) for c in range(r, 4, 2)) for r in range(2)))
     assert pl.bottleneck_s == pytest.approx(best)
-    per_stage_sum = [sum(st.inflight * st.memory["activations"] / st.inflight for st in pl.stages if st.rank == r) for r in range(2)]
+    # the exact per-rank peak over torch's order never exceeds the sum of each stage's own peak
+    per_stage_sum = [sum(st.memory["activations"] for st in pl.stages if st.rank == r) for r in range(2)]
     assert all(a <= b + 1e-9 for a, b in zip(pl.rank_peak_activation_bytes, per_stage_sum))
 
 
