@@ -12,7 +12,8 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from stageplan.solver import partition_balanced, partition_uniform, solve
+from stageplan.baselines import partition_balanced, partition_uniform
+from stageplan.solver import solve
 
 FloatArray = NDArray[np.float64]
 

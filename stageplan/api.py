@@ -86,18 +86,18 @@ def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
 
 def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
-    from stageplan import solver
+    from stageplan import baselines, interleaved, solver
 
     S = opts.num_stages
     L = len(arr.forward_s)
     if method == "uniform":  # equal layer counts: Megatron's default, DeepSpeed partition_method="uniform"
-        return tuple(solver.partition_uniform(L, S)), {}
+        return tuple(baselines.partition_uniform(L, S)), {}
     if method == "parameters":  # DeepSpeed's default partition_method="parameters": balance parameter counts
-        return tuple(solver.partition_balanced(arr.param_bytes, S)), {}
+        return tuple(baselines.partition_balanced(arr.param_bytes, S)), {}
     inp = solver_inputs(arr, opts)
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
-        isol = solver.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
+        isol = interleaved.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
                                         memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"])
         return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],

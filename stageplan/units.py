@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from stageplan.errors import StageplanError
 
@@ -39,8 +40,38 @@ def parse_bandwidth(text: str | float | int) -> float:
     return parse_bytes(text, "bandwidth")
 
 
+_BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def _unit_for(value: float) -> tuple[str, float]:
+    for unit, scale in _BINARY:
+        if abs(value) >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
 def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Bytes for people: '1.50 GiB', '512 B'; infinity (no limit) reads 'unlimited'.
+
+    >>> format_bytes(3 * 2**29), format_bytes(15), format_bytes(float("inf"))
+    ('1.50 GiB', '15 B', 'unlimited')
+    """
+    if not math.isfinite(n):
+        return "unlimited"
+    unit, scale = _unit_for(n)
+    return f"{n:g} B" if unit == "B" else f"{n / scale:.2f} {unit}"
+
+
+def format_limits(limits: Sequence[float], what: str) -> str:
+    """Memory limits in a message: one value when all agree, else a list in one shared unit.
+
+    >>> format_limits([2.0, 3.0], "stage")
+    'the per-stage memory limits [2, 3] B'
+    """
+    values = [float(x) for x in limits]
+    if all(x == values[0] for x in values):
+        return f"the memory limit of {format_bytes(values[0])} per {what}"
+    finite = [x for x in values if math.isfinite(x)]
+    unit, scale = _unit_for(max(finite) if finite else 1.0)
+    parts = [("inf" if not math.isfinite(x) else (f"{x:g}" if unit == "B" else f"{x / scale:.2f}")) for x in values]
+    return f"the per-{what} memory limits [{', '.join(parts)}] {unit}"
