@@ -1,25 +1,31 @@
 """stageplan: profile a model per layer, plan pipeline stages exactly, run and check the plan.
 
-``import stageplan`` does not import torch: planning from a stored profile works without it.
-The torch-backed functions (``profile_model``, ``run``) import torch when called; ``solve`` loads on first
-use (PEP 562).
+``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
+The torch-backed functions (``profile_model``, ``run``) are the real functions of ``stageplan.profiler`` and
+``stageplan.launch``, re-exported lazily (PEP 562): torch is imported on first access.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from stageplan._version import __version__
 
 # Bound eagerly: importing the submodule stageplan.plan would otherwise shadow the function plan().
-from stageplan.api import calibrate, plan, profile_model, run
+from stageplan.api import calibrate, plan
 from stageplan.costmodel import Device
 from stageplan.errors import InfeasiblePlanError, RunError, StageplanError
 from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile
 from stageplan.runreport import RunReport
 from stageplan.schedules import simulate
+from stageplan.solver import solve
 from stageplan.workload import Workload
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from stageplan.launch import run
+    from stageplan.profiler import profile_model
 
 __all__ = [
     "Device",
@@ -40,14 +46,12 @@ __all__ = [
     "solve",
 ]
 
-# Loaded on first use (it pulls scipy); profile_model and run import torch only when called.
-_LAZY = {"solve": "stageplan.solver"}
+# The torch edge, loaded on first access.
+_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'stageplan' has no attribute {name!r}")
 

@@ -7,53 +7,18 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from stageplan.costmodel import (
-    CostOptions,
-    Device,
-    LayerArrays,
-    layer_time,
-    make_options,
-    rank_peak_activation_bytes,
-    simulated_comm,
-    solver_inputs,
-    stage_costs,
-)
+from stageplan.costmodel import CostOptions, Device, LayerArrays, evaluate, make_options, solver_inputs
 from stageplan.errors import StageplanError
-from stageplan.plan import Plan, StagePlan
+from stageplan.plan import Plan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
-from stageplan.schedules import normalize_schedule, simulate
-from stageplan.units import format_bytes, parse_bandwidth, parse_bytes
+from stageplan.schedules import normalize_schedule
+from stageplan.units import parse_bandwidth, parse_bytes
 from stageplan.workload import Workload
-
-if TYPE_CHECKING:
-    import torch
-
-
-def profile_model(
-    workload: Workload,
-    *,
-    microbatch_size: int,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-    warmup: int = 5,
-    repeats: int = 20,
-    layers: Sequence[str] | None = None,
-    progress: bool = False,
-) -> Profile:
-    """Profile each layer of ``workload`` at ``microbatch_size``: forward/backward seconds (median of
-    ``repeats`` after ``warmup``, with IQR), saved-for-backward bytes, boundary bytes and parameter bytes.
-
-    The user's model is not changed (a copy is profiled; RNG state, threads and grads are restored).
-    """
-    from stageplan.profiler import profile_model as _profile_model
-
-    return _profile_model(workload, microbatch_size=microbatch_size, device=device, dtype=dtype, warmup=warmup,
-                          repeats=repeats, layers=layers, progress=progress)
 
 
 def default_microbatch_size(batch_size: int) -> int:
@@ -88,7 +53,7 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan import baselines, interleaved, solver
 
-    S = opts.num_stages
+    S = opts.num_chunks
     L = len(arr.forward_s)
     if method == "uniform":  # equal layer counts: Megatron's default, DeepSpeed partition_method="uniform"
         return tuple(baselines.partition_uniform(L, S)), {}
@@ -98,7 +63,7 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
         isol = interleaved.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
-                                        memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"])
+                                             memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"])
         return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
@@ -106,56 +71,26 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple
     return tuple(sol.boundaries), {"optimal": True}
 
 
-def _evaluate(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any]) -> Plan:
-    boundaries, evidence = _boundaries(method, arr, opts)
-    costs = stage_costs(arr, boundaries, opts)
-    p = opts.num_ranks
-    rank_time = [0.0] * p
-    static = [0.0] * p
-    for c in costs:
-        rank_time[c.rank] += c.time_s
-        static[c.rank] += c.memory["total"] - c.memory["activations"]
-    peaks = rank_peak_activation_bytes(arr, boundaries, opts)
-    if opts.recompute:  # in-flight stage inputs plus one microbatch recomputed; per stage, summed per rank
-        peaks = tuple(sum(c.memory["activations"] for c in costs if c.rank == r) for r in range(p))
-    sim = simulate(opts.schedule, [c.forward_s for c in costs], [c.backward_s for c in costs], opts.num_microbatches,
-                   comm_s=simulated_comm(arr, boundaries, opts), virtual_stages=opts.virtual_stages)
-    t = layer_time(arr, opts)
-    speeds = [d.speed for d in opts.devices]
-    lower = max(float(t.sum()) / sum(speeds), float(t.max()) / max(speeds))
-    bottleneck = max(rank_time)
-    mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
-    names = tuple(profile.names)
-    stages = tuple(
-        StagePlan(c.index, c.rank, names[c.first_layer:c.end_layer], c.first_layer, c.end_layer, c.forward_s, c.backward_s,
-                  c.comm_s, c.time_s, c.inflight, c.memory, c.memory_limit_bytes)
-        for c in costs
-    )
-    notes = []
-    if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
-        notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
-    if opts.boundary_latency_s > 0:
-        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, fitted by calibrate from a run")
-    rank_mem = tuple(static[r] + peaks[r] for r in range(p))
-    for r, d in enumerate(opts.devices):
-        if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
-            notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
-    if opts.num_microbatches < p:
-        notes.append(f"num_microbatches ({opts.num_microbatches}) < stages ({p}): bubble {sim.bubble_fraction:.0%}; "
-                     f"use at least {2 * p} microbatches")
-    if evidence.get("optimal") is False:
-        notes.append(f"interleaved solve hit its time limit: within {bottleneck / evidence['proven_lower_bound_s']:.3f}x "
+def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any]) -> Plan:
+    boundaries, solver_evidence = _boundaries(method, arr, opts)
+    ev = evaluate(arr, boundaries, opts, profile.names)
+    notes = list(ev.notes)
+    if solver_evidence.get("optimal") is False:
+        notes.append(f"interleaved solve hit its time limit: within {ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x "
                      "of the proven optimum")
-    options = {"method": method, **opts.to_json(), "microbatch_size": mb, **evidence}
+    mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
+    options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "options", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
     pmeta.update(meta_extra)
+    step = ev.predicted_step_s
     return Plan(
-        boundaries=boundaries, layer_names=names, stages=stages, bottleneck_s=bottleneck, lower_bound_s=lower,
-        balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
-        bubble_fraction=sim.bubble_fraction,
-        throughput_samples_s=opts.num_microbatches * mb / sim.step_s if sim.step_s > 0 else math.inf,
-        rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem, rank_peak_activation_bytes=tuple(peaks),
+        boundaries=tuple(boundaries), layer_names=tuple(profile.names), stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+        lower_bound_s=ev.lower_bound_s, balance_efficiency=ev.balance_efficiency, predicted_step_s=step,
+        bubble_fraction=ev.bubble_fraction,
+        throughput_samples_s=opts.num_microbatches * mb / step if step > 0 else math.inf,
+        rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
+        rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
         options=options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
     )
 
@@ -174,7 +109,7 @@ def _rescaled(profile: Profile, factor: float) -> Profile:
 
 def plan(
     profile: Profile | str | os.PathLike[str],
-    num_stages: int,
+    num_ranks: int,
     *,
     num_microbatches: int | str | None = None,
     schedule: str = "1F1B",
@@ -186,7 +121,7 @@ def plan(
     recompute: bool = False,
     method: str = "optimal",
 ) -> Plan:
-    """Choose stage boundaries for ``profile`` on ``num_stages`` pipeline ranks and predict the step.
+    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
 
     ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
     the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
@@ -220,7 +155,7 @@ def plan(
                                  "pass a number of microbatches instead")
         ms = [m for m in range(1, batch + 1) if batch % m == 0]
     elif num_microbatches is None:
-        ms = [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_stages]
+        ms = [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_ranks]
     elif isinstance(num_microbatches, str):
         raise StageplanError(f"num_microbatches must be an integer or 'auto', got {num_microbatches!r}")
     else:
@@ -237,11 +172,11 @@ def plan(
                 mb = batch // m if num_microbatches == "auto" else mb0
                 prof_m = _rescaled(prof, mb / mb0) if mb != mb0 else prof
                 arr = LayerArrays.of(prof_m, m)
-                opts = make_options(prof_m, num_stages, num_microbatches=m, schedule=sched, virtual_stages=v,
+                opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute,
                                     boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
-                cand = _evaluate(prof, arr, opts, method, {"microbatch_size": mb})
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb})
             except StageplanError as exc:
                 if not auto:
                     raise
@@ -271,53 +206,8 @@ def plan(
     return best
 
 
-def compare_methods(
-    profile: Profile | str | os.PathLike[str],
-    num_stages: int,
-    *,
-    num_microbatches: int | str | None = None,
-    schedule: str = "1F1B",
-    virtual_stages: int = 1,
-    memory_limit: float | str | None = None,
-    bandwidth: float | str | None = None,
-    optimizer: str = "adam",
-    devices: Sequence[Device | float] | None = None,
-    recompute: bool = False,
-) -> dict[str, Plan]:
-    """Plan with every method (optimal, uniform, parameters) under the same options."""
-    return {
-        m: plan(profile, num_stages, num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
-                memory_limit=memory_limit, bandwidth=bandwidth, optimizer=optimizer, devices=devices, recompute=recompute,
-                method=m)
-        for m in METHODS
-    }
-
-
 # ------------------------------------------------------------------------------------------------------
 # Running and calibrating
-
-
-def run(
-    workload: Workload | str,
-    plan: Plan | str | os.PathLike[str],
-    *,
-    steps: int = 20,
-    warmup: int = 3,
-    optimizer: str = "sgd",
-    lr: float | None = None,
-    check: bool = False,
-    backend: str | None = None,
-    timeout_s: float = 300.0,
-    options: dict[str, Any] | None = None,
-    output: str | os.PathLike[str] | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-) -> RunReport:
-    """Train ``workload`` (a Workload or a model spec built with ``options``) with ``plan`` on one local process
-    per pipeline rank; returns the RunReport (predicted vs measured; ``check`` compares with one process)."""
-    from stageplan.executor import run as _run
-
-    return _run(workload, plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check, backend=backend,
-                timeout_s=timeout_s, options=options, output=output, log_dir=log_dir)
 
 
 def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str | os.PathLike[str]) -> Profile:
@@ -345,25 +235,26 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
         for layer in range(bounds[s], bounds[s + 1]):
             factors[layer] = factors_by_rank[stage_rank[s]]
     out = prof.scaled(factors)
-    latency = _fit_boundary_latency(out, rep, stage_rank)
+    latency = _fit_boundary_latency(out, rep)
     meta = dict(out.meta)
     meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
                            "boundary_latency_s": latency, "from_profile_digest": prof.digest(), "run_plan": rep.plan}
     return Profile(out.layers, meta)
 
 
-def _fit_boundary_latency(profile: Profile, rep: RunReport, stage_rank: list[int]) -> float:
+def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times)
     equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
     Bisection: the simulated step does not decrease as the delay grows."""
-    bounds = rep.plan["boundaries"]
-    f = [sum(x.forward_s for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
-    schedule, m, v = rep.plan["schedule"], int(rep.plan["num_microbatches"]), int(rep.plan.get("virtual_stages", 1))
-    b = [sum(x.backward_per_microbatch_s(m) for x in profile.layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+    plan_json = rep.plan
+    arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
+    opts = make_options(profile, int(plan_json["num_ranks"]), num_microbatches=int(plan_json["num_microbatches"]),
+                        schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
+                        optimizer="sgd")
+    bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:
-        comm = [latency if stage_rank[s] != stage_rank[s + 1] else 0.0 for s in range(len(f) - 1)]
-        return simulate(schedule, f, b, m, comm_s=comm, virtual_stages=v).step_s
+        return evaluate(arr, bounds, dataclasses.replace(opts, boundary_latency_s=latency)).predicted_step_s
 
     target = rep.measured_step_s
     if not (math.isfinite(target) and target > step(0.0)):
@@ -377,7 +268,7 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport, stage_rank: list[int
 
 def compare(
     model: str,
-    num_stages: int,
+    num_ranks: int,
     *,
     options: dict[str, Any] | None = None,
     num_microbatches: int | None = None,
@@ -403,10 +294,12 @@ def compare(
         mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
         if workload.batch_size % mb:
             raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}")
+        from stageplan.profiler import profile_model
+
         prof = profile_model(workload, microbatch_size=mb)
     else:
         prof = _as_profile(profile)
-    plans = compare_methods(prof, num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     reports: dict[str, RunReport] = {}
     rows: dict[str, dict[str, Any]] = {}
     for name, pl in plans.items():
@@ -414,6 +307,8 @@ def compare(
         if same is not None:  # an identical split is the same run: measure it once
             reports[name] = reports[same]
         else:
+            from stageplan.launch import run
+
             reports[name] = run(model, pl, options=options, steps=steps, warmup=warmup, timeout_s=timeout_s,
                                 output=None if out is None else out / f"run_{name}.json")
         rep = reports[name]
@@ -427,7 +322,7 @@ def compare(
     base = rows["uniform"]["measured_step_s"]
     for row in rows.values():
         row["speedup_over_uniform"] = base / row["measured_step_s"] if row["measured_step_s"] else None
-    result = {"model": model, "options": options or {}, "num_stages": num_stages, "schedule": plans["optimal"].schedule,
+    result = {"model": model, "options": options or {}, "num_ranks": num_ranks, "schedule": plans["optimal"].schedule,
               "num_microbatches": plans["optimal"].num_microbatches, "profile_digest": prof.digest(), "methods": rows}
     if out is not None:
         from stageplan._io import write_json_atomic

@@ -1,26 +1,32 @@
-"""Profile + options -> per-layer time, memory by schedule and communication, per stage (no torch).
+"""Profile + options -> the solver's inputs, and one evaluate(layers, boundaries, options) -> evidence (no torch).
 
-Units: seconds, bytes, bytes/second. Sources are named next to each formula.
+Units: seconds, bytes, bytes/second. Sources are named next to each formula. Each formula lives in one place:
+the stage time in ``layer_time``/``comm_time``, the stage memory in ``memory_terms`` (the solver's rows and the
+per-stage evidence both sum them), the in-flight counts in ``schedules.schedule_shape``, the lower bound in
+``solver.lower_bound``, and the simulator's boundary delays in ``schedules.one_way_delays``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stageplan.errors import StageplanError
+from stageplan.plan import StagePlan
 from stageplan.profile import Profile
 from stageplan.schedules import (
-    check_microbatches,
+    ScheduleShape,
     normalize_schedule,
-    peak_inflight,
-    rank_orders,
-    stage_ranks,
+    one_way_delays,
+    schedule_shape,
+    simulate_shape,
 )
+from stageplan.solver import lower_bound
+from stageplan.units import format_bytes
 
 # Optimizer state held per parameter byte (states kept in the parameters' dtype):
 # sgd keeps nothing; SGD with momentum keeps one buffer; Adam/AdamW keep exp_avg and exp_avg_sq.
@@ -52,13 +58,22 @@ class CostOptions:
     devices: tuple[Device, ...] = ()
     recompute: bool = False
     boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (fitted by calibrate from a run)
+    # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
+    shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            object.__setattr__(self, "shape", schedule_shape(self.schedule, self.num_ranks, self.num_microbatches,
+                                                             self.virtual_stages))
 
     @property
-    def num_stages(self) -> int:
+    def num_chunks(self) -> int:
+        """p * v: the number of contiguous layer runs; equals num_ranks without interleaving."""
         return self.num_ranks * self.virtual_stages
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("shape")
         d["devices"] = [asdict(x) for x in self.devices]
         return d
 
@@ -71,7 +86,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise StageplanError(f"num_stages must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")
+        raise StageplanError(f"num_ranks must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise StageplanError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 8")
     name = normalize_schedule(schedule)
@@ -89,7 +104,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         raise StageplanError(
             f"num_stages ({num_ranks}) exceeds the number of layers ({L}); use fewer stages or profile at a finer granularity"
         )
-    check_microbatches(name, num_ranks, num_microbatches, virtual_stages)
+    shape = schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     opt = optimizer.lower()
     if opt not in OPTIMIZER_STATE_FACTOR:
         raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
@@ -115,7 +130,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
     if not (math.isfinite(boundary_latency_s) and boundary_latency_s >= 0):
         raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s))
+                       float(boundary_latency_s), shape)
 
 
 @dataclass(frozen=True)
@@ -143,16 +158,6 @@ class LayerArrays:
         return cls(**arr)
 
 
-def inflight(opts: CostOptions) -> tuple[int, ...]:
-    """Microbatches whose activations each stage holds at peak, read off the simulator's own torch order.
-    GPipe: m on every stage; 1F1B: min(p - s, m) (Megatron's warm-up count + 1); interleaved: from the order."""
-    return peak_inflight(opts.schedule, opts.num_ranks, opts.num_microbatches, opts.virtual_stages)
-
-
-def stage_rank(opts: CostOptions) -> tuple[int, ...]:
-    return stage_ranks(opts.schedule, opts.num_ranks, opts.virtual_stages)
-
-
 def layer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     """Seconds per microbatch per layer on the profiled device: forward + backward; with recomputation the
     forward runs again inside the backward (Chen et al. 2016), so it is paid twice."""
@@ -160,124 +165,188 @@ def layer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
 
 
 def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
-    """Seconds a boundary after each layer costs one way: output_bytes / bandwidth (0 with no bandwidth).
+    """Seconds one crossing of the boundary after each layer costs, one way: output_bytes / bandwidth
+    (0 with no bandwidth). A stage is charged both directions (the activation out, its gradient back).
 
     The calibrated per-crossing latency (``boundary_latency_s``) is not part of this: it is the same at every
     boundary, so it cannot change which split is best, and charging it to one side of each boundary would bias
-    the split. It delays the simulated step only (see ``simulated_comm``)."""
+    the split. It delays the simulated step only (see ``one_way_delays``)."""
     if opts.bandwidth_bytes_per_s is None:
         return np.zeros_like(arr.output_bytes)
     return arr.output_bytes / opts.bandwidth_bytes_per_s
 
 
-def simulated_comm(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> list[float]:
-    """One-way delay at each stage boundary for the simulator: bytes / bandwidth + the calibrated latency."""
-    comm = comm_time(arr, opts)
-    return [float(comm[b - 1]) + opts.boundary_latency_s for b in boundaries[1:-1]]
+@dataclass(frozen=True)
+class MemoryTerm:
+    """Bytes one kind of memory adds to a stage over layers [i, j):
+    ``sum(rows[s, i:j]) + start[s, i] + end[j - 1]`` (start/end None when the kind has none)."""
+
+    rows: np.ndarray  # (S, L)
+    start: np.ndarray | None  # (S, L)
+    end: np.ndarray | None  # (L,)
+
+    def stage(self, s: int, i: int, j: int) -> float:
+        value = float(self.rows[s, i:j].sum())
+        if self.start is not None:
+            value += float(self.start[s, i])
+        if self.end is not None:
+            value += float(self.end[j - 1])
+        return value
 
 
-def static_factor(opts: CostOptions) -> float:
-    """Bytes held per parameter byte: the parameters, their gradients and the optimizer state."""
-    return 1.0 + GRAD_FACTOR[opts.optimizer] + OPTIMIZER_STATE_FACTOR[opts.optimizer]
+def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
+    """Stage memory by kind, as solver-ready arrays: the one place the memory formula is written.
+
+    - params, grads, optimizer: (1, grad factor, optimizer factor) x parameter bytes (ZeRO paper accounting:
+      Adam keeps two states per parameter; gradients one per parameter unless optimizer is "none").
+    - activations: in_flight[s] x saved bytes per microbatch (1F1B: stage s holds min(p - s, m), Megatron's
+      warm-up count + 1; GPipe all m; interleaved read off torch's order). With recomputation (Chen et al. 2016)
+      each in-flight microbatch keeps only the stage input (output_bytes[i-1]) and one microbatch's full
+      activations are live while it is recomputed.
+    - buffers: 2 x output_bytes[j-1] after every stage but the last: the send buffer of the activation and the
+      receive buffer of its gradient.
+    """
+    L = len(arr.forward_s)
+    S = opts.num_chunks
+    fl = np.array(opts.shape.peak_inflight, dtype=float)
+
+    def rows(values: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(values[None, :], (S, L))
+
+    terms = {
+        "params": MemoryTerm(rows(arr.param_bytes), None, None),
+        "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
+        "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
+    }
+    if opts.recompute:
+        stage_input = np.concatenate([[0.0], arr.output_bytes[:-1]])
+        terms["activations"] = MemoryTerm(rows(arr.activation_bytes), fl[:, None] * stage_input[None, :], None)
+    else:
+        terms["activations"] = MemoryTerm(fl[:, None] * arr.activation_bytes[None, :], None, None)
+    end = 2.0 * arr.output_bytes
+    end[L - 1] = 0.0
+    terms["buffers"] = MemoryTerm(np.zeros((S, L)), None, end)
+    return terms
 
 
 def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
-    """Arrays for stageplan.solver: per-stage time rows, boundary costs and memory rows (stage-dependent in flight).
+    """Arrays for stageplan.solver: per-stage time rows, boundary costs and memory rows.
 
-    Stage time over layers [i, j) = sum(fwd + bwd) / speed + 2 * output_bytes[j-1] / bandwidth: the activation going
-    out and the gradient coming back across the boundary after the stage (charged to that stage).
-    Stage memory = (1 + grad + optimizer factor) * params + in_flight * activations + 2 * output_bytes[j-1]
-    (the send buffer of the activation and the receive buffer of its gradient).
-    With recomputation, each in-flight microbatch keeps only the stage input (output_bytes[i-1]) and one
-    microbatch's full activations are live while it is recomputed.
+    Stage time over layers [i, j) = sum(layer_time) / speed + 2 * comm_time[j-1] (charged to that stage).
+    Stage memory = the sum of ``memory_terms`` (rows, start and end terms added kind by kind).
     """
-    L = len(arr.forward_s)
-    fl = np.array(inflight(opts), dtype=float)
-    rows = static_factor(opts) * arr.param_bytes[None, :]
-    if opts.recompute:
-        memory = np.broadcast_to(rows + arr.activation_bytes[None, :], (len(fl), L)).copy()
-        stage_input = np.concatenate([[0.0], arr.output_bytes[:-1]])
-        start = fl[:, None] * stage_input[None, :]
-    else:
-        memory = rows + fl[:, None] * arr.activation_bytes[None, :]
-        start = None
-    end = 2.0 * arr.output_bytes.copy()
-    end[L - 1] = 0.0
+    terms = list(memory_terms(arr, opts).values())
+    memory = sum((t.rows for t in terms), start=np.zeros_like(terms[0].rows))
+    starts = [t.start for t in terms if t.start is not None]
+    ends = [t.end for t in terms if t.end is not None]
     limits = [d.memory_limit_bytes for d in opts.devices]
-    rank = stage_rank(opts)
+    rank = opts.shape.stage_ranks
     return {
         "costs": layer_time(arr, opts),
-        "speeds": np.array([opts.devices[rank[s]].speed for s in range(opts.num_stages)]),
+        "speeds": np.array([opts.devices[rank[s]].speed for s in range(opts.num_chunks)]),
         "boundary_costs": 2.0 * comm_time(arr, opts),
         "memory_bytes": memory,
-        "memory_start_bytes": start,
-        "memory_end_bytes": end,
+        "memory_start_bytes": sum(starts[1:], start=starts[0]) if starts else None,
+        "memory_end_bytes": sum(ends[1:], start=ends[0]) if ends else None,
         "limits": None if all(x is None for x in limits) else np.array([np.inf if x is None else x for x in limits]),
     }
 
 
 @dataclass(frozen=True)
-class StageCost:
-    """Per-stage evidence: time in seconds per microbatch and memory in bytes by kind."""
+class Evidence:
+    """What a partition costs under the cost model: everything a Plan carries besides its boundaries."""
 
-    index: int
-    rank: int
-    first_layer: int
-    end_layer: int  # exclusive
-    forward_s: float
-    backward_s: float
-    comm_s: float
-    time_s: float
-    inflight: int
-    memory: dict[str, float]
-    memory_limit_bytes: float | None
+    stages: tuple[StagePlan, ...]
+    rank_time_s: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+    rank_peak_activation_bytes: tuple[float, ...]
+    bottleneck_s: float
+    lower_bound_s: float
+    balance_efficiency: float
+    predicted_step_s: float
+    bubble_fraction: float
+    notes: tuple[str, ...]
 
 
-def stage_costs(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> list[StageCost]:
-    """Evaluate a partition (any method's) under the cost model."""
-    fl = inflight(opts)
-    ranks = stage_rank(opts)
+def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
+             layer_names: Sequence[str] | None = None) -> Evidence:
+    """Evaluate any partition (any method's, or one given by the user) under the cost model: per-stage times
+    and memory by kind, per-rank load and memory, the simulated step and bubble, and notes on soft problems.
+
+    Example (no torch needed)::
+
+        >>> from stageplan.profile import LayerProfile, Profile
+        >>> prof = Profile(tuple(LayerProfile(f"l{i}", t, 2 * t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4])))
+        >>> ev = evaluate(LayerArrays.of(prof), (0, 3, 4), make_options(prof, 2, num_microbatches=2, optimizer="sgd"))
+        >>> ev.rank_time_s, ev.bottleneck_s, ev.lower_bound_s
+        ((18.0, 12.0), 18.0, 15.0)
+    """
+    names = list(layer_names) if layer_names is not None else [str(i) for i in range(len(arr.forward_s))]
+    shape = opts.shape
+    fl, ranks = shape.peak_inflight, shape.stage_ranks
     comm = comm_time(arr, opts)
+    terms = memory_terms(arr, opts)
     L = len(arr.forward_s)
-    out = []
+    p = opts.num_ranks
+    stages = []
     for s in range(len(boundaries) - 1):
         i, j = int(boundaries[s]), int(boundaries[s + 1])
         dev = opts.devices[ranks[s]]
         f = float(arr.forward_s[i:j].sum()) / dev.speed
         b = float(arr.backward_s[i:j].sum()) / dev.speed
         if opts.recompute:
-            b += f
+            b += f  # the forward runs again inside the backward
         c = 2.0 * float(comm[j - 1]) if j < L else 0.0
-        params = float(arr.param_bytes[i:j].sum())
-        if opts.recompute:
-            held = fl[s] * (float(arr.output_bytes[i - 1]) if i > 0 else 0.0) + float(arr.activation_bytes[i:j].sum())
-        else:
-            held = fl[s] * float(arr.activation_bytes[i:j].sum())
-        mem = {
-            "params": params,
-            "grads": GRAD_FACTOR[opts.optimizer] * params,
-            "optimizer": OPTIMIZER_STATE_FACTOR[opts.optimizer] * params,
-            "activations": held,
-            "buffers": 2.0 * float(arr.output_bytes[j - 1]) if j < L else 0.0,
-        }
+        mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
-        out.append(StageCost(s, ranks[s], i, j, f, b, c, f + b + c, fl[s], mem, dev.memory_limit_bytes))
-    return out
+        stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c, fl[s], mem,
+                                dev.memory_limit_bytes))
+    rank_time = [0.0] * p
+    static = [0.0] * p
+    for st in stages:
+        rank_time[st.rank] += st.time_s
+        static[st.rank] += st.memory["total"] - st.memory["activations"]
+    if opts.recompute:  # in-flight stage inputs plus one microbatch recomputed; per stage, summed per rank
+        peaks = tuple(sum(st.memory["activations"] for st in stages if st.rank == r) for r in range(p))
+    else:
+        peaks = _rank_peak_activation_bytes(arr, boundaries, shape)
+    sim = simulate_shape(shape, np.array([st.forward_s for st in stages]), np.array([st.backward_s for st in stages]),
+                         np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)))
+    bottleneck = max(rank_time)
+    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices])
+    rank_mem = tuple(static[r] + peaks[r] for r in range(p))
+    notes = []
+    if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
+        notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
+    if opts.boundary_latency_s > 0:
+        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, fitted by calibrate from a run")
+    for r, d in enumerate(opts.devices):
+        if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
+            notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
+    if opts.num_microbatches < p:
+        notes.append(f"num_microbatches ({opts.num_microbatches}) < num_ranks ({p}): bubble {sim.bubble_fraction:.0%}; "
+                     f"use at least {2 * p} microbatches")
+    return Evidence(
+        stages=tuple(stages), rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem,
+        rank_peak_activation_bytes=tuple(peaks), bottleneck_s=bottleneck, lower_bound_s=lower,
+        balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
+        bubble_fraction=sim.bubble_fraction, notes=tuple(notes),
+    )
 
 
-def rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> tuple[float, ...]:
-    """Per rank, the peak of live saved-activation bytes over its torch order (+ on F, - on B/W): exact for
-    interleaved ranks that hold several stages, where summing per-stage peaks would overcount."""
+def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape) -> tuple[float, ...]:
+    """Per rank, the peak of live saved-activation bytes over its torch order (+ on F, - on B, or on W in
+    zero-bubble schedules): exact for interleaved ranks that hold several stages, where summing per-stage peaks
+    would overcount."""
     acts = [float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in range(len(boundaries) - 1)]
-    orders = rank_orders(opts.schedule, opts.num_ranks, opts.num_microbatches, opts.virtual_stages)
-    zero_bubble = any(a.kind == "W" for order in orders for a in order)
+    release = "W" if shape.zero_bubble else "B"
     peaks = []
-    for order in orders:
+    for order in shape.orders:
         live = peak = 0.0
         for a in order:
             if a.kind == "F":
                 live += acts[a.stage]
-            elif a.kind == ("W" if zero_bubble else "B"):
+            elif a.kind == release:
                 live -= acts[a.stage]
             peak = max(peak, live)
         peaks.append(peak)

@@ -23,16 +23,16 @@ EXPORTS = ("split-spec", "torchtitan", "megatron", "deepspeed", "torchgpipe")
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage of a plan: its layers, seconds per microbatch and bytes by kind."""
+    """One stage (chunk) of a plan: its layers, seconds per microbatch and bytes by kind."""
 
     index: int
     rank: int
     layers: tuple[str, ...]
     first_layer: int
-    end_layer: int
+    end_layer: int  # exclusive
     forward_s: float
     backward_s: float
-    comm_s: float
+    comm_s: float  # both directions across the boundary after this stage
     time_s: float
     inflight: int
     memory: dict[str, float]
@@ -67,7 +67,8 @@ class Plan:
 
     # -- derived views -----------------------------------------------------------------------------
     @property
-    def num_stages(self) -> int:
+    def num_chunks(self) -> int:
+        """p * v: the number of contiguous layer runs (equal to num_ranks without interleaving)."""
         return len(self.boundaries) - 1
 
     @property
@@ -92,15 +93,14 @@ class Plan:
 
     @property
     def stage_sizes(self) -> list[int]:
-        return [self.boundaries[s + 1] - self.boundaries[s] for s in range(self.num_stages)]
+        return [self.boundaries[s + 1] - self.boundaries[s] for s in range(self.num_chunks)]
 
     def simulate(self) -> Simulation:
         """The simulator's step for this plan (per-stage times and one-way boundary comm); its timeline
         feeds ``plots.plot_timeline``."""
-        from stageplan.schedules import simulate
+        from stageplan.schedules import one_way_delays, simulate
 
-        latency = float(self.options.get("boundary_latency_s", 0.0))  # calibrated delay per crossing
-        comm = [st.comm_s / 2.0 + latency for st in self.stages[:-1]]  # a stage's comm_s counts both directions
+        comm = one_way_delays([st.comm_s for st in self.stages], float(self.options.get("boundary_latency_s", 0.0)))
         return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages)
 
@@ -145,7 +145,7 @@ class Plan:
                 f"code around the named blocks); this profile's layers are {', '.join(names[:4])}...; use another export"
             )
         symbols = ["E", *["t"] * (len(names) - 2), "L"]
-        parts = ["".join(symbols[self.boundaries[s]:self.boundaries[s + 1]]) for s in range(self.num_stages)]
+        parts = ["".join(symbols[self.boundaries[s]:self.boundaries[s + 1]]) for s in range(self.num_chunks)]
         return "|".join(parts)
 
     def deepspeed_parts(self) -> list[int]:

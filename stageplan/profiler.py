@@ -6,17 +6,17 @@ import copy
 import datetime as _dt
 import os
 import platform
-import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from stageplan._progress import Progress
+from stageplan._version import __version__
 from stageplan.errors import StageplanError, WorkloadError
 from stageplan.layers import CutModel, cut_layers, resolve, store_outputs, tensor_bytes, used_parameters
+from stageplan.measure import Timer, first_microbatch, median_iqr, saved_bytes
 from stageplan.profile import LayerProfile, Profile
 from stageplan.workload import Workload
 
@@ -53,46 +53,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def microbatch_args(workload: Workload, microbatch_size: int) -> tuple[Any, ...]:
-    """The first microbatch of the workload's inputs (slices along dim 0); validates the size."""
-    batch = workload.batch_size
-    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
-        raise StageplanError(f"microbatch size must be a positive integer, got {microbatch_size!r}; e.g. --microbatch-size 2")
-    if batch % microbatch_size:
-        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise StageplanError(
-            f"microbatch size {microbatch_size} does not divide the batch of {batch}; use one of {divisors}"
-        )
-    return tuple(a[:microbatch_size] if isinstance(a, torch.Tensor) else a for a in workload.input_tuple())
-
-
-class _Timer:
-    """Seconds of a callable: perf_counter on CPU, CUDA events (after a synchronize) on CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3, out
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-
-
-def _median_iqr(xs: Sequence[float]) -> tuple[float, float]:
-    if len(xs) == 1:
-        return xs[0], 0.0
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return statistics.median(xs), q[2] - q[0]
-
-
 def _to(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.to(device)
@@ -117,39 +77,6 @@ def _zero_grads(params: Sequence[nn.Parameter], inputs: Sequence[Any]) -> None:
             t.grad = None
 
 
-def saved_bytes(fn: Callable[[], Any], exclude_ptrs: set[int]) -> tuple[int, Any]:
-    """Bytes saved for backward while running ``fn`` (deduplicated by storage, ``exclude_ptrs`` skipped)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in exclude_ptrs and ptr not in seen:
-            seen[ptr] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
-
-    def update(self, k: int, name: str) -> None:
-        if self.enabled:
-            width = 30
-            done = int(width * k / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {k}/{self.total} {name[:40]:<40}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 90 + "\r")
-            sys.stderr.flush()
-
-
 def profile_model(
     workload: Workload,
     *,
@@ -166,7 +93,7 @@ def profile_model(
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
     dev = parse_device(device)
     dt = parse_dtype(dtype)
-    mb_args_cpu = microbatch_args(workload, microbatch_size)
+    mb_args_cpu = first_microbatch(workload, microbatch_size)
     if not isinstance(workload.model, nn.Module):
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
 
@@ -194,7 +121,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
     target = workload.target[:mb] if isinstance(workload.target, torch.Tensor) else workload.target
     target = _to(target, dev, None)
     cut: CutModel = cut_layers(model, args, layers)
-    timer = _Timer(dev)
+    timer = Timer(dev)
 
     # One forward pass through the chain gives every piece its real inputs.
     env: dict[Any, Any] = {}
@@ -203,7 +130,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
             store_outputs(env, k, piece.module(*[resolve(r, args, env) for r in piece.inputs]))
 
     n = len(cut.pieces)
-    bar = _Progress(n, progress)
+    bar = Progress(warmup + repeats, f"profiling {n} layers", enabled=progress)
     states = []
     for k, piece in enumerate(cut.pieces):
         params = list({p.data_ptr(): p for p in used_parameters(piece.module).values()}.values())
@@ -260,7 +187,6 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
     acc_times: list[list[float]] = [[] for _ in range(n)]
     whole_times: list[float] = []
     for rnd in range(warmup + repeats):
-        bar.update(rnd, f"round {rnd + 1}/{warmup + repeats}")
         for k, (_, params, inputs, fwd) in enumerate(states):
             t_f, t_b, t_acc = fwd_bwd_time(fwd, params, inputs)
             if rnd >= warmup:
@@ -271,8 +197,9 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
         _zero_grads(whole_params, [])
         if rnd >= warmup:
             whole_times.append(t_w)
+        bar.update(rnd + 1, "warm-up" if rnd < warmup else "measuring")
     bar.close()
-    whole_med, whole_iqr = _median_iqr(whole_times)
+    whole_med, whole_iqr = median_iqr(whole_times)
 
     results: list[LayerProfile] = []
     for k, (piece, params, inputs, fwd) in enumerate(states):
@@ -293,16 +220,14 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
             del out, tensors
         _zero_grads(params, inputs)
         crossing = 0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k))
-        f_med, f_iqr = _median_iqr(fwd_times[k])
-        b_med, b_iqr = _median_iqr(bwd_times[k])
+        f_med, f_iqr = median_iqr(fwd_times[k])
+        b_med, b_iqr = median_iqr(bwd_times[k])
         results.append(LayerProfile(
             name=piece.name, forward_s=f_med, backward_s=b_med, activation_bytes=int(act_bytes),
             output_bytes=int(crossing), param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
             param_count=int(sum(p.numel() for p in params)), forward_iqr_s=f_iqr, backward_iqr_s=b_iqr, peak_bytes=peak,
-            backward_accumulate_s=statistics.median(acc_times[k]),
+            backward_accumulate_s=median_iqr(acc_times[k])[0],
         ))
-
-    import stageplan
 
     layer_sum = sum(r.forward_s + r.backward_s for r in results)
     meta: dict[str, Any] = {
@@ -318,7 +243,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
         "batch_size": workload.batch_size,
         "input_shapes": [list(a.shape) for a in args if isinstance(a, torch.Tensor)],
         "torch_version": torch.__version__,
-        "stageplan_version": stageplan.__version__,
+        "stageplan_version": __version__,
         "threads": torch.get_num_threads(),
         "warmup": warmup,
         "repeats": repeats,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -17,13 +18,16 @@ if TYPE_CHECKING:
 __all__ = [
     "SCHEDULES",
     "Action",
+    "ScheduleShape",
     "Simulation",
     "TimelineEvent",
     "bubble_closed_form",
     "check_microbatches",
     "normalize_schedule",
+    "one_way_delays",
     "peak_inflight",
     "rank_orders",
+    "schedule_shape",
     "simulate",
     "stage_ranks",
 ]
@@ -176,6 +180,11 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int = 1) -> tuple
     v = _check_count("virtual_stages", virtual_stages)
     if name == "ZBVZeroBubble":
         check_microbatches(name, p, 1, v)
+    return _stage_ranks(name, p, v)
+
+
+def _stage_ranks(name: str, p: int, v: int) -> tuple[int, ...]:
+    if name == "ZBVZeroBubble":
         return tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
     return tuple(k % p for k in range(p * v))
 
@@ -331,9 +340,7 @@ def rank_orders(
     >>> [str(a) for a in rank_orders("1F1B", 2, 3)[0]]
     ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     """
-    name = normalize_schedule(schedule)
-    check_microbatches(name, num_ranks, num_microbatches, virtual_stages)
-    return _orders(name, int(num_ranks), int(num_microbatches), int(virtual_stages))
+    return schedule_shape(schedule, num_ranks, num_microbatches, virtual_stages).orders
 
 
 def _peak_inflight(orders: tuple[tuple[Action, ...], ...], num_stages: int) -> tuple[int, ...]:
@@ -351,6 +358,54 @@ def _peak_inflight(orders: tuple[tuple[Action, ...], ...], num_stages: int) -> t
     return tuple(peak)
 
 
+@dataclass(frozen=True)
+class ScheduleShape:
+    """Everything the cost model and the simulator read off a schedule's torch order, for one
+    (schedule, num_ranks, num_microbatches, virtual_stages): computed once by :func:`schedule_shape`.
+
+    ``orders[r]`` is rank r's compute actions in torch 2.13's order; ``stage_ranks[k]`` the rank running
+    chunk k; ``peak_inflight[k]`` the most microbatches whose activations chunk k holds at once.
+    """
+
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    virtual_stages: int
+    orders: tuple[tuple[Action, ...], ...]
+    stage_ranks: tuple[int, ...]
+    peak_inflight: tuple[int, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        """p * v: the number of contiguous layer runs (stages) the model is cut into."""
+        return self.num_ranks * self.virtual_stages
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The backward is split into I and W actions (activations are held until W)."""
+        return self.schedule in _ZERO_BUBBLE
+
+
+def schedule_shape(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> ScheduleShape:
+    """Validate once and return the schedule's shape (cached per canonical name and counts).
+
+    >>> shape = schedule_shape("1F1B", 4, 8)
+    >>> shape.peak_inflight, shape.stage_ranks
+    ((4, 3, 2, 1), (0, 1, 2, 3))
+    """
+    name = normalize_schedule(schedule)
+    check_microbatches(name, num_ranks, num_microbatches, virtual_stages)
+    return _shape(name, int(num_ranks), int(num_microbatches), int(virtual_stages))
+
+
+@lru_cache(maxsize=256)
+def _shape(name: str, p: int, m: int, v: int) -> ScheduleShape:
+    orders = _orders(name, p, m, v)
+    return ScheduleShape(name, p, m, v, orders, _stage_ranks(name, p, v), _peak_inflight(orders, p * v))
+
+
 def peak_inflight(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[int, ...]:
@@ -361,8 +416,7 @@ def peak_inflight(
     >>> peak_inflight("GPipe", 4, 8), peak_inflight("1F1B", 4, 8)
     ((8, 8, 8, 8), (4, 3, 2, 1))
     """
-    orders = rank_orders(schedule, num_ranks, num_microbatches, virtual_stages)
-    return _peak_inflight(orders, int(num_ranks) * int(virtual_stages))
+    return schedule_shape(schedule, num_ranks, num_microbatches, virtual_stages).peak_inflight
 
 
 def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
@@ -443,6 +497,13 @@ def _times(name: str, values: npt.ArrayLike, length: int | None, remedy: str) ->
     return array
 
 
+def one_way_delays(stage_comm_s: Sequence[float], boundary_latency_s: float) -> list[float]:
+    """The simulator's delay at each boundary k -> k+1 (seconds): half the sending stage's comm_s (which counts
+    both directions) plus the calibrated per-crossing latency. The one formula used by evaluate() and
+    Plan.simulate()."""
+    return [float(c) / 2.0 + boundary_latency_s for c in list(stage_comm_s)[:-1]]
+
+
 def simulate(
     schedule: str,
     forward_s: npt.ArrayLike,
@@ -489,11 +550,16 @@ def simulate(
             "comm_s", comm_s, num_stages - 1, f"pass one value per boundary between stages ({num_stages - 1})"
         )
     )
-    p = num_stages // v
-    check_microbatches(name, p, num_microbatches, v)
-    m = int(num_microbatches)
-    orders = _orders(name, p, m, v)
-    ranks = stage_ranks(name, p, v)
+    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm)
+
+
+def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray) -> Simulation:
+    """:func:`simulate` on a validated shape and validated per-chunk arrays (the cost model's entry point:
+    it holds the shape already, so nothing is re-derived per plan)."""
+    name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
+    num_stages = shape.num_chunks
+    orders = shape.orders
+    ranks = shape.stage_ranks
     # A boundary between two stages on one rank is a local hand-over in torch: no transfer time.
     hop = [0.0 if ranks[k] == ranks[k + 1] else float(comm[k]) for k in range(num_stages - 1)]
     duration = {
@@ -568,6 +634,6 @@ def simulate(
         busy_s=tuple(busy),
         idle_s=idle,
         bubble_fraction=bubble,
-        peak_inflight=_peak_inflight(orders, num_stages),
+        peak_inflight=shape.peak_inflight,
         timeline=tuple(events),
     )

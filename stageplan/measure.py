@@ -1,0 +1,200 @@
+"""The one instrument: timer (CPU/CUDA), median/IQR, saved-bytes tracker, microbatch slices (torch).
+
+The profiler and the executor both measure with this module, so that a measured / predicted ratio away
+from 1 is the cost model's doing, not a difference between two instruments.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stageplan.errors import StageplanError
+
+if TYPE_CHECKING:
+    from stageplan.workload import Workload
+
+
+def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
+    """Median and inter-quartile range (seconds in, seconds out); (nan, nan) for no samples.
+
+    >>> median_iqr([1.0, 2.0, 3.0, 4.0, 100.0])
+    (3.0, 2.0)
+    """
+    if not xs:
+        return float("nan"), float("nan")
+    if len(xs) == 1:
+        return float(xs[0]), 0.0
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return statistics.median(xs), q[2] - q[0]
+
+
+class Timer:
+    """Seconds of a callable's work on ``device``.
+
+    CPU: ``time.perf_counter`` around the call. CUDA is asynchronous (FIELD.md), so it records CUDA events:
+    ``__call__`` synchronises and returns at once (the profiler), ``record`` keeps the events and ``drain``
+    reads them after the step has synchronised (the executor, which must not stall the pipeline).
+    Each recorded interval also keeps its wall start and the thread's CPU seconds: wall minus CPU is time
+    the process was preempted by others.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._events: list[tuple[str, int, int, Any, Any, float, float]] = []
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    def record(self, kind: str, stage: int, microbatch: int, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` and keep its interval, labelled (kind, stage, microbatch), for :meth:`drain`."""
+        wall = time.time()
+        cpu0 = time.thread_time()
+        start: Any
+        end: Any
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+        else:
+            start = time.perf_counter()
+            out = fn()
+            end = time.perf_counter()
+        self._events.append((kind, stage, microbatch, start, end, wall, time.thread_time() - cpu0))
+        return out
+
+    def drain(self) -> list[tuple[str, int, int, float, float, float]]:
+        """(kind, stage, microbatch, wall start, seconds, thread CPU seconds) of the recorded intervals."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for kind, stage, mb, start, end, wall, cpu in self._events:
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            out.append((kind, stage, mb, wall, seconds, cpu))
+        self._events = []
+        return out
+
+
+class SavedTensorTracker:
+    """Live saved-for-backward bytes: + a storage's bytes when autograd first saves a tensor on it, - when the
+    graph frees the last saved tensor on it (deduplicated by storage with a refcount: saved tensors and views
+    share storage; FIELD.md). Storages in ``exclude`` (the parameters) are not counted."""
+
+    def __init__(self, exclude: set[int] | None = None) -> None:
+        self.exclude = exclude or set()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, int] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.exclude:
+            return t
+        if self._refs.get(ptr, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[ptr] = self._refs.get(ptr, 0) + 1
+        return _Held(self, t, ptr, storage.nbytes())
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.t if isinstance(held, _Held) else held
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live -= nbytes
+
+    def hooks(self) -> Any:
+        """The context in which autograd's saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextmanager
+    def counting(self) -> Iterator[SavedTensorTracker]:
+        """Like :meth:`hooks`, yielding the tracker (``live`` after the block = bytes the block saved and
+        still holds)."""
+        with self.hooks():
+            yield self
+
+
+class _Held:
+    __slots__ = ("nbytes", "ptr", "t", "tracker")
+
+    def __init__(self, tracker: SavedTensorTracker, t: torch.Tensor, ptr: int, nbytes: int) -> None:
+        self.tracker, self.t, self.ptr, self.nbytes = tracker, t, ptr, nbytes
+
+    def __del__(self) -> None:
+        self.tracker._release(self.ptr, self.nbytes)
+
+
+def saved_bytes(fn: Callable[[], Any], exclude_ptrs: set[int]) -> tuple[int, Any]:
+    """Bytes saved for backward by ``fn`` and still held by its output's graph (storages deduplicated,
+    ``exclude_ptrs`` skipped), and the output."""
+    tracker = SavedTensorTracker(exclude_ptrs)
+    with tracker.hooks():
+        out = fn()
+    return tracker.live, out
+
+
+# --------------------------------------------------------------------------------------------------
+# Microbatches: slices along dim 0 of the workload's full batch
+
+
+def check_microbatch_size(batch: int, microbatch_size: object) -> int:
+    """Refuse a microbatch size that is not a positive divisor of the batch."""
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise StageplanError(f"microbatch size must be a positive integer, got {microbatch_size!r}; e.g. --microbatch-size 2")
+    if batch % microbatch_size:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise StageplanError(f"microbatch size {microbatch_size} does not divide the batch of {batch}; use one of {divisors}")
+    return microbatch_size
+
+
+def microbatch_size_for(batch: int, num_microbatches: int) -> int:
+    """The microbatch size of a plan's m microbatches, refusing a batch that m does not divide (torch would
+    fail deep inside the loss and the other ranks would hang until the gloo timeout; FIELD.md)."""
+    if batch % num_microbatches:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise StageplanError(
+            f"the batch of {batch} does not divide into the plan's {num_microbatches} microbatches (torch would fail deep "
+            f"inside the loss and the other ranks would hang); use a batch that is a multiple of {num_microbatches}, "
+            f"or plan with one of {divisors} microbatches"
+        )
+    return batch // num_microbatches
+
+
+def microbatch(values: Any, index: int, size: int) -> Any:
+    """Microbatch ``index`` of ``values`` (a tensor, or a tuple/list of tensors and other values)."""
+    sl = slice(index * size, (index + 1) * size)
+    if isinstance(values, torch.Tensor):
+        return values[sl]
+    if isinstance(values, (tuple, list)):
+        return tuple(v[sl] if isinstance(v, torch.Tensor) else v for v in values)
+    return values
+
+
+def first_microbatch(workload: Workload, microbatch_size: int) -> tuple[Any, ...]:
+    """The workload's first microbatch of inputs, after checking the size divides the batch."""
+    check_microbatch_size(workload.batch_size, microbatch_size)
+    return tuple(microbatch(workload.input_tuple(), 0, microbatch_size))
