@@ -12,14 +12,41 @@ from typing import Any
 from stageplan.errors import SchemaError, StageplanError
 
 
+def _probe_writable(folder: Path, what: str) -> None:
+    """Create and remove a file in ``folder``: the only honest test (root ignores permission bits, and
+    os.access calls /proc writable)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".stageplan-probe-", dir=str(folder))
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StageplanError(
+            f"cannot write {what} in folder {str(folder)!r} ({exc.strerror or exc}); choose a writable place"
+        ) from None
+
+
 def check_output_path(path: str | os.PathLike[str]) -> Path:
-    """Refuse an output path whose folder does not exist (before any work is done)."""
+    """Refuse, before any work is done, an output file that could not be written: a missing or unwritable
+    folder, or a path that is a folder."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
     if p.is_dir():
         raise StageplanError(f"output path {str(p)!r} is a folder; give a file name such as {str(p / 'out.json')!r}")
+    _probe_writable(parent, f"{str(p)!r}")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike[str]) -> Path:
+    """Refuse, before any work is done, an output folder that could not be created or written."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise StageplanError(f"output folder {str(p)!r} is a file; give a folder name")
+    parent = p if p.is_dir() else (p.parent if str(p.parent) else Path("."))
+    if not parent.is_dir():
+        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
+    _probe_writable(parent, f"the folder {str(p)!r}")
     return p
 
 
@@ -82,3 +109,15 @@ def check_schema(data: dict[str, Any], expected: str, what: str) -> None:
             "use the stageplan version that wrote it, or regenerate the file"
         )
     raise SchemaError(f"{what} has schema {got!r}, expected {expected!r}; this is not a stageplan {kind.split('.')[-1]} file")
+
+
+def save_or_keep(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``obj.save(path)`` for a finished result; if that write fails now (the disk filled, the folder went away),
+    keep the result in a named temporary file and say where, instead of losing the work."""
+    try:
+        obj.save(path)
+    except (OSError, StageplanError) as exc:
+        fd, kept = tempfile.mkstemp(prefix="stageplan-", suffix=".json")
+        os.close(fd)
+        obj.save(kept)
+        raise StageplanError(f"could not write {str(path)!r} ({exc}); the result was kept in {kept}") from exc

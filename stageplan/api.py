@@ -49,12 +49,23 @@ def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
     return [d if isinstance(d, Device) else Device(float(d)) for d in devices]
 
 
-def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple[int, ...], dict[str, Any]]:
+def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
+                given: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan import baselines, interleaved, solver
 
     S = opts.num_chunks
     L = len(arr.forward_s)
+    if method == "given":
+        assert given is not None
+        b = list(given)
+        if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in zip(b, b[1:])):
+            raise StageplanError(
+                f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) for "
+                f"{opts.num_ranks} ranks x {opts.virtual_stages} chunks, every stage non-empty; e.g. "
+                f"{','.join(str(x) for x in baselines.partition_uniform(L, S))}"
+            )
+        return tuple(b), {}
     if method == "uniform":  # equal layer counts: Megatron's default, DeepSpeed partition_method="uniform"
         return tuple(baselines.partition_uniform(L, S)), {}
     if method == "parameters":  # DeepSpeed's default partition_method="parameters": balance parameter counts
@@ -71,17 +82,19 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions) -> tuple[tuple
     return tuple(sol.boundaries), {"optimal": True}
 
 
-def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any]) -> Plan:
-    boundaries, solver_evidence = _boundaries(method, arr, opts)
+def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
+               given: tuple[int, ...] | None = None) -> Plan:
+    boundaries, solver_evidence = _boundaries(method, arr, opts, given)
     ev = evaluate(arr, boundaries, opts, profile.names)
     notes = list(ev.notes)
     if solver_evidence.get("optimal") is False:
         notes.append(f"interleaved solve hit its time limit: within {ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x "
                      "of the proven optimum")
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
-    options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
-    meta_keys = ("model", "options", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype")
+    cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
+    meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
+    pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)
     step = ev.predicted_step_s
     return Plan(
@@ -91,7 +104,7 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         throughput_samples_s=opts.num_microbatches * mb / step if step > 0 else math.inf,
         rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
         rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
-        options=options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+        cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
     )
 
 
@@ -120,8 +133,10 @@ def plan(
     devices: Sequence[Device | float] | None = None,
     recompute: bool = False,
     method: str = "optimal",
+    boundaries: Sequence[int] | None = None,
 ) -> Plan:
-    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
+    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step; with
+    ``boundaries`` (``(0, b1, ..., L)``), evaluate that split instead (method "given") with the same evidence.
 
     ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
     the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
@@ -137,7 +152,14 @@ def plan(
         (0, 4, 6)
     """
     prof = _as_profile(profile)
-    if method not in METHODS:
+    given: tuple[int, ...] | None = None
+    if boundaries is not None:
+        try:
+            given = tuple(int(b) for b in boundaries)
+        except (TypeError, ValueError):
+            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+        method = "given"
+    elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
@@ -167,7 +189,8 @@ def plan(
     last_error: StageplanError | None = None
     for sched in schedules:
         for m in ms:
-            v = virtual_stages if normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
+            # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given (refused if it cannot)
+            v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
             try:
                 mb = batch // m if num_microbatches == "auto" else mb0
                 prof_m = _rescaled(prof, mb / mb0) if mb != mb0 else prof
@@ -176,7 +199,7 @@ def plan(
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute,
                                     boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
-                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb})
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given)
             except StageplanError as exc:
                 if not auto:
                     raise
@@ -196,8 +219,8 @@ def plan(
         raise last_error
     if auto:
         notes = list(best.notes)
-        if num_microbatches == "auto" and best.options["microbatch_size"] != mb0:
-            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.options['microbatch_size']}; "
+        if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
+            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
                          "re-profile at that size to confirm")
         best = dataclasses.replace(best, candidates=tuple(candidates), notes=tuple(notes))
     for note in best.notes:
@@ -225,7 +248,7 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     p = int(rep.plan["num_ranks"])
     stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
     factors_by_rank = {}
-    for row in rep.stages:
+    for row in rep.ranks:
         pred, meas = row["predicted_compute_s"], row["measured_compute_s"]
         if not (pred > 0 and meas > 0 and math.isfinite(meas)):
             raise StageplanError(f"rank {row['rank']} has no usable measurement (predicted {pred}, measured {meas}); rerun with more --steps")
@@ -266,11 +289,14 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     return hi
 
 
+COMPARE_SCHEMA = "stageplan.compare/1"
+
+
 def compare(
     model: str,
     num_ranks: int,
     *,
-    options: dict[str, Any] | None = None,
+    factory_options: dict[str, Any] | None = None,
     num_microbatches: int | None = None,
     schedule: str = "1F1B",
     steps: int = 10,
@@ -278,52 +304,69 @@ def compare(
     profile: Profile | str | os.PathLike[str] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each plan and
-    return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``, also write
-    compare.json, the plans, the run reports and the figures there."""
+    """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
+    plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
+    also write compare.json (schema ``stageplan.compare/1``), the plans, the run reports and the figures there.
+    When every method gives the same boundaries nothing is run: ``result["identical"]`` says so."""
     from pathlib import Path
 
+    from stageplan._io import check_output_dir
+    from stageplan._progress import Progress
+
     out = Path(output_dir) if output_dir is not None else None
-    if out is not None and not out.parent.is_dir():
-        raise StageplanError(f"output folder {str(out.parent)!r} does not exist; create it first or choose another -o")
     if out is not None:
-        out.mkdir(exist_ok=True)
+        check_output_dir(out)
     if profile is None:
-        workload = build_workload(model, options)
+        workload = build_workload(model, factory_options)
         mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
-        if workload.batch_size % mb:
-            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}")
+        if not mb or workload.batch_size % mb:
+            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}; "
+                                 "use a divisor of the batch")
         from stageplan.profiler import profile_model
 
-        prof = profile_model(workload, microbatch_size=mb)
+        prof = profile_model(workload, microbatch_size=mb, progress=progress)
     else:
         prof = _as_profile(profile)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
+    identical = len({pl.boundaries for pl in plans.values()}) == 1
+    result: dict[str, Any] = {
+        "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
+        "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
+        "profile_digest": prof.digest(), "identical": identical, "methods": {}}
+    if out is not None:
+        out.mkdir(exist_ok=True)
     reports: dict[str, RunReport] = {}
-    rows: dict[str, dict[str, Any]] = {}
-    for name, pl in plans.items():
+    rows: dict[str, dict[str, Any]] = result["methods"]
+    bar = Progress(len(plans), "compare", enabled=progress, interval_s=0.0)
+    for k, (name, pl) in enumerate(plans.items()):
+        if out is not None:
+            pl.save(out / f"plan_{name}.json")
+        row = {"predicted_step_s": pl.predicted_step_s, "balance_efficiency": pl.balance_efficiency,
+               "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes)}
+        rows[name] = row
+        if identical:
+            continue
         same = next((other for other in reports if plans[other].boundaries == pl.boundaries), None)
         if same is not None:  # an identical split is the same run: measure it once
             reports[name] = reports[same]
         else:
             from stageplan.launch import run
 
-            reports[name] = run(model, pl, options=options, steps=steps, warmup=warmup, timeout_s=timeout_s,
-                                output=None if out is None else out / f"run_{name}.json")
+            bar.update(k, f"running {name}")
+            reports[name] = run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup,
+                                timeout_s=timeout_s, output=None if out is None else out / f"run_{name}.json")
         rep = reports[name]
-        rows[name] = {"measured_step_s": rep.measured_step_s, "predicted_step_s": rep.predicted_step_s,
-                      "measured_step_iqr_s": rep.measured_step_iqr_s, "balance_efficiency": pl.balance_efficiency,
-                      "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes),
-                      "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in rep.stages],
-                      "same_run_as": same}
-        if out is not None:
-            pl.save(out / f"plan_{name}.json")
-    base = rows["uniform"]["measured_step_s"]
-    for row in rows.values():
-        row["speedup_over_uniform"] = base / row["measured_step_s"] if row["measured_step_s"] else None
-    result = {"model": model, "options": options or {}, "num_ranks": num_ranks, "schedule": plans["optimal"].schedule,
-              "num_microbatches": plans["optimal"].num_microbatches, "profile_digest": prof.digest(), "methods": rows}
+        row.update({"measured_step_s": rep.measured_step_s, "measured_step_iqr_s": rep.measured_step_iqr_s,
+                    "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in rep.ranks],
+                    "same_run_as": same})
+        bar.update(k + 1, f"{name} done")
+    bar.close()
+    if not identical:
+        base = rows["uniform"]["measured_step_s"]
+        for row in rows.values():
+            row["speedup_over_uniform"] = base / row["measured_step_s"] if row["measured_step_s"] else None
     if out is not None:
         from stageplan._io import write_json_atomic
         from stageplan.plots import plot_stage_balance, plot_timeline, save
@@ -331,7 +374,9 @@ def compare(
         write_json_atomic(out / "compare.json", result)
         save(plot_stage_balance(plans), str(out / "balance.png"))
         for name in ("optimal", "uniform"):
-            save(plot_timeline(reports[name], title=f"{name}: measured timeline (last step)"), str(out / f"timeline_{name}.png"))
+            if name in reports:
+                save(plot_timeline(reports[name], title=f"{name}: measured timeline (last step)"),
+                     str(out / f"timeline_{name}.png"))
         import matplotlib.pyplot as plt
 
         plt.close("all")

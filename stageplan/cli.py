@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from stageplan._io import save_or_keep
+from stageplan._version import __version__
 from stageplan.errors import RunError, StageplanError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise StageplanError(f"{self.prog}: {message}; see '{self.prog} --help'")
 
@@ -41,89 +48,110 @@ def _parse_value(raw: str) -> Any:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama) or package.module:factory")
-    p.add_argument("--set", dest="options", action="append", metavar="KEY=VALUE", help="factory option (repeatable)")
+    p.add_argument("--set", dest="factory_options", action="append", metavar="KEY=VALUE", default=None,
+                   help="an option for the model's factory, e.g. --set n_layer=12 (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stageplan", description="Profile, plan, run and check pipeline-parallel stage splits.")
+    parser.add_argument("--version", action="version", version=f"stageplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("profile", help="profile every layer of a model -> PROFILE.json")
+    p = sub.add_parser("profile", help="profile every layer of a model -> PROFILE.json",
+                       description="Time every layer's forward and backward and measure its memory at one microbatch size.")
     _add_model_args(p)
-    p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the layers")
-    p.add_argument("--microbatch-size", type=int, default=None, help="default: a quarter of the batch")
+    p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the layers "
+                   "(default: found automatically)")
+    p.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch (default: a quarter of the batch)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
-    p.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="parameter and input dtype (default: the model's own)")
+    p.add_argument("--warmup", type=int, default=5, help="rounds run before timing")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds (medians are taken)")
+    p.add_argument("--quiet", action="store_true", help="no progress and no table")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
 
-    p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json")
-    p.add_argument("profile", metavar="PROFILE.json")
+    p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json",
+                       description="Choose the split that minimises the slowest stage under the memory limits, "
+                                   "or evaluate a split you give (--boundaries).")
+    p.add_argument("profile", metavar="PROFILE.json", help="a profile written by stageplan profile")
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
     p.add_argument("--microbatches", default=None, help="m, or 'auto' (default: batch / profiled microbatch size)")
-    p.add_argument("--schedule", default="1F1B", help="1F1B, GPipe, Interleaved1F1B, ... or auto")
-    p.add_argument("--virtual-stages", type=int, default=1, help="v chunks per rank for interleaved schedules")
-    p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB")
-    p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s")
-    p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam, adamw")
+    p.add_argument("--schedule", default="1F1B", help="1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                   "ZBVZeroBubble, or auto")
+    p.add_argument("--virtual-stages", type=int, default=1, help="v chunks per rank (interleaved schedules only)")
+    p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB (default: unlimited)")
+    p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s "
+                   "(default: communication not modelled)")
+    p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
     p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
     p.add_argument("--method", default="optimal", help="optimal, uniform or parameters")
-    p.add_argument("--compare", action="store_true", help="print every method side by side")
-    p.add_argument("--export", default=None, help="split-spec, torchtitan, megatron, deepspeed or torchgpipe")
-    p.add_argument("-o", "--output", default=None, metavar="PLAN.json")
+    p.add_argument("--boundaries", default=None, metavar="0,B1,...,L",
+                   help="evaluate this split instead of choosing one (method 'given')")
+    p.add_argument("--compare", action="store_true", help="also print every method side by side")
+    p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, megatron, "
+                   "deepspeed or torchgpipe (stdout then carries only the export; the table goes to stderr)")
+    p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="where to write the plan")
 
-    p = sub.add_parser("run", help="train with a plan on one process per rank; measure, optionally check")
+    p = sub.add_parser("run", help="train with a plan on one process per rank; measure, optionally check",
+                       description="Train with the plan on local processes (or under torchrun) and compare "
+                                   "measured with predicted.")
     _add_model_args(p)
-    p.add_argument("--plan", required=True, metavar="PLAN.json")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--optimizer", default="sgd", help="sgd or adamw")
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by stageplan plan")
+    p.add_argument("--steps", type=int, default=20, help="measured training steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--optimizer", default=None, help="none, sgd, momentum, adam or adamw (default: the plan's)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 for sgd/momentum, 1e-3 for adam/adamw)")
     p.add_argument("--check", action="store_true", help="compare with single-process training; exit 1 on FAIL")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
-    p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder)")
-    p.add_argument("-o", "--output", default=None, metavar="RUN.json")
+    p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
 
-    p = sub.add_parser("calibrate", help="rescale a profile's layer times by a run's measured / predicted ratios")
-    p.add_argument("profile", metavar="PROFILE.json")
-    p.add_argument("run", metavar="RUN.json")
-    p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json")
+    p = sub.add_parser("calibrate", help="rescale a profile's layer times by a run's measured / predicted ratios",
+                       description="Rescale a profile by what a run measured, so the next plan starts from it.")
+    p.add_argument("profile", metavar="PROFILE.json", help="the profile the run's plan was made from")
+    p.add_argument("run", metavar="RUN.json", help="a run report written by stageplan run -o")
+    p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json", help="where to write the calibrated profile")
 
-    p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys")
+    p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys",
+                       description="Profile the model, plan it with optimal, uniform and parameter-balanced splits, "
+                                   "run each distinct split and print predicted vs measured.")
     _add_model_args(p)
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--schedule", default="1F1B")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
+    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
+    p.add_argument("--schedule", default="1F1B", help="schedule for every method")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="use this profile instead of profiling")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
 
-    p = sub.add_parser("show", help="print a profile, plan or run report (optionally plot it)")
-    p.add_argument("path", metavar="FILE.json")
-    p.add_argument("--plot", metavar="OUT.png", help="write the figure that fits the file")
+    p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
+                       description="Print the table of a stageplan file; --plot writes the figure that fits it.")
+    p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
+    p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
     return parser
 
 
 def _cmd_profile(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
-    from stageplan.api import build_workload, default_microbatch_size, profile_model
+    from stageplan.api import build_workload, default_microbatch_size
+    from stageplan.profiler import profile_model
     from stageplan.report import profile_table
 
     check_output_path(a.output)
     if a.csv:
         check_output_path(a.csv)
-    workload = build_workload(a.model, parse_set(a.options))
+    workload = build_workload(a.model, parse_set(a.factory_options))
     mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
     prof = profile_model(workload, microbatch_size=mb, device=a.device, dtype=a.dtype, warmup=a.warmup,
                          repeats=a.repeats, layers=a.layers, progress=not a.quiet)
-    prof.save(a.output)
+    save_or_keep(prof, a.output)
     if a.csv:
         prof.to_csv(a.csv)
     if not a.quiet:
@@ -149,7 +177,9 @@ def _load_any(path: str) -> tuple[str, Any]:
         from stageplan.plan import Plan
 
         return "plan", Plan.from_json(data, source=f"plan {path!r}")
-    raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan and run files")
+    if schema.startswith("stageplan.compare/"):
+        return "compare", data
+    raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run and compare files")
 
 
 def _plot(kind: str, obj: Any, path: str) -> None:
@@ -160,8 +190,8 @@ def _plot(kind: str, obj: Any, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from stageplan._io import check_output_path
     from stageplan.plots import (
+        check_figure_path,
         plot_layer_costs,
         plot_memory,
         plot_predicted_vs_measured,
@@ -170,7 +200,10 @@ def _plot(kind: str, obj: Any, path: str) -> None:
         save,
     )
 
-    check_output_path(path)
+    check_figure_path(path)
+    if kind == "compare":
+        raise StageplanError(f"show --plot draws profiles, plans and run reports; {path!r} would come from a compare "
+                             "result: its figures are written by stageplan compare -o DIR")
     if kind == "profile":
         ax = plot_layer_costs(obj)
     elif kind == "plan":
@@ -181,7 +214,7 @@ def _plot(kind: str, obj: Any, path: str) -> None:
         ax = axes[0]
     else:
         _fig, axes = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2.5, 1]})
-        plot_timeline(obj, ax=axes[0], title="measured timeline (last step)")
+        plot_timeline(obj, ax=axes[0])
         plot_predicted_vs_measured(obj, ax=axes[1])
         ax = axes[0]
     save(ax, path)
@@ -190,17 +223,13 @@ def _plot(kind: str, obj: Any, path: str) -> None:
 
 
 def _cmd_show(a: argparse.Namespace) -> int:
-    from stageplan.report import plan_table, profile_table, run_table
+    from stageplan.report import compare_run_table, plan_table, profile_table, run_table
 
     kind, obj = _load_any(a.path)
     if a.plot:
         _plot(kind, obj, a.plot)
-    if kind == "profile":
-        print(profile_table(obj))
-    elif kind == "plan":
-        print(plan_table(obj))
-    else:
-        print(run_table(obj))
+    tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table, "compare": compare_run_table}
+    print(tables[kind](obj))
     return 0
 
 
@@ -213,6 +242,15 @@ def _speeds(text: str | None) -> list[float] | None:
         raise StageplanError(f"--device-speeds must be comma-separated numbers, got {text!r}; e.g. --device-speeds 1,1,0.5,0.5") from None
 
 
+def _ints(text: str | None, flag: str, example: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise StageplanError(f"{flag} must be comma-separated whole numbers, got {text!r}; e.g. {flag} {example}") from None
+
+
 def _microbatches(text: str | None) -> int | str | None:
     if text is None or text == "auto":
         return text
@@ -222,59 +260,92 @@ def _microbatches(text: str | None) -> int | str | None:
         raise StageplanError(f"--microbatches must be an integer or auto, got {text!r}; e.g. --microbatches 8") from None
 
 
+# What to do with each export, printed beside it (on stderr, so that stdout carries only the export).
+EXPORT_HINTS = {
+    "split-spec": "torch.distributed.pipelining split_spec: {FQN: SplitPoint name}; pass "
+                  "{k: SplitPoint[v] for k, v in spec.items()} to pipeline(..., split_spec=...)",
+    "torchtitan": "torchtitan module_fqns_per_model_part: set it in the job config's parallelism section",
+    "megatron": "Megatron-LM: pass as --pipeline-model-parallel-layout",
+    "deepspeed": "DeepSpeed PipelineModule parts: stage s holds layers parts[s]..parts[s+1]-1 "
+                 "(partition_method='custom' or override _partition_layers)",
+    "torchgpipe": "torchgpipe / fairscale balance: pass as GPipe(model, balance=...)",
+}
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     import json
 
     from stageplan._io import check_output_path
-    from stageplan.api import compare_methods, plan
+    from stageplan.api import METHODS, plan
+    from stageplan.plan import EXPORTS
     from stageplan.profile import Profile
     from stageplan.report import compare_table, plan_table
 
     if a.output:
         check_output_path(a.output)
+    if a.export is not None and a.export not in EXPORTS:
+        raise StageplanError(f"unknown export {a.export!r}; use one of {', '.join(EXPORTS)}")
     prof = Profile.load(a.profile)
     opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute)
-    result = plan(prof, a.stages, method=a.method, **opts)
+    result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"), **opts)
     export = result.export(a.export) if a.export else None
-    print(plan_table(result))
+    table_out = sys.stderr if export is not None else sys.stdout
+    print(plan_table(result), file=table_out)
     if a.compare:
-        print()
-        print(compare_table(compare_methods(prof, a.stages, **opts)))
-    if export is not None:
-        print(json.dumps(export) if not isinstance(export, str) else export)
+        print(file=table_out)
+        print(compare_table({m: plan(prof, a.stages, method=m, **opts) for m in METHODS}), file=table_out)
     if a.output:
-        result.save(a.output)
-        print(f"wrote {a.output}")
+        save_or_keep(result, a.output)
+        print(f"wrote {a.output}", file=table_out)
+    if export is not None:
+        print(f"{a.export} export ({EXPORT_HINTS[a.export]}):", file=sys.stderr)
+        print(json.dumps(export) if not isinstance(export, str) else export)
     return 0
 
 
-def _cmd_run(a: argparse.Namespace) -> int:
-    import os
+def _in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
-    from stageplan.api import build_workload, run
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    from stageplan.api import build_workload
+    from stageplan.launch import run, torchrun_main
+    from stageplan.plan import Plan
     from stageplan.report import run_table
 
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
                                   backend=a.backend, timeout_s=a.timeout)
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                and "LOCAL_RANK" in os.environ):
-        from stageplan.executor import torchrun_main
-        from stageplan.plan import Plan
-
-        the_plan = Plan.load(a.plan)
-        report = torchrun_main(build_workload(a.model, parse_set(a.options)), the_plan, output=a.output, **kwargs)
+    factory_options = parse_set(a.factory_options)
+    the_plan = Plan.load(a.plan)
+    _check_factory_options(the_plan, a.model, factory_options)
+    if _in_torchrun():
+        report = torchrun_main(build_workload(a.model, factory_options), the_plan, output=a.output, **kwargs)
         if report is None:  # not rank 0
             return 0
     else:
-        report = run(a.model, a.plan, options=parse_set(a.options), output=a.output, log_dir=a.log_dir, **kwargs)
+        report = run(a.model, the_plan, factory_options=factory_options, output=a.output, log_dir=a.log_dir,
+                     progress=not a.quiet, **kwargs)
     print(run_table(report))
     if a.output:
         print(f"wrote {a.output}")
     if report.check is not None and not report.check["passed"]:
         return 1
     return 0
+
+
+def _check_factory_options(plan: Any, model: str, given: dict[str, Any]) -> None:
+    """Refuse a plan made for other factory options than this run's: its predictions would be for another model."""
+    planned_model = plan.profile_meta.get("model")
+    planned = plan.profile_meta.get("factory_options")
+    if planned is None or planned_model not in (model, model.rsplit(":", 1)[-1]):
+        return
+    differing = sorted(k for k in given if k in planned and planned[k] != given[k])
+    if differing:
+        text = ", ".join(f"{k}={given[k]!r} (plan: {planned[k]!r})" for k in differing)
+        raise StageplanError(f"the plan was made for {planned_model} with other options: {text}; profile and plan the "
+                             f"model with these --set options, or drop them to run the planned model")
 
 
 def _cmd_calibrate(a: argparse.Namespace) -> int:
@@ -285,7 +356,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 
     check_output_path(a.output)
     calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
-    calibrated.save(a.output)
+    save_or_keep(calibrated, a.output)
     cal = calibrated.meta["calibration"]
     print(f"wrote {a.output}: layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} "
           f"(measured / predicted); boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
@@ -296,9 +367,9 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     from stageplan.api import compare
     from stageplan.report import compare_run_table
 
-    result = compare(a.model, a.stages, options=parse_set(a.options), num_microbatches=a.microbatches,
+    result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
-                     timeout_s=a.timeout)
+                     timeout_s=a.timeout, progress=not a.quiet)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")

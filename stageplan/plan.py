@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
     from stageplan.schedules import Simulation
 
-PLAN_SCHEMA = "stageplan.plan/1"
+PLAN_SCHEMA = "stageplan.plan/2"
+# plan/1 called the cost options "options"; plan/2 calls them "cost_options". Both load.
+_OLD_PLAN_SCHEMA = "stageplan.plan/1"
 EXPORTS = ("split-spec", "torchtitan", "megatron", "deepspeed", "torchgpipe")
 
 
@@ -59,7 +61,7 @@ class Plan:
     rank_time_s: tuple[float, ...]
     rank_memory_bytes: tuple[float, ...]
     rank_peak_activation_bytes: tuple[float, ...]
-    options: dict[str, Any]
+    cost_options: dict[str, Any]
     profile_digest: str
     profile_meta: dict[str, Any] = field(default_factory=dict)
     candidates: tuple[dict[str, Any], ...] = ()
@@ -73,23 +75,23 @@ class Plan:
 
     @property
     def num_ranks(self) -> int:
-        return int(self.options["num_ranks"])
+        return int(self.cost_options["num_ranks"])
 
     @property
     def num_microbatches(self) -> int:
-        return int(self.options["num_microbatches"])
+        return int(self.cost_options["num_microbatches"])
 
     @property
     def schedule(self) -> str:
-        return str(self.options["schedule"])
+        return str(self.cost_options["schedule"])
 
     @property
     def virtual_stages(self) -> int:
-        return int(self.options.get("virtual_stages", 1))
+        return int(self.cost_options.get("virtual_stages", 1))
 
     @property
     def method(self) -> str:
-        return str(self.options.get("method", "optimal"))
+        return str(self.cost_options.get("method", "optimal"))
 
     @property
     def stage_sizes(self) -> list[int]:
@@ -100,7 +102,7 @@ class Plan:
         feeds ``plots.plot_timeline``."""
         from stageplan.schedules import one_way_delays, simulate
 
-        comm = one_way_delays([st.comm_s for st in self.stages], float(self.options.get("boundary_latency_s", 0.0)))
+        comm = one_way_delays([st.comm_s for st in self.stages], float(self.cost_options.get("boundary_latency_s", 0.0)))
         return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages)
 
@@ -172,7 +174,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
-        check_schema(data, PLAN_SCHEMA, source)
+        if data.get("schema") == _OLD_PLAN_SCHEMA:
+            data = {("cost_options" if k == "options" else k): v for k, v in data.items()}
+        else:
+            check_schema(data, PLAN_SCHEMA, source)
         try:
             stages = tuple(StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in data["stages"])
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
@@ -186,6 +191,14 @@ class Plan:
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"{source} is missing or mangles field {exc}; regenerate it with stageplan plan") from exc
         validate_boundaries(plan.boundaries, len(plan.layer_names))
+        stored = [(st.first_layer, st.end_layer) for st in plan.stages]
+        if stored != list(itertools.pairwise(plan.boundaries)):
+            cuts = ",".join(str(b) for b in plan.boundaries)
+            raise SchemaError(
+                f"{source} has boundaries {list(plan.boundaries)} but its evidence was computed for stages "
+                f"{[list(x) for x in stored]} (edited by hand?), so its predictions would be stale; re-evaluate that split "
+                f"with: stageplan plan PROFILE.json --boundaries {cuts} -o PLAN.json"
+            )
         return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:

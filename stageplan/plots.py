@@ -40,7 +40,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
     max_stages = 0
     tallest = 0.0
     for k, (name, plan) in enumerate(group.items()):
-        xs = [s + (k - (n - 1) / 2) * width for s in range(plan.num_stages)]
+        xs = [s + (k - (n - 1) / 2) * width for s in range(plan.num_chunks)]
         f = [st.forward_s * 1e3 for st in plan.stages]
         b = [st.backward_s * 1e3 for st in plan.stages]
         c = [st.comm_s * 1e3 for st in plan.stages]
@@ -49,7 +49,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
         ax.bar(xs, b, width, bottom=f, color=COLORS["B"], alpha=alpha, label="backward" if k == 0 else None)
         ax.bar(xs, c, width, bottom=[x + y for x, y in zip(f, b)], color=COLORS["comm"], alpha=alpha,
                label="comm" if k == 0 else None)
-        worst = max(range(plan.num_stages), key=lambda s: plan.stages[s].time_s)
+        worst = max(range(plan.num_chunks), key=lambda s: plan.stages[s].time_s)
         top = f[worst] + b[worst] + c[worst]
         tallest = max(tallest, top)
         ax.plot([xs[worst]], [top], marker="v", color="black", markersize=7, linestyle="none",
@@ -57,7 +57,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
         if n > 1:  # name each plan under its bars
             for x in xs:
                 ax.text(x, 0, name, rotation=90, va="bottom", ha="center", fontsize=7, color="white")
-        max_stages = max(max_stages, plan.num_stages)
+        max_stages = max(max_stages, plan.num_chunks)
     first = next(iter(group.values()))
     ax.axhline(first.lower_bound_s * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
     ax.set_ylim(0, max(tallest, next(iter(group.values())).lower_bound_s * 1e3) * 1.12)
@@ -73,8 +73,8 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
 def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
     """Per-stage stacked bars of memory by kind (MiB) against each stage's device limit."""
     ax = _axes(ax)
-    xs = list(range(plan.num_stages))
-    bottom = [0.0] * plan.num_stages
+    xs = list(range(plan.num_chunks))
+    bottom = [0.0] * plan.num_chunks
     for kind, color in MEMORY_COLORS.items():
         vals = [st.memory.get(kind, 0.0) / 2**20 for st in plan.stages]
         label = "activations x in flight" if kind == "activations" else kind
@@ -167,8 +167,8 @@ def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axe
     items = [reports] if isinstance(reports, RunReport) else list(reports)
     pts: list[float] = []
     for i, rep in enumerate(items):
-        px = [r["predicted_compute_s"] * 1e3 for r in rep.stages]
-        my = [r["measured_compute_s"] * 1e3 for r in rep.stages]
+        px = [r["predicted_compute_s"] * 1e3 for r in rep.ranks]
+        my = [r["measured_compute_s"] * 1e3 for r in rep.ranks]
         ax.scatter(px, my, marker="o", color=f"C{i}", label=f"{rep.plan.get('method', 'run')} per-rank compute")
         ax.scatter([rep.predicted_step_s * 1e3], [rep.measured_step_s * 1e3], marker="s", color=f"C{i}",
                    label=f"{rep.plan.get('method', 'run')} step")
@@ -203,3 +203,20 @@ def save(ax: Axes, path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_figure_path(path: str) -> None:
+    """Refuse, before any work, a figure path whose suffix matplotlib would not honour or whose folder cannot
+    be written."""
+    from pathlib import Path
+
+    from stageplan._io import check_output_path
+    from stageplan.errors import StageplanError
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in FIGURE_SUFFIXES:
+        raise StageplanError(f"figure path {path!r} has suffix {suffix or '(none)'!r}; use .png, .svg or .pdf")
+    check_output_path(path)

@@ -232,7 +232,7 @@ def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | N
     layer_sum = sum(r.forward_s + r.backward_s for r in results)
     meta: dict[str, Any] = {
         "model": workload.name,
-        "options": dict(workload.options),
+        "factory_options": dict(workload.factory_options),
         "layers_arg": list(layers) if layers else None,
         "split_method": cut.method,
         "named_layers": list(cut.named),

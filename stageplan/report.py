@@ -80,7 +80,7 @@ def plan_table(plan: Plan) -> str:
         lines.append("rank time ms: " + ", ".join(f"{t * 1e3:.3f}" for t in plan.rank_time_s))
     lines.append(
         f"{plan.method} plan, {plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual, "
-        f"{plan.num_microbatches} microbatches of {plan.options.get('microbatch_size')}"
+        f"{plan.num_microbatches} microbatches of {plan.cost_options.get('microbatch_size')}"
     )
     lines.append(
         f"bottleneck {ms(plan.bottleneck_s)} ms, lower bound {ms(plan.lower_bound_s)} ms, balance efficiency "
@@ -115,7 +115,7 @@ def run_table(report: RunReport) -> str:
     headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "(cpu ms)", "idle ms pred", "idle ms meas",
                "act MiB pred", "act MiB meas", "ratio"]
     rows = []
-    for r in report.stages:
+    for r in report.ranks:
         rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]), ms(r["measured_compute_s"]),
                      ratio(r["compute_ratio"]), ms(r.get("measured_compute_cpu_s")), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
                      mib(r["predicted_peak_activation_bytes"]), mib(r["measured_peak_activation_bytes"]),
@@ -143,7 +143,13 @@ def compare_run_table(result: dict[str, Any]) -> str:
     headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.", "peak MiB per rank"]
     rows = []
     for name, r in result["methods"].items():
-        rows.append([name, " ".join(map(str, r["boundaries"])), ms(r["predicted_step_s"]), ms(r["measured_step_s"]),
-                     ratio(r["speedup_over_uniform"]), ratio(r["balance_efficiency"]),
-                     " / ".join(mib(x) for x in r["peak_memory_bytes"])])
-    return format_table(headers, rows, right=[False, False, True, True, True, True, True])
+        measured = r.get("measured_step_s")
+        rows.append([name, " ".join(map(str, r["boundaries"])), ms(r["predicted_step_s"]),
+                     ms(measured) if measured is not None else "-",
+                     ratio(r["speedup_over_uniform"]) if r.get("speedup_over_uniform") is not None else "-",
+                     ratio(r["balance_efficiency"]), " / ".join(mib(x) for x in r["peak_memory_bytes"])])
+    table = format_table(headers, rows, right=[False, False, True, True, True, True, True])
+    if result.get("identical"):
+        table += ("\nall methods give the same boundaries: nothing to compare, so nothing was run "
+                  "(try more --stages, another schedule, or a model whose layers differ in cost)")
+    return table

@@ -12,15 +12,20 @@ from stageplan.errors import SchemaError
 if TYPE_CHECKING:
     import pandas as pd
 
-RUN_SCHEMA = "stageplan.run/1"
+    from stageplan.plan import Plan
+
+RUN_SCHEMA = "stageplan.run/2"
+# run/1 named the per-rank rows "stages"; they are "ranks" since run/2. Both load.
+_OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}}
 
 
 @dataclass(frozen=True)
 class RunReport:
     """Medians over the measured steps (after warm-up), with IQR spreads.
 
-    ``stages`` holds one entry per pipeline rank: its stage indices, predicted and measured compute seconds
+    ``ranks`` holds one entry per pipeline rank: its stage (chunk) indices, predicted and measured compute seconds
     per microbatch (forward, backward), idle seconds per step, and predicted and measured peak activation bytes.
+    ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...).
     """
 
     measured_step_s: float
@@ -29,10 +34,10 @@ class RunReport:
     samples_per_s: float
     measured_bubble_fraction: float
     predicted_bubble_fraction: float
-    stages: tuple[dict[str, Any], ...]
+    ranks: tuple[dict[str, Any], ...]
     losses: tuple[float, ...]
     plan: dict[str, Any]
-    options: dict[str, Any]
+    run_options: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] | None = None
     timeline: tuple[dict[str, Any], ...] = ()
@@ -45,21 +50,26 @@ class RunReport:
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd
 
-        return pd.DataFrame(list(self.stages))
+        return pd.DataFrame(list(self.ranks))
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["stages"] = list(self.stages)
+        d["ranks"] = list(self.ranks)
         d["losses"] = list(self.losses)
         d["timeline"] = list(self.timeline)
         return {"schema": RUN_SCHEMA, **d}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, source: str = "run report") -> RunReport:
-        check_schema(data, RUN_SCHEMA, source)
+        renamed = _OLD_SCHEMAS.get(str(data.get("schema")))
+        if renamed is not None:
+            data = {renamed.get(k, k): v for k, v in data.items()}
+            data["run_options"] = data.pop("options", {})
+        else:
+            check_schema(data, RUN_SCHEMA, source)
         try:
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            kwargs["stages"] = tuple(data["stages"])
+            kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
             return cls(**kwargs)
@@ -72,3 +82,55 @@ class RunReport:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RunReport:
         return cls.from_json(read_json(path, "run report"), source=f"run report {str(path)!r}")
+
+    @classmethod
+    def from_measurements(cls, plan: Plan, ranks: list[dict[str, Any]], *, step_s: float, step_iqr_s: float,
+                          run_options: dict[str, Any], check: dict[str, Any] | None, meta: dict[str, Any]) -> RunReport:
+        """The report of a run of ``plan``: ``ranks`` holds each rank's medians over the measured steps (seconds
+        per step: forward_s, backward_s, other_s, compute_cpu_s; their IQRs; peak_activation_bytes; losses;
+        timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
+        m = plan.num_microbatches
+        rows = []
+        busy_total = 0.0
+        for g in sorted(ranks, key=lambda g: g["rank"]):
+            r = g["rank"]
+            pf = sum(st.forward_s for st in plan.stages if st.rank == r)
+            pb = sum(st.backward_s for st in plan.stages if st.rank == r)
+            f, b, other = g["forward_s"], g["backward_s"], g["other_s"]
+            busy_total += f + b
+            peak = g["peak_activation_bytes"]
+            predicted_peak = plan.rank_peak_activation_bytes[r]
+            rows.append({
+                "rank": r, "stages": g["stages"],
+                "predicted_forward_s": pf, "predicted_backward_s": pb, "predicted_compute_s": pf + pb,
+                "measured_forward_s": f / m, "measured_backward_s": b / m, "measured_compute_s": (f + b) / m,
+                "measured_compute_iqr_s": (g["forward_iqr_s"] + g["backward_iqr_s"]) / m,
+                # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
+                "measured_compute_cpu_s": g["compute_cpu_s"] / m,
+                "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
+                "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
+                "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
+                "predicted_peak_activation_bytes": predicted_peak,
+                "measured_peak_activation_bytes": peak,
+                "activation_ratio": peak / predicted_peak if predicted_peak else None,
+            })
+        t0 = min((e["start_wall"] for g in ranks for e in g["timeline"]), default=0.0)
+        timeline = tuple(
+            {"rank": e["rank"], "stage": e["stage"], "microbatch": e["microbatch"], "kind": e["kind"],
+             "start_s": e["start_wall"] - t0, "end_s": e["start_wall"] - t0 + e["duration_s"]}
+            for g in ranks for e in g["timeline"]
+        )
+        losses: list[float] = next((g["losses"] for g in ranks if g["losses"]), [])
+        batch = m * int(run_options.get("microbatch_size") or 1)
+        p = plan.num_ranks
+        return cls(
+            measured_step_s=step_s, predicted_step_s=plan.predicted_step_s, measured_step_iqr_s=step_iqr_s,
+            samples_per_s=batch / step_s if step_s > 0 else 0.0,
+            measured_bubble_fraction=max(0.0, 1.0 - busy_total / (p * step_s)) if step_s > 0 else 0.0,
+            predicted_bubble_fraction=plan.bubble_fraction, ranks=tuple(rows), losses=tuple(losses),
+            plan={"boundaries": list(plan.boundaries), "schedule": plan.schedule, "num_microbatches": m,
+                  "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
+                  "stage_ranks": [st.rank for st in plan.stages],
+                  "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names)},
+            run_options=dict(run_options), meta=meta, check=check, timeline=timeline,
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from stageplan.errors import StageplanError
 
@@ -62,7 +62,7 @@ def format_bytes(n: float) -> str:
     return f"{n:g} B" if unit == "B" else f"{n / scale:.2f} {unit}"
 
 
-def format_limits(limits: Sequence[float], what: str) -> str:
+def format_limits(limits: Iterable[float], what: str) -> str:
     """Memory limits in a message: one value when all agree, else a list in one shared unit.
 
     >>> format_limits([2.0, 3.0], "stage")

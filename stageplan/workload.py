@@ -16,7 +16,7 @@ class Workload:
     ``inputs`` is a tensor or a tuple of tensors holding one full batch; microbatches are slices
     along dim 0. ``loss_fn(output, target)`` returns a scalar. Without a ``loss_fn`` the loss is
     ``output.float().pow(2).mean()`` (enough to drive a backward pass through every layer).
-    ``options`` records how a factory built it (saved in profile metadata).
+    ``factory_options`` records how a factory built it (saved in profile metadata).
     """
 
     model: Any
@@ -24,7 +24,7 @@ class Workload:
     target: Any = None
     loss_fn: Callable[[Any, Any], Any] | None = None
     name: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
+    factory_options: dict[str, Any] = field(default_factory=dict)
 
     def input_tuple(self) -> tuple[Any, ...]:
         return tuple(self.inputs) if isinstance(self.inputs, (tuple, list)) else (self.inputs,)

@@ -100,7 +100,7 @@ def gpt(
     target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
                    batch_size=batch_size, tied=bool(tied), seed=seed)
-    return Workload(model, idx, target, _lm_loss, name="gpt", options=options)
+    return Workload(model, idx, target, _lm_loss, name="gpt", factory_options=options)
 
 
 def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_classes: int = 10, seed: int = 0) -> Workload:
@@ -135,7 +135,7 @@ def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_
     x = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (batch_size,), generator=gen)
     options = dict(batch_size=batch_size, image_size=image_size, width=width, num_classes=num_classes, seed=seed)
-    return Workload(model, x, y, F.cross_entropy, name="convnet", options=options)
+    return Workload(model, x, y, F.cross_entropy, name="convnet", factory_options=options)
 
 
 _HF_CLASSES: dict[str, type] = {}
@@ -190,7 +190,7 @@ def hf_gpt2(
     target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
                    batch_size=batch_size, seed=seed)
-    return Workload(model, idx, target, _lm_loss, name="hf-gpt2", options=options)
+    return Workload(model, idx, target, _lm_loss, name="hf-gpt2", factory_options=options)
 
 
 def hf_llama(
@@ -211,7 +211,7 @@ def hf_llama(
     target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
                    batch_size=batch_size, seed=seed)
-    return Workload(model, idx, target, _lm_loss, name="hf-llama", options=options)
+    return Workload(model, idx, target, _lm_loss, name="hf-llama", factory_options=options)
 
 
 BUILTINS: dict[str, Callable[..., Workload]] = {
@@ -276,6 +276,6 @@ def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload
         )
     if not workload.name:
         workload.name = spec
-    if not workload.options:
-        workload.options = options
+    if not workload.factory_options:
+        workload.factory_options = options
     return workload

@@ -1,0 +1,60 @@
+"""The single-process reference: train the uncut model the same way and compare losses and gradients (torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from stageplan.executor import batch_target, make_optimizer
+from stageplan.measure import microbatch
+from stageplan.workload import Workload
+
+
+def compare_with_single_process(workload: Workload, reference: nn.Module, gathered: list[Any], options: dict[str, Any],
+                                num_microbatches: int) -> dict[str, Any]:
+    """Train the uncut model on one process: same data, same initial weights, the same microbatches with
+    gradient accumulation; compare each step's loss and every parameter by FQN at the end."""
+    m = num_microbatches
+    optimizer = make_optimizer(options["optimizer"], list(reference.parameters()), float(options["lr"]))
+    inputs = workload.input_tuple()
+    target = batch_target(workload)
+    mb = workload.batch_size // m
+    dev = next(reference.parameters()).device
+    ref_losses: list[float] = []
+    for _ in range(int(options["warmup"]) + int(options["steps"])):
+        for p in reference.parameters():
+            p.grad = None
+        total = 0.0
+        for i in range(m):
+            args = tuple(a.to(dev) if hasattr(a, "to") else a for a in microbatch(inputs, i, mb))
+            tgt = microbatch(target, i, mb).to(dev) if workload.target is not None else None
+            loss = workload.compute_loss(reference(*args), tgt)
+            (loss / m).backward()
+            total += float(loss.detach())
+        if optimizer is not None:
+            optimizer.step()
+        ref_losses.append(total / m)
+    pipe_losses = next(g["losses"] for g in gathered if g["losses"])
+    loss_diff = max((abs(a - b) for a, b in zip(pipe_losses, ref_losses)), default=0.0)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst_name, worst = "", 0.0
+    compared = 0
+    missing = []
+    for g in gathered:
+        for name, value in g["params"].items():
+            if name not in ref_params:
+                missing.append(name)
+                continue
+            diff = float((value - ref_params[name].detach().cpu()).abs().max())
+            compared += 1
+            if diff > worst:
+                worst_name, worst = name, diff
+    uncovered = sorted(set(ref_params) - {n for g in gathered for n in g["params"]})
+    rtol, atol = 1e-4, 1e-5
+    scale = max((float(p.detach().abs().max()) for p in ref_params.values()), default=1.0)
+    passed = (not missing and not uncovered and loss_diff <= atol + rtol * max(abs(x) for x in ref_losses)
+              and worst <= atol + rtol * scale)
+    return {"passed": bool(passed), "max_loss_diff": loss_diff, "max_param_diff": worst, "worst_param": worst_name,
+            "params_compared": compared, "missing_in_reference": missing, "not_trained_by_pipeline": uncovered,
+            "reference_losses": ref_losses, "rtol": rtol, "atol": atol}

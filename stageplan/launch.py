@@ -1,0 +1,391 @@
+"""Spawning, watching, blaming and ending the ranks of a run; torchrun detection (torch).
+
+Local runs start one process per pipeline rank on localhost (gloo on CPU with one intra-op thread each, NCCL
+on CUDA with one GPU per rank) and watch them: if any rank fails or is killed, every rank is ended at once and
+the failure is reported with the rank and its log. Every run has a timeout. Under torchrun each process runs
+:func:`torchrun_main` itself, taking rank and world size from the environment.
+
+Ranks normally start as fresh interpreters (``python -m stageplan.launch``) that load the workload from a
+payload file. A workload whose model or loss is defined in the caller's script or notebook (``__main__``)
+cannot be unpickled there, so those ranks are forked instead: a forked rank sees the caller's definitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stageplan._io import check_output_dir, check_output_path, save_or_keep
+from stageplan.errors import RunError, StageplanError, WorkloadError
+from stageplan.executor import DEFAULT_LR, OPTIMIZERS, worker_main
+from stageplan.plan import Plan
+from stageplan.runreport import RunReport
+from stageplan.stages import validate
+from stageplan.workload import Workload
+
+PROGRESS_PREFIX = "stageplan-progress: "
+
+
+def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
+    return plan if isinstance(plan, Plan) else Plan.load(plan)
+
+
+def run(
+    workload: Workload | str,
+    plan: Plan | str | os.PathLike[str],
+    *,
+    steps: int = 20,
+    warmup: int = 3,
+    optimizer: str | None = None,
+    lr: float | None = None,
+    check: bool = False,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    factory_options: dict[str, Any] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> RunReport:
+    """Train ``workload`` with ``plan`` on one local process per pipeline rank; return the RunReport.
+
+    ``workload`` is a Workload or a model spec (built-in name or ``package.module:factory``, called with
+    ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Every rank gets the same
+    initial weights and data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
+    naming the rank and its log file; after ``timeout_s`` every rank is ended.
+    """
+    the_plan = _load_plan(plan)
+    opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
+                        backend=backend, timeout_s=timeout_s)
+    if output is not None:
+        check_output_path(output)
+    if log_dir is not None:
+        check_output_dir(log_dir)
+    spec = workload if isinstance(workload, str) else None
+    if spec is not None:
+        from stageplan.zoo import build_workload
+
+        wl = build_workload(spec, factory_options or {})
+    elif isinstance(workload, Workload):
+        wl = workload
+    else:
+        raise StageplanError(f"workload must be a Workload or a model spec string, got {type(workload).__name__}; "
+                             "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), plan)")
+    opts["microbatch_size"] = wl.batch_size // the_plan.num_microbatches if wl.batch_size % the_plan.num_microbatches == 0 else None
+    validate(wl, the_plan)
+    _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
+
+    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stageplan-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fork = spec is None and _needs_fork(wl)
+    try:
+        if fork:
+            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
+                            forked=(wl, the_plan, opts))
+        else:
+            payload = {"plan": the_plan.to_json(), "options": opts, "spec": spec, "factory_options": factory_options or {},
+                       "state_dict": wl.model.state_dict(), "inputs": wl.inputs, "target": wl.target,
+                       "workload": None if spec else wl}
+            try:
+                torch.save(payload, run_dir / "payload.pt")
+            except Exception as exc:  # unpicklable workload (a lambda loss, a local class)
+                raise WorkloadError(
+                    f"the workload cannot be sent to the rank processes ({type(exc).__name__}: {exc}); pass a model spec "
+                    "'package.module:factory' instead, or use module-level functions and classes"
+                ) from exc
+            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
+        report = RunReport.load(run_dir / "report.json")
+    except BaseException:
+        # keep the logs of a failed run for the user (the RunError names them); never leave the weights behind
+        with contextlib.suppress(OSError):
+            (run_dir / "payload.pt").unlink()
+        if log_dir is None and not any(run_dir.glob("rank*.error")):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    if log_dir is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            (run_dir / "payload.pt").unlink()
+    if output is not None:
+        save_or_keep(report, output)
+    return report
+
+
+def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
+                 backend: str | None, timeout_s: float) -> dict[str, Any]:
+    """Validate every run option before any process starts."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or isinstance(warmup, bool) \
+            or not isinstance(warmup, int) or warmup < 0:
+        raise StageplanError(f"steps must be an integer >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}; e.g. --steps 20 --warmup 3")
+    opt = (optimizer or str(plan.cost_options.get("optimizer", "sgd"))).lower()
+    if opt not in OPTIMIZERS:
+        raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise StageplanError(f"learning rate must be a finite number > 0, got {lr!r}; e.g. --lr 0.01")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
+    backend = backend or "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise StageplanError(f"unknown backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
+    if backend == "nccl" and torch.cuda.device_count() < plan.num_ranks:
+        raise StageplanError(f"backend nccl needs one CUDA GPU per rank ({plan.num_ranks}) and this machine has "
+                             f"{torch.cuda.device_count()}; use --backend gloo")
+    return {"steps": steps, "warmup": warmup, "optimizer": opt, "lr": float(lr) if lr is not None else DEFAULT_LR[opt],
+            "check": bool(check), "backend": backend, "timeout_s": float(timeout_s)}
+
+
+def _warn_oversubscribed(num_ranks: int, backend: str) -> None:
+    import warnings
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if backend == "gloo" and num_ranks > cores:
+        warnings.warn(f"{num_ranks} local ranks share {cores} CPU cores: ranks will wait for each other and the measured "
+                      "step will exceed the prediction; use at most one rank per core", stacklevel=3)
+
+
+def _needs_fork(wl: Workload) -> bool:
+    """True when the workload refers to code in ``__main__`` (a script or notebook): a fresh interpreter
+    could not unpickle it."""
+    try:
+        data = pickle.dumps(wl)
+    except Exception:
+        return False  # the payload path reports what cannot be pickled
+    if b"__main__" not in data:
+        return False
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise WorkloadError(
+            "the workload uses classes or functions defined in __main__ (a script or notebook), which rank processes "
+            "cannot import on this platform (no fork); move them into a module and pass 'package.module:factory'"
+        )
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Forked:
+    """A forked rank, with Popen's poll()/pid/wait() so the watcher treats both kinds alike."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc.exitcode is None else int(self.proc.exitcode)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.proc.join(timeout)
+
+
+def _forked_rank(wl: Workload, plan: Plan, opts: dict[str, Any], run_dir: str, rank: int, world: int,
+                 env: dict[str, str], log: str) -> None:
+    os.setsid()  # its own process group, as the spawned ranks have: the watcher ends a rank with killpg
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
+    sys.stderr = sys.stdout
+    os.environ.update(env)
+    _rank_entry(run_dir, rank, world, lambda: (wl, plan, opts))
+
+
+def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
+                    forked: tuple[Workload, Plan, dict[str, Any]] | None = None) -> None:
+    port = _free_port()
+    procs: list[Any] = []
+    logs = [run_dir / f"rank{r}.log" for r in range(world)]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
+    deadline = time.monotonic() + timeout_s
+    forward = _ProgressForwarder(logs[0], enabled=progress)
+    try:
+        for r in range(world):
+            env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+            if forked is not None:
+                import multiprocessing
+
+                ctx = multiprocessing.get_context("fork")
+                proc = ctx.Process(target=_forked_rank, args=(*forked, str(run_dir), r, world, env_r, str(logs[r])))
+                proc.start()
+                procs.append(_Forked(proc))
+            else:
+                with open(logs[r], "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "stageplan.launch", str(run_dir), str(r), str(world)],
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env_r},
+                        start_new_session=True,
+                    ))
+        while True:
+            forward.poll()
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # A rank that fails often takes its peers down with it (their sockets close): give them a moment
+                # to exit, then blame the root cause: a rank killed by a signal, else the earliest error that is
+                # not a lost connection.
+                grace = time.monotonic() + 1.0
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                first = min(failed, key=lambda r: _blame_order(run_dir, r, codes[r]))
+                _kill_all(procs)
+                raise RunError(f"rank {first} failed: {_error_line(run_dir, first, codes[first])}; "
+                               f"full traceback in {logs[first]}", rank=first, log_path=str(logs[first]))
+            if all(c == 0 for c in codes):
+                forward.poll()
+                return
+            if time.monotonic() > deadline:
+                _kill_all(procs)
+                raise RunError(f"the run did not finish within the {timeout_s:g} s timeout; all {world} ranks were ended; "
+                               f"logs in {run_dir}; raise --timeout or run fewer --steps", log_path=str(run_dir))
+            time.sleep(0.05)
+    finally:
+        _kill_all(procs)
+
+
+class _ProgressForwarder:
+    """Copies rank 0's progress lines from its log to stderr (plain lines: a step a line)."""
+
+    def __init__(self, log: Path, *, enabled: bool) -> None:
+        self.log, self.enabled, self.offset = log, enabled, 0
+
+    def poll(self) -> None:
+        if not self.enabled or not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if line.startswith(PROGRESS_PREFIX):
+                print(f"run: {line[len(PROGRESS_PREFIX):]}", file=sys.stderr, flush=True)
+
+
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "timed out")
+
+
+def _blame_order(run_dir: Path, rank: int, code: int | None) -> tuple[int, float]:
+    """Sort key for the failing rank to report: killed by a signal, then own errors, then lost peers."""
+    if code is not None and code < 0:
+        return (0, 0.0)
+    path = run_dir / f"rank{rank}.error"
+    if not path.exists():
+        return (1, float("inf"))
+    text = path.read_text()
+    return (2 if any(s in text for s in _LOST_PEER) else 1, path.stat().st_mtime)
+
+
+def _error_line(run_dir: Path, rank: int, code: int | None) -> str:
+    path = run_dir / f"rank{rank}.error"
+    if path.exists():
+        return path.read_text().strip().splitlines()[0] if path.read_text().strip() else "unknown error"
+    if code is not None and code < 0:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=10)
+
+
+def _materialize(payload: dict[str, Any]) -> Workload:
+    if payload["workload"] is not None:
+        wl = payload["workload"]
+        assert isinstance(wl, Workload)
+        return wl
+    from stageplan.zoo import build_workload
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        wl = build_workload(payload["spec"], payload["factory_options"])
+    wl.model.load_state_dict(payload["state_dict"])
+    wl.inputs, wl.target = payload["inputs"], payload["target"]
+    return wl
+
+
+def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20, warmup: int = 3,
+                  optimizer: str | None = None, lr: float | None = None, check: bool = False, backend: str | None = None,
+                  timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None) -> RunReport | None:
+    """One rank under torchrun (rank and world size from the environment); rank 0 returns the RunReport.
+
+    Every rank builds the workload itself, so the factory must be deterministic (seeded); a checksum of the
+    initial weights is compared across ranks and a mismatch stops the run.
+    """
+    the_plan = _load_plan(plan)
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
+                        backend=backend, timeout_s=timeout_s)
+    opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
+    if output is not None and rank == 0:
+        check_output_path(output)
+    validate(workload, the_plan, world_size=world)
+    checksum = float(sum(float(p.detach().double().sum()) for p in workload.model.parameters()))
+    with tempfile.TemporaryDirectory(prefix="stageplan-torchrun-") as tmp:
+        report_path = str(Path(tmp) / "report.json") if rank == 0 else None
+        worker_main(workload, the_plan, rank=rank, world_size=world, options={**opts, "weights_checksum": checksum},
+                    report_path=report_path)
+        if report_path is None:
+            return None
+        report = RunReport.load(report_path)
+    if output is not None:
+        save_or_keep(report, output)
+    return report
+
+
+def _rank_entry(run_dir: str, rank: int, world: int, load: Any) -> None:
+    """Run one rank; on any error write its one-line cause to rank<N>.error and exit 1 at once."""
+    try:
+        torch.set_num_threads(1)
+        wl, plan, options = load()
+        report = str(Path(run_dir) / "report.json") if rank == 0 else None
+        worker_main(wl, plan, rank=rank, world_size=world, options=options, report_path=report)
+        sys.stdout.flush()
+        os._exit(0)
+    except BaseException as exc:
+        traceback.print_exc()
+        root: BaseException = exc  # torch wraps a stage's error; the innermost cause says what went wrong
+        while (root.__cause__ or root.__context__) is not None and len(str(root.__cause__ or root.__context__)) > 0:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
+        msg = f"{type(root).__name__}: {lines[0]}" if lines else type(root).__name__
+        (Path(run_dir) / f"rank{rank}.error").write_text(msg + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _load_payload(run_dir: str) -> tuple[Workload, Plan, dict[str, Any]]:
+    payload = torch.load(Path(run_dir) / "payload.pt", weights_only=False)
+    return _materialize(payload), Plan.from_json(payload["plan"]), payload["options"]
+
+
+if __name__ == "__main__":
+    _rank_entry(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), lambda: _load_payload(sys.argv[1]))

@@ -1,0 +1,109 @@
+"""Build one rank's pipeline stages from a Plan: check the plan fits the model, cut the model, wrap each of the
+rank's chunks in torch's PipelineStage, and keep the tied parameters' gradients in sync (torch)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stageplan.errors import StageplanError
+from stageplan.layers import cut_layers, cut_stages, used_parameters
+from stageplan.measure import microbatch, microbatch_size_for
+from stageplan.plan import Plan
+from stageplan.schedules import check_microbatches
+from stageplan.workload import Workload
+
+
+def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
+    """The first of the plan's m microbatches of the workload's inputs (refusing a batch m does not divide)."""
+    size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
+    return tuple(microbatch(workload.input_tuple(), 0, size))
+
+
+def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -> None:
+    """Refuse, before spawning anything, what would otherwise fail deep inside torch or hang a rank."""
+    if world_size is not None and world_size != plan.num_ranks:
+        raise StageplanError(
+            f"world size {world_size} does not match the plan's {plan.num_ranks} pipeline ranks; "
+            f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with --stages {world_size}"
+        )
+    check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
+    args = first_microbatch_of_plan(workload, plan)
+    layers_arg = plan.profile_meta.get("layers_arg")
+    names = cut_layers(copy.deepcopy(workload.model), args, layers_arg).names
+    if list(names) != list(plan.layer_names):
+        diff = next((i for i, (a, b) in enumerate(zip(names, plan.layer_names)) if a != b), min(len(names), len(plan.layer_names)))
+        got = names[diff] if diff < len(names) else "(none)"
+        want = plan.layer_names[diff] if diff < len(plan.layer_names) else "(none)"
+        raise StageplanError(
+            f"the plan does not match this model: it has {len(plan.layer_names)} layers, the model {len(names)}; "
+            f"layer {diff} is {got!r} in the model but {want!r} in the plan (plan made for "
+            f"{plan.profile_meta.get('model')!r}); profile and plan this model, with the same --set options"
+        )
+
+
+TieGroup = tuple[list[str], nn.Parameter]
+
+
+def tie_groups(model: nn.Module) -> list[TieGroup]:
+    """FQN groups that name one shared parameter (e.g. an embedding tied to the LM head), with the parameter."""
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), ([], p))[0].append(name)
+    return [group for group in by_id.values() if len(group[0]) > 1]
+
+
+@dataclass
+class RankStages:
+    """What one rank runs: its PipelineStage objects (one per chunk it holds), the parameters they use by FQN,
+    the unique parameters (for the optimizer) and the model's tie groups (for :func:`sync_tied_grads`)."""
+
+    stages: list[Any]
+    indices: list[int]
+    params: dict[str, nn.Parameter]
+    unique_params: list[nn.Parameter]
+    ties: list[TieGroup]
+
+
+def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device,
+                      mb_args: tuple[Any, ...]) -> RankStages:
+    """Cut ``model`` at the plan's boundaries and wrap this rank's chunks in PipelineStage objects."""
+    from torch.distributed.pipelining import PipelineStage
+
+    S = plan.num_chunks
+    mine = [s for s, st in enumerate(plan.stages) if st.rank == rank]
+    ties = tie_groups(model)
+    cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
+    stages = []
+    for s in mine:
+        if cut.method == "export":
+            stages.append(cut.pipe.build_stage(s, device))  # type: ignore[attr-defined]
+        else:
+            stages.append(PipelineStage(cut.pieces[s].module.to(device), s, S, device))
+    params: dict[str, nn.Parameter] = {}
+    every: list[nn.Parameter] = []
+    for st in stages:
+        params.update(used_parameters(st.submod))
+        every.extend(st.submod.parameters())
+    unique = list({id(p): p for p in every}.values())
+    return RankStages(stages, mine, params, unique, ties)
+
+
+def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device) -> None:
+    """Sum a tied parameter's gradients over every stage that holds a copy (each copy's own gradient is only
+    its stage's share: 2e-2 off, seen here). Ranks without a copy contribute zeros, so every rank joins."""
+    import torch.distributed as dist
+
+    for names, original in ties:
+        local = [params[n] for n in names if n in params]
+        buf = torch.zeros(original.shape, dtype=original.dtype, device=device)
+        for p in {id(p): p for p in local}.values():
+            if p.grad is not None:
+                buf += p.grad
+        dist.all_reduce(buf)
+        for p in {id(p): p for p in local}.values():
+            p.grad = buf.clone()
