@@ -12,7 +12,7 @@ import statistics
 import time
 
 import stageplan
-from stageplan.api import build_workload, compare_methods
+from stageplan.api import METHODS, build_workload
 from stageplan.report import format_table
 
 STEPS, WARMUP = 8, 2
@@ -26,11 +26,11 @@ def main() -> None:
     for m in (4, 8):
         profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
         for schedule in ("GPipe", "1F1B"):
-            plans = compare_methods(profile, 2, num_microbatches=m, schedule=schedule)
+            plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k) for k in METHODS}
             reports = {}
             for name, pl in plans.items():
                 same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
-                reports[name] = reports[same] if same else stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP, options=OPTIONS)
+                reports[name] = reports[same] if same else stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP, factory_options=OPTIONS)
             opt = reports["optimal"]
             rows.append([schedule, m, " ".join(map(str, plans["optimal"].boundaries)), " ".join(map(str, plans["uniform"].boundaries)),
                          f"{opt.measured_step_s * 1e3:.1f}", f"{reports['uniform'].measured_step_s * 1e3:.1f}",
@@ -40,12 +40,12 @@ def main() -> None:
                          f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}"])
             for rep in {id(r): r for r in reports.values()}.values():
                 err_step.append(abs(rep.step_ratio - 1))
-                for r in rep.stages:
+                for r in rep.ranks:
                     err_compute.append(abs(r["compute_ratio"] - 1))
                     act_ratio.append(r["activation_ratio"])
             calibrated = stageplan.calibrate(profile, opt)
             replanned = stageplan.plan(calibrated, 2, num_microbatches=m, schedule=schedule)
-            after = stageplan.run("gpt", replanned, steps=STEPS, warmup=WARMUP, options=OPTIONS)
+            after = stageplan.run("gpt", replanned, steps=STEPS, warmup=WARMUP, factory_options=OPTIONS)
             calib.append([schedule, m, f"{opt.step_ratio:.3f}", f"{abs(opt.step_ratio - 1):.1%}",
                           " ".join(map(str, replanned.boundaries)), f"{after.step_ratio:.3f}", f"{abs(after.step_ratio - 1):.1%}"])
     print(f"gpt {OPTIONS}, 2 ranks: measured step time (ms, median of {STEPS} steps) per method; ratio = method / optimal")

@@ -108,7 +108,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "plan = stageplan.plan(profile, 2, num_microbatches=4)\n"
                  "report = stageplan.run('gpt', plan, steps=6, warmup=2, check=True)\n"
                  "print('check passed:', report.check['passed'])\n"
-                 "for r in report.stages:\n"
+                 "for r in report.ranks:\n"
                  "    print(f\"rank {r['rank']}: compute predicted {r['predicted_compute_s']*1e3:.2f} ms, measured {r['measured_compute_s']*1e3:.2f} ms, ratio {r['compute_ratio']:.3f}\")\n"
                  "print(f'step: predicted {report.predicted_step_s*1e3:.1f} ms, measured {report.measured_step_s*1e3:.1f} ms, ratio {report.step_ratio:.3f}')"),
         ("code", "fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={'width_ratios': [2.5, 1]})\n"

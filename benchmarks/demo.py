@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import stageplan
-from stageplan.api import build_workload, compare_methods
+from stageplan.api import METHODS, build_workload
 from stageplan.report import compare_table, profile_table, run_table
 
 OUT = Path("out/demo")
@@ -24,14 +24,14 @@ def main() -> None:
     print(profile_table(profile))
 
     print("\n== 2. plan 2 stages, 1F1B, 4 microbatches: optimal vs the baselines")
-    plans = compare_methods(profile, 2, num_microbatches=4, schedule="1F1B")
+    plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m) for m in METHODS}
     print(compare_table(plans))
 
     reports = {}
     for method in ("optimal", "uniform"):
         print(f"\n== 3. run the {method} plan on 2 CPU processes (gloo, one thread each), checked against one process")
         plans[method].save(OUT / f"plan_{method}.json")
-        reports[method] = stageplan.run("gpt", plans[method], steps=8, warmup=2, check=True, options=OPTIONS,
+        reports[method] = stageplan.run("gpt", plans[method], steps=8, warmup=2, check=True, factory_options=OPTIONS,
                                         output=OUT / f"run_{method}.json")
         print(run_table(reports[method]))
 

@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import stageplan
-from stageplan.api import compare_methods
+import stageplan
+from stageplan.api import METHODS
 from stageplan.plots import plot_stage_balance, plot_timeline, save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     profile = stageplan.Profile.load(ROOT / "profiles" / "cpu" / "gpt-12l-v16k.json")
-    plans = compare_methods(profile, 4, num_microbatches=16, schedule="1F1B")
+    plans = {m: stageplan.plan(profile, 4, num_microbatches=16, schedule="1F1B", method=m) for m in METHODS}
     out = ROOT / "docs" / "figures"
     out.mkdir(parents=True, exist_ok=True)
     _, ax = plt.subplots(figsize=(8, 4))

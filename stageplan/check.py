@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from stageplan.executor import batch_target, make_optimizer
 from stageplan.measure import microbatch
+from stageplan.stages import batch_target, make_optimizer
 from stageplan.workload import Workload
 
 

@@ -17,42 +17,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from stageplan.errors import StageplanError, WorkloadError
+from stageplan.errors import WorkloadError
 from stageplan.measure import SavedTensorTracker, Timer, median_iqr
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
-from stageplan.stages import RankStages, build_rank_stages, first_microbatch_of_plan, sync_tied_grads
+from stageplan.stages import (
+    RankStages,
+    batch_target,
+    build_rank_stages,
+    first_microbatch_of_plan,
+    make_optimizer,
+    sync_tied_grads,
+)
 from stageplan.workload import Workload
-
-# The optimizers a run can train with: the same words `plan --optimizer` accepts ("none" runs no update).
-OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
-DEFAULT_LR = {"none": 0.0, "sgd": 0.05, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3}
-
-
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
-    """torch's optimizer for ``name`` (momentum: SGD with momentum 0.9); None for "none"."""
-    if name == "none":
-        return None
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise StageplanError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-
-
-def batch_target(workload: Workload) -> Any:
-    """The target torch's schedule splits into microbatches. Without one (a Workload whose loss needs no
-    target), a placeholder of the batch size is split instead, and the loss ignores it: torch's schedule
-    indexes the target per microbatch whenever a loss function is given."""
-    if workload.target is not None:
-        return workload.target
-    return torch.zeros(workload.batch_size)
 
 
 def _device(backend: str, rank: int) -> torch.device:

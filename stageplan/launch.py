@@ -32,10 +32,10 @@ import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
-from stageplan.executor import DEFAULT_LR, OPTIMIZERS, worker_main
+from stageplan.executor import worker_main
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
-from stageplan.stages import validate
+from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
 from stageplan.workload import Workload
 
 PROGRESS_PREFIX = "stageplan-progress: "

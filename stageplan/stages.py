@@ -1,5 +1,6 @@
 """Build one rank's pipeline stages from a Plan: check the plan fits the model, cut the model, wrap each of the
-rank's chunks in torch's PipelineStage, and keep the tied parameters' gradients in sync (torch)."""
+rank's chunks in torch's PipelineStage, give it its optimizer and keep the tied parameters' gradients in sync
+(torch)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,35 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"layer {diff} is {got!r} in the model but {want!r} in the plan (plan made for "
             f"{plan.profile_meta.get('model')!r}); profile and plan this model, with the same --set options"
         )
+
+
+# The optimizers a run can train with: the same words `plan --optimizer` accepts ("none" runs no update).
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
+DEFAULT_LR = {"none": 0.0, "sgd": 0.05, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3}
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
+    """torch's optimizer for ``name`` (momentum: SGD with momentum 0.9); None for "none"."""
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise StageplanError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def batch_target(workload: Workload) -> Any:
+    """The target torch's schedule splits into microbatches. Without one (a Workload whose loss needs no
+    target), a placeholder of the batch size is split instead, and the loss ignores it: torch's schedule
+    indexes the target per microbatch whenever a loss function is given."""
+    if workload.target is not None:
+        return workload.target
+    return torch.zeros(workload.batch_size)
 
 
 TieGroup = tuple[list[str], nn.Parameter]

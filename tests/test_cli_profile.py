@@ -17,7 +17,7 @@ def test_profile_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     assert "ln_f+head" in stdout and "sum of layers / whole" in stdout
     data = json.loads(out.read_text())
-    assert data["meta"]["options"]["d_model"] == 64 and data["meta"]["microbatch_size"] == 2
+    assert data["meta"]["factory_options"]["d_model"] == 64 and data["meta"]["microbatch_size"] == 2
     code, stdout, _ = run_cli(["show", str(out)], capsys)
     assert code == 0 and "blocks.1" in stdout
 

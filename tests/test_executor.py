@@ -13,7 +13,9 @@ import torch
 from conftest import assert_one_line_error, run_cli
 
 from stageplan import RunError, RunReport, StageplanError
-from stageplan.api import plan, profile_model, run
+from stageplan.api import plan
+from stageplan.launch import run
+from stageplan.profiler import profile_model
 from stageplan.profile import LayerProfile, Profile
 from stageplan.zoo import build_workload
 
@@ -47,20 +49,20 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
     if options.get("tied"):
         holders = [st.index for st in pl.stages if any(n.startswith(("tok_emb", "ln_f+head")) for n in st.layers)]
         assert holders == [0, 1]  # the tied embedding/head weight lives on both ranks
-    report = run(spec, pl, options=options, steps=3, warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")
+    report = run(spec, pl, factory_options=options, steps=3, warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")
     assert report.check is not None and report.check["passed"], report.check
     assert report.check["params_compared"] >= len(list(build_workload(spec, options).model.parameters()))
-    assert [r["rank"] for r in report.stages] == [0, 1]
+    assert [r["rank"] for r in report.ranks] == [0, 1]
     assert RunReport.load(tmp_path / "run.json") == report
     data = json.loads((tmp_path / "run.json").read_text())
     assert {"measured_step_s", "predicted_step_s", "stages"} <= data.keys() and data["schema"] == "stageplan.run/1"
-    for row in report.stages:
+    for row in report.ranks:
         assert row["measured_compute_s"] > 0 and row["measured_peak_activation_bytes"] > 0
 
 
 def test_check_detects_a_wrong_result() -> None:
     """The comparator is not vacuous: a one-ulp-free perturbation of one parameter fails the check."""
-    from stageplan.executor import _check
+    from stageplan.check import compare_with_single_process as _check
 
     wl = build_workload("workloads:mlp", {})
     reference = __import__("copy").deepcopy(wl.model)
@@ -114,7 +116,7 @@ def test_a_failing_rank_ends_every_rank(tmp_path: Path, monkeypatch: pytest.Monk
     pl = plan(prof, 2, num_microbatches=2, method="uniform")
     start = time.monotonic()
     with pytest.raises(RunError, match=r"rank 1 failed: RuntimeError: bad layer: forward call 5; full traceback in .*rank1\.log") as info:
-        run("workloads:faulty", pl, options={"fail_step": 2, "num_microbatches": 2}, steps=5, warmup=0,
+        run("workloads:faulty", pl, factory_options={"fail_step": 2, "num_microbatches": 2}, steps=5, warmup=0,
             log_dir=tmp_path / "logs", output=tmp_path / "run.json")
     assert time.monotonic() - start < 30
     assert info.value.rank == 1 and "Traceback" in Path(str(info.value.log_path)).read_text()
@@ -127,7 +129,7 @@ def test_a_killed_rank_ends_every_rank(tmp_path: Path) -> None:
     pl = plan(prof, 2, num_microbatches=2, method="uniform")
     start = time.monotonic()
     with pytest.raises(RunError, match=r"rank 1 failed: killed by signal 9 \(SIGKILL\); full traceback in .*rank1\.log"):
-        run("workloads:faulty", pl, options={"fail_step": 1, "kill": True}, steps=4, warmup=0, log_dir=tmp_path)
+        run("workloads:faulty", pl, factory_options={"fail_step": 1, "kill": True}, steps=4, warmup=0, log_dir=tmp_path)
     assert time.monotonic() - start < 30
 
 
@@ -191,4 +193,4 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
 
 def test_api_refuses_too(tmp_path: Path) -> None:
     with pytest.raises(StageplanError, match=r"does not divide into the plan's 2 microbatches"):
-        run("workloads:faulty", _toy_plan(tmp_path), options={"batch_size": 9})
+        run("workloads:faulty", _toy_plan(tmp_path), factory_options={"batch_size": 9})

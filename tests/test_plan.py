@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 
 from stageplan import InfeasiblePlanError, LayerProfile, Profile, StageplanError
-from stageplan.api import compare_methods, plan
+from stageplan.api import METHODS, plan
 from stageplan.costmodel import Device
 from stageplan.errors import SchemaError
 from stageplan.plan import (
@@ -86,10 +86,10 @@ def test_json_round_trip_and_schema(tmp_path: Path) -> None:
     assert pl.boundaries == (0, 4, 6)
     pl.save(tmp_path / "plan.json")
     data = json.loads((tmp_path / "plan.json").read_text())
-    assert data["schema"] == "stageplan.plan/1" and data["boundaries"] == [0, 4, 6]
+    assert data["schema"] == "stageplan.plan/2" and data["boundaries"] == [0, 4, 6]
     assert Plan.load(tmp_path / "plan.json") == pl
     data["schema"] = "stageplan.plan/9"
-    with pytest.raises(SchemaError, match=r"schema 'stageplan.plan/9' but this stageplan reads 'stageplan.plan/1'"):
+    with pytest.raises(SchemaError, match=r"schema 'stageplan.plan/9' but this stageplan reads 'stageplan.plan/2'"):
         Plan.from_json(data)
     df = pl.to_pandas()
     assert list(df["stage"]) == [0, 1] and "activations_bytes" in df.columns
@@ -150,7 +150,7 @@ def test_auto_picks_the_fastest_feasible_candidate() -> None:
 def test_interleaved_rank_loads() -> None:
     times = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0]
     pl = plan(make_profile(times, act=[10] * 8), 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
-    assert pl.num_stages == 4 and pl.virtual_stages == 2
+    assert pl.num_chunks == 4 and pl.virtual_stages == 2
     loads = [sum(st.time_s for st in pl.stages if st.rank == r) for r in range(2)]
     assert pl.rank_time_s == pytest.approx(loads) and pl.bottleneck_s == pytest.approx(max(loads))
     # brute force over 4 chunks, chunk c on rank c % 2
@@ -166,7 +166,7 @@ def test_interleaved_rank_loads() -> None:
 
 def test_compare_methods_ratios() -> None:
     prof = make_profile([1.0, 1.0, 1.0, 1.0, 1.0, 8.0], params=[50, 1, 1, 1, 1, 50])
-    plans = compare_methods(prof, 2, num_microbatches=4)
+    plans = {m: plan(prof, 2, num_microbatches=4, method=m) for m in METHODS}
     assert plans["optimal"].bottleneck_s <= plans["uniform"].bottleneck_s
     assert plans["uniform"].boundaries == (0, 3, 6)
 
@@ -186,10 +186,12 @@ def _write(tmp_path: Path, prof: Profile) -> str:
 
 def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, make_profile([1, 2, 3, 4, 5, 6]))
-    code, out, _ = run_cli(["plan", path, "--stages", "2", "--microbatches", "4", "--compare", "--export", "megatron",
-                            "-o", str(tmp_path / "plan.json")], capsys)
+    code, out, err = run_cli(["plan", path, "--stages", "2", "--microbatches", "4", "--compare", "--export", "megatron",
+                              "-o", str(tmp_path / "plan.json")], capsys)
     assert code == 0
-    assert "balance efficiency" in out and "x optimal" in out and "Ettt|tL" in out
+    # with --export, stdout carries only the export (so `> layout.txt` captures it); the tables go to stderr
+    assert out == "Ettt|tL\n"
+    assert "balance efficiency" in err and "x optimal" in err and "--pipeline-model-parallel-layout" in err
     code, out, _ = run_cli(["show", str(tmp_path / "plan.json")], capsys)
     assert code == 0 and "boundaries [0, 4, 6]" in out
 
@@ -198,7 +200,7 @@ def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixt
     ("args", "pattern"),
     [
         (["--stages", "9"], r"num_stages \(9\) exceeds the number of layers \(6\); use fewer stages"),
-        (["--stages", "0"], r"num_stages must be an integer >= 1, got 0"),
+        (["--stages", "0"], r"num_ranks must be an integer >= 1, got 0"),
         (["--stages", "2", "--microbatches", "0"], r"num_microbatches must be an integer >= 1, got 0"),
         (["--stages", "2", "--schedule", "Zigzag"], r"unknown schedule 'Zigzag'"),
         (["--stages", "2", "--method", "random"], r"unknown method 'random'; use one of optimal, uniform, parameters"),
@@ -235,5 +237,5 @@ def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pyt
 
 
 def test_small_m_warns() -> None:
-    with pytest.warns(UserWarning, match=r"num_microbatches \(1\) < stages \(2\)"):
+    with pytest.warns(UserWarning, match=r"num_microbatches \(1\) < num_ranks \(2\)"):
         plan(make_profile([1, 1, 1, 1]), 2, num_microbatches=1, schedule="GPipe")

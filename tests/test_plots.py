@@ -13,7 +13,7 @@ import pytest
 from matplotlib.patches import Rectangle
 
 from stageplan import LayerProfile, Profile
-from stageplan.api import compare_methods, plan
+from stageplan.api import METHODS, plan
 from stageplan.plots import (
     plot_layer_costs,
     plot_memory,
@@ -49,7 +49,7 @@ def test_stage_balance_bars(tmp_path: Path) -> None:
     assert heights[:3] == pytest.approx([st.forward_s * 1e3 for st in pl.stages])
     save(ax, str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").stat().st_size > 1000
-    ax = plot_stage_balance(compare_methods(_profile(), 3, num_microbatches=4))
+    ax = plot_stage_balance({m: plan(_profile(), 3, num_microbatches=4, method=m) for m in METHODS})
     assert len(_bars(ax)) == 3 * 3 * 3  # three plans side by side
 
 
@@ -83,9 +83,9 @@ def test_timeline_from_simulation_and_rows(tmp_path: Path) -> None:
 def test_predicted_vs_measured(tmp_path: Path) -> None:
     rep = RunReport(measured_step_s=0.1, predicted_step_s=0.08, measured_step_iqr_s=0.0, samples_per_s=80,
                     measured_bubble_fraction=0.2, predicted_bubble_fraction=0.2,
-                    stages=({"rank": 0, "predicted_compute_s": 0.01, "measured_compute_s": 0.012},
+                    ranks=({"rank": 0, "predicted_compute_s": 0.01, "measured_compute_s": 0.012},
                             {"rank": 1, "predicted_compute_s": 0.011, "measured_compute_s": 0.013}),
-                    losses=(), plan={"method": "optimal"}, options={})
+                    losses=(), plan={"method": "optimal"}, run_options={})
     ax = plot_predicted_vs_measured([rep, rep])
     assert len(ax.collections) == 4 and len(ax.lines) == 1
     save(ax, str(tmp_path / "p.png"))

@@ -78,7 +78,7 @@ def test_gpt_profile_bytes_are_deterministic_and_sum_matches_whole() -> None:
     # The skew users fight: the LM head outweighs a block in time, the embedding in parameters.
     assert p1.layers[-1].forward_s + p1.layers[-1].backward_s > 2 * (blocks[0].forward_s + blocks[0].backward_s)
     assert p1.layers[0].param_bytes > 2 * blocks[0].param_bytes
-    for key in ("model", "options", "device", "dtype", "microbatch_size", "input_shapes", "torch_version",
+    for key in ("model", "factory_options", "device", "dtype", "microbatch_size", "input_shapes", "torch_version",
                 "stageplan_version", "threads", "warmup", "repeats", "date", "method", "whole_model_s"):
         assert key in p1.meta
 
