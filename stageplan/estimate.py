@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from stageplan.errors import StageplanError, WorkloadError
+from stageplan.measure import SavedTensorTracker, storage_identity
 from stageplan.profile import LayerProfile
 
 # Default compute efficiency eta_c: the fraction of the dense peak a matmul-bound op reaches. 0.45 sits in
@@ -268,14 +269,6 @@ class _SdpaCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    # Fake tensors have data_ptr 0, so identify the storage by its StorageImpl (its cdata), as torch's own
-    # fake-tensor code does; the tensors are kept alive meanwhile so no address is reused.
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return int(StorageWeakRef(t.untyped_storage()).cdata)
-
-
 # -------------------------------------------------------------------------------------------- the estimate
 
 def _check_efficiency(value: float | None, default: float, what: str) -> float:
@@ -372,8 +365,6 @@ def estimate_module(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
     sdpa_calls = _SdpaCalls()
-    saved: dict[int, int] = {}  # storage key -> bytes
-    keep: list[torch.Tensor] = []  # saved tensors stay alive until the end, so storage keys stay unique
 
     def fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         # Allocated inside fake_mode: a fake CPU tensor with t's shape, strides and dtype, no data.
@@ -385,23 +376,17 @@ def estimate_module(
         with fake_mode:
             state = {n: fake_like(p, p.requires_grad) for n, p in params.items()}
             state.update({n: fake_like(b, False) for n, b in buffers.items()})
-            excluded = {_storage_key(t) for t in state.values()}
+            tracker = SavedTensorTracker({storage_identity(t) for t in state.values()}, key=storage_identity)
             f_args = tree_map(lambda x: fake_like(x, inputs_require_grad) if isinstance(x, torch.Tensor) else x,
                               args_t)
             f_kwargs = tree_map(lambda x: fake_like(x, False) if isinstance(x, torch.Tensor) else x, kwargs_d)
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                k = _storage_key(t)
-                if k not in excluded and k not in saved:
-                    saved[k] = int(t.untyped_storage().nbytes())
-                    keep.append(t)
-                return t
-
             with recorder, sdpa_kernel(backend), sdpa_calls:
                 recorder.phase = "forward"
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with tracker.hooks():
                     out = torch.func.functional_call(module, state, f_args, f_kwargs)
                     root = loss_fn(out) if loss_fn is not None else None
+                saved_bytes = tracker.live  # before the backward frees them
                 recorder.phase = None
                 outs = [t for t in _tensors(out) if t.requires_grad]
                 if root is not None:
@@ -443,7 +428,7 @@ def estimate_module(
     }
     return LayerEstimate(
         forward_s=total_time(fwd), backward_s=total_time(bwd),
-        activation_bytes=sum(saved.values()), output_bytes=int(output_bytes),
+        activation_bytes=int(saved_bytes), output_bytes=int(output_bytes),
         param_bytes=int(param_bytes), param_count=int(param_count),
         forward_flops=sum(f for f, _ in fwd), backward_flops=sum(f for f, _ in bwd),
         forward_bytes_moved=sum(b for _, b in fwd), backward_bytes_moved=sum(b for _, b in bwd),

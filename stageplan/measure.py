@@ -94,10 +94,12 @@ class Timer:
 class SavedTensorTracker:
     """Live saved-for-backward bytes: + a storage's bytes when autograd first saves a tensor on it, - when the
     graph frees the last saved tensor on it (deduplicated by storage with a refcount: saved tensors and views
-    share storage; FIELD.md). Storages in ``exclude`` (the parameters) are not counted."""
+    share storage; FIELD.md). Storages in ``exclude`` (the parameters) are not counted. ``key`` names a storage:
+    its data pointer by default, :func:`storage_identity` for fake tensors (whose data pointers are all 0)."""
 
-    def __init__(self, exclude: set[int] | None = None) -> None:
+    def __init__(self, exclude: set[int] | None = None, key: Callable[[torch.Tensor], int] | None = None) -> None:
         self.exclude = exclude or set()
+        self.key = key or (lambda t: t.untyped_storage().data_ptr())
         self.live = 0
         self.peak = 0
         self._refs: dict[int, int] = {}
@@ -107,7 +109,7 @@ class SavedTensorTracker:
 
     def _pack(self, t: torch.Tensor) -> Any:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = self.key(t)
         if ptr in self.exclude:
             return t
         if self._refs.get(ptr, 0) == 0:
@@ -136,6 +138,14 @@ class SavedTensorTracker:
         still holds)."""
         with self.hooks():
             yield self
+
+
+def storage_identity(t: torch.Tensor) -> int:
+    """A storage's identity that also works for fake tensors (data_ptr 0): its StorageImpl, as torch's own
+    fake-tensor code keys storages. The tracker keeps saved tensors alive, so no identity is reused meanwhile."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return int(StorageWeakRef(t.untyped_storage()).cdata)
 
 
 class _Held:

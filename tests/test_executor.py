@@ -15,8 +15,8 @@ from conftest import assert_one_line_error, run_cli
 from stageplan import RunError, RunReport, StageplanError
 from stageplan.api import plan
 from stageplan.launch import run
-from stageplan.profiler import profile_model
 from stageplan.profile import LayerProfile, Profile
+from stageplan.profiler import profile_model
 from stageplan.zoo import build_workload
 
 pytestmark = pytest.mark.slow

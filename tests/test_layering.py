@@ -10,7 +10,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "stageplan"
 CORE = {"errors", "_io", "_progress", "_version", "workload", "profile", "costmodel", "solver", "interleaved", "baselines",
         "schedules", "plan", "report", "plots", "runreport", "units"}  # api composes: it may import the torch edge lazily
-TORCH_EDGE = {"layers", "measure", "profiler", "stages", "executor", "check", "launch", "zoo"}
+TORCH_EDGE = {"layers", "measure", "profiler", "estimate", "stages", "executor", "check", "launch", "zoo"}
 
 
 def _imports(path: Path) -> set[str]:
