@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
     p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
+    p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model folder: each rank "
+                   "reads only its own tensors (default: the factory's own weights, built once and saved)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
 
@@ -312,6 +314,7 @@ def _in_torchrun() -> bool:
 def _cmd_run(a: argparse.Namespace) -> int:
     from stageplan.api import build_workload
     from stageplan.launch import run, torchrun_main
+    from stageplan.materialize import init_empty_weights
     from stageplan.plan import Plan
     from stageplan.report import run_table
 
@@ -321,12 +324,14 @@ def _cmd_run(a: argparse.Namespace) -> int:
     the_plan = Plan.load(a.plan)
     _check_factory_options(the_plan, a.model, factory_options)
     if _in_torchrun():
-        report = torchrun_main(build_workload(a.model, factory_options), the_plan, output=a.output, **kwargs)
+        with init_empty_weights():  # each rank materialises only its own stage
+            workload = build_workload(a.model, factory_options)
+        report = torchrun_main(workload, the_plan, output=a.output, weights=a.weights, **kwargs)
         if report is None:  # not rank 0
             return 0
     else:
         report = run(a.model, the_plan, factory_options=factory_options, output=a.output, log_dir=a.log_dir,
-                     progress=not a.quiet, **kwargs)
+                     weights=a.weights, progress=not a.quiet, **kwargs)
     print(run_table(report))
     if a.output:
         print(f"wrote {a.output}")

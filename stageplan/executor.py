@@ -8,7 +8,6 @@ nothing else from the planning side (it never imports solver, costmodel or api).
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime as _dt
 import os
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from stageplan.errors import WorkloadError
+from stageplan.materialize import Checkpoint
 from stageplan.measure import SavedTensorTracker, Timer, median_iqr
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
@@ -28,6 +28,7 @@ from stageplan.stages import (
     build_rank_stages,
     first_microbatch_of_plan,
     make_optimizer,
+    reference_model,
     sync_tied_grads,
 )
 from stageplan.workload import Workload
@@ -182,6 +183,16 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     return out
 
 
+def _peak_memory_bytes(device: torch.device) -> int:
+    """The rank's peak memory: max allocated on CUDA; on CPU the process's peak resident set (ru_maxrss, KiB on
+    Linux), which includes torch's own baseline (a few hundred MiB per process)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, options: dict[str, Any],
                 report_path: str | None) -> None:
     """Run this rank's stages of ``plan``; rank 0 gathers the measurements and writes the RunReport."""
@@ -191,12 +202,14 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
                             timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
     _check_same_weights(options, world_size)
-    model = workload.model.to(device)
+    model = workload.model  # parameters on meta: only this rank's chunks get real ones
     model.train()
     mb_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in first_microbatch_of_plan(workload, plan))
     check = bool(options.get("check"))
-    reference = copy.deepcopy(model) if (check and rank == 0) else None
-    rs = build_rank_stages(model, plan, rank, device, mb_args)
+    weights = Checkpoint(options["weights"]) if options.get("weights") else None
+    seed = int(options.get("init_seed", 0))
+    reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
+    rs = build_rank_stages(model, plan, rank, device, mb_args, weights=weights, seed=seed)
     ins = _Instruments(Timer(device), SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}))
     for st in rs.stages:
         ins.wrap(st)
@@ -208,7 +221,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
-              "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {}}
+              "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
+              "peak_memory_bytes": _peak_memory_bytes(device)}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:

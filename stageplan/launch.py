@@ -33,6 +33,7 @@ import torch
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
 from stageplan.executor import worker_main
+from stageplan.materialize import Checkpoint, init_empty_weights, meta_copy, parameter_bytes, save_checkpoint
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
@@ -59,13 +60,16 @@ def run(
     factory_options: dict[str, Any] | None = None,
     output: str | os.PathLike[str] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    weights: str | os.PathLike[str] | dict[str, torch.Tensor] | None = None,
     progress: bool = False,
 ) -> RunReport:
     """Train ``workload`` with ``plan`` on one local process per pipeline rank; return the RunReport.
 
     ``workload`` is a Workload or a model spec (built-in name or ``package.module:factory``, called with
-    ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Every rank gets the same
-    initial weights and data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
+    ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Each rank builds the model
+    with its parameters on meta and materialises only its own stage: its tensors come from ``weights`` (a
+    safetensors file, an HF folder or a state dict), else from the user's factory built once here and saved,
+    else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
     naming the rank and its log file; after ``timeout_s`` every rank is ended.
     """
     the_plan = _load_plan(plan)
@@ -75,31 +79,26 @@ def run(
         check_output_path(output)
     if log_dir is not None:
         check_output_dir(log_dir)
-    spec = workload if isinstance(workload, str) else None
-    if spec is not None:
-        from stageplan.zoo import build_workload
-
-        wl = build_workload(spec, factory_options or {})
-    elif isinstance(workload, Workload):
-        wl = workload
-    else:
+    if weights is not None:
+        Checkpoint(weights)  # refuse a missing or malformed checkpoint before any work
+    if not isinstance(workload, (str, Workload)):
         raise StageplanError(f"workload must be a Workload or a model spec string, got {type(workload).__name__}; "
                              "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), plan)")
-    opts["microbatch_size"] = wl.batch_size // the_plan.num_microbatches if wl.batch_size % the_plan.num_microbatches == 0 else None
-    validate(wl, the_plan)
-    _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
-
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stageplan-run-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fork = spec is None and _needs_fork(wl)
     try:
-        if fork:
-            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
-                            forked=(wl, the_plan, opts))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights, run_dir)
+        opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
+                                   if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
+        validate(meta_wl, the_plan)
+        if check and not opts["weights"] and parameter_bytes(meta_wl.model) > _available_bytes() // 2:
+            raise StageplanError("--check trains the whole model in one process, and this model's parameters "
+                                 f"({parameter_bytes(meta_wl.model) / 2**30:.1f} GiB) would not fit here; run without --check")
+        _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
+        if _needs_fork(meta_wl):
+            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress, forked=(meta_wl, the_plan, opts))
         else:
-            payload = {"plan": the_plan.to_json(), "options": opts, "spec": spec, "factory_options": factory_options or {},
-                       "state_dict": wl.model.state_dict(), "inputs": wl.inputs, "target": wl.target,
-                       "workload": None if spec else wl}
+            payload = {"plan": the_plan.to_json(), "options": opts, "workload": meta_wl}
             try:
                 torch.save(payload, run_dir / "payload.pt")
             except Exception as exc:  # unpicklable workload (a lambda loss, a local class)
@@ -110,20 +109,77 @@ def run(
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
     except BaseException:
-        # keep the logs of a failed run for the user (the RunError names them); never leave the weights behind
-        with contextlib.suppress(OSError):
-            (run_dir / "payload.pt").unlink()
-        if log_dir is None and not any(run_dir.glob("rank*.error")):
-            shutil.rmtree(run_dir, ignore_errors=True)
+        _clean_run_dir(run_dir, keep=log_dir is not None or any(run_dir.glob("rank*.error")))
         raise
-    if log_dir is None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            (run_dir / "payload.pt").unlink()
+    _clean_run_dir(run_dir, keep=log_dir is not None)
     if output is not None:
         save_or_keep(report, output)
     return report
+
+
+def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
+    """Never leave the weights behind (a Ctrl-C included); keep the logs when asked or when a rank failed."""
+    for name in ("payload.pt", "weights.safetensors"):
+        with contextlib.suppress(OSError):
+            (run_dir / name).unlink()
+    if not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _available_bytes() -> int:
+    """Memory the machine can give now (MemAvailable), or all of it where /proc/meminfo is missing."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _given_weights(weights: Any, run_dir: Path) -> str | None:
+    """A path the ranks can read: the given file or folder, or a given state dict written as safetensors."""
+    if weights is None:
+        return None
+    if isinstance(weights, dict):
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        unique = {}
+        for k, t in weights.items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                unique[k] = t.detach().contiguous()
+        save_file(unique, str(run_dir / "weights.safetensors"))
+        return str(run_dir / "weights.safetensors")
+    return str(weights)
+
+
+def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | None, weights: Any,
+                   run_dir: Path) -> tuple[Workload, str | None, str]:
+    """The workload the ranks get: its model with parameters on meta, its inputs real. Where the weights come
+    from: ``weights`` when given; else, when the whole model fits here, the user's own factory build written as a
+    checkpoint (built once, freed before the ranks start); else each rank initialises its tensors by FQN."""
+    import dataclasses
+    import gc
+
+    given = _given_weights(weights, run_dir)
+    if isinstance(workload, Workload):
+        meta = dataclasses.replace(workload, model=meta_copy(workload.model))
+        if given is not None:
+            return meta, given, "the given weights"
+        save_checkpoint(workload.model, run_dir / "weights.safetensors")
+        return meta, str(run_dir / "weights.safetensors"), "the workload's model"
+    from stageplan.zoo import build_workload
+
+    with init_empty_weights():
+        meta = build_workload(workload, factory_options or {})
+    if given is not None:
+        return meta, given, "the given weights"
+    if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
+        real = build_workload(workload, factory_options or {})
+        save_checkpoint(real.model, run_dir / "weights.safetensors")
+        del real
+        gc.collect()
+        return meta, str(run_dir / "weights.safetensors"), "the factory (built once, saved, freed)"
+    return meta, None, "initialised by FQN (the model does not fit in one process)"
 
 
 def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
@@ -316,27 +372,16 @@ def _kill_all(procs: list[Any]) -> None:
             p.wait(timeout=10)
 
 
-def _materialize(payload: dict[str, Any]) -> Workload:
-    if payload["workload"] is not None:
-        wl = payload["workload"]
-        assert isinstance(wl, Workload)
-        return wl
-    from stageplan.zoo import build_workload
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        wl = build_workload(payload["spec"], payload["factory_options"])
-    wl.model.load_state_dict(payload["state_dict"])
-    wl.inputs, wl.target = payload["inputs"], payload["target"]
-    return wl
-
-
 def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20, warmup: int = 3,
                   optimizer: str | None = None, lr: float | None = None, check: bool = False, backend: str | None = None,
-                  timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None) -> RunReport | None:
+                  timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None,
+                  weights: str | os.PathLike[str] | None = None) -> RunReport | None:
     """One rank under torchrun (rank and world size from the environment); rank 0 returns the RunReport.
 
-    Every rank builds the workload itself, so the factory must be deterministic (seeded); a checksum of the
-    initial weights is compared across ranks and a mismatch stops the run.
+    Every rank builds the workload itself: its model with parameters on meta (build it inside
+    :func:`stageplan.materialize.init_empty_weights`), materialising only its own stage from ``weights``, or
+    initialised by FQN, identically on every rank. A model built with real parameters is used as it is; then
+    the factory must be seeded, and a checksum of the initial weights is compared across ranks.
     """
     the_plan = _load_plan(plan)
     world = int(os.environ["WORLD_SIZE"])
@@ -344,14 +389,20 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s)
     opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
+    if weights is not None:
+        Checkpoint(weights)
+    opts["weights"] = None if weights is None else str(weights)
+    real = [p for p in workload.model.parameters() if p.device.type != "meta"]
+    opts["weights_from"] = ("the given weights" if weights is not None else
+                            "each rank's own factory build" if real else "initialised by FQN")
     if output is not None and rank == 0:
         check_output_path(output)
     validate(workload, the_plan, world_size=world)
-    checksum = float(sum(float(p.detach().double().sum()) for p in workload.model.parameters()))
+    if real:
+        opts["weights_checksum"] = float(sum(float(p.detach().double().sum()) for p in real))
     with tempfile.TemporaryDirectory(prefix="stageplan-torchrun-") as tmp:
         report_path = str(Path(tmp) / "report.json") if rank == 0 else None
-        worker_main(workload, the_plan, rank=rank, world_size=world, options={**opts, "weights_checksum": checksum},
-                    report_path=report_path)
+        worker_main(workload, the_plan, rank=rank, world_size=world, options=opts, report_path=report_path)
         if report_path is None:
             return None
         report = RunReport.load(report_path)
@@ -384,7 +435,7 @@ def _rank_entry(run_dir: str, rank: int, world: int, load: Any) -> None:
 
 def _load_payload(run_dir: str) -> tuple[Workload, Plan, dict[str, Any]]:
     payload = torch.load(Path(run_dir) / "payload.pt", weights_only=False)
-    return _materialize(payload), Plan.from_json(payload["plan"]), payload["options"]
+    return payload["workload"], Plan.from_json(payload["plan"]), payload["options"]
 
 
 if __name__ == "__main__":

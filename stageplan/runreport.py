@@ -113,6 +113,10 @@ class RunReport:
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,
                 "activation_ratio": peak / predicted_peak if predicted_peak else None,
+                "predicted_memory_bytes": plan.rank_memory_bytes[r],
+                "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
+                "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
+                                 if g.get("peak_memory_bytes") and plan.rank_memory_bytes[r] else None),
             })
         t0 = min((e["start_wall"] for g in ranks for e in g["timeline"]), default=0.0)
         timeline = tuple(

@@ -13,6 +13,7 @@ from torch import nn
 
 from stageplan.errors import StageplanError
 from stageplan.layers import cut_layers, cut_stages, used_parameters
+from stageplan.materialize import Checkpoint, materialize_, meta_copy, meta_parameter_names, real_parameters
 from stageplan.measure import microbatch, microbatch_size_for
 from stageplan.plan import Plan
 from stageplan.schedules import check_microbatches
@@ -35,7 +36,7 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
     args = first_microbatch_of_plan(workload, plan)
     layers_arg = plan.profile_meta.get("layers_arg")
-    names = cut_layers(copy.deepcopy(workload.model), args, layers_arg).names
+    names = cut_layers(meta_copy(workload.model), args, layers_arg).names  # cut a weightless copy: no second model
     if list(names) != list(plan.layer_names):
         diff = next((i for i, (a, b) in enumerate(zip(names, plan.layer_names)) if a != b), min(len(names), len(plan.layer_names)))
         got = names[diff] if diff < len(names) else "(none)"
@@ -99,9 +100,10 @@ class RankStages:
     ties: list[TieGroup]
 
 
-def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device,
-                      mb_args: tuple[Any, ...]) -> RankStages:
-    """Cut ``model`` at the plan's boundaries and wrap this rank's chunks in PipelineStage objects."""
+def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...], *,
+                      weights: Checkpoint | None = None, seed: int = 0) -> RankStages:
+    """Cut ``model`` (parameters on meta, or real) at the plan's boundaries, give only this rank's chunks real
+    parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects."""
     from torch.distributed.pipelining import PipelineStage
 
     S = plan.num_chunks
@@ -110,10 +112,12 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
     stages = []
     for s in mine:
+        piece = cut.pieces[s].module
+        materialize_(piece, real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
         if cut.method == "export":
             stages.append(cut.pipe.build_stage(s, device))  # type: ignore[attr-defined]
         else:
-            stages.append(PipelineStage(cut.pieces[s].module.to(device), s, S, device))
+            stages.append(PipelineStage(piece.to(device), s, S, device))
     params: dict[str, nn.Parameter] = {}
     every: list[nn.Parameter] = []
     for st in stages:
@@ -137,3 +141,10 @@ def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], devic
         dist.all_reduce(buf)
         for p in {id(p): p for p in local}.values():
             p.grad = buf.clone()
+
+
+def reference_model(model: nn.Module, device: torch.device, *, weights: Checkpoint | None = None,
+                    seed: int = 0) -> nn.Module:
+    """The whole model with the same real parameters the ranks get (for the single-process check)."""
+    ref = meta_copy(model) if meta_parameter_names(model) else copy.deepcopy(model)
+    return materialize_(ref, real_parameters(model, meta_parameter_names(ref), device, weights=weights, seed=seed)).to(device)

@@ -55,7 +55,11 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
     assert [r["rank"] for r in report.ranks] == [0, 1]
     assert RunReport.load(tmp_path / "run.json") == report
     data = json.loads((tmp_path / "run.json").read_text())
-    assert {"measured_step_s", "predicted_step_s", "stages"} <= data.keys() and data["schema"] == "stageplan.run/1"
+    assert {"measured_step_s", "predicted_step_s", "ranks"} <= data.keys() and data["schema"] == "stageplan.run/2"
+    # a report written before run/2 (rows under "stages", options under "options") still loads
+    old = {**{k: v for k, v in data.items() if k not in ("ranks", "run_options")}, "schema": "stageplan.run/1",
+           "stages": data["ranks"], "options": data["run_options"]}
+    assert RunReport.from_json(old) == report
     for row in report.ranks:
         assert row["measured_compute_s"] > 0 and row["measured_peak_activation_bytes"] > 0
 
