@@ -5,9 +5,13 @@ matplotlib is imported inside each function; each takes ``ax=None`` and returns 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stageplan.errors import StageplanError
 from stageplan.plan import Plan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
@@ -184,22 +188,37 @@ def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axe
     return ax
 
 
-def save(ax: Axes, path: str) -> None:
-    """Write the Axes' figure as PNG (atomically)."""
-    import os
-    import tempfile
+SAVE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
+
+def save(ax: Axes, path: str | os.PathLike[str]) -> None:
+    """Write the Axes' figure in the format its suffix names (.png, .svg or .pdf), atomically: to a temporary
+    file in the same folder, then ``os.replace``, so a reader never sees a half-written figure.
+
+    An unknown or missing suffix is refused before anything is written (matplotlib would otherwise fall back
+    to PNG bytes under any name).
+    """
+    from stageplan._io import check_output_path, default_mode
+
+    suffix = Path(path).suffix
+    fmt = SAVE_FORMATS.get(suffix.lower())
+    if fmt is None:
+        what = f"suffix {suffix!r} is not supported" if suffix else "it has no suffix"
+        raise StageplanError(
+            f"cannot save a figure to {str(path)!r}: {what}; the format follows the suffix; "
+            f"use {', '.join(list(SAVE_FORMATS)[:-1])} or {list(SAVE_FORMATS)[-1]}"
+        )
+    p = check_output_path(path)
     fig = ax.figure
     fig.tight_layout()  # type: ignore[union-attr]
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-    os.close(fd)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
     try:
-        fig.savefig(tmp, dpi=110)  # type: ignore[union-attr]
-        from stageplan._io import default_mode
-
+        with os.fdopen(fd, "wb") as f:
+            # bbox_inches="tight": legends placed outside the axes are kept, not cropped
+            fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight")  # type: ignore[union-attr]
         os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    finally:
+        os.replace(tmp, p)
+    except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        raise

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +17,7 @@ from matplotlib.patches import Rectangle
 
 from stageplan import LayerProfile, Profile
 from stageplan.api import compare_methods, plan
+from stageplan.errors import StageplanError
 from stageplan.plots import (
     plot_layer_costs,
     plot_memory,
@@ -90,3 +94,46 @@ def test_predicted_vs_measured(tmp_path: Path) -> None:
     assert len(ax.collections) == 4 and len(ax.lines) == 1
     save(ax, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<svg"), (".pdf", b"%PDF"), (".PDF", b"%PDF")])
+def test_save_writes_the_format_its_suffix_names(tmp_path: Path, suffix: str, magic: bytes) -> None:
+    path = tmp_path / f"fig{suffix}"
+    save(plot_stage_balance(plan(_profile(), 3, num_microbatches=4)), path)
+    data = path.read_bytes()
+    if magic == b"<svg":
+        assert magic in data[:2000] and not data.startswith(b"\x89PNG")
+    else:
+        assert data.startswith(magic)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # what open() gives, not mkstemp's 0o600
+
+
+@pytest.mark.parametrize(("name", "said"), [("fig.jpg", "suffix '.jpg' is not supported"), ("fig", "it has no suffix"),
+                                            ("fig.png.bak", "suffix '.bak' is not supported")])
+def test_save_refuses_other_suffixes_before_writing(tmp_path: Path, name: str, said: str) -> None:
+    ax = plot_stage_balance(plan(_profile(), 3, num_microbatches=4))
+    with pytest.raises(StageplanError, match=re.escape(f"{str(tmp_path / name)!r}: {said}") + ".*use .png, .svg or .pdf"):
+        save(ax, str(tmp_path / name))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_replaces_an_existing_file_and_cleans_up_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "fig.png"
+    path.write_bytes(b"old")
+    ax = plot_stage_balance(plan(_profile(), 3, num_microbatches=4))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ax.figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save(ax, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["fig.png"] and path.read_bytes() == b"old"  # untouched
+    monkeypatch.undo()
+    save(ax, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(StageplanError, match="does not exist"):
+        save(ax, tmp_path / "missing" / "fig.png")
