@@ -268,3 +268,21 @@ def test_compared_methods_are_named_in_the_legend_and_hatched_apart() -> None:
     hatches = [{b.get_hatch() for b in bars[k * per_plan : (k + 1) * per_plan]} for k in range(len(plans))]
     assert all(len(h) == 1 for h in hatches)  # one hatch per method...
     assert len({next(iter(h)) for h in hatches}) == len(plans)  # ...and a different one for each
+
+
+@pytest.mark.parametrize("layout", ["alone", "beside"])
+def test_timeline_microbatch_numbers_fit_inside_their_boxes(layout: str) -> None:
+    sim = plan(_profile(), 3, num_microbatches=12, schedule="1F1B").simulate()
+    if layout == "alone":
+        ax = plot_timeline(sim)
+    else:  # the CLI's run figure: timeline beside the predicted-vs-measured panel
+        _fig, axes = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2.5, 1]})
+        ax = plot_timeline(sim, ax=axes[0])
+    renderer = _drawn(ax)
+    assert len(ax.texts) >= len(sim.timeline) // 2  # most boxes are wide enough to say their microbatch
+    for t in ax.texts:
+        box = t.get_window_extent(renderer)
+        x, rank = t.get_position()
+        e = next(e for e in sim.timeline if e.rank == rank and abs((e.start_s + e.end_s) * 500 - x) < 1e-9)
+        (x0, _), (x1, _) = ax.transData.transform([(e.start_s * 1e3, 0), (e.end_s * 1e3, 0)])
+        assert x0 <= box.x0 and box.x1 <= x1, (t.get_text(), box, x0, x1)
