@@ -102,6 +102,8 @@ def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
     for st in plan.stages:
         ax.annotate(f"x{st.inflight}", (st.index, bottom[st.index]), xytext=(0, 2), textcoords="offset points",
                     ha="center", va="bottom", fontsize=LABEL_PT)
+    limits = [st.memory_limit_bytes / 2**20 for st in plan.stages if st.memory_limit_bytes is not None]
+    ax.set_ylim(0, max([*bottom, *limits, 1e-9]) * 1.12)  # headroom for the in-flight counts over the tallest bar
     ax.set_xticks(xs)
     ax.set_xlabel("stage")
     ax.set_ylabel("MiB")

@@ -193,11 +193,18 @@ def test_legends_sit_outside_the_data_and_text_is_at_least_8pt(which: str) -> No
     assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
 
 
-def test_memory_writes_each_stage_in_flight_count() -> None:
-    pl = plan(_profile(), 3, num_microbatches=4)
+@pytest.mark.parametrize("source", ["toy", "gpt"])
+def test_memory_writes_each_stage_in_flight_count_inside_the_axes(source: str) -> None:
+    prof = _profile() if source == "toy" else Profile.load(Path(__file__).parents[1] / "profiles" / "cpu" / "gpt.json")
+    pl = plan(prof, 4 if source == "gpt" else 3, num_microbatches=8)
     ax = plot_memory(pl)
     assert [t.get_text() for t in ax.texts] == [f"x{st.inflight}" for st in pl.stages]
     assert all(t.get_fontsize() >= 8 for t in ax.texts)
+    renderer = _drawn(ax)
+    inside = ax.get_window_extent(renderer)
+    for t in ax.texts:  # the tallest bar's count was drawn over the title
+        box = t.get_window_extent(renderer)
+        assert inside.y0 <= box.y0 and box.y1 <= inside.y1
 
 
 def test_predicted_vs_measured_names_each_rank() -> None:
