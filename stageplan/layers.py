@@ -3,7 +3,7 @@
 Two cutting paths, one interface:
 - ``nn.Sequential``: each child is a layer; a piece is a slice of the children.
 - any other model: named modules (FQNs or glob patterns; by default the children of the largest
-  ``nn.ModuleList``) become layers, the code before the first and after the last one become layers
+  ``nn.ModuleList``, or failing that of the largest child ``nn.Sequential``) become layers, the code before the first and after the last one become layers
   of their own, and torch.export-based splitting (``torch.distributed.pipelining``) hands each piece
   exactly the tensors that cross its boundary (skip connections included).
 """
@@ -87,24 +87,39 @@ def store_outputs(env: dict[Ref, Any], k: int, out: Any) -> None:
         env[("out", k, None)] = out
 
 
-def _largest_module_list(model: nn.Module) -> list[str]:
+def _largest_container(model: nn.Module, kind: type[nn.ModuleList] | type[nn.Sequential]) -> list[str]:
+    """FQNs of the children of the submodule of type ``kind`` with the most children; the first in model order
+    on a tie. A Sequential inside another one is a part of a block (its MLP, or the block itself), not a trunk
+    of blocks, so only the outermost Sequentials count. (A model that is itself a container is not one of its
+    submodules: an nn.Sequential model is handled before, and an nn.ModuleList has no forward.)"""
     best: list[str] = []
+    outer: list[str] = []  # Sequentials seen so far; named_modules walks parents before their children
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
-            best = [f"{name}.{child}" if name else child for child, _ in mod.named_children()]
+        if not name or not isinstance(mod, kind) or any(name.startswith(o + ".") for o in outer):
+            continue
+        if isinstance(mod, nn.Sequential):
+            outer.append(name)
+        if len(mod) > len(best):
+            best = [f"{name}.{child}" for child, _ in mod.named_children()]
     return best
 
 
 def resolve_layer_names(model: nn.Module, layers: Sequence[str] | None) -> list[str]:
-    """Expand FQNs/glob patterns to module FQNs in model order. Default: children of the largest ModuleList."""
+    """Expand FQNs/glob patterns to module FQNs in model order.
+
+    Default, first rule that finds any: the children of the model if it is an nn.Sequential; else the children
+    of its largest nn.ModuleList; else the children of its largest child nn.Sequential (``self.layers =
+    nn.Sequential(...)``), counting only Sequentials that are not inside another Sequential. Code around the
+    container (embeddings, a head, a skip connection) runs in pieces of its own (see :func:`cut_layers`).
+    """
     if isinstance(model, nn.Sequential) and not layers:
         return [name for name, _ in model.named_children()]
     if not layers:
-        names = _largest_module_list(model)
+        names = _largest_container(model, nn.ModuleList) or _largest_container(model, nn.Sequential)
         if not names:
             raise WorkloadError(
-                f"cannot find layers in {type(model).__name__}: it is not an nn.Sequential and has no nn.ModuleList; "
-                "name the layers explicitly, e.g. --layers 'encoder.blocks.*'"
+                f"cannot find layers in {type(model).__name__}: it is not an nn.Sequential and has no nn.ModuleList "
+                "and no child nn.Sequential; name the layers explicitly, e.g. --layers 'encoder.blocks.*'"
             )
         return names
     all_names = [name for name, _ in model.named_modules() if name]
@@ -270,9 +285,11 @@ def cut_layers(model: nn.Module, example_args: tuple[Any, ...], layers: Sequence
     if n == len(names) + 2:
         labels = ["", *names, ""]
     elif n == len(names) + 1:
-        # Either nothing runs before the first named module or nothing after the last one.
-        first_params = {k.rsplit(".", 1)[0] for k in used_parameters(cut.pieces[0].module)}
-        starts_with_first = any(p == names[0] or p.startswith(names[0] + ".") for p in first_params)
+        # Either nothing runs before the first named module or nothing after the last one. The pieces keep the
+        # model's module FQNs, parameter-free ones too (a leading ReLU, Flatten or Dropout has no parameters).
+        first = cut.pieces[0].module
+        first_mods = {n for n, _ in first.named_modules()} | {k.rsplit(".", 1)[0] for k in used_parameters(first)}
+        starts_with_first = any(m == names[0] or m.startswith(names[0] + ".") for m in first_mods)
         labels = [*names, ""] if starts_with_first else ["", *names]
     elif n == len(names):
         labels = list(names)

@@ -5,9 +5,13 @@ matplotlib is imported inside each function; each takes ``ax=None`` and returns 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stageplan.errors import StageplanError
 from stageplan.plan import Plan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
@@ -18,6 +22,9 @@ if TYPE_CHECKING:
     from stageplan.schedules import Simulation
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "comm": "#55A868", "idle": "#EEEEEE"}
+HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
+LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
+LEGEND_PT = 8
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
 
 
@@ -32,46 +39,54 @@ def _axes(ax: Axes | None, size: tuple[float, float] = (7.0, 4.0)) -> Axes:
 
 def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None) -> Axes:
     """Per-stage stacked bars of forward, backward and communication ms; a dashed line at the lower bound,
-    the bottleneck stage outlined in black. Several plans (e.g. optimal, uniform, parameters) side by side."""
+    a triangle over each plan's bottleneck stage. Several plans (e.g. optimal, uniform, parameters) stand side
+    by side, each with its own hatch, named in the legend."""
+    from matplotlib.patches import Patch
+
     ax = _axes(ax)
     group = {"plan": plans} if isinstance(plans, Plan) else dict(plans)
     n = len(group)
     width = 0.8 / n
     max_stages = 0
     tallest = 0.0
+    method_handles: list[Patch] = []
     for k, (name, plan) in enumerate(group.items()):
         xs = [s + (k - (n - 1) / 2) * width for s in range(plan.num_chunks)]
         f = [st.forward_s * 1e3 for st in plan.stages]
         b = [st.backward_s * 1e3 for st in plan.stages]
         c = [st.comm_s * 1e3 for st in plan.stages]
-        alpha = 1.0 - 0.25 * k
-        ax.bar(xs, f, width, color=COLORS["F"], alpha=alpha, label="forward" if k == 0 else None)
-        ax.bar(xs, b, width, bottom=f, color=COLORS["B"], alpha=alpha, label="backward" if k == 0 else None)
-        ax.bar(xs, c, width, bottom=[x + y for x, y in zip(f, b)], color=COLORS["comm"], alpha=alpha,
-               label="comm" if k == 0 else None)
+        # Methods differ by hatch, not by shade: shades of one colour read as different kinds of work.
+        hatch = HATCHES[k % len(HATCHES)] if n > 1 else None
+        style: dict[str, Any] = {"edgecolor": "white", "linewidth": 0.6, "hatch": hatch}
+        ax.bar(xs, f, width, color=COLORS["F"], label="forward" if k == 0 else None, **style)
+        ax.bar(xs, b, width, bottom=f, color=COLORS["B"], label="backward" if k == 0 else None, **style)
+        ax.bar(xs, c, width, bottom=[x + y for x, y in zip(f, b)], color=COLORS["comm"],
+               label="comm" if k == 0 else None, **style)
+        if n > 1:
+            method_handles.append(Patch(facecolor="#8C8C8C", edgecolor="white", hatch=hatch, label=name))
         worst = max(range(plan.num_chunks), key=lambda s: plan.stages[s].time_s)
         top = f[worst] + b[worst] + c[worst]
         tallest = max(tallest, top)
         ax.plot([xs[worst]], [top], marker="v", color="black", markersize=7, linestyle="none",
                 label="bottleneck" if k == 0 else None)
-        if n > 1:  # name each plan under its bars
-            for x in xs:
-                ax.text(x, 0, name, rotation=90, va="bottom", ha="center", fontsize=7, color="white")
         max_stages = max(max_stages, plan.num_chunks)
     first = next(iter(group.values()))
     ax.axhline(first.lower_bound_s * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
-    ax.set_ylim(0, max(tallest, next(iter(group.values())).lower_bound_s * 1e3) * 1.12)
+    ax.set_ylim(0, max(tallest, first.lower_bound_s * 1e3) * 1.12)
     ax.set_xticks(range(max_stages))
     ax.set_xlabel("stage")
     ax.set_ylabel("ms per microbatch")
     title = ", ".join(f"{name}: {p.balance_efficiency:.2f}" for name, p in group.items())
     ax.set_title(f"stage balance (efficiency {title})", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + method_handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)
     return ax
 
 
 def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
-    """Per-stage stacked bars of memory by kind (MiB) against each stage's device limit."""
+    """Per-stage stacked bars of memory by kind (MiB) against each stage's device limit, with the number of
+    microbatches each stage holds in flight written over its bar."""
     ax = _axes(ax)
     xs = list(range(plan.num_chunks))
     bottom = [0.0] * plan.num_chunks
@@ -85,12 +100,15 @@ def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
             line = ax.hlines(st.memory_limit_bytes / 2**20, st.index - 0.4, st.index + 0.4, colors="red", linestyles="-")
             line.set_label("limit" if st.index == 0 else "_nolegend_")
     for st in plan.stages:
-        ax.text(st.index, bottom[st.index], f"x{st.inflight}", ha="center", va="bottom", fontsize=7)
+        ax.annotate(f"x{st.inflight}", (st.index, bottom[st.index]), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=LABEL_PT)
+    limits = [st.memory_limit_bytes / 2**20 for st in plan.stages if st.memory_limit_bytes is not None]
+    ax.set_ylim(0, max([*bottom, *limits, 1e-9]) * 1.12)  # headroom for the in-flight counts over the tallest bar
     ax.set_xticks(xs)
     ax.set_xlabel("stage")
     ax.set_ylabel("MiB")
     ax.set_title(f"memory per stage ({plan.schedule}, {plan.num_microbatches} microbatches; x = in flight)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax
 
 
@@ -106,11 +124,11 @@ def plot_layer_costs(profile: Profile, plan: Plan | None = None, ax: Axes | None
         for boundary in plan.boundaries[1:-1]:
             ax.axvline(boundary - 0.5, color="black", linestyle="--", linewidth=1)
     ax.set_xticks(xs)
-    ax.set_xticklabels([x.name for x in profile.layers], rotation=60, ha="right", fontsize=7)
+    ax.set_xticklabels([x.name for x in profile.layers], rotation=60, ha="right", fontsize=LABEL_PT)
     ax.set_ylabel("ms per microbatch")
     ax.set_title(f"per-layer cost ({profile.meta.get('model', '')}, microbatch {profile.meta.get('microbatch_size', '?')})",
                  fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax
 
 
@@ -124,11 +142,25 @@ def _timeline_rows(source: Simulation | RunReport | Sequence[Mapping[str, Any]])
     return [dict(r) for r in source]  # type: ignore[union-attr]
 
 
+def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
+    """Whether ``text`` at LABEL_PT fits inside a bar ``width_data`` wide on an x axis spanning ``span_data``.
+    The axes' width is taken before layout, less a fifth for the legend and margins that layout will take."""
+    fig = ax.figure
+    axes_pt = ax.get_position().width * fig.get_figwidth() * 72 * 0.8  # type: ignore[union-attr]
+    text_pt = 0.62 * LABEL_PT * len(text) + 3  # DejaVu Sans digits are ~0.62 em wide, plus a little air
+    return span_data > 0 and width_data / span_data * axes_pt >= text_pt
+
+
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
     """Gantt chart of rank x time: forward, backward (and W) coloured, idle in grey, microbatches labelled.
     ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage, microbatch,
-    kind, start_s, end_s."""
+    kind, start_s, end_s.
+
+    For a RunReport the title always ends with the plotted step's span and the median step, e.g.
+    ``measured timeline (last step): 87.0 ms (median step 99.0 ms)``: one step is shown, the report's figures are
+    medians, and the span covers the schedule's forward and backward work, not the optimizer step.
+    """
     ax = _axes(ax, (9.0, 3.0))
     rows = _timeline_rows(source)
     if not rows:
@@ -142,9 +174,9 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
         start, stop = float(r["start_s"]) * 1e3, float(r["end_s"]) * 1e3
         ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8), facecolors=COLORS.get(str(r["kind"]), "grey"),
                        edgecolors="white", linewidth=0.5)
-        if stop - start > end * 1e3 * 0.015:
-            ax.text((start + stop) / 2, int(r["rank"]), str(r["microbatch"]), ha="center", va="center", fontsize=6,
-                    color="white")
+        label = str(r["microbatch"])
+        if _fits(ax, stop - start, end * 1e3, label):
+            ax.text((start + stop) / 2, int(r["rank"]), label, ha="center", va="center", fontsize=LABEL_PT, color="white")
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -153,70 +185,140 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
     from matplotlib.patches import Patch
 
     kinds = sorted({str(r["kind"]) for r in rows}, key="FBIW".find)
-    handles = [Patch(color=COLORS.get(k, "grey"), label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}.get(k, k))
-               for k in kinds] + [Patch(color=COLORS["idle"], label="idle")]
-    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=len(handles))
-    ax.set_title(title or f"timeline ({end * 1e3:.1f} ms)", fontsize=9)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+    handles = [Patch(color=COLORS.get(k, "grey"), label=names.get(k, k)) for k in kinds]
+    handles.append(Patch(color=COLORS["idle"], label="idle"))
+    # Outside the axes: inside, any corner covers some rank's work (rank 0's last backwards, top right).
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    if isinstance(source, RunReport):
+        facts = f"{end * 1e3:.1f} ms (median step {source.measured_step_s * 1e3:.1f} ms)"
+        ax.set_title(f"{title or 'measured timeline (last step)'}: {facts}", fontsize=9)
+    else:
+        ax.set_title(title or f"timeline ({end * 1e3:.1f} ms)", fontsize=9)
     return ax
+
+
+def _spread(wanted: Sequence[float], gap: float, low: float, high: float) -> list[float]:
+    """Positions as near ``wanted`` (ascending) as allows ``gap`` between neighbours, inside [low, high] where they
+    fit: pushed up from below, then back down from the top."""
+    out: list[float] = []
+    for w in wanted:
+        out.append(max(w, low, out[-1] + gap) if out else max(w, low))
+    if out and out[-1] > high:
+        out[-1] = max(high, low + gap * (len(out) - 1))
+        for k in range(len(out) - 2, -1, -1):
+            out[k] = min(out[k], out[k + 1] - gap)
+    return out
+
+
+def _label_points(ax: Axes, labels: Sequence[tuple[float, float, str, str]]) -> None:
+    """Write each (x, y, text, colour) label beside its point, on the far side of the y = x line (left of points
+    above it, right of those below), spread out so that no two labels overlap and they stay inside the axes: the
+    ranks of a balanced plan sit almost on one spot. A label moved away from its point gets a thin leader line."""
+    ax.apply_aspect()  # final box, so data -> display is right (up to the layout's scaling)
+    to_pt = 72 / ax.figure.dpi
+    box = ax.get_window_extent()
+    gap = LABEL_PT * 1.5  # points between neighbouring labels' centres
+    for above in (True, False):
+        side = sorted((float(ax.transData.transform((x, y))[1]) * to_pt, x, y, text, color)
+                      for x, y, text, color in labels if (y >= x) == above)
+        wanted = [y_pt + (gap / 2 if above else -gap / 2) for y_pt, *_ in side]
+        placed = _spread(wanted, gap, box.y0 * to_pt + gap, box.y1 * to_pt - gap)
+        # a column of moved labels stands further off, so that the leaders slope away from the labels below them
+        dx = 14 if any(abs(at - y_pt) > gap for at, (y_pt, *_) in zip(placed, side)) else 6
+        for (y_pt, x, y, text, color), at in zip(side, placed):
+            moved = abs(at - y_pt) > gap
+            ax.annotate(text, (x, y), xytext=(-dx if above else dx, at - y_pt), textcoords="offset points",
+                        ha="right" if above else "left", va="center", fontsize=LABEL_PT, color=color,
+                        # the leader leaves from the label's corner nearest the point, so it crosses no label
+                        arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.5, "shrinkA": 1, "shrinkB": 3,
+                                    "relpos": (1.0 if above else 0.0, 0.0 if at > y_pt else 1.0)} if moved else None)
 
 
 def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axes | None = None) -> Axes:
-    """Scatter of measured against predicted ms: per-rank compute per microbatch (dots) and the step (squares),
-    with the y = x line."""
-    ax = _axes(ax, (4.5, 4.5))
+    """Scatter of measured against predicted ms: per-rank compute per microbatch (dots, each marked with its
+    rank) and the step (squares), with the y = x line. Log axes (a step is many microbatches long) ticked at
+    1, 2, 5 x 10^k with plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax = _axes(ax, (6.5, 4.5))
+    ax.set_box_aspect(1)  # square, so y = x is the diagonal and a legend beside it cannot squeeze the x axis
     items = [reports] if isinstance(reports, RunReport) else list(reports)
     pts: list[float] = []
+    labels: list[tuple[float, float, str, str]] = []
     for i, rep in enumerate(items):
+        method = rep.plan.get("method", "run")
         px = [r["predicted_compute_s"] * 1e3 for r in rep.ranks]
         my = [r["measured_compute_s"] * 1e3 for r in rep.ranks]
-        ax.scatter(px, my, marker="o", color=f"C{i}", label=f"{rep.plan.get('method', 'run')} per-rank compute")
+        ax.scatter(px, my, marker="o", color=f"C{i}", label=f"{method} per-rank compute")
+        labels += [(x, y, f"rank {row.get('rank', k)}", f"C{i}") for k, (row, x, y) in enumerate(zip(rep.ranks, px, my))]
         ax.scatter([rep.predicted_step_s * 1e3], [rep.measured_step_s * 1e3], marker="s", color=f"C{i}",
-                   label=f"{rep.plan.get('method', 'run')} step")
+                   label=f"{method} step")
         pts += px + my + [rep.predicted_step_s * 1e3, rep.measured_step_s * 1e3]
-    hi = max(pts) * 1.1 if pts else 1.0
-    ax.plot([0, hi], [0, hi], color="black", linestyle="--", linewidth=1, label="y = x")
-    ax.set_xscale("log")
+    pts = [v for v in pts if v > 0]
+    lo, hi = (min(pts) / 1.3, max(pts) * 1.3) if pts else (1.0, 10.0)
+    if hi / lo < 10:  # span at least a decade, which always holds three of 1, 2, 5 x 10^k
+        widen = (10 * lo / hi) ** 0.5
+        lo, hi = lo / widen, hi * widen
+    ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1, label="y = x")
+    ax.set_xscale("log")  # before the locators: setting a scale resets them
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    _label_points(ax, labels)
     ax.set_xlabel("predicted ms")
     ax.set_ylabel("measured ms")
     ax.set_title("predicted vs measured", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return ax
 
 
-def save(ax: Axes, path: str) -> None:
-    """Write the Axes' figure as PNG (atomically)."""
-    import os
-    import tempfile
+SAVE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
+
+def check_figure_path(path: str | os.PathLike[str]) -> str:
+    """The format a figure path names by its suffix, after checking its folder can be written; an unknown or
+    missing suffix is refused (matplotlib would otherwise write PNG bytes under any name). Call it before any
+    work that ends in a figure."""
+    from stageplan._io import check_output_path
+
+    suffix = Path(path).suffix
+    fmt = SAVE_FORMATS.get(suffix.lower())
+    if fmt is None:
+        what = f"suffix {suffix!r} is not supported" if suffix else "it has no suffix"
+        raise StageplanError(
+            f"cannot save a figure to {str(path)!r}: {what}; the format follows the suffix; "
+            f"use {', '.join(list(SAVE_FORMATS)[:-1])} or {list(SAVE_FORMATS)[-1]}"
+        )
+    check_output_path(path)
+    return fmt
+
+
+def save(ax: Axes, path: str | os.PathLike[str]) -> None:
+    """Write the Axes' figure in the format its suffix names (.png, .svg or .pdf), atomically: to a temporary
+    file in the same folder, then ``os.replace``, so a reader never sees a half-written figure.
+
+    An unknown or missing suffix is refused before anything is written (matplotlib would otherwise fall back
+    to PNG bytes under any name).
+    """
+    from stageplan._io import default_mode
+
+    fmt = check_figure_path(path)
+    p = Path(path)
     fig = ax.figure
     fig.tight_layout()  # type: ignore[union-attr]
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-    os.close(fd)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
     try:
-        fig.savefig(tmp, dpi=110)  # type: ignore[union-attr]
-        from stageplan._io import default_mode
-
+        with os.fdopen(fd, "wb") as f:
+            # bbox_inches="tight": legends placed outside the axes are kept, not cropped
+            fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight")  # type: ignore[union-attr]
         os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    finally:
+        os.replace(tmp, p)
+    except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
-
-
-def check_figure_path(path: str) -> None:
-    """Refuse, before any work, a figure path whose suffix matplotlib would not honour or whose folder cannot
-    be written."""
-    from pathlib import Path
-
-    from stageplan._io import check_output_path
-    from stageplan.errors import StageplanError
-
-    suffix = Path(path).suffix.lower()
-    if suffix not in FIGURE_SUFFIXES:
-        raise StageplanError(f"figure path {path!r} has suffix {suffix or '(none)'!r}; use .png, .svg or .pdf")
-    check_output_path(path)
+        raise
