@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stageplan-installed
 
-.PHONY: demo test lint bench figures notebooks clean
+.PHONY: demo test lint bench figures notebooks jupyter clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ figures: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) benchmarks/build_notebooks.py
+
+jupyter: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[notebooks]'
+	$(VENV)/bin/jupyter lab notebooks/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -112,7 +112,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "    print(f\"rank {r['rank']}: compute predicted {r['predicted_compute_s']*1e3:.2f} ms, measured {r['measured_compute_s']*1e3:.2f} ms, ratio {r['compute_ratio']:.3f}\")\n"
                  "print(f'step: predicted {report.predicted_step_s*1e3:.1f} ms, measured {report.measured_step_s*1e3:.1f} ms, ratio {report.step_ratio:.3f}')"),
         ("code", "fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={'width_ratios': [2.5, 1]})\n"
-                 "plots.plot_timeline(report, ax=axes[0], title='measured timeline (last step)')\n"
+                 "plots.plot_timeline(report, ax=axes[0])\n"
                  "plots.plot_predicted_vs_measured(report, ax=axes[1]); plt.show()"),
         ("md", "Calibrate: each layer's time is scaled by its rank's measured ÷ predicted compute; plan again."),
         ("code", "calibrated = stageplan.calibrate(profile, report)\n"
@@ -121,6 +121,26 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "print('boundaries before', plan.boundaries, 'after', plan2.boundaries)\n"
                  "print(f'step error before calibration: {abs(report.step_ratio - 1):.1%} (ratio {report.step_ratio:.3f})')\n"
                  "print(f'step error after calibration:  {abs(report2.step_ratio - 1):.1%} (ratio {report2.step_ratio:.3f})')"),
+        ("md", "## A model defined right here\nA class defined in a notebook lives in `__main__`, which a fresh rank "
+               "process cannot import. `stageplan.run` sees that and forks the ranks instead, so they share this "
+               "notebook's definitions. Each rank still gets only its own stage's weights."),
+        ("code", "import torch\nfrom torch import nn\n\n"
+                 "class Net(nn.Module):\n"
+                 "    def __init__(self, width=64, depth=6):\n"
+                 "        super().__init__()\n"
+                 "        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])\n"
+                 "        self.head = nn.Linear(width, 1)\n\n"
+                 "    def forward(self, x):\n"
+                 "        return self.head(self.layers(x))\n\n"
+                 "torch.manual_seed(0)\n"
+                 "mine = stageplan.Workload(Net(), torch.randn(16, 64), torch.randn(16, 1), nn.functional.mse_loss, name='Net')\n"
+                 "net_profile = stageplan.profile_model(mine, microbatch_size=4, warmup=1, repeats=3)\n"
+                 "net_plan = stageplan.plan(net_profile, 2, num_microbatches=4)\n"
+                 "net_report = stageplan.run(mine, net_plan, steps=3, warmup=1, check=True)\n"
+                 "print('layers:', net_profile.names)\n"
+                 "print('boundaries', net_plan.boundaries, '| check passed:', net_report.check['passed'])\n"
+                 "print(f'step: predicted {net_report.predicted_step_s*1e3:.1f} ms, measured {net_report.measured_step_s*1e3:.1f} ms, '\n"
+                 "      f'ratio {net_report.step_ratio:.3f}')"),
     ],
 }
 

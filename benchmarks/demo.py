@@ -28,8 +28,8 @@ def main() -> None:
     print(compare_table(plans))
 
     reports = {}
-    for method in ("optimal", "uniform"):
-        print(f"\n== 3. run the {method} plan on 2 CPU processes (gloo, one thread each), checked against one process")
+    for step, method in (("3a", "optimal"), ("3b", "uniform")):
+        print(f"\n== {step}. run the {method} plan on 2 CPU processes (gloo, one thread each), checked against one process")
         plans[method].save(OUT / f"plan_{method}.json")
         reports[method] = stageplan.run("gpt", plans[method], steps=8, warmup=2, check=True, factory_options=OPTIONS,
                                         output=OUT / f"run_{method}.json")
@@ -43,6 +43,10 @@ def main() -> None:
     print(f"measured speed-up of optimal over uniform: {uni.measured_step_s / opt.measured_step_s:.3f}x "
           f"(predicted {uni.predicted_step_s / opt.predicted_step_s:.3f}x)")
     print(f"files in {OUT}/; demo took {time.perf_counter() - start:.0f} s")
+    print("\nnext: look at the plan's figure (stageplan show out/demo/plan_optimal.json --plot out/demo/plan.png),\n"
+          "the measured timeline (stageplan show out/demo/run_optimal.json --plot out/demo/run.png), and\n"
+          "notebooks/03_predicted_vs_measured.ipynb (make jupyter); measured/predicted far from 1 means the\n"
+          "profile's conditions differ from the run's: stageplan calibrate PROFILE RUN -o CALIBRATED closes the loop")
 
 
 if __name__ == "__main__":

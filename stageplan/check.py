@@ -55,6 +55,13 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
     scale = max((float(p.detach().abs().max()) for p in ref_params.values()), default=1.0)
     passed = (not missing and not uncovered and loss_diff <= atol + rtol * max(abs(x) for x in ref_losses)
               and worst <= atol + rtol * scale)
-    return {"passed": bool(passed), "max_loss_diff": loss_diff, "max_param_diff": worst, "worst_param": worst_name,
+    dropout = sorted({f"{name} (p={m.p})" for name, m in reference.named_modules()
+                      if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
+    hint = None
+    if not passed and dropout:
+        hint = (f"the model has dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): the pipeline's "
+                "ranks and the single-process reference draw different random numbers, so results differ; set dropout "
+                "to 0 (e.g. --set dropout=0) for --check")
+    return {"passed": bool(passed), "hint": hint, "max_loss_diff": loss_diff, "max_param_diff": worst, "worst_param": worst_name,
             "params_compared": compared, "missing_in_reference": missing, "not_trained_by_pipeline": uncovered,
             "reference_losses": ref_losses, "rtol": rtol, "atol": atol}

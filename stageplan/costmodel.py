@@ -94,6 +94,8 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         raise StageplanError(f"virtual_stages must be >= 1, got {virtual_stages}; use 1, or 2+ with Interleaved1F1B")
     if name == "Interleaved1F1B" and virtual_stages == 1:
         virtual_stages = 2  # torch's interleaving needs chunks to interleave; 2 is Megatron's usual choice
+    if name in ("GPipe", "1F1B") and virtual_stages != 1:  # refuse it as torch would, before counting layers
+        schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     L, S = len(profile), num_ranks * virtual_stages
     if S > L:
         if virtual_stages > 1:

@@ -206,15 +206,27 @@ def _export_split(model: nn.Module, example_args: tuple[Any, ...], split_before:
 
     work = copy.deepcopy(model)
     _mark_splits(work, split_before, split_after)
-    try:
+
+    def trace(args: tuple[Any, ...]) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.export's own deprecation chatter
             logging.disable(logging.CRITICAL)  # and its multi-page graph dumps on failure
             try:
                 with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                    pipe = Pipe.from_tracing(work, example_args, {})
+                    return Pipe.from_tracing(work, args, {})
             finally:
                 logging.disable(logging.NOTSET)
+
+    try:
+        try:
+            pipe = trace(example_args)
+        except Exception:
+            # A model whose parameters are on meta (built without memory) traces with real inputs as long as its
+            # first op makes meta tensors (an embedding); a first op mixing a real input with a meta weight (a
+            # Linear) needs meta inputs, and some models need real ones (pytorch #156541): try both.
+            if not any(p.device.type == "meta" for p in model.parameters()):
+                raise
+            pipe = trace(tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_args))
     except Exception as exc:
         reason = _first_sentence(str(exc)) or type(exc).__name__
         raise WorkloadError(

@@ -93,6 +93,12 @@ def profile_model(
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
     dev = parse_device(device)
     dt = parse_dtype(dtype)
+    if dev.type == "cpu" and dt in (torch.float16, torch.bfloat16):
+        import warnings
+
+        warnings.warn(f"profiling in {str(dt).replace('torch.', '')} on the CPU: most CPU kernels have no fast half-precision "
+                      "path (float16 ran about 20x slower than float32 here), so these times will not predict a GPU; "
+                      "profile on the GPU you will train on, or estimate for it (--device estimate:NAME)", stacklevel=2)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     if not isinstance(workload.model, nn.Module):
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")

@@ -57,7 +57,10 @@ def profile_table(profile: Profile) -> str:
     lines = [table]
     whole = meta.get("whole_model_s")
     if whole:
-        lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = {ratio(profile.sum_vs_whole)}")
+        lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = {ratio(profile.sum_vs_whole)} "
+                     "(near 1: timing layers alone misses little of the whole model's time)")
+    lines.append("spread % = (fwd IQR + bwd IQR) / (fwd + bwd) over the timed rounds: how much a layer's time varied; "
+                 "act = bytes saved for backward per microbatch, out = bytes crossing to the next layer")
     desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats") if k in meta)
     if desc:
         lines.append(desc)
@@ -135,6 +138,8 @@ def run_table(report: RunReport) -> str:
         verdict = "PASS" if c["passed"] else "FAIL"
         lines.append(f"check: {verdict} (max loss diff {c['max_loss_diff']:.3g}, max param diff {c['max_param_diff']:.3g} "
                      f"at {c['worst_param'] or '-'}, {c['params_compared']} parameters compared)")
+        if c.get("hint"):
+            lines.append(f"hint: {c['hint']}")
     return "\n".join(lines)
 
 

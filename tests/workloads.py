@@ -49,3 +49,10 @@ def mlp(width: int = 16, depth: int = 4, batch_size: int = 8) -> stageplan.Workl
     model = nn.Sequential(*layers)
     return stageplan.Workload(model, torch.randn(batch_size, width), torch.randn(batch_size, width),
                               nn.functional.mse_loss, name="mlp")
+
+
+def notarget(width: int = 32, batch_size: int = 8) -> stageplan.Workload:
+    """No target and no loss function: the default loss (mean square of the output) drives the backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.Tanh())
+    return stageplan.Workload(model, torch.randn(batch_size, width), name="notarget")
