@@ -5,6 +5,8 @@ rank's chunks in torch's PipelineStage, give it its optimizer and keep the tied 
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,14 @@ from torch import nn
 
 from stageplan.errors import StageplanError
 from stageplan.layers import cut_layers, cut_stages, used_parameters
-from stageplan.materialize import Checkpoint, materialize_, meta_copy, meta_parameter_names, real_parameters
+from stageplan.materialize import (
+    Checkpoint,
+    init_empty_weights,
+    materialize_,
+    meta_copy,
+    meta_parameter_names,
+    real_parameters,
+)
 from stageplan.measure import microbatch, microbatch_size_for
 from stageplan.plan import Plan
 from stageplan.schedules import check_microbatches
@@ -101,7 +110,7 @@ class RankStages:
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...], *,
-                      weights: Checkpoint | None = None, seed: int = 0) -> RankStages:
+                      weights: Checkpoint | None = None, seed: int = 0, group: Any = None) -> RankStages:
     """Cut ``model`` (parameters on meta, or real) at the plan's boundaries, give only this rank's chunks real
     parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects."""
     from torch.distributed.pipelining import PipelineStage
@@ -115,9 +124,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
         piece = cut.pieces[s].module
         materialize_(piece, real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
         if cut.method == "export":
-            stages.append(cut.pipe.build_stage(s, device))  # type: ignore[attr-defined]
+            stages.append(cut.pipe.build_stage(s, device, group=group))  # type: ignore[attr-defined]
         else:
-            stages.append(PipelineStage(piece.to(device), s, S, device))
+            stages.append(PipelineStage(piece.to(device), s, S, device, group=group))
     params: dict[str, nn.Parameter] = {}
     every: list[nn.Parameter] = []
     for st in stages:
@@ -127,7 +136,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     return RankStages(stages, mine, params, unique, ties)
 
 
-def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device) -> None:
+def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
+                    group: Any = None) -> None:
     """Sum a tied parameter's gradients over every stage that holds a copy (each copy's own gradient is only
     its stage's share: 2e-2 off, seen here). Ranks without a copy contribute zeros, so every rank joins."""
     import torch.distributed as dist
@@ -138,7 +148,7 @@ def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], devic
         for p in {id(p): p for p in local}.values():
             if p.grad is not None:
                 buf += p.grad
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, group=group)
         for p in {id(p): p for p in local}.values():
             p.grad = buf.clone()
 
@@ -148,3 +158,80 @@ def reference_model(model: nn.Module, device: torch.device, *, weights: Checkpoi
     """The whole model with the same real parameters the ranks get (for the single-process check)."""
     ref = meta_copy(model) if meta_parameter_names(model) else copy.deepcopy(model)
     return materialize_(ref, real_parameters(model, meta_parameter_names(ref), device, weights=weights, seed=seed)).to(device)
+
+
+@dataclass
+class RankPipeline:
+    """This rank's part of a planned pipeline, for the user's own training loop.
+
+    ``schedule`` is torch's schedule object (``.step(*inputs)`` on the first rank, ``.step(target=...,
+    losses=...)`` on the last); ``modules`` are this rank's model parts, for the optimizer; call
+    :meth:`sync_tied_grads` after the step and before ``optimizer.step()`` (tied weights, such as an
+    embedding shared with the LM head, are summed across the ranks that hold them).
+    """
+
+    schedule: Any
+    modules: list[nn.Module]
+    stage_indices: list[int]
+    _ties: list[TieGroup]
+    _params: dict[str, nn.Parameter]
+    _device: torch.device
+    _group: Any = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's distinct parameters."""
+        return list({id(p): p for m in self.modules for p in m.parameters()}.values())
+
+    def sync_tied_grads(self) -> None:
+        sync_tied_grads(self._ties, self._params, self._device, self._group)
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        return self._num_chunks - 1 in self.stage_indices
+
+    _num_chunks: int = 1
+
+
+def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int, world_size: int,
+                   device: str | torch.device = "cpu", loss_fn: Callable[[Any, Any], Any] | None = None,
+                   weights: str | os.PathLike[str] | Mapping[str, torch.Tensor] | None = None, group: Any = None,
+                   example_inputs: Any = None, seed: int = 0) -> RankPipeline:
+    """Build this rank's stages of ``plan`` for a training loop of your own (torchrun, an initialised process group).
+
+    ``model_fn()`` builds the model; it is called with parameters on meta, so nothing but this rank's stage is ever
+    materialised. The stage's tensors come from ``weights`` (a .safetensors file, an HF folder with
+    ``model.safetensors.index.json``, or a state dict; a tied tensor stored once is read through its tie; only a
+    tensor that is truly absent is an error, naming it), else from an initialisation keyed by FQN, the same on
+    every rank. ``example_inputs`` (one microbatch) are needed to cut a model that is not an ``nn.Sequential``.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if world_size != the_plan.num_ranks or not 0 <= rank < world_size:
+        raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's {the_plan.num_ranks} ranks; "
+                             f"launch {the_plan.num_ranks} processes (torchrun --nproc-per-node {the_plan.num_ranks})")
+    dev = torch.device(device)
+    with init_empty_weights():
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise StageplanError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+    model.train()
+    if example_inputs is None:
+        if not isinstance(model, nn.Sequential):
+            raise StageplanError(f"{type(model).__name__} is not an nn.Sequential, so cutting it at the plan's layers needs "
+                                 "one microbatch of inputs: pass example_inputs=(x,)")
+        mb_args: tuple[Any, ...] = ()
+    else:
+        raw = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        mb_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in raw)
+    source = Checkpoint(weights) if weights is not None else None
+    rs = build_rank_stages(model, the_plan, rank, dev, mb_args, weights=source, seed=seed, group=group)
+    cls = get_schedule_class(the_plan.schedule)
+    single = issubclass(cls, PipelineScheduleSingle)
+    schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches, loss_fn=loss_fn)
+    return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev, group,
+                        the_plan.num_chunks)
