@@ -1,9 +1,14 @@
-"""Built-in workloads: a skewed GPT in plain torch, a conv stack, and HF GPT-2/LLaMA built from config."""
+"""Built-in workloads: a skewed GPT in plain torch, a conv stack, and HF causal LMs built from a config or a preset."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-from collections.abc import Callable
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +18,7 @@ from torch import nn
 from stageplan.errors import WorkloadError
 from stageplan.workload import Workload
 
-__all__ = ["BUILTINS", "build_workload", "convnet", "gpt", "hf_gpt2", "hf_llama"]
+__all__ = ["BUILTINS", "build_workload", "convnet", "gpt", "hf", "hf_gpt2", "hf_llama", "hf_presets"]
 
 
 class _Block(nn.Module):
@@ -139,26 +144,44 @@ def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_
 
 
 _HF_CLASSES: dict[str, type] = {}
+# The first two wrappers' names, kept so that existing pickles and FQNs stay valid.
+_HF_ALIASES = {"HFGPT2": "GPT2LMHeadModel", "HFLlama": "LlamaForCausalLM"}
 
 
 def _hf_class(name: str) -> type:
-    """A subclass of an HF causal-LM whose forward returns the logits tensor (keeps the HF FQNs)."""
+    """A subclass of an HF causal LM whose forward returns the logits tensor (keeps the HF FQNs).
+
+    ``name`` is ``"HF"`` + the transformers class name (``HFLlamaForCausalLM``), or an alias above. The
+    class lives in this module under that name (PEP 562 ``__getattr__``), so pickle finds it.
+    """
     if name not in _HF_CLASSES:
         tf = _transformers()
-        base = {"HFGPT2": tf.GPT2LMHeadModel, "HFLlama": tf.LlamaForCausalLM}[name]
+        base_name = _HF_ALIASES.get(name, name[2:] if name.startswith("HF") else "")
+        found = getattr(tf, base_name, None) if base_name.isidentifier() else None
+        if not (isinstance(found, type) and issubclass(found, tf.PreTrainedModel)):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        base: Any = found
 
         def forward(self: Any, input_ids: torch.Tensor) -> torch.Tensor:
             return base.forward(self, input_ids=input_ids).logits
 
-        cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+        namespace: dict[str, Any] = {"forward": forward, "__module__": __name__, "__qualname__": name}
+        # transformers reads a class's module to judge it (custom code? may it pick attention and MoE-experts
+        # kernels?). This class lives here, so answer as the wrapped class would: otherwise MoE models fall back
+        # to a per-expert Python loop that torch.export cannot trace, and init skips parameter-free modules.
+        namespace["is_custom_code"] = classmethod(lambda cls: base.is_custom_code())
+        for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
+            if hasattr(base, probe):
+                namespace[f"{probe}_cached_value"] = bool(getattr(base, probe)())
+        cls = type(name, (base,), namespace)
         _HF_CLASSES[name] = cls
     return _HF_CLASSES[name]
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: lets pickle find the lazily built HF classes
-    if name in ("HFGPT2", "HFLlama"):
+    if name.startswith("HF") and name[2:].isidentifier():
         return _hf_class(name)
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _transformers() -> Any:
@@ -166,7 +189,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise WorkloadError(
-            "the hf-gpt2 and hf-llama workloads need the 'transformers' package, which is not installed; "
+            "the hf, hf-gpt2 and hf-llama workloads need the 'transformers' package, which is not installed; "
             "install the hf extra: pip install 'stageplan[hf]'"
         ) from exc
     return transformers
@@ -214,9 +237,207 @@ def hf_llama(
     return Workload(model, idx, target, _lm_loss, name="hf-llama", factory_options=options)
 
 
+_PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config fields that switch on randomness in training: dropout probabilities and OPT's layerdrop.
+_DROPOUT_FIELD = re.compile(r"dropout|pdrop|layerdrop")
+
+
+def hf_presets() -> list[str]:
+    """Names of the published model shapes shipped in ``stageplan/presets`` (``--set preset=NAME``)."""
+    return sorted(p.stem for p in _PRESETS_DIR.glob("*.json"))
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (for one-line errors)."""
+    line = " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _read_config_fields(config: str | None, preset: str | None) -> tuple[dict[str, Any], str]:
+    """The fields of a config.json (or of a preset) and how to name their origin in messages."""
+    known = ", ".join(hf_presets())
+    if (config is None) == (preset is None):
+        given = "both config and preset" if config is not None else "neither config nor preset"
+        raise WorkloadError(
+            f"hf: give exactly one of config and preset, got {given}; pass --set config=PATH/TO/config.json "
+            f"or --set preset=NAME (one of: {known})"
+        )
+    if preset is not None:
+        if not isinstance(preset, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", preset) \
+                or not (_PRESETS_DIR / f"{preset}.json").is_file():
+            raise WorkloadError(f"hf: unknown preset {preset!r}; known presets: {known}; "
+                                "or pass --set config=PATH to any config.json")
+        path, where = _PRESETS_DIR / f"{preset}.json", f"preset {preset!r}"
+    else:
+        if not isinstance(config, str) or not config:
+            raise WorkloadError(f"hf: option config must be a path to a config.json, got {config!r}; "
+                                "pass --set config=PATH/TO/config.json")
+        path = Path(config).expanduser()
+        if path.is_dir():  # a model folder, as saved by save_pretrained
+            path = path / "config.json"
+        if not path.is_file():
+            raise WorkloadError(f"hf: config file {str(path)!r} does not exist; pass the path of a local "
+                                "config.json (or of its folder); nothing is downloaded")
+        where = f"config {str(path)!r}"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WorkloadError(f"hf: cannot read {where} as JSON ({type(exc).__name__}: {_one_line(exc)}); "
+                            "pass a Hugging Face config.json") from exc
+    if not isinstance(fields, dict):
+        raise WorkloadError(f"hf: {where} holds a JSON {type(fields).__name__}, not an object; "
+                            "pass a Hugging Face config.json")
+    fields.pop("_source", None)  # the presets' provenance note, not a config field
+    return fields, where
+
+
+def _hf_config_and_class(tf: Any, fields: dict[str, Any], where: str) -> tuple[Any, type]:
+    """The transformers config built from ``fields`` and the causal-LM class AutoModelForCausalLM picks for it."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        raise WorkloadError(f"hf: {where} has no model_type field; add one, e.g. \"model_type\": \"llama\"")
+    if model_type not in CONFIG_MAPPING:
+        raise WorkloadError(
+            f"hf: {where} has model_type {model_type!r}, which transformers {tf.__version__} does not know; "
+            "use a model type it ships (llama, mistral, qwen2, gpt2, opt, gemma, ...); remote code is never run"
+        )
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict(fields)
+    except Exception as exc:  # transformers validates fields with assorted exception types
+        raise WorkloadError(f"hf: transformers cannot build a {model_type} config from {where} "
+                            f"({type(exc).__name__}: {_one_line(exc)}); fix that field") from exc
+    mapping = tf.MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(hf_config) not in mapping:
+        raise WorkloadError(
+            f"hf: {where} describes a {model_type} model, which is not a causal language model "
+            f"(AutoModelForCausalLM has no class for {type(hf_config).__name__}); use a decoder-only model's config"
+        )
+    candidates = mapping[type(hf_config)]
+    if isinstance(candidates, (tuple, list)):  # several classes: prefer the one the config names
+        named = [c for c in candidates if c.__name__ in (getattr(hf_config, "architectures", None) or [])]
+        candidates = (named or list(candidates))[0]
+    model_class: type = candidates
+    text_config_class = getattr(hf_config, "sub_configs", {}).get("text_config")
+    if text_config_class is not None and getattr(model_class, "config_class", None) is text_config_class:
+        hf_config = hf_config.get_text_config()  # as AutoModelForCausalLM.from_config does
+    return hf_config, model_class
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create every parameter registered inside this block on the meta device, without storage.
+
+    Buffers stay real, so non-persistent ones computed at construction (RoPE ``inv_freq``) keep their
+    values. A parameter is allocated (``torch.empty``, untouched pages) and moved to meta as it is
+    registered, so its initialisation then runs on meta and costs nothing. Already-meta parameters are
+    kept as they are, which preserves tied weights.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        current = self._parameters.get(name)
+        if current is not None and current.device.type != "meta":
+            moved = nn.Parameter(current.to("meta"), requires_grad=current.requires_grad)
+            moved.__dict__.update(current.__dict__)
+            self._parameters[name] = moved
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build under ``dtype`` as torch's default (parameters are created in it; nothing is cast), then restore."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def hf(
+    *,
+    config: str | None = None,
+    preset: str | None = None,
+    seq_len: int = 128,
+    batch_size: int = 8,
+    seed: int = 0,
+    dtype: str = "float32",
+    meta: bool = False,
+) -> Workload:
+    """Any causal LM transformers can build from a local config.json (``config``) or a shipped preset.
+
+    ``preset`` names a published shape in ``stageplan/presets`` (see :func:`hf_presets`); each file's
+    ``_source`` says where it was published. The model is built with ``attn_implementation="sdpa"``
+    (``"eager"``, with a warning, for the few models transformers offers no SDPA for), ``use_cache=False``
+    and every dropout at 0, in ``dtype`` (torch's default dtype during the build; the config's own
+    ``torch_dtype`` is ignored), and its forward returns the logits. With ``meta=True`` the parameters
+    live on the meta device (no memory, no initialisation; buffers stay real): a 70B-parameter shape
+    builds in seconds. Inputs are ``batch_size`` x ``seq_len`` random token ids from a generator seeded
+    by ``seed`` (the same with and without ``meta``); the target is the next token. Nothing is downloaded.
+    """
+    _check_positive("hf", seq_len=seq_len, batch_size=batch_size)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise WorkloadError(f"hf: option seed must be an integer, got {seed!r}; pass --set seed=N")
+    if dtype not in _DTYPES:
+        raise WorkloadError(f"hf: option dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}; "
+                            "pass e.g. --set dtype=bfloat16")
+    if not isinstance(meta, bool):
+        raise WorkloadError(f"hf: option meta must be true or false, got {meta!r}; pass --set meta=true")
+    tf = _transformers()
+    fields, where = _read_config_fields(config, preset)
+    hf_config, model_class = _hf_config_and_class(tf, fields, where)
+    hf_config.use_cache = False
+    for key, value in list(vars(hf_config).items()):
+        if _DROPOUT_FIELD.search(key) and isinstance(value, float):
+            setattr(hf_config, key, 0.0)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and seq_len > max_positions:
+        raise WorkloadError(f"hf: seq_len ({seq_len}) exceeds the model's max_position_embeddings ({max_positions}) "
+                            f"in {where}; pass --set seq_len=N with N <= {max_positions}")
+    vocab_size = getattr(hf_config, "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise WorkloadError(f"hf: {where} gives no positive vocab_size ({vocab_size!r}); set vocab_size in the config")
+    cls = _hf_class("HF" + model_class.__name__)
+    attention = "sdpa"
+    if not getattr(model_class, "_supports_sdpa", False):  # e.g. Bloom, GPT-Neo, Gemma 2 in transformers 5
+        attention = "eager"
+        warnings.warn(f"hf: {model_class.__name__} does not support attn_implementation='sdpa' in transformers "
+                      f"{tf.__version__}; built with 'eager' attention, whose saved activations include the full "
+                      "attention matrix", stacklevel=2)
+    torch_dtype = _DTYPES[dtype]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the caller's RNG state is left as it was
+        stack.enter_context(_default_dtype(torch_dtype))
+        if meta:
+            stack.enter_context(_parameters_on_meta())
+        torch.manual_seed(seed)
+        try:
+            model = cls._from_config(hf_config, attn_implementation=attention, dtype=torch_dtype)  # type: ignore[attr-defined]
+        except MemoryError:
+            raise
+        except Exception as exc:  # transformers refuses bad shapes and unsupported attention with assorted types
+            raise WorkloadError(f"hf: transformers cannot build {model_class.__name__} from {where} "
+                                f"({type(exc).__name__}: {_one_line(exc)}); fix the config, or pick a preset") from exc
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+    idx, target = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    options = dict(config=config, preset=preset, seq_len=seq_len, batch_size=batch_size, seed=seed, dtype=dtype, meta=meta)
+    return Workload(model, idx, target, _lm_loss, name="hf", factory_options=options)
+
+
 BUILTINS: dict[str, Callable[..., Workload]] = {
     "gpt": gpt,
     "convnet": convnet,
+    "hf": hf,
     "hf-gpt2": hf_gpt2,
     "hf-llama": hf_llama,
 }
