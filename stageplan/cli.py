@@ -47,7 +47,8 @@ def _parse_value(raw: str) -> Any:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama) or package.module:factory")
+    p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama, hf with --set preset=NAME or "
+                   "--set config=PATH) or package.module:factory")
     p.add_argument("--set", dest="factory_options", action="append", metavar="KEY=VALUE", default=None,
                    help="an option for the model's factory, e.g. --set n_layer=12 (repeatable)")
 
