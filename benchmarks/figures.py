@@ -11,7 +11,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import stageplan
-import stageplan
 from stageplan.api import METHODS
 from stageplan.plots import plot_stage_balance, plot_timeline, save
 

@@ -134,6 +134,7 @@ def plan(
     recompute: bool = False,
     method: str = "optimal",
     boundaries: Sequence[int] | None = None,
+    precision: str | None = None,
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step; with
     ``boundaries`` (``(0, b1, ..., L)``), evaluate that split instead (method "given") with the same evidence.
@@ -142,7 +143,9 @@ def plan(
     the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
     tries GPipe, 1F1B and Interleaved1F1B; the plan keeps the fastest feasible candidate and lists them all.
     ``memory_limit`` ("40GiB" or bytes) applies to every rank without its own; ``bandwidth`` ("25GB/s" or
-    bytes/s) prices boundary traffic; ``devices`` are speeds relative to the profiled device (or Device).
+    bytes/s) prices boundary traffic; ``devices`` are speeds relative to the profiled device (or Device);
+    ``precision`` (fp32, bf16, bf16-mixed, fp16-mixed) sets the bytes per parameter training holds (16 with
+    Adam in mixed precision), else the profiled parameters' bytes are used.
 
     Example (no torch needed)::
 
@@ -197,7 +200,7 @@ def plan(
                 arr = LayerArrays.of(prof_m, m)
                 opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
-                                    memory_limit_bytes=limit, recompute=recompute,
+                                    memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given)
             except StageplanError as exc:

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
     p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
+    p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per parameter "
+                   "held in training (mixed with Adam: 16) (default: the profiled parameters' bytes)")
     p.add_argument("--method", default="optimal", help="optimal, uniform or parameters")
     p.add_argument("--boundaries", default=None, metavar="0,B1,...,L",
                    help="evaluate this split instead of choosing one (method 'given')")
@@ -291,7 +293,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     prof = Profile.load(a.profile)
     opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
-                                optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute)
+                                optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
+                                precision=a.precision)
     result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"), **opts)
     export = result.export(a.export) if a.export else None
     table_out = sys.stderr if export is not None else sys.stdout

@@ -33,6 +33,16 @@ from stageplan.units import format_bytes
 OPTIMIZER_STATE_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 # Gradients: one per parameter byte, except with optimizer "none" (inference-like: no grads kept).
 GRAD_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 1.0, "momentum": 1.0, "adam": 1.0, "adamw": 1.0}
+# Bytes per parameter as training holds them, by precision: (weights, gradients, fp32 master copy, each optimizer
+# state). Mixed precision keeps low-precision weights and gradients plus fp32 master weights and fp32 optimizer
+# states: with Adam 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020, section 3).
+# Without a precision the parameters, gradients and states take the profiled parameters' bytes.
+PRECISIONS: dict[str, tuple[float, float, float, float]] = {
+    "fp32": (4.0, 4.0, 0.0, 4.0),
+    "bf16": (2.0, 2.0, 0.0, 2.0),
+    "bf16-mixed": (2.0, 2.0, 4.0, 4.0),
+    "fp16-mixed": (2.0, 2.0, 4.0, 4.0),
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class CostOptions:
     devices: tuple[Device, ...] = ()
     recompute: bool = False
     boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (fitted by calibrate from a run)
+    precision: str | None = None  # a key of PRECISIONS, or None: memory in the profiled parameters' bytes
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -81,7 +92,7 @@ class CostOptions:
 def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, schedule: str = "1F1B",
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
-                 recompute: bool = False, boundary_latency_s: float = 0.0) -> CostOptions:
+                 recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -131,8 +142,10 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         devs = tuple(Device(1.0, memory_limit_bytes) for _ in range(num_ranks))
     if not (math.isfinite(boundary_latency_s) and boundary_latency_s >= 0):
         raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
+    if precision is not None and precision not in PRECISIONS:
+        raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), shape)
+                       float(boundary_latency_s), precision, shape)
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,7 @@ class LayerArrays:
     activation_bytes: np.ndarray
     output_bytes: np.ndarray
     param_bytes: np.ndarray
+    param_count: np.ndarray
 
     @classmethod
     def of(cls, profile: Profile, num_microbatches: int = 1) -> LayerArrays:
@@ -150,6 +164,9 @@ class LayerArrays:
         arr = {k: np.array([getattr(x, k) for x in profile.layers], dtype=float)
                for k in ("forward_s", "activation_bytes", "output_bytes", "param_bytes")}
         arr["backward_s"] = np.array([x.backward_per_microbatch_s(num_microbatches) for x in profile.layers], dtype=float)
+        # older profiles may lack counts: derive them from the bytes and the profiled dtype
+        elem = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}.get(str(profile.meta.get("dtype", "float32")), 4)
+        arr["param_count"] = np.array([x.param_count or x.param_bytes / elem for x in profile.layers], dtype=float)
         for k, a in arr.items():
             bad = np.flatnonzero(~np.isfinite(a) | (a < 0))
             if bad.size:
@@ -200,7 +217,8 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
     """Stage memory by kind, as solver-ready arrays: the one place the memory formula is written.
 
     - params, grads, optimizer: (1, grad factor, optimizer factor) x parameter bytes (ZeRO paper accounting:
-      Adam keeps two states per parameter; gradients one per parameter unless optimizer is "none").
+      Adam keeps two states per parameter; gradients one per parameter unless optimizer is "none"); with a
+      ``precision``, bytes per parameter from PRECISIONS instead, plus "master" (the fp32 copy of mixed precision).
     - activations: in_flight[s] x saved bytes per microbatch (1F1B: stage s holds min(p - s, m), Megatron's
       warm-up count + 1; GPipe all m; interleaved read off torch's order). With recomputation (Chen et al. 2016)
       each in-flight microbatch keeps only the stage input (output_bytes[i-1]) and one microbatch's full
@@ -215,11 +233,22 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
     def rows(values: np.ndarray) -> np.ndarray:
         return np.broadcast_to(values[None, :], (S, L))
 
-    terms = {
-        "params": MemoryTerm(rows(arr.param_bytes), None, None),
-        "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
-        "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
-    }
+    if opts.precision is None:
+        terms = {
+            "params": MemoryTerm(rows(arr.param_bytes), None, None),
+            "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
+            "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
+        }
+    else:
+        weight, grad, master, state = PRECISIONS[opts.precision]
+        training = opts.optimizer != "none"
+        count = arr.param_count
+        terms = {
+            "params": MemoryTerm(rows(weight * count), None, None),
+            "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * grad * count), None, None),
+            "master": MemoryTerm(rows((master if training else 0.0) * count), None, None),
+            "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * state * count), None, None),
+        }
     if opts.recompute:
         stage_input = np.concatenate([[0.0], arr.output_bytes[:-1]])
         terms["activations"] = MemoryTerm(rows(arr.activation_bytes), fl[:, None] * stage_input[None, :], None)

@@ -25,7 +25,7 @@ COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "comm"
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
-MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
+MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
 
 
 def _axes(ax: Axes | None, size: tuple[float, float] = (7.0, 4.0)) -> Axes:

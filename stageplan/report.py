@@ -79,6 +79,12 @@ def plan_table(plan: Plan) -> str:
                      st.inflight, mib(st.memory["total"]), mib(st.memory_limit_bytes)])
     right = [True, True, False] + [True] * 9
     lines = [format_table(headers, rows, right=right)]
+    kinds = [k for k in plan.stages[0].memory if k != "total"]
+    mem_rows = [[st.index, *(mib(st.memory.get(k, 0.0)) for k in kinds), mib(st.memory["total"])] for st in plan.stages]
+    precision = plan.cost_options.get("precision")
+    lines.append(f"memory by kind, MiB ({'precision ' + precision if precision else 'as profiled'}, "
+                 f"optimizer {plan.cost_options.get('optimizer')}):")
+    lines.append(format_table(["stage", *kinds, "total"], mem_rows, right=[True] * (len(kinds) + 2)))
     if plan.virtual_stages > 1:
         lines.append("rank time ms: " + ", ".join(f"{t * 1e3:.3f}" for t in plan.rank_time_s))
     lines.append(

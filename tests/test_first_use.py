@@ -156,7 +156,7 @@ def test_hand_edited_boundaries_are_refused_and_given_ones_are_evaluated(tmp_pat
     code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
     assert_one_line_error(code, err, r"has boundaries \[0, 2, 6\] but its evidence was computed for stages .* "
                                      r"re-evaluate that split with: stageplan plan PROFILE.json --boundaries 0,2,6")
-    code, out, _ = run_cli(["plan", prof, "--stages", "2", "--microbatches", "2", "--boundaries", "0,2,6",
+    code, _, _ = run_cli(["plan", prof, "--stages", "2", "--microbatches", "2", "--boundaries", "0,2,6",
                             "-o", str(tmp_path / "given.json")], capsys)
     given = Plan.load(tmp_path / "given.json")
     assert code == 0 and given.boundaries == (0, 2, 6) and given.method == "given"

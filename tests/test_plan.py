@@ -239,3 +239,25 @@ def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pyt
 def test_small_m_warns() -> None:
     with pytest.warns(UserWarning, match=r"num_microbatches \(1\) < num_ranks \(2\)"):
         plan(make_profile([1, 1, 1, 1]), 2, num_microbatches=1, schedule="GPipe")
+
+
+def test_precision_holds_the_bytes_a_megatron_user_expects() -> None:
+    """ZeRO accounting, closed form: mixed precision with Adam holds 16 bytes per parameter (2 weights, 2 grads,
+    4 fp32 master, 4 + 4 Adam moments); pure bf16 with Adam 8; fp32 with SGD 8 (weights and grads)."""
+    count = 1000
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 4 * count, param_count=count) for i in range(4))
+    prof = Profile(layers, {"dtype": "float32"})
+    cases = {("bf16-mixed", "adam"): 16, ("fp16-mixed", "adamw"): 16, ("bf16", "adam"): 8, ("fp32", "sgd"): 8,
+             ("bf16-mixed", "sgd"): 8, ("fp32", "momentum"): 12}
+    for (precision, optimizer), per_param in cases.items():
+        pl = plan(prof, 2, num_microbatches=2, precision=precision, optimizer=optimizer)
+        for st in pl.stages:
+            static = st.memory["total"] - st.memory["activations"] - st.memory["buffers"]
+            assert static == per_param * count * len(st.layers), (precision, optimizer)
+        assert pl.stages[0].memory["master"] == (4 * count * 2 if precision.endswith("mixed") else 0)
+    # 2 layers x 1000 params x 16 B = 32000 B per stage: a 31 KB limit is refused with the smallest cap that works
+    with pytest.raises(InfeasiblePlanError, match=r"the smallest limit that admits a plan is 31.25 KiB") as info:
+        plan(prof, 2, num_microbatches=2, precision="bf16-mixed", optimizer="adam", memory_limit=31000)
+    assert info.value.min_memory_limit_bytes == 32000
+    with pytest.raises(StageplanError, match=r"unknown precision 'fp8'; use one of fp32, bf16, bf16-mixed, fp16-mixed"):
+        plan(prof, 2, num_microbatches=2, precision="fp8")
