@@ -249,18 +249,15 @@ class _Instance:
     div_list: list[float]
     time_lower: float
     util_lower: float
-    single_time: float  # largest one-layer stage time (fast-path precondition)
-    single_fits_cap: bool  # every one-layer stage fits every stage's cap
-    single_util: float  # largest one-layer utilisation over stages and layers
+    # True when every stage but the last, whose end is fixed at L, gets no cheaper as its end j grows
+    # (certified with a rounding margin by _monotone_in_end); the greedy probes rely on it
+    monotone_in_end: bool
+    boundary_list: list[list[float]] | None  # rows of boundary (shared when equal); None unless monotone_in_end
+    mem_end_list: list[list[float]] | None  # rows of mem_end (shared when equal); None unless monotone_in_end
 
     @property
     def has_memory(self) -> bool:
         return self.mem_prefix is not None
-
-    @property
-    def simple(self) -> bool:
-        """No boundary, start or end terms: feasibility is monotone in both ends of a stage."""
-        return self.boundary is None and self.mem_start is None and self.mem_end is None
 
 
 def _build_instance(
@@ -285,12 +282,10 @@ def _build_instance(
     cap = np.full(p, _INF)
     div = np.ones(p)
     util_lower = 0.0
-    single_mem = np.zeros(p)
     if memory is not None:
         mem_prefix = np.zeros((p, num_layers + 1))
         np.cumsum(memory, axis=1, out=mem_prefix[:, 1:])
         single = np.diff(mem_prefix, axis=1)
-        single_mem = single.max(axis=1)
         if start is not None and np.any(start > 0):
             mem_start = np.zeros((p, num_layers + 1))
             mem_start[:, :num_layers] = start
@@ -303,8 +298,7 @@ def _build_instance(
         # Every layer sits on some stage, so the best utilisation is at least this (start and end
         # terms only apply to a stage's first and last layer, so they are left out).
         util_lower = float((single / div[:, None]).min(axis=0).max())
-    speeds_min = float(speeds.min())
-    single_time = float(np.diff(prefix).max()) / speeds_min
+    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, mem_end)
     total = math.fsum(costs.tolist())
     time_lower = max(total / float(speeds.sum()), float(costs.max()) / float(speeds.max()))
     return _Instance(
@@ -325,10 +319,67 @@ def _build_instance(
         div_list=div.tolist(),
         time_lower=time_lower,
         util_lower=util_lower,
-        single_time=single_time,
-        single_fits_cap=bool(np.all(single_mem <= cap)),
-        single_util=float((single_mem / div).max()),
+        monotone_in_end=monotone,
+        boundary_list=_shared_rows(boundary) if monotone else None,
+        mem_end_list=_shared_rows(mem_end) if monotone else None,
     )
+
+
+def _shared_rows(rows: FloatArray | None) -> list[list[float]] | None:
+    """rows.tolist(), but one list shared by all rows when they are equal (an (L,) input broadcast to
+    (p, L)): converting a (64, 1001) array costs about 1 ms, one row about 15 us."""
+    if rows is None:
+        return None
+    if bool(np.all(rows == rows[0])):
+        return [rows[0].tolist()] * rows.shape[0]
+    return rows.tolist()
+
+
+def _monotone_in_end(
+    prefix: FloatArray,
+    speeds: FloatArray,
+    boundary: FloatArray | None,
+    mem_prefix: FloatArray | None,
+    mem_end: FloatArray | None,
+) -> bool:
+    """Whether time_k(i, j) and mem_k(i, j), as the canonical float expressions evaluate them, never
+    fall when j grows by one, for every stage k < p-1 and every start i < j, over the ends stage k can
+    take (k+1 <= j < j+1 <= L-(p-1-k)). The last stage always ends at L and needs no check.
+
+    Without boundary and end terms this always holds (prefix sums of values >= 0 never fall, and
+    IEEE rounding is monotone). With them, pair (j, j+1) is safe when the j-dependent term does not
+    fall there, or when the layer's own cost outweighs the fall by a margin that covers rounding:
+    fl(P[j] - P[i]) / s differs from the exact quotient by at most about 2 ulp-halves of P[L] / s,
+    and the check below is itself rounded, so 8 eps * (P[L] / s + max term) is ample (likewise for
+    memory with M[k, L] and the end term). A pair that fails only costs speed: the numpy probes,
+    which need no such property, are used instead.
+    """
+    p = speeds.size
+    num_layers = prefix.size - 1
+    if p == 1:
+        return True
+    eps = float(np.finfo(np.float64).eps)
+    js = np.arange(num_layers)  # pair (j, j+1)
+    ks = np.arange(p - 1)[:, None]
+    outside = (js < ks + 1) | (js + 1 > num_layers - (p - 1 - ks))  # (p-1, L): pairs stage k never uses
+    if boundary is not None:
+        b = boundary[: p - 1]
+        fall = np.diff(b, axis=1)
+        s = speeds[: p - 1, None]
+        step = np.diff(prefix)[None, :] / s + fall
+        margin = 8 * eps * (prefix[-1] / s + b.max(axis=1, keepdims=True))
+        if not np.all((fall >= 0) | (step >= margin) | outside):
+            return False
+    if mem_end is not None:
+        assert mem_prefix is not None
+        e = mem_end[: p - 1]
+        m = mem_prefix[: p - 1]
+        fall = np.diff(e, axis=1)
+        step = np.diff(m, axis=1) + fall
+        margin = 8 * eps * (m[:, -1:] + e.max(axis=1, keepdims=True))
+        if not np.all((fall >= 0) | (step >= margin) | outside):
+            return False
+    return True
 
 
 def _times(inst: _Instance, k: int, i: IntArray | int, j: IntArray | int) -> FloatArray:
@@ -402,59 +453,111 @@ class _Probe:
 
 
 def _fast_applies(inst: _Instance, time_cap: float, util_cap: float) -> bool:
-    """Reachable sets are intervals [k, b_k] when feasibility is monotone and every single layer fits."""
-    return (
-        inst.simple
-        and inst.single_time <= time_cap
-        and inst.single_fits_cap
-        and inst.single_util <= util_cap
-    )
+    """Whether the greedy probes and _lex_fast apply: no start terms, and stages monotone in their end.
+
+    (The thresholds do not matter any more: probes the greedy cannot settle fall back by themselves.)
+    """
+    return inst.mem_start is None and inst.monotone_in_end
 
 
-def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
-    """O(p log L): each R_k is an interval [k, b_k], so only its right end moves (greedy furthest end)."""
+def _stage_cost(
+    P: list[float],
+    speed: float,
+    brow: list[float] | None,
+    row: list[float] | None,
+    erow: list[float] | None,
+    i: int,
+    j: int,
+) -> tuple[float, float]:
+    """(time_k(i, j), mem_k(i, j)) without start terms, as the canonical expressions evaluate them
+    (memory 0.0 when none is given: it then passes any cap and utilisation)."""
+    t = (P[j] - P[i]) / speed
+    if brow is not None:
+        t = t + brow[j]
+    if row is None:
+        return t, 0.0
+    m = row[j] - row[i]
+    if erow is not None:
+        m = m + erow[j]
+    return t, m
+
+
+def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe | None:
+    """O(p log L) greedy furthest end, or None when it cannot settle the probe (then the caller uses
+    the numpy probe).
+
+    Without start terms a stage only gets cheaper as its start i grows, so e_k(i), the furthest end
+    stage k reaches from i (i itself when it cannot take one layer), never falls as i grows. Hence
+    max R_{k+1} = e_k(max R_k) whenever that exceeds max R_k, and since L is in R_p iff
+    max R_p = L, following b_{k+1} = e_k(b_k) decides the probe: holes inside the R_k (single
+    layers that do not fit some stage) do not matter. When e_k(b_k) = b_k for k < p-1 the maximum
+    comes from an earlier start: not settled here. The last stage only has to reach L from b_{p-1}.
+
+    With monotone_in_end the acceptable ends from b form a run (b, e_k(b)]. Its end is estimated by
+    bisection on the prefix sums, ignoring boundary and end terms (both >= 0, so the estimate errs
+    high, up to rounding), then settled with the canonical expressions: a step up while the next end
+    is acceptable, a galloping search down when the estimate is not.
+
+    Next events: below the next threshold at which some stage reaches b_{k+1} + 1 from b_k (L for
+    the last stage), no b_k moves, so the answer cannot change (monotone in j, nothing further
+    becomes acceptable first).
+    """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
     rows = inst.mem_prefix_list
+    ends = inst.mem_end_list
+    bnds = inst.boundary_list
     b = 0
     bounds = [0]
     next_time = next_util = _INF
     for k in range(p):
-        jmax = L - (p - 1 - k)
         s = inst.speeds_list[k]
-        pb = P[b]
-        # furthest end with time_k(b, j) <= T; bisect on an approximate threshold, then fix up
-        # with the canonical expression (monotone in j), which is what every other path uses
-        j = bisect.bisect_right(P, pb + time_cap * s, b + 1, jmax + 1) - 1
-        while j < jmax and (P[j + 1] - pb) / s <= time_cap:
-            j += 1
-        while j > b and (P[j] - pb) / s > time_cap:
-            j -= 1
-        if rows is not None:
-            row = rows[k]
-            mb = row[b]
-            cap = inst.cap_list[k]
-            d = inst.div_list[k]
-            jm = bisect.bisect_right(row, mb + min(cap, util_cap * d), b + 1, j + 1) - 1
-            while jm < j and row[jm + 1] - mb <= cap and (row[jm + 1] - mb) / d <= util_cap:
-                jm += 1
-            while jm > b and not (row[jm] - mb <= cap and (row[jm] - mb) / d <= util_cap):
-                jm -= 1
-            j = jm
-        if j == b:  # cannot happen when _fast_applies holds; stay safe
-            return _Probe(False, None, time_cap, util_cap)
+        cap = inst.cap_list[k]
+        d = inst.div_list[k]
+        row = None if rows is None else rows[k]
+        erow = None if ends is None else ends[k]
+        brow = None if bnds is None else bnds[k]
+        last = k == p - 1
+        jmax = L - (p - 1 - k)
+
+        def fits(j: int) -> bool:
+            t, m = _stage_cost(P, s, brow, row, erow, b, j)  # noqa: B023 (called within this iteration)
+            return t <= time_cap and m <= cap and m / d <= util_cap  # noqa: B023
+
+        if last:
+            j = L if fits(L) else b
+        else:
+            j = bisect.bisect_right(P, P[b] + time_cap * s, b + 1, jmax + 1) - 1
+            if row is not None:
+                room = min(cap, util_cap * d)
+                j = min(j, bisect.bisect_right(row, row[b] + room, b + 1, jmax + 1) - 1)
+            while j < jmax and fits(j + 1):
+                j += 1
+            if j > b and not fits(j):
+                bad, step, good = j, 1, b  # fits(bad) is False; good fits (or is b)
+                while bad - step > b:
+                    if fits(bad - step):
+                        good = bad - step
+                        break
+                    bad -= step
+                    step *= 2
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    if fits(mid):
+                        good = mid
+                    else:
+                        bad = mid
+                j = good
+            if j == b:
+                return None
         if j < jmax:
-            t1 = (P[j + 1] - pb) / s
-            if rows is not None:
-                m1 = rows[k][j + 1] - rows[k][b]
-                u1 = m1 / inst.div_list[k]
-                if m1 <= inst.cap_list[k]:
-                    if u1 <= util_cap:
-                        next_time = min(next_time, t1)
-                    if t1 <= time_cap:
-                        next_util = min(next_util, u1)
-            else:
-                next_time = min(next_time, t1)
+            t1, m1 = _stage_cost(P, s, brow, row, erow, b, L if last else j + 1)
+            if m1 <= cap:
+                u1 = m1 / d
+                if u1 <= util_cap:
+                    next_time = min(next_time, t1)
+                if t1 <= time_cap and row is not None:
+                    next_util = min(next_util, u1)
         b = j
         bounds.append(b)
     feasible = b == L
@@ -656,7 +759,9 @@ def _probe(inst: _Instance, time_cap: float, util_cap: float, *, time_events: bo
     """Feasibility under (T, U) by the cheapest exact method; time_events=False skips the (costly
     on the start-term path) next event for T when the caller bisects on U."""
     if _fast_applies(inst, time_cap, util_cap):
-        return _probe_fast(inst, time_cap, util_cap)
+        result = _probe_fast(inst, time_cap, util_cap)
+        if result is not None:
+            return result
     if inst.mem_start is None:
         return _probe_monotone(inst, time_cap, util_cap)
     return _probe_general(inst, time_cap, util_cap, time_events)
@@ -671,39 +776,49 @@ def _probe(inst: _Instance, time_cap: float, util_cap: float, *, time_events: bo
 
 
 def _lex_fast(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
-    """Interval case: Q_k = [a_k, L-(p-k)], a_k = the leftmost start that still reaches a_{k+1}."""
+    """O(p log L) without start terms, with monotone_in_end; None when not settled here (the caller
+    then uses _lex_general).
+
+    s_k(j), the smallest start from which stage k can end at j (j itself when none), never falls as
+    j grows (a stage gets cheaper as its start grows and as its end shrinks), so min Q_k =
+    s_k(min Q_{k+1}) whenever that is below min Q_{k+1}: a_p = L, a_k = s_k(a_{k+1}). Then
+    (a_0, ..., a_p) is a partition when a_0 = 0, and the lexicographically smallest one: b_1 >= a_1
+    for any partition, and so on. For a fixed end j the thresholds on P[i] and M[k, i] are explicit;
+    bisection gives them up to rounding and the canonical expressions settle them.
+    """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
     rows = inst.mem_prefix_list
+    ends = inst.mem_end_list
+    bnds = inst.boundary_list
     a = [0] * (p + 1)
     a[p] = L
     for k in range(p - 1, -1, -1):
         j = a[k + 1]
         s = inst.speeds_list[k]
-        pj = P[j]
-        i = bisect.bisect_left(P, pj - time_cap * s, k, j - 1)
-        while i > k and (pj - P[i - 1]) / s <= time_cap:
+        cap = inst.cap_list[k]
+        d = inst.div_list[k]
+        row = None if rows is None else rows[k]
+        erow = None if ends is None else ends[k]
+        brow = None if bnds is None else bnds[k]
+
+        def fits(i: int) -> bool:
+            t, m = _stage_cost(P, s, brow, row, erow, i, j)  # noqa: B023 (called within this iteration)
+            return t <= time_cap and m <= cap and m / d <= util_cap  # noqa: B023
+
+        slack = time_cap if brow is None else time_cap - brow[j]
+        i = bisect.bisect_left(P, P[j] - slack * s, k, j - 1)
+        if row is not None:
+            need = row[j] if erow is None else row[j] + erow[j]
+            i = max(i, bisect.bisect_left(row, need - min(cap, util_cap * d), k, j - 1))
+        while i > k and fits(i - 1):
             i -= 1
-        while i < j - 1 and (pj - P[i]) / s > time_cap:
+        while i < j and not fits(i):
             i += 1
-        if rows is not None:
-            row = rows[k]
-            mj = row[j]
-            cap = inst.cap_list[k]
-            d = inst.div_list[k]
-            i2 = bisect.bisect_left(row, mj - min(cap, util_cap * d), k, j - 1)
-            while i2 > k and mj - row[i2 - 1] <= cap and (mj - row[i2 - 1]) / d <= util_cap:
-                i2 -= 1
-            while i2 < j - 1 and not (mj - row[i2] <= cap and (mj - row[i2]) / d <= util_cap):
-                i2 += 1
-            i = max(i, i2)
+        if i == j:
+            return None
         a[k] = i
-    if a[0] != 0:
-        return None
-    bounds = [0]
-    for k in range(p):
-        bounds.append(max(bounds[-1] + 1, a[k + 1]))
-    return bounds
+    return a if a[0] == 0 else None
 
 
 def _stab_argmin(n: int, lo: IntArray, hi: IntArray, w: FloatArray) -> IntArray:
@@ -793,7 +908,9 @@ def _lex_general(inst: _Instance, time_cap: float, util_cap: float) -> list[int]
 
 def _lex_smallest(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
     if _fast_applies(inst, time_cap, util_cap):
-        return _lex_fast(inst, time_cap, util_cap)
+        bounds = _lex_fast(inst, time_cap, util_cap)
+        if bounds is not None:
+            return bounds
     return _lex_general(inst, time_cap, util_cap)
 
 
@@ -916,11 +1033,12 @@ def solve(
         _raise_infeasible(inst, limits)
     assert first.bounds is not None
 
-    # Boundary and end terms force the O(pL) probes. Dropping them relaxes the problem (every term is >= 0),
-    # and the relaxed optimum, found with the fast probes, is a lower bound that is usually attained: starting
-    # the exact search there (probed first) typically leaves one or two O(pL) probes instead of ~20.
+    # Boundary and end terms force the O(pL) probes when a stage can get cheaper as its end grows (see
+    # _monotone_in_end). Dropping them relaxes the problem (every term is >= 0), and the relaxed optimum,
+    # found with the fast probes, is a lower bound that is usually attained: starting the exact search
+    # there (probed first) typically leaves one or two O(pL) probes instead of ~20.
     relaxed: _Instance | None = None
-    if start is None and (bcosts is not None or end is not None):
+    if start is None and (bcosts is not None or end is not None) and not _fast_applies(inst, _INF, _INF):
         relaxed = _build_instance(c, p, speeds, None, memory, None, None, limits)
     time_lo = inst.time_lower
     if relaxed is not None:
@@ -985,13 +1103,10 @@ def _min_peak_memory(inst: _Instance) -> float:
         cap_list=[_INF] * inst.num_stages,
         div=np.ones(inst.num_stages),
         div_list=[1.0] * inst.num_stages,
-        single_fits_cap=True,
-        util_lower=0.0,
-        single_util=_INF,  # force the general probes until set below
     )
     assert free.mem_prefix is not None
     single = np.diff(free.mem_prefix, axis=1)
-    free = replace(free, single_util=float(single.max()), util_lower=float(single.min(axis=0).max()))
+    free = replace(free, util_lower=float(single.min(axis=0).max()))
     first = _probe(free, _INF, _INF)
     assert first.bounds is not None
     peak, _ = _minimise(
