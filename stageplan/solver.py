@@ -7,9 +7,9 @@ import contextlib
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -240,7 +240,7 @@ class _Instance:
     speeds_list: list[float]
     boundary: FloatArray | None  # (p, L+1): boundary[k, j] charged to stage k ending at j < L
     mem_prefix: FloatArray | None  # (p, L+1) prefix sums of memory_bytes rows
-    mem_prefix_list: list[list[float]] | None
+    mem_prefix_rows: list[Sequence[float]] | None  # its rows as _float_rows gives them
     mem_start: FloatArray | None  # (p, L+1): start[k, i] = memory_start_bytes[k, i]
     mem_end: FloatArray | None  # (p, L+1): end[k, j] = memory_end_bytes[k, j-1]
     cap: FloatArray  # (p,) hard limits (inf when none)
@@ -252,8 +252,8 @@ class _Instance:
     # True when every stage but the last, whose end is fixed at L, gets no cheaper as its end j grows
     # (certified with a rounding margin by _monotone_in_end); the greedy probes rely on it
     monotone_in_end: bool
-    boundary_list: list[list[float]] | None  # rows of boundary (shared when equal); None unless monotone_in_end
-    mem_end_list: list[list[float]] | None  # rows of mem_end (shared when equal); None unless monotone_in_end
+    boundary_rows: list[Sequence[float]] | None  # rows of boundary (_float_rows)
+    mem_end_rows: list[Sequence[float]] | None  # rows of mem_end (_float_rows)
 
     @property
     def has_memory(self) -> bool:
@@ -278,7 +278,7 @@ def _build_instance(
     if boundary_costs is not None and np.any(boundary_costs[:, :-1] > 0):
         boundary = np.zeros((p, num_layers + 1))
         boundary[:, 1:num_layers] = boundary_costs[:, : num_layers - 1]  # last layer's entry unused
-    mem_prefix = mem_start = mem_end = None
+    mem_prefix = mem_start = mem_end = single = None
     cap = np.full(p, _INF)
     div = np.ones(p)
     util_lower = 0.0
@@ -296,9 +296,13 @@ def _build_instance(
             cap = limits.copy()
             div = limits.copy()
         # Every layer sits on some stage, so the best utilisation is at least this (start and end
-        # terms only apply to a stage's first and last layer, so they are left out).
-        util_lower = float((single / div[:, None]).min(axis=0).max())
-    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, mem_end)
+        # terms only apply to a stage's first and last layer, so they are left out). With one limit
+        # for all stages, dividing after the minimum gives the same floats and saves a (p, L) array.
+        if np.all(div == div[0]):
+            util_lower = float((single.min(axis=0) / div[0]).max())
+        else:
+            util_lower = float((single / div[:, None]).min(axis=0).max())
+    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, single, mem_end)
     total = math.fsum(costs.tolist())
     time_lower = max(total / float(speeds.sum()), float(costs.max()) / float(speeds.max()))
     return _Instance(
@@ -310,7 +314,7 @@ def _build_instance(
         speeds_list=speeds.tolist(),
         boundary=boundary,
         mem_prefix=mem_prefix,
-        mem_prefix_list=None if mem_prefix is None else mem_prefix.tolist(),
+        mem_prefix_rows=_float_rows(mem_prefix),
         mem_start=mem_start,
         mem_end=mem_end,
         cap=cap,
@@ -320,19 +324,19 @@ def _build_instance(
         time_lower=time_lower,
         util_lower=util_lower,
         monotone_in_end=monotone,
-        boundary_list=_shared_rows(boundary) if monotone else None,
-        mem_end_list=_shared_rows(mem_end) if monotone else None,
+        boundary_rows=_float_rows(boundary),
+        mem_end_rows=_float_rows(mem_end),
     )
 
 
-def _shared_rows(rows: FloatArray | None) -> list[list[float]] | None:
-    """rows.tolist(), but one list shared by all rows when they are equal (an (L,) input broadcast to
-    (p, L)): converting a (64, 1001) array costs about 1 ms, one row about 15 us."""
-    if rows is None:
+def _float_rows(arr: FloatArray | None) -> list[Sequence[float]] | None:
+    """The rows of a C-contiguous float64 array as memoryviews: indexing one gives a Python float
+    (what bisect and the pure-Python probes need) at about 1.5x the cost of a list, while making them
+    takes about 10 us where arr.tolist() takes about 1 ms at (64, 1001), a sizeable part of a solve."""
+    if arr is None:
         return None
-    if bool(np.all(rows == rows[0])):
-        return [rows[0].tolist()] * rows.shape[0]
-    return rows.tolist()
+    assert arr.dtype == np.float64 and arr.flags.c_contiguous
+    return [cast("Sequence[float]", memoryview(row)) for row in arr]
 
 
 def _monotone_in_end(
@@ -340,46 +344,56 @@ def _monotone_in_end(
     speeds: FloatArray,
     boundary: FloatArray | None,
     mem_prefix: FloatArray | None,
+    single: FloatArray | None,
     mem_end: FloatArray | None,
 ) -> bool:
     """Whether time_k(i, j) and mem_k(i, j), as the canonical float expressions evaluate them, never
-    fall when j grows by one, for every stage k < p-1 and every start i < j, over the ends stage k can
-    take (k+1 <= j < j+1 <= L-(p-1-k)). The last stage always ends at L and needs no check.
+    fall when the end j grows by one, for every stage k < p-1 and start i < j. Stage k < p-1 ends in
+    [k+1, L-(p-1-k)], so only pairs (j, j+1) with 1 <= j <= L-2 are checked (a few more than each
+    stage needs); the last stage always ends at L and needs no check.
 
     Without boundary and end terms this always holds (prefix sums of values >= 0 never fall, and
     IEEE rounding is monotone). With them, pair (j, j+1) is safe when the j-dependent term does not
-    fall there, or when the layer's own cost outweighs the fall by a margin that covers rounding:
-    fl(P[j] - P[i]) / s differs from the exact quotient by at most about 2 ulp-halves of P[L] / s,
-    and the check below is itself rounded, so 8 eps * (P[L] / s + max term) is ample (likewise for
-    memory with M[k, L] and the end term). A pair that fails only costs speed: the numpy probes,
-    which need no such property, are used instead.
+    fall there, or when layer j's own cost exceeds the fall by a margin that covers rounding:
+    fl(M[k, j] - M[k, i]) is within 2**-53 * M[k, L] of the exact difference, fl(fl(P[j] - P[i]) / s)
+    within about 2**-52 * P[L] / s, and the check itself is rounded, so 8 eps * (largest operand)
+    is ample. A failed check only costs speed: the numpy probes, which need no such property, are
+    used instead.
     """
     p = speeds.size
     num_layers = prefix.size - 1
-    if p == 1:
+    if p == 1 or num_layers < 3:
         return True
     eps = float(np.finfo(np.float64).eps)
-    js = np.arange(num_layers)  # pair (j, j+1)
-    ks = np.arange(p - 1)[:, None]
-    outside = (js < ks + 1) | (js + 1 > num_layers - (p - 1 - ks))  # (p-1, L): pairs stage k never uses
+    inner = slice(1, num_layers - 1)  # pairs (j, j+1), j = 1 .. L-2
     if boundary is not None:
-        b = boundary[: p - 1]
-        fall = np.diff(b, axis=1)
-        s = speeds[: p - 1, None]
-        step = np.diff(prefix)[None, :] / s + fall
-        margin = 8 * eps * (prefix[-1] / s + b.max(axis=1, keepdims=True))
-        if not np.all((fall >= 0) | (step >= margin) | outside):
+        term = boundary[: p - 1, 1:num_layers]  # B[k, j] for j = 1 .. L-1
+        s = speeds[: p - 1]
+        # the fastest stage's layer time is the smallest: one (L-2,) row serves every stage
+        own = np.diff(prefix)[inner] / s.max()
+        margin = 8 * eps * (prefix[-1] / s.min() + float(term.max()))
+        if not _rises_enough(term, own, margin):
             return False
     if mem_end is not None:
-        assert mem_prefix is not None
-        e = mem_end[: p - 1]
-        m = mem_prefix[: p - 1]
-        fall = np.diff(e, axis=1)
-        step = np.diff(m, axis=1) + fall
-        margin = 8 * eps * (m[:, -1:] + e.max(axis=1, keepdims=True))
-        if not np.all((fall >= 0) | (step >= margin) | outside):
+        assert mem_prefix is not None and single is not None
+        term = mem_end[: p - 1, 1:num_layers]
+        margin = 8 * eps * (float(mem_prefix[: p - 1, -1].max()) + float(term.max()))
+        if not _rises_enough(term, single[: p - 1, inner], margin):
             return False
     return True
+
+
+def _rises_enough(term: FloatArray, own: FloatArray, margin: float) -> bool:
+    """term: (r, n+1) values at ends j = 1..n+1 per stage; own: (r, n) or (n,) the cost of layer j.
+    True when, at every pair (j, j+1), the term rises or own + (its fall) >= margin. When the rows
+    of term are equal (an (L,) input), the check runs on one row against the smallest own cost, so
+    no (p, L) temporaries are made (each costs about as much as the rest of the check)."""
+    if bool(np.all(term == term[0])):
+        fall = np.diff(term[0])
+        low = own if own.ndim == 1 else own.min(axis=0)
+        return bool(np.all((fall >= 0) | (low + fall >= margin)))
+    fall = np.diff(term, axis=1)
+    return bool(np.all((fall >= 0) | (own + fall >= margin)))
 
 
 def _times(inst: _Instance, k: int, i: IntArray | int, j: IntArray | int) -> FloatArray:
@@ -455,31 +469,9 @@ class _Probe:
 def _fast_applies(inst: _Instance, time_cap: float, util_cap: float) -> bool:
     """Whether the greedy probes and _lex_fast apply: no start terms, and stages monotone in their end.
 
-    (The thresholds do not matter any more: probes the greedy cannot settle fall back by themselves.)
+    (The thresholds do not matter: a probe the greedy cannot settle falls back by itself.)
     """
     return inst.mem_start is None and inst.monotone_in_end
-
-
-def _stage_cost(
-    P: list[float],
-    speed: float,
-    brow: list[float] | None,
-    row: list[float] | None,
-    erow: list[float] | None,
-    i: int,
-    j: int,
-) -> tuple[float, float]:
-    """(time_k(i, j), mem_k(i, j)) without start terms, as the canonical expressions evaluate them
-    (memory 0.0 when none is given: it then passes any cap and utilisation)."""
-    t = (P[j] - P[i]) / speed
-    if brow is not None:
-        t = t + brow[j]
-    if row is None:
-        return t, 0.0
-    m = row[j] - row[i]
-    if erow is not None:
-        m = m + erow[j]
-    return t, m
 
 
 def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe | None:
@@ -495,63 +487,82 @@ def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe | N
 
     With monotone_in_end the acceptable ends from b form a run (b, e_k(b)]. Its end is estimated by
     bisection on the prefix sums, ignoring boundary and end terms (both >= 0, so the estimate errs
-    high, up to rounding), then settled with the canonical expressions: a step up while the next end
+    high, up to rounding), then settled with the canonical expressions: steps up while the next end
     is acceptable, a galloping search down when the estimate is not.
 
     Next events: below the next threshold at which some stage reaches b_{k+1} + 1 from b_k (L for
-    the last stage), no b_k moves, so the answer cannot change (monotone in j, nothing further
+    the last stage), no b_k moves, so the answer cannot change (monotone in j: nothing further
     becomes acceptable first).
     """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
-    rows = inst.mem_prefix_list
-    ends = inst.mem_end_list
-    bnds = inst.boundary_list
+    rows, ends, bnds = inst.mem_prefix_rows, inst.mem_end_rows, inst.boundary_rows
     b = 0
     bounds = [0]
     next_time = next_util = _INF
     for k in range(p):
-        s = inst.speeds_list[k]
-        cap = inst.cap_list[k]
-        d = inst.div_list[k]
+        s, cap, d = inst.speeds_list[k], inst.cap_list[k], inst.div_list[k]
         row = None if rows is None else rows[k]
         erow = None if ends is None else ends[k]
         brow = None if bnds is None else bnds[k]
-        last = k == p - 1
+        pb = P[b]
+        mb = 0.0 if row is None else row[b]
+
+        def cost(j: int) -> tuple[float, float]:
+            """Canonical (time, memory) of stage k over [b, j); memory 0.0 when none is given
+            (it then passes any cap and utilisation)."""
+            t = (P[j] - pb) / s  # noqa: B023 (called within this iteration only)
+            if brow is not None:  # noqa: B023
+                t = t + brow[j]  # noqa: B023
+            if row is None:  # noqa: B023
+                return t, 0.0
+            m = row[j] - mb  # noqa: B023
+            if erow is not None:  # noqa: B023
+                m = m + erow[j]  # noqa: B023
+            return t, m
+
         jmax = L - (p - 1 - k)
-
-        def fits(j: int) -> bool:
-            t, m = _stage_cost(P, s, brow, row, erow, b, j)  # noqa: B023 (called within this iteration)
-            return t <= time_cap and m <= cap and m / d <= util_cap  # noqa: B023
-
-        if last:
-            j = L if fits(L) else b
+        if k == p - 1:
+            t1, m1 = cost(L)
+            j = L if t1 <= time_cap and m1 <= cap and m1 / d <= util_cap else b
+            next_known = True
         else:
-            j = bisect.bisect_right(P, P[b] + time_cap * s, b + 1, jmax + 1) - 1
+            j = bisect.bisect_right(P, pb + time_cap * s, b + 1, jmax + 1) - 1
             if row is not None:
-                room = min(cap, util_cap * d)
-                j = min(j, bisect.bisect_right(row, row[b] + room, b + 1, jmax + 1) - 1)
-            while j < jmax and fits(j + 1):
+                j = min(j, bisect.bisect_right(row, mb + min(cap, util_cap * d), b + 1, jmax + 1) - 1)
+            next_known = False  # (t1, m1) = cost(j + 1)
+            while j < jmax:
+                t1, m1 = cost(j + 1)
+                if not (t1 <= time_cap and m1 <= cap and m1 / d <= util_cap):
+                    next_known = True
+                    break
                 j += 1
-            if j > b and not fits(j):
-                bad, step, good = j, 1, b  # fits(bad) is False; good fits (or is b)
-                while bad - step > b:
-                    if fits(bad - step):
-                        good = bad - step
-                        break
-                    bad -= step
-                    step *= 2
-                while bad - good > 1:
-                    mid = (good + bad) // 2
-                    if fits(mid):
-                        good = mid
-                    else:
-                        bad = mid
-                j = good
+            if j > b:
+                t, m = cost(j)
+                if not (t <= time_cap and m <= cap and m / d <= util_cap):
+                    # the estimate is too high: gallop down from it, then bisect (good fits or is b)
+                    good, bad, step = b, j, 1
+                    while bad - step > b:
+                        t, m = cost(bad - step)
+                        if t <= time_cap and m <= cap and m / d <= util_cap:
+                            good = bad - step
+                            break
+                        bad -= step
+                        step *= 2
+                    while bad - good > 1:
+                        mid = (good + bad) // 2
+                        t, m = cost(mid)
+                        if t <= time_cap and m <= cap and m / d <= util_cap:
+                            good = mid
+                        else:
+                            bad = mid
+                    j = good
+                    next_known = False
             if j == b:
                 return None
         if j < jmax:
-            t1, m1 = _stage_cost(P, s, brow, row, erow, b, L if last else j + 1)
+            if not next_known:
+                t1, m1 = cost(j + 1)
             if m1 <= cap:
                 u1 = m1 / d
                 if u1 <= util_cap:
@@ -788,29 +799,35 @@ def _lex_fast(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | 
     """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
-    rows = inst.mem_prefix_list
-    ends = inst.mem_end_list
-    bnds = inst.boundary_list
+    rows, ends, bnds = inst.mem_prefix_rows, inst.mem_end_rows, inst.boundary_rows
     a = [0] * (p + 1)
     a[p] = L
     for k in range(p - 1, -1, -1):
         j = a[k + 1]
-        s = inst.speeds_list[k]
-        cap = inst.cap_list[k]
-        d = inst.div_list[k]
+        s, cap, d = inst.speeds_list[k], inst.cap_list[k], inst.div_list[k]
         row = None if rows is None else rows[k]
         erow = None if ends is None else ends[k]
         brow = None if bnds is None else bnds[k]
+        pj = P[j]
+        tj = 0.0 if brow is None else brow[j]
+        mj = 0.0 if row is None else row[j]
+        ej = 0.0 if erow is None else erow[j]
 
         def fits(i: int) -> bool:
-            t, m = _stage_cost(P, s, brow, row, erow, i, j)  # noqa: B023 (called within this iteration)
+            """Stage k over [i, j) under (T, U), by the canonical expressions."""
+            t = (pj - P[i]) / s  # noqa: B023 (called within this iteration only)
+            if brow is not None:  # noqa: B023
+                t = t + tj  # noqa: B023
+            if row is None:  # noqa: B023
+                return t <= time_cap
+            m = mj - row[i]  # noqa: B023
+            if erow is not None:  # noqa: B023
+                m = m + ej  # noqa: B023
             return t <= time_cap and m <= cap and m / d <= util_cap  # noqa: B023
 
-        slack = time_cap if brow is None else time_cap - brow[j]
-        i = bisect.bisect_left(P, P[j] - slack * s, k, j - 1)
+        i = bisect.bisect_left(P, pj - (time_cap - tj) * s, k, j - 1)
         if row is not None:
-            need = row[j] if erow is None else row[j] + erow[j]
-            i = max(i, bisect.bisect_left(row, need - min(cap, util_cap * d), k, j - 1))
+            i = max(i, bisect.bisect_left(row, (mj + ej) - min(cap, util_cap * d), k, j - 1))
         while i > k and fits(i - 1):
             i -= 1
         while i < j and not fits(i):
@@ -932,24 +949,40 @@ def _minimise(
 
     A feasible probe snaps hi down to the actual value of the partition it found; an infeasible
     probe lifts lo to its next event (the next candidate value), or to the probe point itself.
+
+    Probe points: the optimum is usually much nearer one end of the bracket than bisection assumes,
+    so the probes first gallop from that end, at relative distances 1/64, 1/32, ... (never past the
+    bisection point), until a probe lands on the other side; then they bisect. With try_lo_first
+    that end is lo (a load-balance bound or a relaxed optimum, often attained, so lo itself is
+    probed first; hi is then often the first probe's partition, far off); otherwise it is hi (the
+    utilisation of the time-optimal partition found, when lo is a weak bound).
     """
-    first = try_lo_first
+    from_lo = first = try_lo_first
+    galloping = True
+    gap = 1.0 / 64
     while hi > lo and hi - lo > _TIE_REL * hi:
-        if first:
-            mid = lo
-            first = False
-        elif lo > 0 and hi > 4 * lo:
+        if lo > 0 and hi > 4 * lo:
             mid = math.sqrt(lo * hi)  # far apart: bisect in log space
         else:
             mid = lo + (hi - lo) / 2
+        if first:
+            mid = lo
+            first = False
+        elif galloping:
+            near = lo * (1 + gap) if from_lo else hi * (1 - gap)
+            if lo < near < mid if from_lo else mid < near < hi:
+                mid = near
+            gap *= 2
         result = probe(mid)
         if result.feasible:
             assert result.bounds is not None
             best = result.bounds
             hi = min(hi, value(best))
+            galloping = galloping and not from_lo
         else:
             nxt = next_of(result)
             lo = max(lo, mid, nxt if math.isfinite(nxt) else mid)
+            galloping = galloping and from_lo
     return hi, best
 
 
