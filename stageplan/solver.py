@@ -147,8 +147,13 @@ def _validate_speeds(name: str, speeds: ArrayLike | None, count: int, what: str)
     return arr
 
 
-def _validate_rows(name: str, value: ArrayLike, rows: int, num_layers: int, row_what: str) -> FloatArray:
-    """Accept shape (L,) (same for every row) or (rows, L); return (rows, L), finite and >= 0."""
+def _validate_rows(
+    name: str, value: ArrayLike, rows: int, num_layers: int, row_what: str, *, view: bool = False
+) -> FloatArray:
+    """Accept shape (L,) (same for every row) or (rows, L); return (rows, L), finite and >= 0.
+
+    With view=True an (L,) input comes back as a read-only broadcast view (row stride 0), not a copy.
+    """
     arr = _as_float_array(name, value)
     if arr.shape not in ((num_layers,), (rows, num_layers)):
         raise StageplanError(
@@ -157,6 +162,8 @@ def _validate_rows(name: str, value: ArrayLike, rows: int, num_layers: int, row_
         )
     unit = "seconds" if name == "boundary_costs" else "bytes"
     _check_finite_nonneg(name, arr, unit, "check the cost model that produced it")
+    if view and arr.ndim == 1:
+        return np.broadcast_to(arr, (rows, num_layers))
     return np.ascontiguousarray(np.broadcast_to(arr, (rows, num_layers)), dtype=np.float64)
 
 
@@ -275,34 +282,31 @@ def _build_instance(
     prefix = np.zeros(num_layers + 1)
     np.cumsum(costs, out=prefix[1:])
     boundary = None
-    if boundary_costs is not None and np.any(boundary_costs[:, :-1] > 0):
-        boundary = np.zeros((p, num_layers + 1))
-        boundary[:, 1:num_layers] = boundary_costs[:, : num_layers - 1]  # last layer's entry unused
-    mem_prefix = mem_start = mem_end = single = None
+    if boundary_costs is not None and np.any(_distinct_rows(boundary_costs)[:, :-1] > 0):
+        boundary = _padded(boundary_costs[:, : num_layers - 1], 1, num_layers + 1)  # last layer's entry unused
+    mem_prefix = mem_start = mem_end = layer_min = None
     cap = np.full(p, _INF)
     div = np.ones(p)
     util_lower = 0.0
     if memory is not None:
         mem_prefix = np.zeros((p, num_layers + 1))
         np.cumsum(memory, axis=1, out=mem_prefix[:, 1:])
-        single = np.diff(mem_prefix, axis=1)
-        if start is not None and np.any(start > 0):
-            mem_start = np.zeros((p, num_layers + 1))
-            mem_start[:, :num_layers] = start
-        if end is not None and np.any(end > 0):
-            mem_end = np.zeros((p, num_layers + 1))
-            mem_end[:, 1:] = end
+        if start is not None and np.any(_distinct_rows(start) > 0):
+            mem_start = _padded(start, 0, num_layers + 1)
+        if end is not None and np.any(_distinct_rows(end) > 0):
+            mem_end = _padded(end, 1, num_layers + 1)
         if limits is not None:
             cap = limits.copy()
             div = limits.copy()
         # Every layer sits on some stage, so the best utilisation is at least this (start and end
         # terms only apply to a stage's first and last layer, so they are left out). With one limit
-        # for all stages, dividing after the minimum gives the same floats and saves a (p, L) array.
+        # for all stages, dividing after the minimum gives the same floats.
+        layer_min = _layer_min(mem_prefix)
         if np.all(div == div[0]):
-            util_lower = float((single.min(axis=0) / div[0]).max())
+            util_lower = float((layer_min / div[0]).max())
         else:
-            util_lower = float((single / div[:, None]).min(axis=0).max())
-    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, single, mem_end)
+            util_lower = float(_layer_min(mem_prefix, div).max())
+    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, layer_min, mem_end)
     total = math.fsum(costs.tolist())
     time_lower = max(total / float(speeds.sum()), float(costs.max()) / float(speeds.max()))
     return _Instance(
@@ -329,13 +333,46 @@ def _build_instance(
     )
 
 
+def _layer_min(mem_prefix: FloatArray, div: FloatArray | None = None) -> FloatArray:
+    """min over stages k of (M[k, j+1] - M[k, j]) / div[k] (the canonical one-layer memory, or its
+    utilisation), per layer j. Computed on blocks of 8 rows: a whole (p, L) difference array would
+    be a fresh allocation each call, and faulting its pages in costs more than the arithmetic."""
+    out: FloatArray | None = None
+    for lo in range(0, mem_prefix.shape[0], 8):
+        block = np.diff(mem_prefix[lo : lo + 8], axis=1)
+        if div is not None:
+            block /= div[lo : lo + 8, None]
+        low = block.min(axis=0)
+        out = low if out is None else np.minimum(out, low, out=out)
+    assert out is not None
+    return out
+
+
+def _distinct_rows(rows: FloatArray) -> FloatArray:
+    """rows, or its first row alone (as (1, n)) when it is a broadcast view (row stride 0)."""
+    return rows[:1] if rows.strides[0] == 0 else rows
+
+
+def _padded(rows: FloatArray, first: int, width: int) -> FloatArray:
+    """(p, width) zeros with rows written from column `first`. A broadcast input gives a broadcast
+    result: faulting in a fresh (64, 1001) array costs about as much as a probe."""
+    p, n = rows.shape
+    if rows.strides[0] == 0:
+        row = np.zeros(width)
+        row[first : first + n] = rows[0]
+        return np.broadcast_to(row, (p, width))
+    out = np.zeros((p, width))
+    out[:, first : first + n] = rows
+    return out
+
+
 def _float_rows(arr: FloatArray | None) -> list[Sequence[float]] | None:
     """The rows of a C-contiguous float64 array as memoryviews: indexing one gives a Python float
     (what bisect and the pure-Python probes need) at about 1.5x the cost of a list, while making them
     takes about 10 us where arr.tolist() takes about 1 ms at (64, 1001), a sizeable part of a solve."""
     if arr is None:
         return None
-    assert arr.dtype == np.float64 and arr.flags.c_contiguous
+    assert arr.dtype == np.float64 and arr.strides[-1] == arr.itemsize  # each row contiguous
     return [cast("Sequence[float]", memoryview(row)) for row in arr]
 
 
@@ -344,7 +381,7 @@ def _monotone_in_end(
     speeds: FloatArray,
     boundary: FloatArray | None,
     mem_prefix: FloatArray | None,
-    single: FloatArray | None,
+    layer_min: FloatArray | None,
     mem_end: FloatArray | None,
 ) -> bool:
     """Whether time_k(i, j) and mem_k(i, j), as the canonical float expressions evaluate them, never
@@ -367,32 +404,34 @@ def _monotone_in_end(
     eps = float(np.finfo(np.float64).eps)
     inner = slice(1, num_layers - 1)  # pairs (j, j+1), j = 1 .. L-2
     if boundary is not None:
-        term = boundary[: p - 1, 1:num_layers]  # B[k, j] for j = 1 .. L-1
+        term = _one_row_if_shared(boundary[: p - 1, 1:num_layers])  # B[k, j] for j = 1 .. L-1
         s = speeds[: p - 1]
-        # the fastest stage's layer time is the smallest: one (L-2,) row serves every stage
+        # the fastest stage's layer time is the smallest: one row serves every stage
         own = np.diff(prefix)[inner] / s.max()
         margin = 8 * eps * (prefix[-1] / s.min() + float(term.max()))
         if not _rises_enough(term, own, margin):
             return False
     if mem_end is not None:
-        assert mem_prefix is not None and single is not None
-        term = mem_end[: p - 1, 1:num_layers]
+        assert mem_prefix is not None and layer_min is not None
+        term = _one_row_if_shared(mem_end[: p - 1, 1:num_layers])
         margin = 8 * eps * (float(mem_prefix[: p - 1, -1].max()) + float(term.max()))
-        if not _rises_enough(term, single[: p - 1, inner], margin):
+        # a term shared by all stages is checked once, against the smallest one-layer memory
+        own = layer_min[inner] if term.ndim == 1 else np.diff(mem_prefix[: p - 1], axis=1)[:, inner]
+        if not _rises_enough(term, own, margin):
             return False
     return True
 
 
+def _one_row_if_shared(rows: FloatArray) -> FloatArray:
+    """rows[0] when every row equals it (an (L,) input, broadcast or copied), else rows."""
+    return rows[0] if rows.strides[0] == 0 or bool(np.all(rows == rows[0])) else rows
+
+
 def _rises_enough(term: FloatArray, own: FloatArray, margin: float) -> bool:
-    """term: (r, n+1) values at ends j = 1..n+1 per stage; own: (r, n) or (n,) the cost of layer j.
-    True when, at every pair (j, j+1), the term rises or own + (its fall) >= margin. When the rows
-    of term are equal (an (L,) input), the check runs on one row against the smallest own cost, so
-    no (p, L) temporaries are made (each costs about as much as the rest of the check)."""
-    if bool(np.all(term == term[0])):
-        fall = np.diff(term[0])
-        low = own if own.ndim == 1 else own.min(axis=0)
-        return bool(np.all((fall >= 0) | (low + fall >= margin)))
-    fall = np.diff(term, axis=1)
+    """term: the j-dependent term at ends j = 1 .. n+1, (n+1,) or one row per stage; own: the cost
+    of layer j, (n,) (a lower bound for every stage) or one row per stage. True when at every pair
+    (j, j+1) the term rises, or own + (its fall) >= margin."""
+    fall = np.diff(term, axis=-1)
     return bool(np.all((fall >= 0) | (own + fall >= margin)))
 
 
@@ -1037,7 +1076,7 @@ def solve(
             "use fewer stages or profile at a finer granularity"
         )
     speeds = _validate_speeds("stage_speeds", stage_speeds, p, "stage")
-    bcosts = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage")
+    bcosts = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage", view=True)
     memory = start = end = limits = None
     if memory_bytes is None:
         for name, given in (
@@ -1051,11 +1090,11 @@ def solve(
                     f"(shape ({num_layers},) or ({p}, {num_layers})) or drop {name}"
                 )
     else:
-        memory = _validate_rows("memory_bytes", memory_bytes, p, num_layers, "stage")
+        memory = _validate_rows("memory_bytes", memory_bytes, p, num_layers, "stage", view=True)
         if memory_start_bytes is not None:
-            start = _validate_rows("memory_start_bytes", memory_start_bytes, p, num_layers, "stage")
+            start = _validate_rows("memory_start_bytes", memory_start_bytes, p, num_layers, "stage", view=True)
         if memory_end_bytes is not None:
-            end = _validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage")
+            end = _validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage", view=True)
         if memory_limit_bytes is not None:
             limits = _validate_limits(memory_limit_bytes, p, "stage")
     inst = _build_instance(c, p, speeds, bcosts, memory, start, end, limits)
