@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -123,8 +123,13 @@ def _validate_speeds(name: str, speeds: ArrayLike | None, count: int, what: str)
     return arr
 
 
-def _validate_rows(name: str, value: ArrayLike, rows: int, num_layers: int, row_what: str) -> FloatArray:
-    """Accept shape (L,) (same for every row) or (rows, L); return (rows, L), finite and >= 0."""
+def _validate_rows(
+    name: str, value: ArrayLike, rows: int, num_layers: int, row_what: str, *, view: bool = False
+) -> FloatArray:
+    """Accept shape (L,) (same for every row) or (rows, L); return (rows, L), finite and >= 0.
+
+    With view=True an (L,) input comes back as a read-only broadcast view (row stride 0), not a copy.
+    """
     arr = _as_float_array(name, value)
     if arr.shape not in ((num_layers,), (rows, num_layers)):
         raise StageplanError(
@@ -133,6 +138,8 @@ def _validate_rows(name: str, value: ArrayLike, rows: int, num_layers: int, row_
         )
     unit = "seconds" if name == "boundary_costs" else "bytes"
     _check_finite_nonneg(name, arr, unit, "check the cost model that produced it")
+    if view and arr.ndim == 1:
+        return np.broadcast_to(arr, (rows, num_layers))
     return np.ascontiguousarray(np.broadcast_to(arr, (rows, num_layers)), dtype=np.float64)
 
 
@@ -196,9 +203,10 @@ class _Instance:
     prefix_list: list[float]
     speeds: FloatArray  # (p,)
     speeds_list: list[float]
+    # boundary, mem_start and mem_end are read-only broadcast views when given as one (L,) row
     boundary: FloatArray | None  # (p, L+1): boundary[k, j] charged to stage k ending at j < L
     mem_prefix: FloatArray | None  # (p, L+1) prefix sums of memory_bytes rows
-    mem_prefix_list: list[list[float]] | None
+    mem_prefix_rows: list[Sequence[float]] | None  # its rows as _float_rows gives them
     mem_start: FloatArray | None  # (p, L+1): start[k, i] = memory_start_bytes[k, i]
     mem_end: FloatArray | None  # (p, L+1): end[k, j] = memory_end_bytes[k, j-1]
     cap: FloatArray  # (p,) hard limits (inf when none)
@@ -207,18 +215,15 @@ class _Instance:
     div_list: list[float]
     time_lower: float
     util_lower: float
-    single_time: float  # largest one-layer stage time (fast-path precondition)
-    single_fits_cap: bool  # every one-layer stage fits every stage's cap
-    single_util: float  # largest one-layer utilisation over stages and layers
+    # True when every stage but the last, whose end is fixed at L, gets no cheaper as its end j grows
+    # (certified with a rounding margin by _monotone_in_end); the greedy probes rely on it
+    monotone_in_end: bool
+    boundary_rows: list[Sequence[float]] | None  # rows of boundary (_float_rows)
+    mem_end_rows: list[Sequence[float]] | None  # rows of mem_end (_float_rows)
 
     @property
     def has_memory(self) -> bool:
         return self.mem_prefix is not None
-
-    @property
-    def simple(self) -> bool:
-        """No boundary, start or end terms: feasibility is monotone in both ends of a stage."""
-        return self.boundary is None and self.mem_start is None and self.mem_end is None
 
 
 def _build_instance(
@@ -236,33 +241,31 @@ def _build_instance(
     prefix = np.zeros(num_layers + 1)
     np.cumsum(costs, out=prefix[1:])
     boundary = None
-    if boundary_costs is not None and np.any(boundary_costs[:, :-1] > 0):
-        boundary = np.zeros((p, num_layers + 1))
-        boundary[:, 1:num_layers] = boundary_costs[:, : num_layers - 1]  # last layer's entry unused
-    mem_prefix = mem_start = mem_end = None
+    if boundary_costs is not None and np.any(_distinct_rows(boundary_costs)[:, :-1] > 0):
+        boundary = _padded(boundary_costs[:, : num_layers - 1], 1, num_layers + 1)  # last layer's entry unused
+    mem_prefix = mem_start = mem_end = layer_min = None
     cap = np.full(p, _INF)
     div = np.ones(p)
     util_lower = 0.0
-    single_mem = np.zeros(p)
     if memory is not None:
         mem_prefix = np.zeros((p, num_layers + 1))
         np.cumsum(memory, axis=1, out=mem_prefix[:, 1:])
-        single = np.diff(mem_prefix, axis=1)
-        single_mem = single.max(axis=1)
-        if start is not None and np.any(start > 0):
-            mem_start = np.zeros((p, num_layers + 1))
-            mem_start[:, :num_layers] = start
-        if end is not None and np.any(end > 0):
-            mem_end = np.zeros((p, num_layers + 1))
-            mem_end[:, 1:] = end
+        if start is not None and np.any(_distinct_rows(start) > 0):
+            mem_start = _padded(start, 0, num_layers + 1)
+        if end is not None and np.any(_distinct_rows(end) > 0):
+            mem_end = _padded(end, 1, num_layers + 1)
         if limits is not None:
             cap = limits.copy()
             div = limits.copy()
         # Every layer sits on some stage, so the best utilisation is at least this (start and end
-        # terms only apply to a stage's first and last layer, so they are left out).
-        util_lower = float((single / div[:, None]).min(axis=0).max())
-    speeds_min = float(speeds.min())
-    single_time = float(np.diff(prefix).max()) / speeds_min
+        # terms only apply to a stage's first and last layer, so they are left out). With one limit
+        # for all stages, dividing after the minimum gives the same floats.
+        layer_min = _layer_min(mem_prefix)
+        if np.all(div == div[0]):
+            util_lower = float((layer_min / div[0]).max())
+        else:
+            util_lower = float(_layer_min(mem_prefix, div).max())
+    monotone = _monotone_in_end(prefix, speeds, boundary, mem_prefix, layer_min, mem_end)
     time_lower = lower_bound(costs, speeds)
     return _Instance(
         num_layers=num_layers,
@@ -273,7 +276,7 @@ def _build_instance(
         speeds_list=speeds.tolist(),
         boundary=boundary,
         mem_prefix=mem_prefix,
-        mem_prefix_list=None if mem_prefix is None else mem_prefix.tolist(),
+        mem_prefix_rows=_float_rows(mem_prefix),
         mem_start=mem_start,
         mem_end=mem_end,
         cap=cap,
@@ -282,10 +285,113 @@ def _build_instance(
         div_list=div.tolist(),
         time_lower=time_lower,
         util_lower=util_lower,
-        single_time=single_time,
-        single_fits_cap=bool(np.all(single_mem <= cap)),
-        single_util=float((single_mem / div).max()),
+        monotone_in_end=monotone,
+        boundary_rows=_float_rows(boundary),
+        mem_end_rows=_float_rows(mem_end),
     )
+
+
+def _layer_min(mem_prefix: FloatArray, div: FloatArray | None = None) -> FloatArray:
+    """min over stages k of (M[k, j+1] - M[k, j]) / div[k] (the canonical one-layer memory, or its
+    utilisation), per layer j. Computed on blocks of 8 rows: a whole (p, L) difference array would
+    be a fresh allocation each call, and faulting its pages in costs more than the arithmetic."""
+    out: FloatArray | None = None
+    for lo in range(0, mem_prefix.shape[0], 8):
+        block = np.diff(mem_prefix[lo : lo + 8], axis=1)
+        if div is not None:
+            block /= div[lo : lo + 8, None]
+        low = block.min(axis=0)
+        out = low if out is None else np.minimum(out, low, out=out)
+    assert out is not None
+    return out
+
+
+def _distinct_rows(rows: FloatArray) -> FloatArray:
+    """rows, or its first row alone (as (1, n)) when it is a broadcast view (row stride 0)."""
+    return rows[:1] if rows.strides[0] == 0 else rows
+
+
+def _padded(rows: FloatArray, first: int, width: int) -> FloatArray:
+    """(p, width) zeros with rows written from column `first`. A broadcast input gives a broadcast
+    (read-only) result: a fresh (64, 1001) array is ~130 page faults, ~0.3 ms here, three probes."""
+    p, n = rows.shape
+    if rows.strides[0] == 0:
+        row = np.zeros(width)
+        row[first : first + n] = rows[0]
+        return np.broadcast_to(row, (p, width))
+    out = np.zeros((p, width))
+    out[:, first : first + n] = rows
+    return out
+
+
+def _float_rows(arr: FloatArray | None) -> list[Sequence[float]] | None:
+    """The rows of a float64 array (each row contiguous; a broadcast view is fine) as memoryviews:
+    indexing one gives a Python float (what bisect and the pure-Python probes need) at about 1.5x the
+    cost of a list, while making them takes about 10 us where arr.tolist() takes about 1 ms at
+    (64, 1001), a sizeable part of a solve."""
+    if arr is None:
+        return None
+    assert arr.dtype == np.float64 and arr.strides[-1] == arr.itemsize  # each row contiguous
+    return [cast("Sequence[float]", memoryview(row)) for row in arr]
+
+
+def _monotone_in_end(
+    prefix: FloatArray,
+    speeds: FloatArray,
+    boundary: FloatArray | None,
+    mem_prefix: FloatArray | None,
+    layer_min: FloatArray | None,
+    mem_end: FloatArray | None,
+) -> bool:
+    """Whether time_k(i, j) and mem_k(i, j), as the canonical float expressions evaluate them, never
+    fall when the end j grows by one, for every stage k < p-1 and start i < j. Stage k < p-1 ends in
+    [k+1, L-(p-1-k)], so only pairs (j, j+1) with 1 <= j <= L-2 are checked (a few more than each
+    stage needs); the last stage always ends at L and needs no check.
+
+    Without boundary and end terms this always holds (prefix sums of values >= 0 never fall, and
+    IEEE rounding is monotone). With them, pair (j, j+1) is safe when the j-dependent term does not
+    fall there, or when layer j's own cost exceeds the fall by a margin that covers rounding:
+    fl(M[k, j] - M[k, i]) is within 2**-53 * M[k, L] of the exact difference, fl(fl(P[j] - P[i]) / s)
+    within about 2**-52 * P[L] / s, and the check itself is rounded, so 8 eps * (largest operand)
+    is ample. A failed check only costs speed: the numpy probes, which need no such property, are
+    used instead.
+    """
+    p = speeds.size
+    num_layers = prefix.size - 1
+    if p == 1 or num_layers < 3:
+        return True
+    eps = float(np.finfo(np.float64).eps)
+    inner = slice(1, num_layers - 1)  # pairs (j, j+1), j = 1 .. L-2
+    if boundary is not None:
+        term = _one_row_if_shared(boundary[: p - 1, 1:num_layers])  # B[k, j] for j = 1 .. L-1
+        s = speeds[: p - 1]
+        # the fastest stage's layer time is the smallest: one row serves every stage
+        own = np.diff(prefix)[inner] / s.max()
+        margin = 8 * eps * (prefix[-1] / s.min() + float(term.max()))
+        if not _rises_enough(term, own, margin):
+            return False
+    if mem_end is not None:
+        assert mem_prefix is not None and layer_min is not None
+        term = _one_row_if_shared(mem_end[: p - 1, 1:num_layers])
+        margin = 8 * eps * (float(mem_prefix[: p - 1, -1].max()) + float(term.max()))
+        # a term shared by all stages is checked once, against the smallest one-layer memory
+        own = layer_min[inner] if term.ndim == 1 else np.diff(mem_prefix[: p - 1], axis=1)[:, inner]
+        if not _rises_enough(term, own, margin):
+            return False
+    return True
+
+
+def _one_row_if_shared(rows: FloatArray) -> FloatArray:
+    """rows[0] when every row equals it (an (L,) input, broadcast or copied), else rows."""
+    return rows[0] if rows.strides[0] == 0 or bool(np.all(rows == rows[0])) else rows
+
+
+def _rises_enough(term: FloatArray, own: FloatArray, margin: float) -> bool:
+    """term: the j-dependent term at ends j = 1 .. n+1, (n+1,) or one row per stage; own: the cost
+    of layer j, (n,) (a lower bound for every stage) or one row per stage. True when at every pair
+    (j, j+1) the term rises, or own + (its fall) >= margin."""
+    fall = np.diff(term, axis=-1)
+    return bool(np.all((fall >= 0) | (own + fall >= margin)))
 
 
 def _times(inst: _Instance, k: int, i: IntArray | int, j: IntArray | int) -> FloatArray:
@@ -359,59 +465,108 @@ class _Probe:
 
 
 def _fast_applies(inst: _Instance, time_cap: float, util_cap: float) -> bool:
-    """Reachable sets are intervals [k, b_k] when feasibility is monotone and every single layer fits."""
-    return (
-        inst.simple
-        and inst.single_time <= time_cap
-        and inst.single_fits_cap
-        and inst.single_util <= util_cap
-    )
+    """Whether the greedy probes and _lex_fast apply: no start terms, and stages monotone in their end.
+
+    (The thresholds do not matter: a probe the greedy cannot settle falls back by itself.)
+    """
+    return inst.mem_start is None and inst.monotone_in_end
 
 
-def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe:
-    """O(p log L): each R_k is an interval [k, b_k], so only its right end moves (greedy furthest end)."""
+def _probe_fast(inst: _Instance, time_cap: float, util_cap: float) -> _Probe | None:
+    """O(p log L) greedy furthest end, or None when it cannot settle the probe (then the caller uses
+    the numpy probe).
+
+    Without start terms a stage only gets cheaper as its start i grows, so e_k(i), the furthest end
+    stage k reaches from i (i itself when it cannot take one layer), never falls as i grows. Hence
+    max R_{k+1} = e_k(max R_k) whenever that exceeds max R_k, and since L is in R_p iff
+    max R_p = L, following b_{k+1} = e_k(b_k) decides the probe: holes inside the R_k (single
+    layers that do not fit some stage) do not matter. When e_k(b_k) = b_k for k < p-1 the maximum
+    comes from an earlier start: not settled here. The last stage only has to reach L from b_{p-1}.
+
+    With monotone_in_end the acceptable ends from b form a run (b, e_k(b)]. Its end is estimated by
+    bisection on the prefix sums, ignoring boundary and end terms (both >= 0, so the estimate errs
+    high, up to rounding), then settled with the canonical expressions: steps up while the next end
+    is acceptable, a galloping search down when the estimate is not.
+
+    Next events: below the next threshold at which some stage reaches b_{k+1} + 1 from b_k (L for
+    the last stage), no b_k moves, so the answer cannot change (monotone in j: nothing further
+    becomes acceptable first).
+    """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
-    rows = inst.mem_prefix_list
+    rows, ends, bnds = inst.mem_prefix_rows, inst.mem_end_rows, inst.boundary_rows
     b = 0
     bounds = [0]
     next_time = next_util = _INF
     for k in range(p):
-        jmax = L - (p - 1 - k)
-        s = inst.speeds_list[k]
+        s, cap, d = inst.speeds_list[k], inst.cap_list[k], inst.div_list[k]
+        row = None if rows is None else rows[k]
+        erow = None if ends is None else ends[k]
+        brow = None if bnds is None else bnds[k]
         pb = P[b]
-        # furthest end with time_k(b, j) <= T; bisect on an approximate threshold, then fix up
-        # with the canonical expression (monotone in j), which is what every other path uses
-        j = bisect.bisect_right(P, pb + time_cap * s, b + 1, jmax + 1) - 1
-        while j < jmax and (P[j + 1] - pb) / s <= time_cap:
-            j += 1
-        while j > b and (P[j] - pb) / s > time_cap:
-            j -= 1
-        if rows is not None:
-            row = rows[k]
-            mb = row[b]
-            cap = inst.cap_list[k]
-            d = inst.div_list[k]
-            jm = bisect.bisect_right(row, mb + min(cap, util_cap * d), b + 1, j + 1) - 1
-            while jm < j and row[jm + 1] - mb <= cap and (row[jm + 1] - mb) / d <= util_cap:
-                jm += 1
-            while jm > b and not (row[jm] - mb <= cap and (row[jm] - mb) / d <= util_cap):
-                jm -= 1
-            j = jm
-        if j == b:  # cannot happen when _fast_applies holds; stay safe
-            return _Probe(False, None, time_cap, util_cap)
+        mb = 0.0 if row is None else row[b]
+
+        def cost(j: int) -> tuple[float, float]:
+            """Canonical (time, memory) of stage k over [b, j); memory 0.0 when none is given
+            (it then passes any cap and utilisation)."""
+            t = (P[j] - pb) / s  # noqa: B023 (called within this iteration only)
+            if brow is not None:  # noqa: B023
+                t = t + brow[j]  # noqa: B023
+            if row is None:  # noqa: B023
+                return t, 0.0
+            m = row[j] - mb  # noqa: B023
+            if erow is not None:  # noqa: B023
+                m = m + erow[j]  # noqa: B023
+            return t, m
+
+        jmax = L - (p - 1 - k)
+        if k == p - 1:
+            t1, m1 = cost(L)
+            j = L if t1 <= time_cap and m1 <= cap and m1 / d <= util_cap else b
+            next_known = True
+        else:
+            j = bisect.bisect_right(P, pb + time_cap * s, b + 1, jmax + 1) - 1
+            if row is not None:
+                j = min(j, bisect.bisect_right(row, mb + min(cap, util_cap * d), b + 1, jmax + 1) - 1)
+            next_known = False  # (t1, m1) = cost(j + 1)
+            while j < jmax:
+                t1, m1 = cost(j + 1)
+                if not (t1 <= time_cap and m1 <= cap and m1 / d <= util_cap):
+                    next_known = True
+                    break
+                j += 1
+            if j > b:
+                t, m = cost(j)
+                if not (t <= time_cap and m <= cap and m / d <= util_cap):
+                    # the estimate is too high: gallop down from it, then bisect (good fits or is b)
+                    good, bad, step = b, j, 1
+                    while bad - step > b:
+                        t, m = cost(bad - step)
+                        if t <= time_cap and m <= cap and m / d <= util_cap:
+                            good = bad - step
+                            break
+                        bad -= step
+                        step *= 2
+                    while bad - good > 1:
+                        mid = (good + bad) // 2
+                        t, m = cost(mid)
+                        if t <= time_cap and m <= cap and m / d <= util_cap:
+                            good = mid
+                        else:
+                            bad = mid
+                    j = good
+                    next_known = False
+            if j == b:
+                return None
         if j < jmax:
-            t1 = (P[j + 1] - pb) / s
-            if rows is not None:
-                m1 = rows[k][j + 1] - rows[k][b]
-                u1 = m1 / inst.div_list[k]
-                if m1 <= inst.cap_list[k]:
-                    if u1 <= util_cap:
-                        next_time = min(next_time, t1)
-                    if t1 <= time_cap:
-                        next_util = min(next_util, u1)
-            else:
-                next_time = min(next_time, t1)
+            if not next_known:
+                t1, m1 = cost(j + 1)
+            if m1 <= cap:
+                u1 = m1 / d
+                if u1 <= util_cap:
+                    next_time = min(next_time, t1)
+                if t1 <= time_cap and row is not None:
+                    next_util = min(next_util, u1)
         b = j
         bounds.append(b)
     feasible = b == L
@@ -613,7 +768,9 @@ def _probe(inst: _Instance, time_cap: float, util_cap: float, *, time_events: bo
     """Feasibility under (T, U) by the cheapest exact method; time_events=False skips the (costly
     on the start-term path) next event for T when the caller bisects on U."""
     if _fast_applies(inst, time_cap, util_cap):
-        return _probe_fast(inst, time_cap, util_cap)
+        result = _probe_fast(inst, time_cap, util_cap)
+        if result is not None:
+            return result
     if inst.mem_start is None:
         return _probe_monotone(inst, time_cap, util_cap)
     return _probe_general(inst, time_cap, util_cap, time_events)
@@ -628,39 +785,55 @@ def _probe(inst: _Instance, time_cap: float, util_cap: float, *, time_events: bo
 
 
 def _lex_fast(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
-    """Interval case: Q_k = [a_k, L-(p-k)], a_k = the leftmost start that still reaches a_{k+1}."""
+    """O(p log L) without start terms, with monotone_in_end; None when not settled here (the caller
+    then uses _lex_general).
+
+    s_k(j), the smallest start from which stage k can end at j (j itself when none), never falls as
+    j grows (a stage gets cheaper as its start grows and as its end shrinks), so min Q_k =
+    s_k(min Q_{k+1}) whenever that is below min Q_{k+1}: a_p = L, a_k = s_k(a_{k+1}). Then
+    (a_0, ..., a_p) is a partition when a_0 = 0, and the lexicographically smallest one: b_1 >= a_1
+    for any partition, and so on. For a fixed end j the thresholds on P[i] and M[k, i] are explicit;
+    bisection gives them up to rounding and the canonical expressions settle them.
+    """
     P = inst.prefix_list
     L, p = inst.num_layers, inst.num_stages
-    rows = inst.mem_prefix_list
+    rows, ends, bnds = inst.mem_prefix_rows, inst.mem_end_rows, inst.boundary_rows
     a = [0] * (p + 1)
     a[p] = L
     for k in range(p - 1, -1, -1):
         j = a[k + 1]
-        s = inst.speeds_list[k]
+        s, cap, d = inst.speeds_list[k], inst.cap_list[k], inst.div_list[k]
+        row = None if rows is None else rows[k]
+        erow = None if ends is None else ends[k]
+        brow = None if bnds is None else bnds[k]
         pj = P[j]
-        i = bisect.bisect_left(P, pj - time_cap * s, k, j - 1)
-        while i > k and (pj - P[i - 1]) / s <= time_cap:
+        tj = 0.0 if brow is None else brow[j]
+        mj = 0.0 if row is None else row[j]
+        ej = 0.0 if erow is None else erow[j]
+
+        def fits(i: int) -> bool:
+            """Stage k over [i, j) under (T, U), by the canonical expressions."""
+            t = (pj - P[i]) / s  # noqa: B023 (called within this iteration only)
+            if brow is not None:  # noqa: B023
+                t = t + tj  # noqa: B023
+            if row is None:  # noqa: B023
+                return t <= time_cap
+            m = mj - row[i]  # noqa: B023
+            if erow is not None:  # noqa: B023
+                m = m + ej  # noqa: B023
+            return t <= time_cap and m <= cap and m / d <= util_cap  # noqa: B023
+
+        i = bisect.bisect_left(P, pj - (time_cap - tj) * s, k, j - 1)
+        if row is not None:
+            i = max(i, bisect.bisect_left(row, (mj + ej) - min(cap, util_cap * d), k, j - 1))
+        while i > k and fits(i - 1):
             i -= 1
-        while i < j - 1 and (pj - P[i]) / s > time_cap:
+        while i < j and not fits(i):
             i += 1
-        if rows is not None:
-            row = rows[k]
-            mj = row[j]
-            cap = inst.cap_list[k]
-            d = inst.div_list[k]
-            i2 = bisect.bisect_left(row, mj - min(cap, util_cap * d), k, j - 1)
-            while i2 > k and mj - row[i2 - 1] <= cap and (mj - row[i2 - 1]) / d <= util_cap:
-                i2 -= 1
-            while i2 < j - 1 and not (mj - row[i2] <= cap and (mj - row[i2]) / d <= util_cap):
-                i2 += 1
-            i = max(i, i2)
+        if i == j:
+            return None
         a[k] = i
-    if a[0] != 0:
-        return None
-    bounds = [0]
-    for k in range(p):
-        bounds.append(max(bounds[-1] + 1, a[k + 1]))
-    return bounds
+    return a if a[0] == 0 else None
 
 
 def _stab_argmin(n: int, lo: IntArray, hi: IntArray, w: FloatArray) -> IntArray:
@@ -750,7 +923,9 @@ def _lex_general(inst: _Instance, time_cap: float, util_cap: float) -> list[int]
 
 def _lex_smallest(inst: _Instance, time_cap: float, util_cap: float) -> list[int] | None:
     if _fast_applies(inst, time_cap, util_cap):
-        return _lex_fast(inst, time_cap, util_cap)
+        bounds = _lex_fast(inst, time_cap, util_cap)
+        if bounds is not None:
+            return bounds
     return _lex_general(inst, time_cap, util_cap)
 
 
@@ -772,24 +947,40 @@ def _minimise(
 
     A feasible probe snaps hi down to the actual value of the partition it found; an infeasible
     probe lifts lo to its next event (the next candidate value), or to the probe point itself.
+
+    Probe points: the optimum is usually much nearer one end of the bracket than bisection assumes,
+    so the probes first gallop from that end, at relative distances 1/64, 1/32, ... (never past the
+    bisection point), until a probe lands on the other side; then they bisect. With try_lo_first
+    that end is lo (a load-balance bound or a relaxed optimum, often attained, so lo itself is
+    probed first; hi is then often the first probe's partition, far off); otherwise it is hi (the
+    utilisation of the time-optimal partition found, when lo is a weak bound).
     """
-    first = try_lo_first
+    from_lo = first = try_lo_first
+    galloping = True
+    gap = 1.0 / 64
     while hi > lo and hi - lo > _TIE_REL * hi:
-        if first:
-            mid = lo
-            first = False
-        elif lo > 0 and hi > 4 * lo:
+        if lo > 0 and hi > 4 * lo:
             mid = math.sqrt(lo * hi)  # far apart: bisect in log space
         else:
             mid = lo + (hi - lo) / 2
+        if first:
+            mid = lo
+            first = False
+        elif galloping:
+            near = lo * (1 + gap) if from_lo else hi * (1 - gap)
+            if (lo < near < mid) if from_lo else (mid < near < hi):
+                mid = near
+            gap *= 2
         result = probe(mid)
         if result.feasible:
             assert result.bounds is not None
             best = result.bounds
             hi = min(hi, value(best))
+            galloping = galloping and not from_lo
         else:
             nxt = next_of(result)
             lo = max(lo, mid, nxt if math.isfinite(nxt) else mid)
+            galloping = galloping and from_lo
     return hi, best
 
 
@@ -819,9 +1010,10 @@ def solve(
 
     The bottleneck is minimised exactly (bisection on the bottleneck over reachable-set feasibility
     probes, stopped at 1e-12 relative; each infeasible probe lifts the lower end to the next value
-    at which any stage could grow). A probe costs O(p log L) without boundary, start and end terms
-    (when every layer alone fits every stage), O(pL) numpy with boundary or end terms and
-    O(pL log L) with start terms. Ties are broken deterministically: among partitions whose
+    at which any stage could grow). Without start terms a probe costs O(p log L) when no stage gets
+    cheaper as its end grows (always without boundary and end terms; with them, when no term falls
+    by more than the next layer's own time or memory, as with 1F1B rows and boundary buffers), and
+    O(pL) numpy otherwise; with start terms it costs O(pL log L). Ties are broken deterministically: among partitions whose
     bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum memory
     utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
     relative) wins, then the lexicographically smallest ``boundaries``.
@@ -844,7 +1036,7 @@ def solve(
             "use fewer stages or profile at a finer granularity"
         )
     speeds = _validate_speeds("stage_speeds", stage_speeds, p, "stage")
-    bcosts = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage")
+    bcosts = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage", view=True)
     memory = start = end = limits = None
     if memory_bytes is None:
         for name, given in (
@@ -858,11 +1050,11 @@ def solve(
                     f"(shape ({num_layers},) or ({p}, {num_layers})) or drop {name}"
                 )
     else:
-        memory = _validate_rows("memory_bytes", memory_bytes, p, num_layers, "stage")
+        memory = _validate_rows("memory_bytes", memory_bytes, p, num_layers, "stage", view=True)
         if memory_start_bytes is not None:
-            start = _validate_rows("memory_start_bytes", memory_start_bytes, p, num_layers, "stage")
+            start = _validate_rows("memory_start_bytes", memory_start_bytes, p, num_layers, "stage", view=True)
         if memory_end_bytes is not None:
-            end = _validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage")
+            end = _validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage", view=True)
         if memory_limit_bytes is not None:
             limits = _validate_limits(memory_limit_bytes, p, "stage")
     inst = _build_instance(c, p, speeds, bcosts, memory, start, end, limits)
@@ -873,11 +1065,12 @@ def solve(
         _raise_infeasible(inst, limits)
     assert first.bounds is not None
 
-    # Boundary and end terms force the O(pL) probes. Dropping them relaxes the problem (every term is >= 0),
-    # and the relaxed optimum, found with the fast probes, is a lower bound that is usually attained: starting
-    # the exact search there (probed first) typically leaves one or two O(pL) probes instead of ~20.
+    # Boundary and end terms force the O(pL) probes when a stage can get cheaper as its end grows (see
+    # _monotone_in_end). Dropping them relaxes the problem (every term is >= 0), and the relaxed optimum,
+    # found with the fast probes, is a lower bound that is usually attained: starting the exact search
+    # there (probed first) typically leaves one or two O(pL) probes instead of ~20.
     relaxed: _Instance | None = None
-    if start is None and (bcosts is not None or end is not None):
+    if start is None and (bcosts is not None or end is not None) and not _fast_applies(inst, _INF, _INF):
         relaxed = _build_instance(c, p, speeds, None, memory, None, None, limits)
     time_lo = inst.time_lower
     if relaxed is not None:
@@ -942,13 +1135,9 @@ def _min_peak_memory(inst: _Instance) -> float:
         cap_list=[_INF] * inst.num_stages,
         div=np.ones(inst.num_stages),
         div_list=[1.0] * inst.num_stages,
-        single_fits_cap=True,
-        util_lower=0.0,
-        single_util=_INF,  # force the general probes until set below
     )
     assert free.mem_prefix is not None
-    single = np.diff(free.mem_prefix, axis=1)
-    free = replace(free, single_util=float(single.max()), util_lower=float(single.min(axis=0).max()))
+    free = replace(free, util_lower=float(_layer_min(free.mem_prefix).max()))
     first = _probe(free, _INF, _INF)
     assert first.bounds is not None
     peak, _ = _minimise(

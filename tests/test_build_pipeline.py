@@ -74,8 +74,7 @@ def test_build_pipeline_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(Exception, match=r"Linear is not an nn.Sequential, so cutting it .* pass example_inputs"):
         build_pipeline(lambda: torch.nn.Linear(2, 2), tmp_path / "plan.json", rank=0, world_size=2)
     # a checkpoint that lacks a stage's tensors names the missing keys
-    from stageplan.materialize import real_parameters
-    from stageplan.materialize import init_empty_weights
+    from stageplan.materialize import init_empty_weights, real_parameters
     with init_empty_weights():
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with pytest.raises(Exception, match=r"the weights lack 2 tensor\(s\) this stage needs: 1.weight, 1.bias"):

@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -320,6 +321,104 @@ def test_general_paths_forced() -> None:
         bc = rng.integers(0, 9, (p, L)).astype(float).tolist()
         check_against_brute(costs, p, mem=mem, start=start, end=end, bc=bc)
         check_against_brute(costs, p, mem=mem, end=end, bc=bc, limit=25.0)
+
+
+def solve_args(kw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "stage_speeds": kw.get("speeds"),
+        "boundary_costs": kw.get("bc"),
+        "memory_bytes": kw.get("mem"),
+        "memory_start_bytes": kw.get("start"),
+        "memory_end_bytes": kw.get("end"),
+        "memory_limit_bytes": kw.get("limit"),
+    }
+
+
+def solve_or_min_limit(costs: Sequence[float], p: int, **kw: Any) -> Solution | float | None:
+    """The solution, or the smallest limit reported when infeasible."""
+    try:
+        return solve(costs, p, **solve_args(kw))
+    except InfeasiblePlanError as exc:
+        return exc.min_memory_limit_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_end_and_boundary_terms_without_start_match_brute_force(data: st.DataObject) -> None:
+    """The planner's shape: memory rows per stage, end terms (boundary buffers), boundary costs, no
+    start terms. Small end terms keep every stage monotone in its end (greedy probes), larger ones
+    do not (numpy probes); either way the answer is brute force's and that of the numpy path forced."""
+    costs, p = data.draw(instance())
+    L = len(costs)
+    low = data.draw(st.sampled_from([0, 3]))
+    mem = rows_strategy(data.draw, p, L, st.integers(low, 12).map(float))
+    end_max = data.draw(st.sampled_from([1, 3, 10]))
+    end = rows_strategy(data.draw, p, L, st.integers(0, end_max).map(float))
+    bc = data.draw(st.none() | st.lists(st.integers(0, 3).map(float), min_size=L, max_size=L))
+    speeds = data.draw(st.none() | st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=p, max_size=p))
+    limit = data.draw(st.none() | st.integers(1, 60).map(float))
+    kw: dict[str, Any] = {"speeds": speeds, "bc": bc, "mem": mem, "end": end, "limit": limit}
+    check_against_brute(costs, p, **kw)
+    fast = solve_or_min_limit(costs, p, **kw)
+    with patch.object(solver, "_fast_applies", lambda *args: False):
+        assert solve_or_min_limit(costs, p, **kw) == fast
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_planner_shaped_instances_use_the_greedy_path_and_match_dp(seed: int) -> None:
+    """L up to 80, 1F1B-like rows and boundary buffers that fall by less than a layer's memory: the
+    greedy probes settle every probe, and the answer equals the O(L^2 p) DP and the numpy path."""
+    rng = np.random.default_rng(100 + seed)
+    L = int(rng.integers(30, 81))
+    p = int(rng.integers(2, 9))
+    costs = rng.integers(3, 40, L).astype(float)  # boundary costs fall by at most 2
+    act = rng.integers(1, 10, L).astype(float)
+    mem = rng.integers(5, 30, L)[None, :] + np.minimum(p - np.arange(p), 2 * p)[:, None] * act[None, :]
+    end = rng.integers(0, 5, L).astype(float)
+    end[-1] = 0.0
+    bc = rng.integers(0, 3, L).astype(float)
+    zeros = np.zeros((p, L))
+    peak = float(mem.sum(axis=1).max())
+    limit = np.full(p, float(rng.integers(int(peak / p) + 60, int(peak))))
+    inst = solver._build_instance(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, None,
+                                  np.broadcast_to(end, (p, L)), limit)
+    assert inst.monotone_in_end
+    settled = []
+    greedy = solver._probe_fast
+
+    def counted(*args: Any) -> Any:
+        result = greedy(*args)
+        settled.append(result is not None)
+        return result
+
+    with patch.object(solver, "_probe_fast", counted):
+        sol = solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end, memory_limit_bytes=limit)
+    assert settled and all(settled)
+    check_solution(sol, costs.tolist(), p, bc=bc.tolist(), mem=mem.tolist(), end=end.tolist(),
+                   limit=limit.tolist())
+    ends = np.broadcast_to(end, (p, L))
+    assert sol.bottleneck == dp_bottleneck(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, zeros, ends,
+                                           limit)
+    with patch.object(solver, "_fast_applies", lambda *args: False):
+        assert solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end,
+                     memory_limit_bytes=limit) == sol
+
+
+def test_monotone_in_end_certificate() -> None:
+    """An end term that falls by more than the next layer's memory breaks monotonicity in the end;
+    the last stage, whose end is fixed, is not checked."""
+    costs = np.ones(4)
+    mem = np.array([[5.0, 1.0, 5.0, 5.0]] * 2)
+
+    def certified(end: list[float], bc: list[float] | None = None) -> bool:
+        bcosts = None if bc is None else np.array([bc] * 2)
+        inst = solver._build_instance(costs, 2, np.ones(2), bcosts, mem, None, np.array([end] * 2), None)
+        return inst.monotone_in_end
+
+    assert certified([0.0, 3.0, 2.5, 0.0])  # falls by 0.5 <= layer 2's 5 bytes
+    assert not certified([3.0, 0.0, 0.0, 0.0])  # [0, 1) needs 8 bytes, [0, 2) only 6
+    assert certified([0.0, 0.0, 0.0, 9.0])  # only the last stage ends at L
+    assert not certified([0.0] * 4, bc=[0.0, 5.0, 0.0, 0.0])  # [0, 2) takes 7 s, [0, 3) only 3 s
 
 
 # --------------------------------------------------------------------------------------------------
