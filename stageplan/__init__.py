@@ -1,8 +1,9 @@
 """stageplan: profile a model per layer, plan pipeline stages exactly, run and check the plan.
 
 ``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
-The torch-backed functions (``profile_model``, ``run``) are the real functions of ``stageplan.profiler`` and
-``stageplan.launch``, re-exported lazily (PEP 562): torch is imported on first access.
+The torch-backed functions (``profile_model``, ``run``, ``build_pipeline``) are the real functions of
+``stageplan.profiler``, ``stageplan.launch`` and ``stageplan.stages``, re-exported lazily (PEP 562): torch is
+imported on first access.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stageplan.workload import Workload
 if TYPE_CHECKING:
     from stageplan.launch import run
     from stageplan.profiler import profile_model
+    from stageplan.stages import build_pipeline
 
 __all__ = [
     "Device",
@@ -38,6 +40,7 @@ __all__ = [
     "StageplanError",
     "Workload",
     "__version__",
+    "build_pipeline",
     "calibrate",
     "plan",
     "profile_model",
@@ -47,7 +50,7 @@ __all__ = [
 ]
 
 # The torch edge, loaded on first access.
-_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch"}
+_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch", "build_pipeline": "stageplan.stages"}
 
 
 def __getattr__(name: str) -> Any:

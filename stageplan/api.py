@@ -87,12 +87,16 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     boundaries, solver_evidence = _boundaries(method, arr, opts, given)
     ev = evaluate(arr, boundaries, opts, profile.names)
     notes = list(ev.notes)
+    label = estimate_label(profile.meta)
+    if label:
+        notes.insert(0, label)
     if solver_evidence.get("optimal") is False:
         notes.append(f"interleaved solve hit its time limit: within {ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x "
                      "of the proven optimum")
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
     cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
-    meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype")
+    meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
+                 "timer", "estimate")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
     pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)
@@ -106,6 +110,15 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
         cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
     )
+
+
+def estimate_label(meta: dict[str, Any]) -> str | None:
+    """The words that mark figures computed from an analytic estimate rather than measured."""
+    if meta.get("timer") != "analytic":
+        return None
+    gpu = (meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")
+    return (f"ESTIMATE: times are analytic (roofline) for {gpu or 'a GPU'}, not measured; roughly +-25% in absolute "
+            "time, ratios between layers are steadier")
 
 
 def _rescaled(profile: Profile, factor: float) -> Profile:
@@ -332,6 +345,9 @@ def compare(
         prof = profile_model(workload, microbatch_size=mb, progress=progress)
     else:
         prof = _as_profile(profile)
+    if estimate_label(prof.meta):
+        raise StageplanError("compare measures each plan on this machine, and this profile is an analytic GPU estimate; "
+                             "compare a profile measured here, or plan the estimate with stageplan plan --compare")
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {

@@ -75,6 +75,7 @@ def run(
     the_plan = _load_plan(plan)
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s)
+    _refuse_estimate_on_cpu(the_plan, opts["backend"])
     if output is not None:
         check_output_path(output)
     if log_dir is not None:
@@ -117,6 +118,16 @@ def run(
     return report
 
 
+def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
+    """A plan made from an analytic GPU estimate predicts that GPU; a CPU run would be compared with it as if the
+    estimate were a measurement of this machine."""
+    if plan.profile_meta.get("timer") == "analytic" and backend != "nccl":
+        gpu = (plan.profile_meta.get("estimate") or {}).get("gpu", "a GPU")
+        raise StageplanError(f"this plan was made from an analytic estimate for {gpu}, not from a measurement of this "
+                             "machine; profile the model here (stageplan profile MODEL -o PROFILE.json) and plan that, "
+                             "or run the plan on that GPU with --backend nccl")
+
+
 def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
     """Never leave the weights behind (a Ctrl-C included); keep the logs when asked or when a rank failed."""
     for name in ("payload.pt", "weights.safetensors"):
@@ -152,13 +163,36 @@ def _given_weights(weights: Any, run_dir: Path) -> str | None:
     return str(weights)
 
 
+def _build_and_save(spec: str, factory_options: dict[str, Any], path: Path) -> None:
+    """Build the model exactly as the user's factory does and write it as a checkpoint, in a forked child where
+    fork exists: its memory goes back to the system when it exits (freed tensors in this process would stay in
+    the allocator's arenas), so the launcher never holds a model while the ranks run."""
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        proc = multiprocessing.get_context("fork").Process(target=_save_factory_build, args=(spec, factory_options, str(path)))
+        proc.start()
+        proc.join()
+        if proc.exitcode == 0 and path.exists():
+            return
+        raise WorkloadError(f"building {spec!r} to write its weights failed (exit code {proc.exitcode}); "
+                            "run stageplan profile on it to see the error")
+    _save_factory_build(spec, factory_options, str(path))
+
+
+def _save_factory_build(spec: str, factory_options: dict[str, Any], path: str) -> None:
+    from stageplan.zoo import build_workload
+
+    torch.set_num_threads(1)
+    save_checkpoint(build_workload(spec, factory_options).model, path)
+
+
 def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | None, weights: Any,
                    run_dir: Path) -> tuple[Workload, str | None, str]:
     """The workload the ranks get: its model with parameters on meta, its inputs real. Where the weights come
     from: ``weights`` when given; else, when the whole model fits here, the user's own factory build written as a
     checkpoint (built once, freed before the ranks start); else each rank initialises its tensors by FQN."""
     import dataclasses
-    import gc
 
     given = _given_weights(weights, run_dir)
     if isinstance(workload, Workload):
@@ -174,10 +208,7 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
     if given is not None:
         return meta, given, "the given weights"
     if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
-        real = build_workload(workload, factory_options or {})
-        save_checkpoint(real.model, run_dir / "weights.safetensors")
-        del real
-        gc.collect()
+        _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors")
         return meta, str(run_dir / "weights.safetensors"), "the factory (built once, saved, freed)"
     return meta, None, "initialised by FQN (the model does not fit in one process)"
 
@@ -388,6 +419,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     rank = int(os.environ["RANK"])
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s)
+    _refuse_estimate_on_cpu(the_plan, opts["backend"])
     opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
     if weights is not None:
         Checkpoint(weights)

@@ -37,6 +37,14 @@ def _axes(ax: Axes | None, size: tuple[float, float] = (7.0, 4.0)) -> Axes:
     return new
 
 
+def _estimated(obj: Any) -> str:
+    """' (ESTIMATE for GPU)' for a plan or profile whose times are analytic, else ''."""
+    meta = getattr(obj, "profile_meta", None) or getattr(obj, "meta", None) or {}
+    if meta.get("timer") != "analytic":
+        return ""
+    return f" (ESTIMATE for {(meta.get('estimate') or {}).get('gpu') or meta.get('device', 'a GPU')})"
+
+
 def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None) -> Axes:
     """Per-stage stacked bars of forward, backward and communication ms; a dashed line at the lower bound,
     a triangle over each plan's bottleneck stage. Several plans (e.g. optimal, uniform, parameters) stand side
@@ -77,7 +85,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
     ax.set_xlabel("stage")
     ax.set_ylabel("ms per microbatch")
     title = ", ".join(f"{name}: {p.balance_efficiency:.2f}" for name, p in group.items())
-    ax.set_title(f"stage balance (efficiency {title})", fontsize=9)
+    ax.set_title(f"stage balance (efficiency {title}){_estimated(first)}", fontsize=9)
     handles, _ = ax.get_legend_handles_labels()
     ax.legend(handles=handles + method_handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               borderaxespad=0.0)
@@ -107,7 +115,8 @@ def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
     ax.set_xticks(xs)
     ax.set_xlabel("stage")
     ax.set_ylabel("MiB")
-    ax.set_title(f"memory per stage ({plan.schedule}, {plan.num_microbatches} microbatches; x = in flight)", fontsize=9)
+    ax.set_title(f"memory per stage ({plan.schedule}, {plan.num_microbatches} microbatches; x = in flight)"
+                 f"{_estimated(plan)}", fontsize=9)
     ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax
 
@@ -126,7 +135,8 @@ def plot_layer_costs(profile: Profile, plan: Plan | None = None, ax: Axes | None
     ax.set_xticks(xs)
     ax.set_xticklabels([x.name for x in profile.layers], rotation=60, ha="right", fontsize=LABEL_PT)
     ax.set_ylabel("ms per microbatch")
-    ax.set_title(f"per-layer cost ({profile.meta.get('model', '')}, microbatch {profile.meta.get('microbatch_size', '?')})",
+    ax.set_title(f"per-layer cost ({profile.meta.get('model', '')}, microbatch {profile.meta.get('microbatch_size', '?')})"
+                 f"{_estimated(profile)}",
                  fontsize=9)
     ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax

@@ -3,6 +3,7 @@ against single-process training from the same checkpoint: the same losses step b
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -58,8 +59,8 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
     (tmp_path / "train.py").write_text(_readme_loop())
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None
-    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "0", "train.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 3, done.stdout

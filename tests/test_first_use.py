@@ -323,3 +323,23 @@ def test_the_readme_says_how_to_open_the_notebooks_and_the_tour_uses_a_scratch_f
     assert "make jupyter" in readme and "jupyter:" in (ROOT / "Makefile").read_text()
     assert "notebooks =" in (ROOT / "setup.cfg").read_text()
     assert "scratch folder" in readme
+
+
+# -- estimates are labelled, and never taken as measurements ------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_spawn")
+def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    meta = {"timer": "analytic", "estimate": {"gpu": "h100-sxm"}, "device": "estimate:h100-sxm", "batch_size": 8,
+            "microbatch_size": 4, "model": "workloads:faulty"}
+    prof = Profile(tuple(LayerProfile(str(i), 1e-3, 2e-3, 0, 8, 4) for i in range(4)), meta)
+    prof.save(tmp_path / "est.json")
+    code, out, _ = run_cli(["plan", str(tmp_path / "est.json"), "--stages", "2", "-o", str(tmp_path / "plan.json")], capsys)
+    assert code == 0 and "ESTIMATE: times are analytic (roofline) for h100-sxm" in out
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json")], capsys)
+    assert_one_line_error(code, err, r"made from an analytic estimate for h100-sxm, not from a measurement of this machine")
+    with pytest.raises(StageplanError, match=r"this profile is an analytic GPU estimate"):
+        compare("workloads:faulty", 2, profile=tmp_path / "est.json")
+    from stageplan.plots import plot_stage_balance
+
+    assert "ESTIMATE for h100-sxm" in plot_stage_balance(Plan.load(tmp_path / "plan.json")).get_title()
