@@ -33,7 +33,14 @@ import torch
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
 from stageplan.executor import worker_main
-from stageplan.materialize import Checkpoint, init_empty_weights, meta_copy, parameter_bytes, save_checkpoint
+from stageplan.materialize import (
+    Checkpoint,
+    init_empty_weights,
+    meta_model,
+    parameter_bytes,
+    real_model,
+    save_checkpoint,
+)
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
@@ -130,7 +137,7 @@ def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
 
 def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
     """Never leave the weights behind (a Ctrl-C included); keep the logs when asked or when a rank failed."""
-    for name in ("payload.pt", "weights.safetensors"):
+    for name in ("payload.pt", "weights.safetensors", "data.pt"):
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
     if not keep:
@@ -184,7 +191,9 @@ def _save_factory_build(spec: str, factory_options: dict[str, Any], path: str) -
     from stageplan.zoo import build_workload
 
     torch.set_num_threads(1)
-    save_checkpoint(build_workload(spec, factory_options).model, path)
+    wl = build_workload(spec, factory_options)
+    save_checkpoint(wl.model, path)
+    torch.save({"inputs": wl.inputs, "target": wl.target}, Path(path).with_name("data.pt"))
 
 
 def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | None, weights: Any,
@@ -196,11 +205,16 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
 
     given = _given_weights(weights, run_dir)
     if isinstance(workload, Workload):
-        meta = dataclasses.replace(workload, model=meta_copy(workload.model))
+        meta = dataclasses.replace(workload, model=meta_model(workload), model_fn=None)
         if given is not None:
             return meta, given, "the given weights"
-        save_checkpoint(workload.model, run_dir / "weights.safetensors")
-        return meta, str(run_dir / "weights.safetensors"), "the workload's model"
+        if workload.model is not None:
+            save_checkpoint(workload.model, run_dir / "weights.safetensors")
+            return meta, str(run_dir / "weights.safetensors"), "the workload's model"
+        if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
+            save_checkpoint(real_model(workload), run_dir / "weights.safetensors")
+            return meta, str(run_dir / "weights.safetensors"), "the workload's model_fn (built once, saved)"
+        return meta, None, "initialised by FQN (the model does not fit in one process)"
     from stageplan.zoo import build_workload
 
     with init_empty_weights():
@@ -209,6 +223,10 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
         return meta, given, "the given weights"
     if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
         _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors")
+        # the real build's data: a factory drawing its inputs from the global RNG after building its model would
+        # draw other numbers when the model's initialisation ran on meta (FIELD.md)
+        data = torch.load(run_dir / "data.pt", weights_only=False)
+        meta.inputs, meta.target = data["inputs"], data["target"]
         return meta, str(run_dir / "weights.safetensors"), "the factory (built once, saved, freed)"
     return meta, None, "initialised by FQN (the model does not fit in one process)"
 

@@ -54,6 +54,28 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def meta_model(workload: Any) -> nn.Module:
+    """The workload's model with parameters on meta: built by its ``model_fn`` inside :func:`init_empty_weights`,
+    or a weightless copy of its real model. Never a second real copy."""
+    if workload.model is not None:
+        return meta_copy(workload.model)
+    with init_empty_weights():
+        model = workload.model_fn()
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"model_fn returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def real_model(workload: Any) -> nn.Module:
+    """The workload's model for real: its model, or what its ``model_fn`` builds (the user's own initialisation)."""
+    if workload.model is not None:
+        return workload.model
+    model = workload.model_fn()
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"model_fn returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of the model's distinct parameters (meta ones included: their shapes and dtypes are real)."""
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())

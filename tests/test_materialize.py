@@ -1,0 +1,115 @@
+"""Meta-first building: parameters on meta, ties kept, only a piece materialised, its tensors exactly the
+checkpoint's (or the same FQN-keyed initialisation everywhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from stageplan.errors import StageplanError, WorkloadError
+from stageplan.layers import cut_stages
+from stageplan.materialize import (
+    Checkpoint,
+    init_empty_weights,
+    initialize_by_fqn,
+    materialize_,
+    meta_copy,
+    meta_model,
+    meta_parameter_names,
+    parameter_bytes,
+    real_parameters,
+    save_checkpoint,
+)
+from stageplan.stages import reference_model
+from stageplan.workload import Workload
+from stageplan.zoo import gpt
+
+SMALL = {"n_layer": 3, "d_model": 32, "n_head": 2, "seq_len": 8, "vocab_size": 64, "tied": True}
+
+
+def test_init_empty_weights_keeps_ties_and_inputs() -> None:
+    real = gpt(**SMALL)
+    with init_empty_weights():
+        meta = gpt(**SMALL)
+    assert all(p.device.type == "meta" for p in meta.model.parameters())
+    # tied: one parameter under two names, as in the real model (accelerate's patch would untie it)
+    assert len(list(meta.model.parameters())) == len(list(real.model.parameters()))
+    assert meta.model.head.weight is meta.model.tok_emb.weight
+    # the inputs a factory builds beside its model stay real (gpt draws them from its own seeded generator)
+    assert torch.equal(meta.inputs, real.inputs) and torch.equal(meta.target, real.target)
+    assert parameter_bytes(meta.model) == parameter_bytes(real.model)
+
+
+def test_only_one_piece_is_materialised_with_the_checkpoints_tensors(tmp_path: Path) -> None:
+    real = gpt(**SMALL)
+    save_checkpoint(real.model, tmp_path / "w.safetensors")
+    ckpt = Checkpoint(tmp_path / "w.safetensors")
+    stored = ckpt.keys()
+    assert "head.weight" not in stored and "tok_emb.weight" in stored  # a tie is stored once
+    meta = meta_copy(real.model)
+    names = ["tok_emb+pos_emb", "blocks.0", "blocks.1", "blocks.2", "ln_f+head"]
+    cut = cut_stages(meta, (real.inputs[:2],), names, (0, 2, 5))
+    last = cut.pieces[1].module
+    materialize_(last, real_parameters(meta, meta_parameter_names(last), "cpu", weights=ckpt))
+    assert not meta_parameter_names(last)
+    assert meta_parameter_names(cut.pieces[0].module)  # the other stage stays weightless
+    got = dict(last.named_parameters(remove_duplicate=False))
+    want = dict(real.model.named_parameters(remove_duplicate=False))
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=0)  # the head reads the embedding through the tie
+    # the materialised stage computes what the real model's layers compute
+    with torch.no_grad():
+        pos = torch.arange(SMALL["seq_len"])
+        hidden = real.model.blocks[0](real.model.tok_emb(real.inputs[:2]) + real.model.pos_emb(pos))
+        torch.testing.assert_close(last(hidden), real.model.head(real.model.ln_f(real.model.blocks[2](real.model.blocks[1](hidden)))))
+
+
+def test_fqn_init_is_the_same_wherever_it_runs_and_defined() -> None:
+    with init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    names = [n for n, _ in model.named_parameters()]
+    a = initialize_by_fqn(model, names, "cpu", seed=1)
+    b = initialize_by_fqn(model, list(reversed(names)), "cpu", seed=1)  # order and subset do not matter
+    c = initialize_by_fqn(model, ["2.weight"], "cpu", seed=1)
+    assert all(torch.equal(a[n], b[n]) for n in names) and torch.equal(c["2.weight"], a["2.weight"])
+    assert not torch.equal(initialize_by_fqn(model, names, "cpu", seed=2)["0.weight"], a["0.weight"])
+    assert torch.equal(a["1.weight"], torch.ones(4)) and torch.equal(a["1.bias"], torch.zeros(4))  # LayerNorm's own rule
+    assert all(torch.isfinite(t).all() for t in a.values())
+    ref = reference_model(model, torch.device("cpu"), seed=1)
+    assert all(torch.equal(p, a[n]) for n, p in ref.named_parameters())
+
+
+def test_a_workload_with_only_a_model_fn_builds_on_meta() -> None:
+    wl = Workload(None, torch.randn(4, 8), model_fn=lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
+    model = meta_model(wl)
+    assert all(p.device.type == "meta" for p in model.parameters()) and wl.batch_size == 4
+    with pytest.raises(WorkloadError, match=r"a Workload needs a model, or model_fn"):
+        Workload(None, torch.randn(4, 8))
+
+
+def test_checkpoint_refusals(tmp_path: Path) -> None:
+    (tmp_path / "junk.safetensors").write_text("not a checkpoint")
+    with pytest.raises(StageplanError, match=r"is not a safetensors file"):
+        Checkpoint(tmp_path / "junk.safetensors")
+    with pytest.raises(StageplanError, match=r"neither model.safetensors.index.json nor model.safetensors"):
+        Checkpoint(tmp_path)
+    with init_empty_weights():
+        model = nn.Linear(2, 3)
+    with pytest.raises(StageplanError, match=r"weights tensor 'weight' has shape \(2, 2\), the model's 'weight' \(3, 2\)"):
+        real_parameters(model, ["weight"], "cpu", weights=Checkpoint({"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}))
+
+
+def test_an_hf_folder_with_an_index_reads_only_what_is_asked(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "part-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}))
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.keys() == {"a", "b"} and list(ckpt.read(["b"])) == ["b"]
