@@ -3,9 +3,11 @@ against single-process training from the same checkpoint: the same losses step b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -59,11 +61,18 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
     (tmp_path / "train.py").write_text(_readme_loop())
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None
-    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", done.stdout)]
-    assert len(losses) == 3, done.stdout
+    # its own session, so that on a timeout torchrun's workers are ended with it (never orphaned)
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", stdout)]
+    assert len(losses) == 3, stdout
     torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 4), rtol=1e-5, atol=1e-6)
 
 

@@ -3,9 +3,11 @@ what runs this test) and the ```python block, in a scratch folder that sees prof
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +37,15 @@ def test_readme_shell_commands_run(tmp_path: Path) -> None:
     for cmd in commands:
         argv = shlex.split(cmd)
         assert argv[0] in ("stageplan", "torchrun"), cmd
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        # each in its own session, ended with its children on a timeout (torchrun's workers are never orphaned)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 0, f"{cmd}\n{out[-2000:]}\n{err[-2000:]}"
 
 
 def test_readme_python_tour_runs(tmp_path: Path) -> None:
