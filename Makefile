@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stageplan-installed
 
-.PHONY: demo test lint bench figures notebooks jupyter clean
+.PHONY: demo test lint bench bench-large figures notebooks jupyter clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: lint
 
 bench: $(STAMP)
 	PYTHONUNBUFFERED=1 $(PY) benchmarks/run_all.py
+
+# Models bigger than the machine (minutes each): a 4-rank run's memory against one model's, LLaMA-2-7B profiled
+# layer at a time here, LLaMA-2-70B estimated for an H100.
+bench-large: $(STAMP)
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/bench_memory.py
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/bench_large.py
 
 figures: $(STAMP)
 	$(PY) benchmarks/figures.py
