@@ -43,7 +43,7 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def measure(repo: Path, ranks: int) -> dict[str, Any]:
+def measure(repo: Path, ranks: int, optimizer: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         prof = {"schema": "stageplan.profile/1", "meta": {"batch_size": 8, "microbatch_size": 2, "model": "gpt",
@@ -55,7 +55,8 @@ def measure(repo: Path, ranks: int) -> dict[str, Any]:
                         "4", "--method", "uniform", "-o", "plan.json"], cwd=tmp, env=env, check=True, capture_output=True)
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "stageplan", "run", "gpt", *OPTIONS, "--plan", "plan.json",
-                                 "--steps", "2", "--warmup", "1", "--timeout", "900"], cwd=tmp, env=env,
+                                 "--steps", "2", "--warmup", "1", "--timeout", "900",
+                                 "--optimizer", optimizer], cwd=tmp, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         peak = 0
         while proc.poll() is None:
@@ -74,13 +75,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference-repo", type=Path, default=None)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--optimizer", default="sgd", help="sgd keeps no state: ranks hold weights and gradients")
     a = parser.parse_args()
     params = 24 * 12 * 1280 * 1280 + 8192 * 1280 * 2 + 64 * 1280  # blocks, embedding + head, positions
     model_bytes = 4.0 * params
-    rows = [("this checkout", measure(ROOT, a.ranks))]
+    rows = [("this checkout", measure(ROOT, a.ranks, a.optimizer))]
     if a.reference_repo is not None:
-        rows.append((f"reference {a.reference_repo}", measure(a.reference_repo, a.ranks)))
-    print(f"{a.ranks}-rank run of gpt n_layer=24 d_model=1280: {params / 1e6:.0f} M parameters, "
+        rows.append((f"reference {a.reference_repo}", measure(a.reference_repo, a.ranks, a.optimizer)))
+    print(f"{a.ranks}-rank run of gpt n_layer=24 d_model=1280 with {a.optimizer}: {params / 1e6:.0f} M parameters, "
           f"{model_bytes / 2**30:.2f} GiB fp32 weights (+ the same again in gradients)")
     for name, r in rows:
         peak = r["peak_tree_rss_bytes"]

@@ -135,6 +135,11 @@ class Checkpoint:
             raise StageplanError(f"{str(path)!r} is not a safetensors file ({type(exc).__name__}: {exc}); "
                                  "save weights with safetensors.torch.save_file") from None
 
+    @property
+    def owns_tensors(self) -> bool:
+        """Tensors read from files are fresh; a state dict's belong to the caller."""
+        return self._dict is None
+
     def keys(self) -> set[str]:
         return set(self._dict) if self._dict is not None else set(self._files)
 
@@ -143,17 +148,45 @@ class Checkpoint:
         wanted = list(dict.fromkeys(names))
         if self._dict is not None:
             return {n: self._dict[n] for n in wanted}
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for n in wanted:
             by_file.setdefault(self._files[n], []).append(n)
         out: dict[str, torch.Tensor] = {}
         for path, names_in_file in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for n in names_in_file:
-                    out[n] = f.get_tensor(n)
+            out.update(_read_safetensors(path, names_in_file))
         return out
+
+
+# safetensors' dtype names (its format spec: an 8-byte little-endian header length, a JSON header of
+# {name: {dtype, shape, data_offsets}}, then the data).
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors, each read straight into its own buffer. safetensors' safe_open maps the file, and the
+    mapped pages count in the process's resident set on top of the copies (about the stage's size again at a
+    rank's peak, seen here), so plain reads keep a rank's peak to its own tensors."""
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        for name in sorted(names, key=lambda n: header[n]["data_offsets"][0]):
+            entry = header[name]
+            dtype = _ST_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise StageplanError(f"tensor {name!r} in {str(path)!r} has dtype {entry['dtype']}, which stageplan cannot "
+                                     f"read; use one of {', '.join(_ST_DTYPES)}")
+            start, end = entry["data_offsets"]
+            t = torch.empty(entry["shape"], dtype=dtype)
+            f.seek(base + start)
+            buffer = t.reshape(-1).view(torch.uint8).numpy().data  # the tensor's own bytes, written in place
+            if f.readinto(buffer) != end - start:
+                raise StageplanError(f"{str(path)!r} ends inside tensor {name!r}; the file is truncated: save it again")
+            out[name] = t
+    return out
 
 
 def save_checkpoint(model: nn.Module, path: str | Path) -> None:
@@ -261,7 +294,7 @@ def real_parameters(model: nn.Module, fqns: Iterable[str], device: torch.device 
     tensors = weights.read(source.values())
     out = {}
     for fqn, key in source.items():
-        t = tensors[key]
+        t = tensors[key] if weights.owns_tensors else tensors[key].detach().clone()  # never train the caller's tensors
         expected = _meta_parameter(model, fqn)
         if tuple(t.shape) != tuple(expected.shape):
             raise StageplanError(f"weights tensor {key!r} has shape {tuple(t.shape)}, the model's {fqn!r} "
@@ -279,8 +312,9 @@ def _meta_parameter(model: nn.Module, fqn: str) -> torch.Tensor:
 
 
 def materialize_(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Replace ``module``'s meta parameters, named by the original model's FQNs, with real ones (a parameter
-    used under two names stays one parameter). Buffers are left as they are: they were built real."""
+    """Replace ``module``'s meta parameters, named by the original model's FQNs, with the given tensors, which it
+    takes over (pass fresh ones, as :func:`real_parameters` returns; a parameter used under two names stays one
+    parameter). Buffers are left as they are: they were built real."""
     made: dict[int, nn.Parameter] = {}
     for name, p in list(module.named_parameters(remove_duplicate=False)):
         if p.device.type != "meta":
@@ -288,7 +322,7 @@ def materialize_(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.M
         if id(p) not in made:
             if name not in tensors:
                 raise WorkloadError(f"no tensor for parameter {name!r}; this is a bug in stageplan")
-            made[id(p)] = nn.Parameter(tensors[name].clone(), requires_grad=p.requires_grad)
+            made[id(p)] = nn.Parameter(tensors[name], requires_grad=p.requires_grad)  # fresh tensors: no copy
         owner, leaf = _owner(name)
         (module.get_submodule(owner) if owner else module)._parameters[leaf] = made[id(p)]
     return module

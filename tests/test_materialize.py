@@ -113,3 +113,17 @@ def test_an_hf_folder_with_an_index_reads_only_what_is_asked(tmp_path: Path) -> 
         {"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}))
     ckpt = Checkpoint(tmp_path)
     assert ckpt.keys() == {"a", "b"} and list(ckpt.read(["b"])) == ["b"]
+
+
+def test_safetensors_are_read_exactly_without_mapping_the_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3), "d": torch.zeros(0),
+               "e": torch.tensor([True, False]), "f": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    got = Checkpoint(tmp_path / "t.safetensors").read(["f", "b", "a", "c", "d", "e"])
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "t.safetensors").read_bytes()[:-8])
+    with pytest.raises(StageplanError, match=r"cut.safetensors' is not a safetensors file .*not fully covered"):
+        Checkpoint(tmp_path / "cut.safetensors")
