@@ -6,8 +6,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from stageplan.errors import SchemaError, StageplanError
 
@@ -68,20 +69,26 @@ def default_mode() -> int:
     return 0o666 & ~umask
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    """Write JSON to a temporary file in the same folder, then os.replace it: never half-written."""
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
+    """Call ``write`` on a temporary file in the same folder, then os.replace it over ``path``: a reader never
+    sees a half-written file, and a failure leaves what was there before."""
     p = check_output_path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent) if str(p.parent) else ".")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_clean(data), f, indent=1, allow_nan=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.chmod(tmp, default_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """JSON (NaN and infinities as null), written atomically."""
+    text = json.dumps(_clean(data), indent=1, allow_nan=False) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ matplotlib is imported inside each function; each takes ``ax=None`` and returns 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +98,8 @@ def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
     xs = list(range(plan.num_chunks))
     bottom = [0.0] * plan.num_chunks
     for kind, color in MEMORY_COLORS.items():
+        if not any(kind in st.memory for st in plan.stages):
+            continue  # "master" exists only with a mixed precision
         vals = [st.memory.get(kind, 0.0) / 2**20 for st in plan.stages]
         label = "activations x in flight" if kind == "activations" else kind
         ax.bar(xs, vals, 0.6, bottom=bottom, color=color, label=label)
@@ -315,20 +316,10 @@ def save(ax: Axes, path: str | os.PathLike[str]) -> None:
     An unknown or missing suffix is refused before anything is written (matplotlib would otherwise fall back
     to PNG bytes under any name).
     """
-    from stageplan._io import default_mode
+    from stageplan._io import write_atomic
 
     fmt = check_figure_path(path)
-    p = Path(path)
     fig = ax.figure
     fig.tight_layout()  # type: ignore[union-attr]
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # bbox_inches="tight": legends placed outside the axes are kept, not cropped
-            fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight")  # type: ignore[union-attr]
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # bbox_inches="tight": legends placed outside the axes are kept, not cropped
+    write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"))  # type: ignore[union-attr]
