@@ -11,9 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from stageplan.costmodel import CostOptions, Device, LayerArrays, evaluate, make_options, solver_inputs
-from stageplan.errors import StageplanError
-from stageplan.plan import Plan
+from stageplan.costmodel import (
+    CostOptions,
+    Device,
+    LayerArrays,
+    evaluate,
+    make_options,
+    solver_inputs,
+)
+from stageplan.errors import InfeasiblePlanError, StageplanError
+from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, named_layers
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
 from stageplan.schedules import normalize_schedule
@@ -49,8 +56,13 @@ def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
     return [d if isinstance(d, Device) else Device(float(d)) for d in devices]
 
 
-def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
-                given: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], dict[str, Any]]:
+# How each kind of given split is named in messages, and the plan() keyword that gives it
+GIVEN_AS = {"boundaries": "boundaries", "megatron_layout": "the Megatron layout",
+            "fqns": "the module FQNs per model part"}
+
+
+def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[int, ...] | None = None,
+                given_as: str = "boundaries") -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan import baselines, interleaved, solver
 
@@ -59,6 +71,11 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
     if method == "given":
         assert given is not None
         b = list(given)
+        if given_as != "boundaries" and len(b) != S + 1:
+            n = len(b) - 1
+            raise StageplanError(
+                f"{GIVEN_AS[given_as]} gives {n} stage{'s' if n != 1 else ''} but {opts.num_ranks} ranks x "
+                f"{opts.virtual_stages} chunks need {S}; give {S} stages, or plan {n} (--stages {n}, one chunk per rank)")
         if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in zip(b, b[1:])):
             raise StageplanError(
                 f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) for "
@@ -82,11 +99,36 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
     return tuple(sol.boundaries), {"optimal": True}
 
 
+def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, given_input: Any) -> dict[str, Any]:
+    """How far a given split is from the optimal plan under the same options: bottleneck and predicted step
+    ratios (given / optimal) and memory per rank (need, limit, headroom = limit - need)."""
+    limits = [d.memory_limit_bytes for d in opts.devices]
+    need = [float(x) for x in ev.rank_memory_bytes]
+    out: dict[str, Any] = {
+        "given_as": given_as, "given": given_input, "rank_memory_bytes": need, "memory_limit_bytes": limits,
+        "memory_headroom_bytes": [None if lim is None else lim - n for lim, n in zip(limits, need)],
+    }
+    try:
+        best, _ = _boundaries("optimal", arr, opts)
+    except InfeasiblePlanError as exc:
+        out.update(optimal_boundaries=None, optimal_infeasible=str(exc))
+        return out
+    opt = evaluate(arr, best, opts)
+    out.update(
+        optimal_boundaries=list(best), optimal_bottleneck_s=opt.bottleneck_s, optimal_predicted_step_s=opt.predicted_step_s,
+        bottleneck_ratio=ev.bottleneck_s / opt.bottleneck_s if opt.bottleneck_s > 0 else 1.0,
+        step_ratio=ev.predicted_step_s / opt.predicted_step_s if opt.predicted_step_s > 0 else 1.0,
+        optimal_rank_memory_bytes=[float(x) for x in opt.rank_memory_bytes],
+    )
+    return out
+
+
 def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
-               given: tuple[int, ...] | None = None) -> Plan:
-    boundaries, solver_evidence = _boundaries(method, arr, opts, given)
+               given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None) -> Plan:
+    boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as)
     ev = evaluate(arr, boundaries, opts, profile.names)
     notes = list(ev.notes)
+    versus = _versus_optimal(arr, opts, ev, given_as, given_input) if method == "given" else {}
     label = estimate_label(profile.meta)
     if label:
         notes.insert(0, label)
@@ -109,7 +151,59 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
         rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
         cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+        versus_optimal=versus,
     )
+
+
+def _given_split(prof: Profile, method: str | None, boundaries: Sequence[int] | None, megatron_layout: str | None,
+                 fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None
+                 ) -> tuple[tuple[int, ...] | None, str, Any]:
+    """The split the user gave (boundaries, a Megatron layout or torchtitan FQNs) as boundaries, which of the
+    three it was, and the input as given (JSON-ready); (None, "", None) when none was given."""
+    named = [k for k, v in (("boundaries", boundaries), ("megatron_layout", megatron_layout), ("fqns", fqns))
+             if v is not None]
+    if len(named) > 1:
+        raise StageplanError(f"got {' and '.join(named)}: each gives a split to score; pass only one of boundaries, "
+                             "megatron_layout and fqns")
+    if not named:
+        return None, "", None
+    if method is not None:
+        raise StageplanError(f"method {method!r} chooses a split but {named[0]} gives one; drop one of them (a given "
+                             "split is scored against the optimal plan in any case)")
+    if boundaries is not None:
+        try:
+            return tuple(int(b) for b in boundaries), "boundaries", [int(b) for b in boundaries]
+        except (TypeError, ValueError):
+            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+    if megatron_layout is not None:
+        if not isinstance(megatron_layout, str):
+            raise StageplanError(f"megatron_layout must be a string such as 'E,t*4|t*4,L', got {megatron_layout!r}")
+        return (boundaries_from_megatron(megatron_layout, prof.names, named_layers(prof.names, prof.meta)),
+                "megatron_layout", megatron_layout)
+    assert fqns is not None
+    parts = _read_fqns(fqns) if isinstance(fqns, (str, os.PathLike)) else fqns
+    bounds = boundaries_from_module_fqns(parts, prof.names)  # checks the shape before anything is copied
+    return bounds, "fqns", [list(part) for part in parts]
+
+
+def _read_fqns(path: str | os.PathLike[str]) -> Any:
+    """torchtitan's module_fqns_per_model_part from a JSON file: the list itself, or an object holding it under
+    that key (as --export torchtitan prints the list)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise StageplanError(f"FQN file {str(p)!r} does not exist; write the parts there, e.g. with "
+                             "stageplan plan PROFILE.json --stages N --export torchtitan > FQNS.json")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StageplanError(f"FQN file {str(p)!r} is not valid JSON ({exc}); write a JSON list of lists of module "
+                             "FQNs") from None
+    if isinstance(data, dict) and "module_fqns_per_model_part" in data:
+        data = data["module_fqns_per_model_part"]
+    return data
 
 
 def estimate_label(meta: dict[str, Any]) -> str | None:
@@ -145,12 +239,20 @@ def plan(
     optimizer: str = "adam",
     devices: Sequence[Device | float] | None = None,
     recompute: bool = False,
-    method: str = "optimal",
+    method: str | None = None,
     boundaries: Sequence[int] | None = None,
     precision: str | None = None,
+    megatron_layout: str | None = None,
+    fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
 ) -> Plan:
-    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step; with
-    ``boundaries`` (``(0, b1, ..., L)``), evaluate that split instead (method "given") with the same evidence.
+    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
+
+    ``method`` is "optimal" (the default: the exact min-max split), "uniform" or "parameters". Or score the split you run today (method
+    "given", the same evidence, plus ``plan.versus_optimal``: bottleneck and step ratios to the optimal plan
+    under the same options and memory headroom per rank), given by exactly one of ``boundaries``
+    (``(0, b1, ..., L)``), ``megatron_layout`` (Megatron's ``--pipeline-model-parallel-layout``, e.g.
+    ``"E,t*4|t*4,L"``: E the first layer, t each named block, L the last layer) or ``fqns`` (torchtitan's
+    ``module_fqns_per_model_part``, or the path of a JSON file holding it).
 
     ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
     the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
@@ -168,13 +270,11 @@ def plan(
         (0, 4, 6)
     """
     prof = _as_profile(profile)
-    given: tuple[int, ...] | None = None
-    if boundaries is not None:
-        try:
-            given = tuple(int(b) for b in boundaries)
-        except (TypeError, ValueError):
-            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+    given, given_as, given_input = _given_split(prof, method, boundaries, megatron_layout, fqns)
+    if given is not None:
         method = "given"
+    elif method is None:
+        method = "optimal"
     elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
@@ -215,7 +315,7 @@ def plan(
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
-                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given)
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input)
             except StageplanError as exc:
                 if not auto:
                     raise
