@@ -66,6 +66,9 @@ class Plan:
     profile_meta: dict[str, Any] = field(default_factory=dict)
     candidates: tuple[dict[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
+    # method "optimal": how the tie-break among equal-bottleneck splits moved the solver's split (boundaries and
+    # predicted step before and after, splits simulated, whether every such split was)
+    tie_break: dict[str, Any] = field(default_factory=dict)
     # method "given": the split as given, the optimal plan under the same options, bottleneck and step ratios
     # (given / optimal) and memory per rank (need, limit, headroom = limit - need)
     versus_optimal: dict[str, Any] = field(default_factory=dict)

@@ -1,8 +1,9 @@
 """Scoring the split a user runs today (boundaries, a Megatron layout, torchtitan FQNs) against the optimal plan,
-and pricing many splits at once (costmodel.SplitCosts) as evaluate() prices each."""
+saying when one layer bounds the step, and the tie-break among equal-bottleneck splits by the simulated step."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error, run_cli
 
+import stageplan.api as api
 from stageplan import LayerProfile, Profile, StageplanError
 from stageplan.api import plan
-from stageplan.costmodel import LayerArrays, SplitCosts, evaluate, make_options
+from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
 from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, expand_megatron_layout
 from stageplan.report import plan_table
 
@@ -192,10 +194,12 @@ def test_a_given_split_is_scored_against_the_optimal_plan(tmp_path: Path) -> Non
     # 1F1B, m = 4: rank 0 holds 2 microbatches of 2 layers, rank 1 one of 4: 400 bytes each
     assert v["rank_memory_bytes"] == [400.0, 400.0] and v["memory_limit_bytes"] == [700, 700]
     assert v["memory_headroom_bytes"] == [300.0, 300.0]
-    same = plan(prof, 2, num_microbatches=4, optimizer="none", boundaries=list(opt.boundaries))
+    free = plan(prof, 2, num_microbatches=4, optimizer="none")  # without the limit the tie-break takes (0, 4, 6)
+    assert free.boundaries == (0, 4, 6) and free.predicted_step_s < opt.predicted_step_s
+    same = plan(prof, 2, num_microbatches=4, optimizer="none", boundaries=list(free.boundaries))
     assert same.versus_optimal["bottleneck_ratio"] == 1.0 and same.versus_optimal["step_ratio"] == 1.0
     assert same.versus_optimal["memory_headroom_bytes"] == [None, None]  # no limit: the need alone
-    assert opt.versus_optimal == {}
+    assert opt.versus_optimal == {} and given.tie_break == {}
     table = plan_table(given)
     assert "given split (--boundaries [0, 2, 6]) against the optimal plan under the same options:" in table
     assert f"optimal boundaries {v['optimal_boundaries']}; bottleneck 9000.000 vs 7000.000 ms = 1.286x" in table
@@ -273,6 +277,22 @@ def test_cli_refuses_bad_splits_in_one_line(args: list[str], pattern: str, tmp_p
     assert_one_line_error(code, err, pattern)
 
 
+# -- when balance is not the problem -------------------------------------------------------------------------------
+
+
+def test_a_head_larger_than_total_over_p_is_named_as_the_bound() -> None:
+    prof = lm_profile([1.0, 1, 1, 1, 1, 10])  # the head alone (10) exceeds total / p = 15 / 4
+    pl = plan(prof, 4, num_microbatches=8)
+    assert pl.balance_efficiency == pytest.approx(1.0) and pl.bubble_fraction > 0.5
+    note = next(n for n in pl.notes if n.startswith("one layer bounds the step"))
+    assert "'ln_f+head' takes 10000.000 ms per microbatch, at least total / p = 3750.000 ms" in note
+    assert "sit idle 6" in note and "finer --layers" in note and "fewer stages" in note
+    assert "vocabulary-parallel head" in note
+    assert f"note: {note}" in plan_table(pl)
+    balanced = plan(lm_profile([1.0] * 8), 2, num_microbatches=4)
+    assert not any(n.startswith("one layer bounds") for n in balanced.notes)
+
+
 # -- the tie-break: the lowest simulated step among equal-bottleneck splits ---------------------------------------
 
 
@@ -302,3 +322,85 @@ def test_split_costs_price_splits_as_evaluate_does(schedule: str, p: int, m: int
             assert np.all(mem[row] >= np.array(ev.rank_memory_bytes) * (1 - 1e-12))  # exact with v = 1
             if v == 1:
                 assert mem[row] == pytest.approx(ev.rank_memory_bytes, rel=1e-12)
+
+
+def brute_force_tie_break(prof: Profile, p: int, m: int, schedule: str, v: int, start: tuple[int, ...],
+                          **kw) -> tuple[tuple[int, ...], float]:  # type: ignore[no-untyped-def]
+    """Every split with the optimal bottleneck that fits: the lowest simulated step, then the solver's split,
+    then the lexicographically smallest (evaluate as the oracle)."""
+    arr = LayerArrays.of(prof, m)
+    opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, **kw)
+    n = len(prof)
+    cap = evaluate(arr, start, opts).bottleneck_s * (1 + 1e-9)
+    rows = []
+    for cuts in itertools.combinations(range(1, n), p * v - 1):
+        b = (0, *cuts, n)
+        ev = evaluate(arr, b, opts)
+        if ev.bottleneck_s <= cap and not any("over its limit" in x for x in ev.notes):
+            rows.append((b, ev.predicted_step_s))
+    low = min(s for _, s in rows)
+    tied = [b for b, s in rows if s <= low * (1 + 1e-9)]
+    return (start if start in tied else min(tied)), low
+
+
+def test_the_tie_break_finds_the_lowest_step_among_equal_bottleneck_splits() -> None:
+    moved = 0
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(5, 10))
+        # few distinct costs, so that many splits share the optimal bottleneck
+        times = [float(x) for x in rng.choice([1.0, 2.0, 3.0], n)]
+        prof = lm_profile(times, [int(x) for x in rng.integers(0, 100, n)])
+        for schedule, p, m, v, kw in (("GPipe", 3, 4, 1, {}), ("1F1B", 2, 4, 1, {"bandwidth_bytes_per_s": 1e3}),
+                                      ("1F1B", 3, 3, 1, {"memory_limit_bytes": 400.0}), ("Interleaved1F1B", 2, 4, 2, {}),
+                                      ("1F1B", 3, 6, 1, {"devices": [Device(1.0), Device(0.5), Device(2.0)]})):
+            if p * v > n:
+                continue
+            try:
+                pl = quiet_plan(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                                memory_limit=kw.get("memory_limit_bytes"), bandwidth=kw.get("bandwidth_bytes_per_s"),
+                                devices=kw.get("devices"))
+            except StageplanError:
+                continue  # no split fits the limit
+            tie = pl.tie_break
+            assert tie["exhaustive"] and tie["to_boundaries"] == list(pl.boundaries)
+            best, low = brute_force_tie_break(prof, p, m, schedule, v, tuple(tie["from_boundaries"]), **kw)
+            assert pl.boundaries == best, (seed, schedule, p, times)
+            assert pl.predicted_step_s == pytest.approx(low, rel=1e-9)
+            assert pl.predicted_step_s <= tie["from_step_s"] * (1 + 1e-12)
+            moved += tuple(pl.boundaries) != tuple(tie["from_boundaries"])
+    assert moved >= 5  # not all trivial: the tie-break changed the solver's split in 11 of these cases when written
+
+
+def test_the_tie_break_on_a_stored_profile_says_what_it_gained() -> None:
+    pl = plan(Profile.load(GPT), 4, num_microbatches=8, schedule="GPipe")
+    tie = pl.tie_break
+    assert tie["from_boundaries"] == [0, 1, 5, 13, 14] and list(pl.boundaries) == [0, 1, 6, 13, 14]
+    assert tie["to_step_s"] < tie["from_step_s"] and tie["exhaustive"]
+    note = next(n for n in pl.notes if n.startswith("tie-break among equal-bottleneck splits"))
+    assert f"predicted step {tie['from_step_s'] * 1e3:.3f} ms -> {pl.predicted_step_s * 1e3:.3f} ms" in note
+    # no gain: the solver's split stays, and no note
+    same = plan(Profile.load(GPT), 2, num_microbatches=4)
+    assert same.tie_break["from_boundaries"] == same.tie_break["to_boundaries"] == list(same.boundaries)
+    assert not any(n.startswith("tie-break") for n in same.notes)
+
+
+def test_the_descent_keeps_the_bottleneck_and_never_raises_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_TIE_SPLITS", 1)  # too many splits to list: the descent runs
+    rng = np.random.default_rng(3)
+    prof = lm_profile([float(x) for x in rng.choice([1.0, 2.0], 40)])
+    pl = plan(prof, 6, num_microbatches=12, schedule="GPipe")
+    tie = pl.tie_break
+    assert not tie["exhaustive"] and tie["splits_evaluated"] > 1
+    start = plan(prof, 6, num_microbatches=12, schedule="GPipe", boundaries=tie["from_boundaries"])
+    assert pl.bottleneck_s <= start.bottleneck_s * (1 + 1e-12)
+    assert pl.predicted_step_s <= start.predicted_step_s * (1 + 1e-12)
+
+
+def test_the_tie_break_work_is_bounded_at_a_thousand_layers() -> None:
+    rng = np.random.default_rng(0)
+    times = rng.lognormal(0, 0.5, 1000) * 1e-3
+    prof = Profile(tuple(LayerProfile(f"b.{i}", float(x) * 0.4, float(x) * 0.6, 100, 10, 50) for i, x in enumerate(times)))
+    pl = plan(prof, 64, num_microbatches=128)
+    assert pl.tie_break["splits_evaluated"] <= max(1, api._TIE_WORK // (2 * 64 * 128))
+    assert pl.predicted_step_s <= pl.tie_break["from_step_s"] * (1 + 1e-12)
