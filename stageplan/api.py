@@ -11,9 +11,18 @@ from typing import Any
 
 import numpy as np
 
-from stageplan.costmodel import CostOptions, Device, LayerArrays, evaluate, make_options, solver_inputs
-from stageplan.errors import StageplanError
-from stageplan.plan import Plan
+from stageplan.costmodel import (
+    CostOptions,
+    Device,
+    LayerArrays,
+    SplitCosts,
+    evaluate,
+    layer_time,
+    make_options,
+    solver_inputs,
+)
+from stageplan.errors import InfeasiblePlanError, StageplanError
+from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, named_layers
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
 from stageplan.schedules import normalize_schedule
@@ -49,8 +58,13 @@ def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
     return [d if isinstance(d, Device) else Device(float(d)) for d in devices]
 
 
-def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
-                given: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], dict[str, Any]]:
+# How each kind of given split is named in messages, and the plan() keyword that gives it
+GIVEN_AS = {"boundaries": "boundaries", "megatron_layout": "the Megatron layout",
+            "fqns": "the module FQNs per model part"}
+
+
+def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[int, ...] | None = None,
+                given_as: str = "boundaries") -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan import baselines, interleaved, solver
 
@@ -59,6 +73,11 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
     if method == "given":
         assert given is not None
         b = list(given)
+        if given_as != "boundaries" and len(b) != S + 1:
+            n = len(b) - 1
+            raise StageplanError(
+                f"{GIVEN_AS[given_as]} gives {n} stage{'s' if n != 1 else ''} but {opts.num_ranks} ranks x "
+                f"{opts.virtual_stages} chunks need {S}; give {S} stages, or plan {n} (--stages {n}, one chunk per rank)")
         if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in zip(b, b[1:])):
             raise StageplanError(
                 f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) for "
@@ -82,11 +101,210 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions,
     return tuple(sol.boundaries), {"optimal": True}
 
 
+# The tie-break's bounded work: at most _TIE_SPLITS equal-bottleneck splits are listed (visiting at most _TIE_NODES
+# search nodes), else a descent from the solver's split runs for at most _TIE_ROUNDS moves; in all, at most
+# _TIE_WORK schedule actions are simulated (splits x actions per step: 64 splits at p = 64, m = 128).
+_TIE_SPLITS = 256
+_TIE_NODES = 2048
+_TIE_WORK = 2**20
+_TIE_ROUNDS = 8
+_TIE_REL = 1e-12  # bottleneck and step tolerance (relative), as the solver's own ties
+
+
+def _alive_positions(costs: SplitCosts, cap: float, most: int) -> np.ndarray | None:
+    """One chunk per rank: ``alive[s, x]`` when boundary s can sit at layer x in a split whose stages all stay
+    within ``cap`` and fit in memory; None when there are more than ``most`` such splits (or too many positions to
+    count them). Positions are first bounded by the work alone (greedy from each end), then counted exactly."""
+    opts = costs.opts
+    S, L = opts.num_chunks, costs.num_layers
+    work = costs.fwd_prefix * (2.0 if opts.recompute else 1.0) + costs.bwd_prefix  # layer-time prefix at speed 1
+    room = cap * costs.speed * (1 + 1e-9)  # the most work a stage can hold
+    hi, lo = [0] * (S + 1), [L] * (S + 1)
+    for k in range(S):  # boundary k+1 lies at most where the first k+1 stages, packed full, end
+        hi[k + 1] = min(L - (S - k - 1), int(np.searchsorted(work, work[hi[k]] + room[k], side="right")) - 1)
+    for k in range(S - 1, 0, -1):  # and at least where the last S-k stages, packed full, begin
+        lo[k] = max(k, int(np.searchsorted(work, work[lo[k + 1]] - room[k], side="left")))
+    lo[0] = 0
+    if any(lo[k] > hi[k] for k in range(S + 1)) or sum(
+            (hi[k] - lo[k] + 1) * (hi[k + 1] - lo[k + 1] + 1) for k in range(S)) > 2**18:
+        return None
+    alive = np.zeros((S + 1, L + 1), dtype=bool)
+    count = np.zeros(L + 1)
+    count[L] = 1.0
+    alive[S, L] = True
+    for k in range(S - 1, -1, -1):
+        xs = np.arange(lo[k], hi[k] + 1)[:, None]
+        ys = np.arange(lo[k + 1], hi[k + 1] + 1)[None, :]
+        f, b, c, m = costs.stage(k, xs, np.maximum(ys, xs + 1))
+        ok = (ys > xs) & (f + b + c <= cap) & (m <= costs.limits[opts.shape.stage_ranks[k]]) & (count[ys] > 0)
+        below = np.minimum((ok * count[ys]).sum(axis=1), most + 1.0)  # splits from each x on, capped
+        count = np.zeros(L + 1)
+        count[xs[:, 0]] = below
+        alive[k, xs[:, 0]] = below > 0
+    return alive if 0 < count[0] <= most else None
+
+
+def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[tuple[int, ...]] | None:
+    """Every split whose rank times stay within ``cap`` and whose rank memory fits, in lexicographic order; None
+    when there are more than ``most``. One chunk per rank: counted first (``_alive_positions``), then listed
+    without dead ends; interleaved: a search over rank loads that gives up after _TIE_NODES nodes."""
+    opts = costs.opts
+    S, L, p = opts.num_chunks, costs.num_layers, opts.num_ranks
+    ranks = opts.shape.stage_ranks
+    alive = _alive_positions(costs, cap, most) if opts.virtual_stages == 1 else None
+    if opts.virtual_stages == 1 and alive is None:
+        return None
+    work = costs.fwd_prefix * (2.0 if opts.recompute else 1.0) + costs.bwd_prefix
+    rank_speed = np.array([d.speed for d in opts.devices])
+    later = np.zeros((S, p))  # later[s, r] = 1 when rank r still runs a chunk after chunk s
+    for s in range(S):
+        later[s, list(ranks[s + 1:])] = 1.0
+    found: list[tuple[int, ...]] = []
+    nodes = 0
+
+    def visit(s: int, x: int, load: np.ndarray, mem: np.ndarray, cuts: list[int]) -> bool:
+        nonlocal nodes
+        nodes += 1
+        if (alive is None and nodes > _TIE_NODES) or len(found) > most:
+            return False
+        r, last = ranks[s], s == S - 1
+        # a stage's work only grows with its end: stop where the work alone passes what its rank has left
+        reach = int(np.searchsorted(work, work[x] + (cap - load[r]) * costs.speed[s] * (1 + 1e-9), side="right")) - 1
+        if last:
+            ys = np.array([L]) if reach >= L else np.zeros(0, dtype=np.int64)
+        else:
+            ys = np.arange(x + 1, min(reach, L - (S - s - 1)) + 1)
+            if alive is not None:
+                ys = ys[alive[s + 1, ys]]
+        if not ys.size:
+            return True
+        f, b, c, m = costs.stage(s, x, ys)
+        t = load[r] + (f + b + c)
+        ok = (t <= cap) & (mem[r] + m <= costs.limits[r])
+        if not last:  # the work after y must fit in what the later ranks have left (communication only adds)
+            room = later[s] @ ((cap - load) * rank_speed) - later[s, r] * (t - load[r]) * rank_speed[r]
+            ok &= work[L] - work[ys] <= room * (1 + 1e-9)
+        for y, tt, mm in zip(ys[ok].tolist(), t[ok].tolist(), m[ok].tolist()):
+            if last:
+                found.append((*cuts, y))
+                continue
+            load2, mem2 = load.copy(), mem.copy()
+            load2[r], mem2[r] = tt, mem[r] + mm
+            if not visit(s + 1, y, load2, mem2, [*cuts, y]):
+                return False
+        return True
+
+    complete = visit(0, 0, np.zeros(p), np.zeros(p), [0])
+    return found if complete and len(found) <= most else None
+
+
+def _best(splits: np.ndarray, steps: np.ndarray, keep: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
+    """The split with the lowest step; among steps within _TIE_REL of it, ``keep`` (the solver's split, which
+    also has the least memory pressure) when it is one, else the lexicographically smallest."""
+    low = float(steps.min())
+    tied = [tuple(int(v) for v in row) for row in splits[steps <= low * (1 + _TIE_REL)]]
+    return (keep if keep in tied else min(tied)), low
+
+
+def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Among the splits whose bottleneck stays within the solver's (and whose memory fits), the one with the
+    lowest simulated step: every such split when there are few (exhaustive), else a descent from the solver's
+    split that moves one boundary at a time, best move first, while the step falls. Bounded by _TIE_*."""
+    costs = SplitCosts(arr, opts)
+    S = opts.num_chunks
+    f, b, c, _ = costs.split(np.array([start]))
+    cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
+    step0 = float(costs.steps(f, b, c)[0])
+    budget = max(1, _TIE_WORK // (2 * S * opts.num_microbatches))  # splits we may simulate
+    listed = _equal_bottleneck_splits(costs, cap, min(_TIE_SPLITS, budget)) if S > 1 else [start]
+    best, step, evaluated, exhaustive = start, step0, 1, listed is not None
+    if listed and S > 1:
+        cand = np.array(listed)
+        f, b, c, _ = costs.split(cand)
+        best, step = _best(cand, costs.steps(f, b, c), start)
+        evaluated = len(listed)
+    for _ in range(0 if exhaustive else _TIE_ROUNDS):
+        cur = np.array(best)
+        # every single-boundary move, nearest first: boundary k to x, strictly between its neighbours
+        ks = np.concatenate([np.full(cur[k + 1] - cur[k - 1] - 1, k) for k in range(1, S)])
+        xs = np.concatenate([np.arange(cur[k - 1] + 1, cur[k + 1]) for k in range(1, S)])
+        keep = xs != cur[ks]
+        ks, xs = ks[keep], xs[keep]
+        near = np.lexsort((xs, ks, np.abs(xs - cur[ks])))
+        cand = np.repeat(cur[None, :], len(near), axis=0)
+        cand[np.arange(len(near)), ks[near]] = xs[near]
+        f, b, c, mem = costs.split(cand)
+        fits = (costs.rank_time(f, b, c).max(axis=1) <= cap) & np.all(mem <= costs.limits, axis=1)
+        pick = np.flatnonzero(fits)[: budget - evaluated]
+        if not pick.size:
+            break
+        evaluated += pick.size
+        new, low = _best(cand[pick], costs.steps(f[pick], b[pick], c[pick]), best)
+        if low >= step * (1 - _TIE_REL):
+            break
+        best, step = new, low
+    return best, {"from_boundaries": list(start), "to_boundaries": list(best), "from_step_s": step0,
+                  "to_step_s": step, "splits_evaluated": evaluated, "exhaustive": exhaustive}
+
+
+def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubble_fraction: float) -> str | None:
+    """When one layer bounds the step (largest layer >= total / p, so the lower bound is that layer), say so:
+    a balance efficiency of 1.000 then means "as good as that layer allows", not "no time lost". A note, not a
+    warning: the options are valid and the plan is the best they allow (only notes about the bubble warn)."""
+    times = layer_time(arr, opts)
+    speeds = [d.speed for d in opts.devices]
+    big = int(np.argmax(times))
+    largest, share = float(times[big]) / max(speeds), math.fsum(times.tolist()) / sum(speeds)
+    if opts.num_ranks < 2 or largest < share:
+        return None
+    return (f"one layer bounds the step: {profile.names[big]!r} takes {largest * 1e3:.3f} ms per microbatch, at least "
+            f"total / p = {share * 1e3:.3f} ms, so no split can beat it and balance efficiency is measured against it; "
+            f"the ranks still sit idle {bubble_fraction:.0%} of the step; what helps: finer --layers (profile "
+            f"that layer as several), fewer stages, or splitting the layer itself (e.g. a vocabulary-parallel head)")
+
+
+def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, given_input: Any) -> dict[str, Any]:
+    """How far a given split is from the optimal plan under the same options: bottleneck and predicted step
+    ratios (given / optimal) and memory per rank (need, limit, headroom = limit - need)."""
+    limits = [d.memory_limit_bytes for d in opts.devices]
+    need = [float(x) for x in ev.rank_memory_bytes]
+    out: dict[str, Any] = {
+        "given_as": given_as, "given": given_input, "rank_memory_bytes": need, "memory_limit_bytes": limits,
+        "memory_headroom_bytes": [None if lim is None else lim - n for lim, n in zip(limits, need)],
+    }
+    try:
+        best, _ = _boundaries("optimal", arr, opts)
+        best, _ = _tie_break(arr, opts, best)
+    except InfeasiblePlanError as exc:
+        out.update(optimal_boundaries=None, optimal_infeasible=str(exc))
+        return out
+    opt = evaluate(arr, best, opts)
+    out.update(
+        optimal_boundaries=list(best), optimal_bottleneck_s=opt.bottleneck_s, optimal_predicted_step_s=opt.predicted_step_s,
+        bottleneck_ratio=ev.bottleneck_s / opt.bottleneck_s if opt.bottleneck_s > 0 else 1.0,
+        step_ratio=ev.predicted_step_s / opt.predicted_step_s if opt.predicted_step_s > 0 else 1.0,
+        optimal_rank_memory_bytes=[float(x) for x in opt.rank_memory_bytes],
+    )
+    return out
+
+
 def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
-               given: tuple[int, ...] | None = None) -> Plan:
-    boundaries, solver_evidence = _boundaries(method, arr, opts, given)
+               given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None) -> Plan:
+    boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as)
+    tie: dict[str, Any] = {}
+    if method == "optimal":
+        boundaries, tie = _tie_break(arr, opts, boundaries)
     ev = evaluate(arr, boundaries, opts, profile.names)
     notes = list(ev.notes)
+    if tie and tie["to_boundaries"] != tie["from_boundaries"]:
+        how = "every one of them" if tie["exhaustive"] else "a descent from the solver's split"
+        notes.append(f"tie-break among equal-bottleneck splits: predicted step {tie['from_step_s'] * 1e3:.3f} ms -> "
+                     f"{tie['to_step_s'] * 1e3:.3f} ms ({tie['splits_evaluated']} splits simulated, {how}; the solver's "
+                     f"split was {tie['from_boundaries']})")
+    one_layer = _one_layer_note(profile, arr, opts, ev.bubble_fraction)
+    if one_layer:
+        notes.append(one_layer)
+    versus = _versus_optimal(arr, opts, ev, given_as, given_input) if method == "given" else {}
     label = estimate_label(profile.meta)
     if label:
         notes.insert(0, label)
@@ -109,7 +327,59 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
         rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
         cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+        tie_break=tie, versus_optimal=versus,
     )
+
+
+def _given_split(prof: Profile, method: str | None, boundaries: Sequence[int] | None, megatron_layout: str | None,
+                 fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None
+                 ) -> tuple[tuple[int, ...] | None, str, Any]:
+    """The split the user gave (boundaries, a Megatron layout or torchtitan FQNs) as boundaries, which of the
+    three it was, and the input as given (JSON-ready); (None, "", None) when none was given."""
+    named = [k for k, v in (("boundaries", boundaries), ("megatron_layout", megatron_layout), ("fqns", fqns))
+             if v is not None]
+    if len(named) > 1:
+        raise StageplanError(f"got {' and '.join(named)}: each gives a split to score; pass only one of boundaries, "
+                             "megatron_layout and fqns")
+    if not named:
+        return None, "", None
+    if method is not None:
+        raise StageplanError(f"method {method!r} chooses a split but {named[0]} gives one; drop one of them (a given "
+                             "split is scored against the optimal plan in any case)")
+    if boundaries is not None:
+        try:
+            return tuple(int(b) for b in boundaries), "boundaries", [int(b) for b in boundaries]
+        except (TypeError, ValueError):
+            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+    if megatron_layout is not None:
+        if not isinstance(megatron_layout, str):
+            raise StageplanError(f"megatron_layout must be a string such as 'E,t*4|t*4,L', got {megatron_layout!r}")
+        return (boundaries_from_megatron(megatron_layout, prof.names, named_layers(prof.names, prof.meta)),
+                "megatron_layout", megatron_layout)
+    assert fqns is not None
+    parts = _read_fqns(fqns) if isinstance(fqns, (str, os.PathLike)) else fqns
+    bounds = boundaries_from_module_fqns(parts, prof.names)  # checks the shape before anything is copied
+    return bounds, "fqns", [list(part) for part in parts]
+
+
+def _read_fqns(path: str | os.PathLike[str]) -> Any:
+    """torchtitan's module_fqns_per_model_part from a JSON file: the list itself, or an object holding it under
+    that key (as --export torchtitan prints the list)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise StageplanError(f"FQN file {str(p)!r} does not exist; write the parts there, e.g. with "
+                             "stageplan plan PROFILE.json --stages N --export torchtitan > FQNS.json")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StageplanError(f"FQN file {str(p)!r} is not valid JSON ({exc}); write a JSON list of lists of module "
+                             "FQNs") from None
+    if isinstance(data, dict) and "module_fqns_per_model_part" in data:
+        data = data["module_fqns_per_model_part"]
+    return data
 
 
 def estimate_label(meta: dict[str, Any]) -> str | None:
@@ -145,12 +415,21 @@ def plan(
     optimizer: str = "adam",
     devices: Sequence[Device | float] | None = None,
     recompute: bool = False,
-    method: str = "optimal",
+    method: str | None = None,
     boundaries: Sequence[int] | None = None,
     precision: str | None = None,
+    megatron_layout: str | None = None,
+    fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
 ) -> Plan:
-    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step; with
-    ``boundaries`` (``(0, b1, ..., L)``), evaluate that split instead (method "given") with the same evidence.
+    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
+
+    ``method`` is "optimal" (the default: the exact min-max split; among splits with that bottleneck, the one
+    with the lowest simulated step), "uniform" or "parameters". Or score the split you run today (method
+    "given", the same evidence, plus ``plan.versus_optimal``: bottleneck and step ratios to the optimal plan
+    under the same options and memory headroom per rank), given by exactly one of ``boundaries``
+    (``(0, b1, ..., L)``), ``megatron_layout`` (Megatron's ``--pipeline-model-parallel-layout``, e.g.
+    ``"E,t*4|t*4,L"``: E the first layer, t each named block, L the last layer) or ``fqns`` (torchtitan's
+    ``module_fqns_per_model_part``, or the path of a JSON file holding it).
 
     ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
     the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
@@ -168,13 +447,11 @@ def plan(
         (0, 4, 6)
     """
     prof = _as_profile(profile)
-    given: tuple[int, ...] | None = None
-    if boundaries is not None:
-        try:
-            given = tuple(int(b) for b in boundaries)
-        except (TypeError, ValueError):
-            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+    given, given_as, given_input = _given_split(prof, method, boundaries, megatron_layout, fqns)
+    if given is not None:
         method = "given"
+    elif method is None:
+        method = "optimal"
     elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
@@ -215,7 +492,7 @@ def plan(
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
-                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given)
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input)
             except StageplanError as exc:
                 if not auto:
                     raise

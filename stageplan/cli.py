@@ -90,9 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
     p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per parameter "
                    "held in training (mixed with Adam: 16) (default: the profiled parameters' bytes)")
-    p.add_argument("--method", default="optimal", help="optimal, uniform or parameters")
+    p.add_argument("--method", default=None, help="optimal, uniform or parameters (default: optimal)")
     p.add_argument("--boundaries", default=None, metavar="0,B1,...,L",
-                   help="evaluate this split instead of choosing one (method 'given')")
+                   help="score this split against the optimal plan instead of choosing one (method 'given')")
+    p.add_argument("--megatron-layout", default=None, metavar="LAYOUT",
+                   help="score Megatron's --pipeline-model-parallel-layout, e.g. 'E,t*5|t*6,L' (E = the first layer, "
+                        "t = each named block, L = the last layer; | between stages, *n repeats, (...)*n repeats a group)")
+    p.add_argument("--fqns", default=None, metavar="FQNS.json",
+                   help="score torchtitan's module_fqns_per_model_part: a JSON list of lists of module FQNs, one list "
+                        "per stage (as --export torchtitan prints it)")
     p.add_argument("--compare", action="store_true", help="also print every method side by side")
     p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, megatron, "
                    "deepspeed or torchgpipe (stdout then carries only the export; the table goes to stderr)")
@@ -295,7 +301,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
                                 precision=a.precision)
-    result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"), **opts)
+    result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
+                  megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None
     table_out = sys.stderr if export is not None else sys.stdout
     print(plan_table(result), file=table_out)

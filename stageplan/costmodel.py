@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from stageplan.errors import StageplanError
 from stageplan.plan import StagePlan
 from stageplan.profile import Profile
 from stageplan.schedules import (
+    _WEIGHT_GRAD_SHARE,
     ScheduleShape,
     normalize_schedule,
     one_way_delays,
@@ -83,8 +85,8 @@ class CostOptions:
         return self.num_ranks * self.virtual_stages
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("shape")
+        # field by field: asdict() would deep-copy the schedule shape (every action of the step) only to drop it
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "shape"}
         d["devices"] = [asdict(x) for x in self.devices]
         return d
 
@@ -382,3 +384,131 @@ def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], sha
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Many splits at once: the searches that try hundreds of splits (the planner's tie-break) price them here.
+
+
+class SplitCosts:
+    """Stage times, stage memory and the simulated step of many splits at once, from prefix sums of the same
+    terms ``evaluate`` sums (equal to its figures up to rounding; ``evaluate`` stays the reference for one split).
+
+    ``stage(s, i, j)`` broadcasts chunk indices and layer ranges ``[i, j)``; ``steps(bounds)`` simulates every
+    row of an (N, S+1) array of boundaries in one pass over the schedule's dependency levels.
+    """
+
+    def __init__(self, arr: LayerArrays, opts: CostOptions) -> None:
+        S, L = opts.num_chunks, len(arr.forward_s)
+        self.opts, self.num_layers = opts, L
+        self.fwd_prefix = np.concatenate([[0.0], np.cumsum(arr.forward_s)])
+        self.bwd_prefix = np.concatenate([[0.0], np.cumsum(arr.backward_s)])
+        self.comm = comm_time(arr, opts)  # one way, per boundary after each layer
+        self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
+        terms = list(memory_terms(arr, opts).values())
+        self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(sum(t.rows for t in terms), axis=1)], axis=1)
+        self.mem_start = sum((t.start for t in terms if t.start is not None), start=np.zeros((S, L)))
+        self.mem_end = sum((t.end for t in terms if t.end is not None), start=np.zeros(L))
+        self.rank_of = np.zeros((S, opts.num_ranks))  # chunk -> rank, one-hot
+        self.rank_of[np.arange(S), opts.shape.stage_ranks] = 1.0
+        self.limits = np.array([np.inf if d.memory_limit_bytes is None else d.memory_limit_bytes for d in opts.devices])
+
+    def stage(self, s: np.ndarray | int, i: np.ndarray | int, j: np.ndarray | int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Forward, backward, comm (both directions) seconds and memory bytes of chunk s over layers [i, j):
+        the formulas of ``evaluate``, term by term."""
+        s, i, j = np.asarray(s), np.asarray(i), np.asarray(j)
+        f = (self.fwd_prefix[j] - self.fwd_prefix[i]) / self.speed[s]
+        b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
+        if self.opts.recompute:
+            b = b + f  # the forward runs again inside the backward
+        c = np.where(j < self.num_layers, 2.0 * self.comm[j - 1], 0.0)
+        mem = self.mem_prefix[s, j] - self.mem_prefix[s, i] + self.mem_start[s, i] + self.mem_end[j - 1]
+        return f, b, c, mem
+
+    def split(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For each row of ``bounds`` (N, S+1): per-chunk forward, backward and comm seconds (N, S) and per-rank
+        memory bytes (N, p): the sum of the rank's chunks (exact for one chunk per rank, an upper bound for
+        interleaved ranks, as the interleaved solver counts it)."""
+        bounds = np.asarray(bounds)
+        f, b, c, mem = self.stage(np.arange(bounds.shape[1] - 1)[None, :], bounds[:, :-1], bounds[:, 1:])
+        return f, b, c, mem @ self.rank_of
+
+    def rank_time(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """Per-rank seconds per microbatch (N, p): the sum of its chunks' f + b + c, as ``evaluate`` counts it."""
+        return (f + b + c) @ self.rank_of
+
+    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
+        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived)."""
+        shape = self.opts.shape
+        graph = _step_graph(shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages)
+        n = f.shape[0]
+        share = _WEIGHT_GRAD_SHARE
+        duration = np.concatenate([f.T, b.T, (b * (1.0 - share)).T, (b * share).T, np.zeros((1, n))])
+        # one-way delay at each boundary k -> k+1 (schedules.one_way_delays), none between chunks of one rank
+        hop = c[:, :-1].T / 2.0 + self.opts.boundary_latency_s
+        hop = np.concatenate([hop * graph.crosses[:, None], np.zeros((1, n))])
+        end = np.zeros((graph.num_actions + 1, n))  # the last row stays 0: "no such predecessor"
+        for ids in graph.levels:
+            start = np.maximum(end[graph.prev[ids]], end[graph.dep1[ids]] + hop[graph.hop1[ids]])
+            start = np.maximum(start, end[graph.dep2[ids]] + hop[graph.hop2[ids]])
+            end[ids] = start + duration[graph.kind_stage[ids]]
+        return end[:-1].max(axis=0)
+
+
+@dataclass(frozen=True)
+class _StepGraph:
+    """A schedule's actions as a dependency graph, grouped into levels of mutually independent actions. Per action:
+    its rank's previous action (``prev``), its inputs (``dep1``, ``dep2``) with the boundary each crosses (``hop1``,
+    ``hop2``), and its row in the duration table (``kind_stage``). Absent entries point at a zero row."""
+
+    num_actions: int
+    levels: tuple[np.ndarray, ...]
+    prev: np.ndarray
+    dep1: np.ndarray
+    hop1: np.ndarray
+    dep2: np.ndarray
+    hop2: np.ndarray
+    kind_stage: np.ndarray
+    crosses: np.ndarray  # per boundary k -> k+1: 1.0 when chunks k and k+1 run on different ranks
+
+
+@lru_cache(maxsize=32)
+def _step_graph(schedule: str, p: int, m: int, v: int) -> _StepGraph:
+    shape = schedule_shape(schedule, p, m, v)
+    S = shape.num_chunks
+    kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
+    table = np.array([(kinds[a.kind], a.stage, a.microbatch, t) for order in shape.orders for t, a in enumerate(order)],
+                     dtype=np.int64).reshape(-1, 4)
+    kind, stage, mb, pos = table.T
+    A = len(table)
+    ident = np.full((4, S, m), A)  # (kind, chunk, microbatch) -> action, A where the schedule has no such action
+    ident[kind, stage, mb] = np.arange(A)
+    grad = np.where(ident[1] < A, ident[1], ident[2])  # the action sending the input gradient: B, or I
+    none_hop = S - 1  # the zero row of the hop table
+    prev = np.where(pos > 0, np.arange(A) - 1, A)
+    dep1, hop1 = np.full(A, A), np.full(A, none_hop)
+    dep2, hop2 = np.full(A, A), np.full(A, none_hop)
+    fwd = (kind == 0) & (stage > 0)  # the forward of the chunk before, across boundary k-1
+    dep1[fwd], hop1[fwd] = ident[0, stage[fwd] - 1, mb[fwd]], stage[fwd] - 1
+    w = kind == 3  # the input gradient of the same chunk
+    dep1[w] = grad[stage[w], mb[w]]
+    back = (kind == 1) | (kind == 2)  # its own forward, and the gradient from the chunk after
+    dep1[back] = ident[0, stage[back], mb[back]]
+    nxt = back & (stage < S - 1)
+    dep2[nxt], hop2[nxt] = grad[stage[nxt] + 1, mb[nxt]], stage[nxt]
+    # longest-path level of each action, by relaxation (the orders are deadlock-free, so it settles within A rounds);
+    # actions of one level do not depend on each other
+    level = np.zeros(A + 1, dtype=np.int64)
+    level[A] = -1
+    for _ in range(A + 1):
+        new = np.maximum(np.maximum(level[prev], level[dep1]), level[dep2]) + 1
+        if np.array_equal(new, level[:A]):
+            break
+        level[:A] = new
+    order = np.argsort(level[:A], kind="stable")
+    cuts = np.flatnonzero(np.diff(level[:A][order])) + 1
+    ranks = shape.stage_ranks
+    crosses = np.array([float(ranks[k] != ranks[k + 1]) for k in range(S - 1)])
+    return _StepGraph(A, tuple(np.split(order, cuts)), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses)

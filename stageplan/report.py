@@ -97,6 +97,8 @@ def plan_table(plan: Plan) -> str:
         f"{plan.throughput_samples_s:.1f} samples/s"
     )
     lines.append(f"boundaries {list(plan.boundaries)}")
+    if plan.versus_optimal:
+        lines.extend(_versus_optimal_lines(plan))
     lines.extend(f"note: {n}" for n in plan.notes)
     if plan.candidates:
         lines.append("candidates:")
@@ -105,6 +107,37 @@ def plan_table(plan: Plan) -> str:
         lines.append(format_table(["schedule", "m", "mb size", "feasible", "step ms"], crow,
                                   right=[False, True, True, False, True]))
     return "\n".join(lines)
+
+
+GIVEN_AS = {"boundaries": "--boundaries", "megatron_layout": "--megatron-layout", "fqns": "--fqns"}
+
+
+def _versus_optimal_lines(plan: Plan) -> list[str]:
+    """A given split's distance from the optimal plan: bottleneck and step ratios, memory headroom per rank."""
+    v = plan.versus_optimal
+    given = v.get("given")
+    shown = f"{len(given)} parts" if v.get("given_as") == "fqns" and isinstance(given, list) else given
+    lines = [f"given split ({GIVEN_AS.get(v.get('given_as', ''), 'given')} {shown}) against the optimal plan "
+             "under the same options:"]
+    if v.get("optimal_boundaries") is None:
+        lines.append(f"  no split fits the memory limits, so there is no optimal plan to compare with: "
+                     f"{v.get('optimal_infeasible', '')}")
+    else:
+        lines.append(f"  optimal boundaries {v['optimal_boundaries']}; bottleneck {ms(plan.bottleneck_s)} vs "
+                     f"{ms(v['optimal_bottleneck_s'])} ms = {ratio(v['bottleneck_ratio'])}x; predicted step "
+                     f"{ms(plan.predicted_step_s)} vs {ms(v['optimal_predicted_step_s'])} ms = {ratio(v['step_ratio'])}x")
+        if any(room is not None and room < 0 for room in v["memory_headroom_bytes"]):
+            lines.append("  the given split does not fit in memory (negative headroom below) and the optimal plan does, "
+                         "so a ratio under 1 is the price of fitting")
+    optimal_need = v.get("optimal_rank_memory_bytes") or [None] * len(v["rank_memory_bytes"])
+    rows = [[r, mib(need), mib(limit) if limit is not None else "none",
+             mib(room) if room is not None else "", mib(opt)]
+            for r, (need, limit, room, opt) in enumerate(zip(v["rank_memory_bytes"], v["memory_limit_bytes"],
+                                                             v["memory_headroom_bytes"], optimal_need))]
+    table = format_table(["rank", "need MiB", "limit MiB", "headroom MiB", "optimal needs MiB"], rows,
+                         right=[True] * 5)
+    lines.extend("  " + line for line in table.splitlines())
+    return lines
 
 
 def compare_table(plans: dict[str, Plan]) -> str:
