@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -442,7 +441,7 @@ class SplitCosts:
         """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
         (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived)."""
         shape = self.opts.shape
-        graph = _step_graph(shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages)
+        graph = _step_graph(shape)
         n = f.shape[0]
         share = _WEIGHT_GRAD_SHARE
         duration = np.concatenate([f.T, b.T, (b * (1.0 - share)).T, (b * share).T, np.zeros((1, n))])
@@ -474,9 +473,21 @@ class _StepGraph:
     crosses: np.ndarray  # per boundary k -> k+1: 1.0 when chunks k and k+1 run on different ranks
 
 
-@lru_cache(maxsize=32)
-def _step_graph(schedule: str, p: int, m: int, v: int) -> _StepGraph:
-    shape = schedule_shape(schedule, p, m, v)
+_STEP_GRAPHS: dict[tuple[str, int, int, int], _StepGraph] = {}
+
+
+def _step_graph(shape: ScheduleShape) -> _StepGraph:
+    """The step's dependency graph for a shape, built once per (schedule, p, m, v) from the shape the plan holds."""
+    key = (shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages)
+    if key not in _STEP_GRAPHS:
+        if len(_STEP_GRAPHS) >= 32:
+            _STEP_GRAPHS.pop(next(iter(_STEP_GRAPHS)))
+        _STEP_GRAPHS[key] = _build_step_graph(shape)
+    return _STEP_GRAPHS[key]
+
+
+def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
+    m = shape.num_microbatches
     S = shape.num_chunks
     kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
     table = np.array([(kinds[a.kind], a.stage, a.microbatch, t) for order in shape.orders for t, a in enumerate(order)],
