@@ -755,10 +755,11 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
         _zero_grads(whole_params, [])
         return t_w
 
-    bar = Progress(ctx.warmup + ctx.repeats, f"profiling {n} layers ({len(measured)} measured)", enabled=ctx.progress)
+    bar = Progress(ctx.warmup + ctx.repeats, f"profiling {n} layers", enabled=ctx.progress)
+    doing = f"{len(measured)} of them, the others identical" if len(measured) < n else ""
     samples, whole_times = _time_rounds(
         runs, timer, ctx.warmup, ctx.repeats, whole,
-        lambda r: bar.update(r, "warm-up" if r <= ctx.warmup else "measuring"))
+        lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))))
     bar.close()
     figures: dict[int, _Figures] = {}
     for k, run, s in zip(measured, runs, samples):
