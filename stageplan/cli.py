@@ -64,11 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the layers "
                    "(default: found automatically)")
     p.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch (default: a quarter of the batch)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; or estimate:GPU (e.g. estimate:h100-sxm) to "
+                   "estimate every layer for a GPU you do not have, running nothing")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="parameter and input dtype (default: the model's own)")
+                   help="parameter and input dtype: the model is built under it as torch's default (default: the model's own)")
     p.add_argument("--warmup", type=int, default=5, help="rounds run before timing")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (medians are taken)")
+    p.add_argument("--streaming", action="store_true", default=None,
+                   help="profile one layer at a time from a model on meta, never holding the whole model "
+                   "(default: chosen when the whole model would not fit in free memory)")
+    p.add_argument("--no-dedup", action="store_true", help="measure every layer, identical ones too (default: "
+                   "identical layers are measured once and their rows say measured_as)")
+    p.add_argument("--compute-efficiency", type=float, default=None, metavar="FRACTION",
+                   help="with --device estimate:GPU: the fraction of peak FLOP/s matmuls reach (default: 0.45)")
+    p.add_argument("--memory-efficiency", type=float, default=None, metavar="FRACTION",
+                   help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach (default: 0.7)")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
@@ -151,17 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_profile(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
-    from stageplan.api import build_workload, default_microbatch_size
-    from stageplan.profiler import profile_model
+    from stageplan.api import default_microbatch_size
+    from stageplan.profiler import build_workload_for_profile, profile_model
     from stageplan.report import profile_table
 
     check_output_path(a.output)
     if a.csv:
         check_output_path(a.csv)
-    workload = build_workload(a.model, parse_set(a.factory_options))
+    workload = build_workload_for_profile(a.model, parse_set(a.factory_options), device=a.device, dtype=a.dtype,
+                                          streaming=a.streaming)
     mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
     prof = profile_model(workload, microbatch_size=mb, device=a.device, dtype=a.dtype, warmup=a.warmup,
-                         repeats=a.repeats, layers=a.layers, progress=not a.quiet)
+                         repeats=a.repeats, layers=a.layers, progress=not a.quiet, streaming=a.streaming,
+                         dedup=not a.no_dedup, compute_efficiency=a.compute_efficiency,
+                         memory_efficiency=a.memory_efficiency)
     save_or_keep(prof, a.output)
     if a.csv:
         prof.to_csv(a.csv)

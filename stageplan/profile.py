@@ -34,6 +34,9 @@ class LayerProfile:
     - ``backward_accumulate_s``: the backward again with the parameter grads already filled, as for every
       microbatch after the first in a pipeline step (an add into .grad, where the first one hands its buffer
       over); None in profiles that did not measure it (then taken equal to ``backward_s``).
+    - ``measured_as``: the name of the identical layer whose times and activation bytes this row reuses (that
+      layer was measured, this one was not); None when this row was measured itself. Its output and
+      parameter bytes are always its own.
     """
 
     name: str
@@ -47,6 +50,7 @@ class LayerProfile:
     backward_iqr_s: float = 0.0
     peak_bytes: int | None = None
     backward_accumulate_s: float | None = None
+    measured_as: str | None = None
 
     @property
     def time_s(self) -> float:
@@ -139,6 +143,9 @@ class Profile:
                         f"{source}: layer {i} ({item['name']!r}) has {k} = {v!r}; costs must be finite numbers >= 0; "
                         "re-profile the model"
                     )
+            if item.get("measured_as") is not None and not isinstance(item["measured_as"], str):
+                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has measured_as = {item['measured_as']!r}; "
+                                  "it must be a layer name or null; re-profile the model")
             layers.append(LayerProfile(**{k: v for k, v in item.items() if k in known}))
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
@@ -153,6 +160,9 @@ class Profile:
         return cls.from_json(read_json(path, "profile"), source=f"profile {str(path)!r}")
 
     def digest(self) -> str:
-        """sha256 (first 16 hex) of the canonical JSON of the layers: identifies what a plan was made from."""
-        blob = json.dumps([asdict(layer) for layer in self.layers], sort_keys=True).encode()
+        """sha256 (first 16 hex) of the canonical JSON of the layers' costs: identifies what a plan was made from.
+        Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out, so that
+        digests of profiles written before it existed stay the same."""
+        rows = [{k: v for k, v in asdict(layer).items() if k != "measured_as"} for layer in self.layers]
+        blob = json.dumps(rows, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

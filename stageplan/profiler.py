@@ -1,12 +1,21 @@
-"""Per-layer forward/backward timing, saved-for-backward bytes, parameter and boundary bytes -> Profile."""
+"""Per-layer forward/backward timing, saved-for-backward bytes, parameter and boundary bytes -> Profile: with the
+whole model real, one layer at a time from meta (streaming), or estimated for a GPU you do not have; identical
+layers are measured once."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
+import gc
 import os
 import platform
-from collections.abc import Callable, Sequence
+import re
+import resource
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,12 +24,40 @@ from torch import nn
 from stageplan._progress import Progress
 from stageplan._version import __version__
 from stageplan.errors import StageplanError, WorkloadError
-from stageplan.layers import CutModel, cut_layers, resolve, store_outputs, tensor_bytes, used_parameters
-from stageplan.measure import Timer, first_microbatch, median_iqr, saved_bytes
+from stageplan.layers import (
+    CutModel,
+    Piece,
+    cut_layers,
+    resolve,
+    store_outputs,
+    tensor_bytes,
+    used_parameters,
+)
+from stageplan.materialize import (
+    Checkpoint,
+    init_empty_weights,
+    materialize_,
+    meta_copy,
+    meta_parameter_names,
+    parameter_bytes,
+    real_parameters,
+)
+from stageplan.measure import (
+    SavedTensorTracker,
+    Timer,
+    first_microbatch,
+    median_iqr,
+    saved_bytes,
+    storage_identity,
+)
 from stageplan.profile import LayerProfile, Profile
 from stageplan.workload import Workload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ESTIMATE_PREFIX = "estimate:"
+# Above this relative difference between two instances of one layer, measuring it once is questionable.
+DEDUP_SPREAD_WARN = 0.10
+ESTIMATE_ACCURACY = "roughly ±25% in absolute time; ratios between layers are what the solver needs"
 
 
 class DeviceError(StageplanError):
@@ -32,17 +69,23 @@ def parse_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or estimate:GPU (e.g. estimate:h100-sxm)") from exc
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise DeviceError(f"device {str(device)!r} asked for, but this machine has no CUDA GPU "
-                              f"(torch {torch.__version__}); use --device cpu or run on a GPU machine")
+                              f"(torch {torch.__version__}); use --device cpu, estimate for a GPU (--device "
+                              "estimate:h100-sxm) or run on a GPU machine")
         if dev.index is not None and dev.index >= count:
             raise DeviceError(f"device {str(device)!r} asked for, but only {count} CUDA device(s) exist (0..{count - 1}); pick one of those")
     elif dev.type != "cpu":
-        raise DeviceError(f"device type {dev.type!r} is not supported; use cpu, cuda or cuda:N")
+        raise DeviceError(f"device type {dev.type!r} is not supported; use cpu, cuda, cuda:N or estimate:GPU")
     return dev
+
+
+def is_estimate_device(device: str | torch.device) -> bool:
+    """True for 'estimate:NAME': nothing runs for real, every layer is estimated for GPU NAME."""
+    return isinstance(device, str) and device.strip().lower().startswith(_ESTIMATE_PREFIX)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -51,6 +94,20 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in DTYPES:
         raise StageplanError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: str | torch.dtype | None) -> Iterator[None]:
+    """Build under ``dtype`` as torch's default (parameters are created in it, nothing is cast), then restore it.
+    ``.to(dtype)`` on a model also casts buffers computed in float32 on purpose (RoPE ``inv_freq``; FIELD.md)."""
+    dt = parse_dtype(dtype)
+    before = torch.get_default_dtype()
+    if dt is not None:
+        torch.set_default_dtype(dt)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _to(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -77,6 +134,482 @@ def _zero_grads(params: Sequence[nn.Parameter], inputs: Sequence[Any]) -> None:
             t.grad = None
 
 
+# --------------------------------------------------------------------------------------------------
+# Memory: what the whole model would need, what the device has free, what this process used
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory the device can give now: CUDA's free memory, or the machine's MemAvailable for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024  # kB
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss is in KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _fake_state(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake tensors (call inside a FakeTensorMode) shaped like the module's parameters and buffers."""
+    state: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        state[name] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        state[name] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device)
+    return state
+
+
+def _fake_inputs(args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    """Fake tensors (call inside a FakeTensorMode) shaped like ``args``, each on a storage of its own (a
+    microbatch sliced from the batch would otherwise carry the whole batch's storage)."""
+    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=device)
+                 if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _activation_bytes_without_data(model: nn.Module, args: tuple[Any, ...]) -> int | None:
+    """Bytes the uncut model's forward saves for backward, counted on fake tensors (no data, no compute); None
+    when the model cannot run without data (data-dependent control flow)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = torch.device("cpu")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            state = _fake_state(model, cpu)
+            tracker = SavedTensorTracker({storage_identity(t) for t in state.values()}, key=storage_identity)
+            fake_args = _fake_inputs(args, cpu)
+            with tracker.hooks():
+                out = torch.func.functional_call(model, state, fake_args)
+            live = tracker.live
+            del out
+            return int(live)
+    except Exception:  # any failure only means the rule falls back to parameters alone
+        return None
+
+
+def whole_model_bytes(model: nn.Module, args: tuple[Any, ...], dtype: str | torch.dtype | None = None) -> tuple[int, int | None]:
+    """What profiling the whole model at once holds: a copy of its parameters (in ``dtype``), their gradients,
+    and the activations of one forward+backward of the whole model (the whole-model timing keeps every layer's,
+    not only one layer's). Counted on a weightless copy. Returns (bytes, activation bytes or None when they
+    could not be counted without data: then parameters alone decide)."""
+    dt = parse_dtype(dtype)
+    meta = _meta_model(model, dt, torch.device("cpu"))
+    acts = _activation_bytes_without_data(meta, tuple(_to(a, torch.device("cpu"), dt) for a in args))
+    return 2 * parameter_bytes(meta) + (acts or 0), acts
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a workload to profile: on meta first (no memory), for real only when it fits
+
+
+def build_workload_for_profile(model: str, options: dict[str, Any] | None = None, *, device: str = "cpu",
+                               dtype: str | torch.dtype | None = None, streaming: bool | None = None) -> Workload:
+    """Build the model spec ``model`` for :func:`profile_model`, never bigger than the machine.
+
+    It is built first with parameters on meta (``init_empty_weights``) under ``dtype`` as torch's default.
+    That build is returned for an estimate device, for ``streaming=True``, and when the real model, the
+    profiler's copy and its gradients (3x the parameters) would take more than half of the device's free
+    memory: the profiler then materialises what it needs (one layer at a time, or the whole model initialised
+    by FQN). Otherwise the factory builds it for real, with its own initialisation. A factory that cannot build
+    on meta is built for real unless streaming or an estimate was asked for.
+    """
+    from stageplan.zoo import build_workload
+
+    estimate = is_estimate_device(device)
+    dev = torch.device("cpu") if estimate else parse_device(device)
+    if estimate:
+        from stageplan.estimate import parse_estimate_device
+
+        parse_estimate_device(device)  # an unknown GPU is refused before anything is built
+    meta_wl: Workload | None = None
+    try:
+        with default_dtype(dtype), init_empty_weights():
+            meta_wl = build_workload(model, options)
+    except WorkloadError:
+        raise
+    except Exception as exc:  # a user factory that needs real tensors while it builds
+        if estimate or streaming:
+            raise WorkloadError(
+                f"model {model!r} cannot be built with its parameters on meta ({type(exc).__name__}: {exc}); "
+                "profiling layer at a time or estimating needs a factory that builds under "
+                "stageplan.materialize.init_empty_weights(); make its construction not read parameter values"
+            ) from exc
+    if meta_wl is not None:
+        if estimate or streaming:
+            return meta_wl
+        if not isinstance(meta_wl.model, nn.Module):
+            raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(meta_wl.model).__name__}")
+        if 3 * parameter_bytes(meta_wl.model) > free_bytes(dev) // 2:
+            return meta_wl
+    with default_dtype(dtype):
+        return build_workload(model, options)
+
+
+# --------------------------------------------------------------------------------------------------
+# Signatures: which layers are identical, so that each is measured once
+
+# Attributes that number a layer within its model (HF's layer_idx, Megatron's layer_number) differ between
+# otherwise identical layers and change nothing in what they compute.
+_INDEX_ATTR = re.compile(r"(?:.*_)?(?:idx|index|id|number|num)")
+_PRIMITIVE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _const(value: Any) -> Any:
+    """A hashable, address-free stand-in for a graph argument or a module attribute (None: leave it out)."""
+    if isinstance(value, torch.fx.Node):
+        return "%"
+    if isinstance(value, _PRIMITIVE):
+        return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+    if isinstance(value, (tuple, list)):
+        items = tuple(_const(v) for v in value)
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
+    if isinstance(value, slice):
+        return ("slice", _const(value.start), _const(value.stop), _const(value.step))
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), repr(_const(v))) for k, v in value.items()))
+    return None
+
+
+def _graph_signature(graph: torch.fx.Graph, rename: Callable[[str], str]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for node in graph.nodes:
+        if node.op == "placeholder":  # its name is the producer's, which differs from layer to layer
+            out.append(("placeholder",))
+            continue
+        target = rename(node.target) if isinstance(node.target, str) and node.op != "output" else str(node.target)
+        out.append((node.op, target, _const(node.args), _const(dict(node.kwargs))))
+    return tuple(out)
+
+
+def _module_signature(module: nn.Module, layer: str) -> tuple[Any, ...]:
+    """Class, structure (child types and extra_repr), non-index attributes, graphs of exported code, and the
+    names (relative to ``layer``), shapes and dtypes of the parameters and buffers."""
+
+    def rename(name: str) -> str:
+        if layer and (name == layer or name.startswith(layer + ".")):
+            return "<layer>" + name[len(layer):]
+        return name
+
+    def rename_in(owner: str) -> Callable[[str], str]:
+        return lambda target: rename(f"{owner}.{target}" if owner else target)
+
+    mods: list[tuple[Any, ...]] = []
+    for name, mod in module.named_modules():
+        graph = getattr(mod, "graph", None)
+        if isinstance(graph, torch.fx.Graph):  # exported code: its graph is its structure
+            mods.append((rename(name), "graph", _graph_signature(graph, rename_in(name))))
+            continue
+        attrs = tuple(sorted((k, c) for k, v in vars(mod).items()
+                             if not k.startswith("_") and not _INDEX_ATTR.fullmatch(k) and (c := _const(v)) is not None))
+        mods.append((rename(name), f"{type(mod).__module__}.{type(mod).__qualname__}", mod.extra_repr(), attrs))
+    params = tuple((rename(n), tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for n, p in module.named_parameters(remove_duplicate=False))
+    buffers = tuple((rename(n), tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(remove_duplicate=False))
+    return (tuple(mods), params, buffers)
+
+
+def _input_spec(value: Any, requires_grad: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), requires_grad and value.is_floating_point())
+    return ("value", _const(value) if _const(value) is not None else type(value).__qualname__)
+
+
+def layer_signature(cut: CutModel, k: int, model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What makes piece ``k`` cost what it costs: its own code and parameters, the original module it stands
+    for (named layers), the shapes and dtypes of its inputs, whether they need a gradient (every piece after
+    the first), and whether it computes the loss (the last)."""
+    piece = cut.pieces[k]
+    sig: list[Any] = [k == len(cut.pieces) - 1, tuple(_input_spec(v, k > 0) for v in inputs)]
+    if cut.method == "sequential":
+        sig.append(_module_signature(piece.module, ""))
+    else:
+        sig.append(_module_signature(piece.module, piece.name))
+        if piece.name in cut.named:
+            sig.append(_module_signature(model.get_submodule(piece.name), ""))
+    return tuple(sig)
+
+
+@dataclass(frozen=True)
+class _Dedup:
+    """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: (first, second)
+    instance of the largest group, both measured, or None."""
+
+    rep: list[int]
+    spread: tuple[int, int] | None
+
+    @property
+    def measured(self) -> list[int]:
+        ks = {k for k, r in enumerate(self.rep) if r == k}
+        if self.spread is not None:
+            ks.add(self.spread[1])
+        return sorted(ks)
+
+
+def _dedup(signatures: Sequence[Any], enabled: bool) -> _Dedup:
+    n = len(signatures)
+    if not enabled:
+        return _Dedup(list(range(n)), None)
+    first: dict[Any, int] = {}
+    rep = [first.setdefault(sig, k) for k, sig in enumerate(signatures)]
+    groups: dict[int, list[int]] = {}
+    for k, r in enumerate(rep):
+        groups.setdefault(r, []).append(k)
+    largest = max(groups.values(), key=len)  # the first of the largest groups on a tie (dicts keep order)
+    return _Dedup(rep, (largest[0], largest[1]) if len(largest) > 1 else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring one layer
+
+
+@dataclass
+class _Run:
+    """One piece ready to measure: its distinct parameters, its detached inputs and its forward."""
+
+    params: list[nn.Parameter]
+    inputs: list[Any]
+    fwd: Callable[[], Any]
+    module: nn.Module
+
+
+@dataclass
+class _Figures:
+    forward_s: float
+    backward_s: float
+    forward_iqr_s: float
+    backward_iqr_s: float
+    backward_accumulate_s: float | None
+    activation_bytes: int
+    peak_bytes: int | None
+
+
+def _distinct(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    # by storage for real tensors (an exported piece can hold two objects on one tied storage), by object on meta
+    return list({(p.data_ptr() if p.device.type != "meta" else id(p)): p for p in params}.values())
+
+
+def _make_run(piece: Piece, k: int, n: int, values: Sequence[Any], workload: Workload, target: Any) -> _Run:
+    params = _distinct(list(used_parameters(piece.module).values()))
+    inputs: list[Any] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            v = v.detach().clone()
+            if k > 0 and v.is_floating_point():
+                v.requires_grad_(True)  # a later stage computes the gradient of what it received
+        inputs.append(v)
+
+    def fwd(module: nn.Module = piece.module, inputs: list[Any] = inputs, last: bool = k == n - 1) -> Any:
+        out = module(*inputs)
+        return workload.compute_loss(out, target) if last else out
+
+    return _Run(params, inputs, fwd, piece.module)
+
+
+def _fwd_bwd_time(timer: Timer, run: _Run) -> tuple[float, float, float]:
+    """Forward; backward into empty .grad (autograd hands its buffer over: a step's first microbatch);
+    backward again into the filled .grad (an add: every later microbatch of a pipeline step)."""
+
+    def bwd_time() -> float:
+        out = run.fwd()
+        tensors = _grad_tensors(out)
+        if not tensors:
+            return 0.0
+        grads = [torch.ones_like(t) for t in tensors]
+        t_b, _ = timer(lambda: torch.autograd.backward(tensors, grads))
+        return t_b
+
+    t_f, out = timer(run.fwd)
+    del out
+    _zero_grads(run.params, run.inputs)
+    t_first = bwd_time()
+    _zero_grads([], run.inputs)
+    t_acc = bwd_time()
+    _zero_grads(run.params, run.inputs)
+    return t_f, t_first, t_acc
+
+
+def _time_rounds(runs: Sequence[_Run], timer: Timer, warmup: int, repeats: int,
+                 whole: Callable[[], float] | None = None,
+                 on_round: Callable[[int], None] | None = None) -> tuple[list[list[list[float]]], list[float]]:
+    """Rounds: each round times every run's forward and backward (and the whole model once), so that a load
+    change on the machine hits all of them alike (medians are taken across rounds). Returns, per run,
+    [forward, backward, accumulating backward] samples, and the whole-model samples."""
+    samples: list[list[list[float]]] = [[[], [], []] for _ in runs]
+    whole_times: list[float] = []
+    for rnd in range(warmup + repeats):
+        for i, run in enumerate(runs):
+            times = _fwd_bwd_time(timer, run)
+            if rnd >= warmup:
+                for j in range(3):
+                    samples[i][j].append(times[j])
+        if whole is not None:
+            t_w = whole()
+            if rnd >= warmup:
+                whole_times.append(t_w)
+        if on_round is not None:
+            on_round(rnd + 1)
+    return samples, whole_times
+
+
+def _bytes_and_peak(run: _Run, dev: torch.device, peaks: _Peaks) -> tuple[int, int | None]:
+    """Saved-for-backward bytes (parameters excluded) and, on CUDA, the peak allocated above the baseline
+    during one forward+backward."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in run.module.parameters()}
+    act_bytes, out = saved_bytes(run.fwd, param_ptrs)
+    del out
+    peak: int | None = None
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        peaks.note_cuda(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        out = run.fwd()
+        tensors = _grad_tensors(out)
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        torch.cuda.synchronize(dev)
+        peak = int(torch.cuda.max_memory_allocated(dev) - base)
+        peaks.note_cuda(dev)
+        del out, tensors
+    _zero_grads(run.params, run.inputs)
+    return int(act_bytes), peak
+
+
+class _Peaks:
+    """The largest CUDA allocation seen (the per-layer peaks reset torch's counter)."""
+
+    def __init__(self) -> None:
+        self.cuda = 0
+
+    def note_cuda(self, dev: torch.device) -> None:
+        self.cuda = max(self.cuda, int(torch.cuda.max_memory_allocated(dev)))
+
+
+def _figures(samples: list[list[float]], act: int, peak: int | None) -> _Figures:
+    f_med, f_iqr = median_iqr(samples[0])
+    b_med, b_iqr = median_iqr(samples[1])
+    return _Figures(f_med, b_med, f_iqr, b_iqr, median_iqr(samples[2])[0], act, peak)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model on meta: weightless copies, cast parameters, device constants of a meta trace
+
+
+def _cast_parameters_(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """Give ``model``'s floating parameters (meta or real; ties kept) and persistent floating buffers ``dtype``.
+    Non-persistent buffers keep theirs: they are computed at construction on purpose (RoPE ``inv_freq`` in
+    float32), as when the model is built under torch.set_default_dtype."""
+    if dtype is None:
+        return model
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = made[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_floating_point() and name not in mod._non_persistent_buffers_set:
+                mod._buffers[name] = b.to(dtype)
+    return model
+
+
+def _meta_model(model: nn.Module, dtype: torch.dtype | None, buffers_to: torch.device) -> nn.Module:
+    """A copy of ``model`` with its parameters on meta (never a second real copy) in ``dtype``, and its buffers
+    (small: built real) on ``buffers_to``."""
+    meta = _cast_parameters_(meta_copy(model), dtype)
+    for mod in meta.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = b.to(buffers_to)
+    return meta
+
+
+def _retarget_devices(cut: CutModel, device: torch.device) -> None:
+    """A model on meta can only be traced with meta tensors flowing, so its exported pieces carry ``device=meta``
+    constants (``arange``, ``.to(device)``, metadata asserts): point them at the device the pieces run on."""
+    from torch.fx.node import map_aggregate
+
+    def fix(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for piece in cut.pieces:
+        for mod in piece.module.modules():
+            graph = getattr(mod, "graph", None)
+            if not isinstance(graph, torch.fx.Graph):
+                continue
+            changed = False
+            for node in graph.nodes:
+                args, kwargs = map_aggregate(node.args, fix), map_aggregate(node.kwargs, fix)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs = args, kwargs
+                    changed = True
+            if changed:
+                gm = mod if isinstance(mod, torch.fx.GraphModule) else getattr(mod, "graph_module", None)
+                if isinstance(gm, torch.fx.GraphModule) and gm.graph is graph:
+                    gm.recompile()
+                elif callable(getattr(mod, "finalize", None)):
+                    mod.finalize()  # type: ignore[operator]
+
+
+def _fake_chain(cut: CutModel, args: tuple[Any, ...], device: torch.device) -> tuple[list[list[Any]], list[int]]:
+    """Every piece's inputs as fake tensors (shapes, dtypes and strides; no data, no compute), and the bytes that
+    cross a boundary after each piece."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    env: dict[Any, Any] = {}
+    inputs: list[list[Any]] = []
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            fake_args = _fake_inputs(args, device)
+            for k, piece in enumerate(cut.pieces):
+                values = [resolve(r, fake_args, env) for r in piece.inputs]
+                inputs.append(values)
+                out = torch.func.functional_call(piece.module, _fake_state(piece.module, device), tuple(values))
+                store_outputs(env, k, out)
+    except Exception as exc:
+        raise WorkloadError(
+            f"layer {cut.pieces[len(inputs) - 1].name!r} cannot run without data ({type(exc).__name__}: {exc}); "
+            "profile it with the whole model real (streaming=False) or name layers whose shapes do not depend on values"
+        ) from exc
+    n = len(cut.pieces)
+    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, fake_args, env)) for r in cut.crossing_refs(k))
+                for k in range(n)]
+    return inputs, crossing
+
+
+def _piece_fqns(cut: CutModel, piece: Piece) -> dict[str, str]:
+    """The piece's meta parameters: its own name -> the model's FQN (a Sequential child's names are its own)."""
+    prefix = f"{piece.name}." if cut.method == "sequential" else ""
+    return {name: prefix + name for name in meta_parameter_names(piece.module)}
+
+
+def _param_totals(module: nn.Module) -> tuple[int, int]:
+    """Bytes and count of the distinct parameters a piece uses."""
+    ps = _distinct(list(used_parameters(module).values()))
+    return sum(p.numel() * p.element_size() for p in ps), sum(p.numel() for p in ps)
+
+
+def _release_(module: nn.Module) -> None:
+    """Put ``module``'s real parameters back on meta (ties kept): their memory and gradients go."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.device.type == "meta":
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            mod._parameters[name] = made[id(p)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry point
+
+
 def profile_model(
     workload: Workload,
     *,
@@ -87,15 +620,54 @@ def profile_model(
     repeats: int = 20,
     layers: Sequence[str] | None = None,
     progress: bool = False,
+    streaming: bool | None = None,
+    dedup: bool = True,
+    compute_efficiency: float | None = None,
+    memory_efficiency: float | None = None,
 ) -> Profile:
-    """Profile every layer of ``workload`` at ``microbatch_size`` on ``device``; the user's model is untouched."""
+    """Profile every layer of ``workload`` at ``microbatch_size``; the user's model is untouched.
+
+    - ``device``: 'cpu', 'cuda', 'cuda:N' to measure, or 'estimate:NAME' (e.g. 'estimate:h100-sxm') to
+      estimate every layer for a GPU you do not have, on fake tensors (``compute_efficiency`` and
+      ``memory_efficiency`` override the roofline's defaults; see :mod:`stageplan.estimate`).
+    - ``streaming``: True measures one layer at a time from a model on meta (only that layer's parameters are
+      real; the whole-model timing is skipped); None chooses it when the whole model, its gradients and its
+      activations would not fit in the device's free memory.
+    - ``dedup``: identical layers (same code, parameter shapes and dtypes, input shapes) are measured once;
+      the others' rows say ``measured_as``. A second instance of the largest group is also measured, and its
+      ratio to the first recorded in ``meta["dedup_spread"]``.
+    - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
+      dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
+    """
     if warmup < 0 or repeats < 1:
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
-    dev = parse_device(device)
-    dt = parse_dtype(dtype)
-    if dev.type == "cpu" and dt in (torch.float16, torch.bfloat16):
-        import warnings
+    estimate = is_estimate_device(device)
+    gpu: Any = None
+    if estimate:
+        from stageplan.estimate import (
+            DEFAULT_COMPUTE_EFFICIENCY,
+            DEFAULT_MEMORY_EFFICIENCY,
+            parse_estimate_device,
+        )
 
+        gpu = parse_estimate_device(str(device))
+        dev = torch.device("cpu")  # fake CPU tensors stand in for the target's (see stageplan.estimate)
+        for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
+                                     ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0.0 < float(value) <= 1.0):
+                raise StageplanError(f"{name} must be a fraction in (0, 1], got {value!r}; e.g. {default}")
+    else:
+        dev = parse_device(device)
+        for name, value in (("compute_efficiency", compute_efficiency), ("memory_efficiency", memory_efficiency)):
+            if value is not None:
+                raise StageplanError(f"{name} ({value}) applies to estimates only; use it with --device estimate:GPU "
+                                     "(e.g. estimate:h100-sxm), or drop it when measuring")
+    dt = parse_dtype(dtype)
+    if not isinstance(dedup, bool) or (streaming is not None and not isinstance(streaming, bool)):
+        raise StageplanError(f"streaming must be True, False or None and dedup True or False, got streaming={streaming!r}, "
+                             f"dedup={dedup!r}")
+    if dev.type == "cpu" and not estimate and dt in (torch.float16, torch.bfloat16):
         warnings.warn(f"profiling in {str(dt).replace('torch.', '')} on the CPU: most CPU kernels have no fast half-precision "
                       "path (float16 ran about 20x slower than float32 here), so these times will not predict a GPU; "
                       "profile on the GPU you will train on, or estimate for it (--device estimate:NAME)", stacklevel=2)
@@ -109,7 +681,19 @@ def profile_model(
     if dev.type == "cpu":
         torch.set_num_threads(1)  # one intra-op thread, as each pipeline rank will run
     try:
-        return _profile(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu)
+        ctx = _Context(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup)
+        if estimate:
+            return _profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
+        memory: dict[str, Any] = {}
+        if streaming is None:
+            need, acts = whole_model_bytes(workload.model, mb_args_cpu, dt)
+            free = free_bytes(dev)
+            streaming = need > free
+            memory = {"rule": "layer at a time when 2 x parameters + activations > free memory",
+                      "whole_model_bytes": need, "activation_bytes": acts, "free_bytes": free}
+        if streaming:
+            return _profile_streaming(ctx, memory)
+        return _profile_whole(ctx, memory)
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(rng_cpu)
@@ -117,151 +701,250 @@ def profile_model(
             torch.cuda.set_rng_state_all(rng_cuda)
 
 
-def _profile(workload: Workload, mb: int, dev: torch.device, dt: torch.dtype | None, warmup: int, repeats: int,
-             layers: Sequence[str] | None, progress: bool, mb_args_cpu: tuple[Any, ...]) -> Profile:
-    model = copy.deepcopy(workload.model).to(dev)
-    if dt is not None:
-        model = model.to(dt)
+@dataclass
+class _Context:
+    workload: Workload
+    mb: int
+    dev: torch.device
+    dt: torch.dtype | None
+    warmup: int
+    repeats: int
+    layers: Sequence[str] | None
+    progress: bool
+    mb_args_cpu: tuple[Any, ...]
+    dedup: bool
+
+    def target(self) -> Any:
+        t = self.workload.target[: self.mb] if isinstance(self.workload.target, torch.Tensor) else self.workload.target
+        return _to(t, self.dev, None)
+
+
+def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
+    src = ctx.workload.model
+    if meta_parameter_names(src):  # built on meta: the whole model, initialised by FQN
+        model = _meta_model(src, ctx.dt, ctx.dev)
+        materialize_(model, real_parameters(model, meta_parameter_names(model), ctx.dev))
+    else:
+        model = _cast_parameters_(copy.deepcopy(src), ctx.dt).to(ctx.dev)
     model.train()
-    args = _to(mb_args_cpu, dev, dt)
-    target = workload.target[:mb] if isinstance(workload.target, torch.Tensor) else workload.target
-    target = _to(target, dev, None)
-    cut: CutModel = cut_layers(model, args, layers)
-    timer = Timer(dev)
+    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
+    target = ctx.target()
+    cut: CutModel = cut_layers(model, args, ctx.layers)
+    timer = Timer(ctx.dev)
+    peaks = _Peaks()
 
     # One forward pass through the chain gives every piece its real inputs.
     env: dict[Any, Any] = {}
     with torch.no_grad():
         for k, piece in enumerate(cut.pieces):
             store_outputs(env, k, piece.module(*[resolve(r, args, env) for r in piece.inputs]))
-
     n = len(cut.pieces)
-    bar = Progress(warmup + repeats, f"profiling {n} layers", enabled=progress)
-    states = []
-    for k, piece in enumerate(cut.pieces):
-        params = list({p.data_ptr(): p for p in used_parameters(piece.module).values()}.values())
-        inputs = []
-        for r in piece.inputs:
-            v = resolve(r, args, env)
-            if isinstance(v, torch.Tensor):
-                v = v.detach().clone()
-                if k > 0 and v.is_floating_point():
-                    v.requires_grad_(True)  # a later stage computes the gradient of what it received
-            inputs.append(v)
-
-        def fwd(piece: Any = piece, inputs: list[Any] = inputs, last: bool = k == n - 1) -> Any:
-            out = piece.module(*inputs)
-            return workload.compute_loss(out, target) if last else out
-
-        states.append((piece, params, inputs, fwd))
-
-    def bwd_time(fwd: Callable[[], Any]) -> float:
-        out = fwd()
-        tensors = _grad_tensors(out)
-        if not tensors:
-            return 0.0
-        grads = [torch.ones_like(t) for t in tensors]
-
-        def bwd(tensors: list[torch.Tensor] = tensors, grads: list[torch.Tensor] = grads) -> None:
-            torch.autograd.backward(tensors, grads)
-
-        t_b, _ = timer(bwd)
-        return t_b
-
-    def fwd_bwd_time(fwd: Callable[[], Any], params: list[nn.Parameter], inputs: list[Any]) -> tuple[float, float, float]:
-        """Forward; backward into empty .grad (autograd hands its buffer over: a step's first microbatch);
-        backward again into the filled .grad (an add: every later microbatch of a pipeline step)."""
-        t_f, out = timer(fwd)
-        del out
-        _zero_grads(params, inputs)
-        t_first = bwd_time(fwd)
-        _zero_grads([], inputs)
-        t_acc = bwd_time(fwd)
-        _zero_grads(params, inputs)
-        return t_f, t_first, t_acc
+    values = [[resolve(r, args, env) for r in piece.inputs] for piece in cut.pieces]
+    plan = _dedup([layer_signature(cut, k, model, values[k]) for k in range(n)], ctx.dedup)
+    measured = plan.measured
+    runs = [_make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in measured]
 
     whole_params = list(model.parameters())
 
-    def whole() -> None:
-        loss = workload.compute_loss(model(*args), target)
-        loss.backward()
+    def whole() -> float:
+        def step() -> None:
+            loss = ctx.workload.compute_loss(model(*args), target)
+            loss.backward()
 
-    # Rounds: each round times every layer's forward, every layer's backward and the whole model once,
-    # so that a load change on the machine hits all of them alike (medians are taken across rounds).
-    fwd_times: list[list[float]] = [[] for _ in range(n)]
-    bwd_times: list[list[float]] = [[] for _ in range(n)]
-    acc_times: list[list[float]] = [[] for _ in range(n)]
-    whole_times: list[float] = []
-    for rnd in range(warmup + repeats):
-        for k, (_, params, inputs, fwd) in enumerate(states):
-            t_f, t_b, t_acc = fwd_bwd_time(fwd, params, inputs)
-            if rnd >= warmup:
-                fwd_times[k].append(t_f)
-                bwd_times[k].append(t_b)
-                acc_times[k].append(t_acc)
-        t_w, _ = timer(whole)
+        t_w, _ = timer(step)
         _zero_grads(whole_params, [])
-        if rnd >= warmup:
-            whole_times.append(t_w)
-        bar.update(rnd + 1, "warm-up" if rnd < warmup else "measuring")
+        return t_w
+
+    bar = Progress(ctx.warmup + ctx.repeats, f"profiling {n} layers", enabled=ctx.progress)
+    doing = f"{len(measured)} of them, the others identical" if len(measured) < n else ""
+    samples, whole_times = _time_rounds(
+        runs, timer, ctx.warmup, ctx.repeats, whole,
+        lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))))
     bar.close()
+    figures: dict[int, _Figures] = {}
+    for k, run, s in zip(measured, runs, samples):
+        act, peak = _bytes_and_peak(run, ctx.dev, peaks)
+        figures[k] = _figures(s, act, peak)
+    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
+    params = [_param_totals(p.module) for p in cut.pieces]
     whole_med, whole_iqr = median_iqr(whole_times)
+    if ctx.dev.type == "cuda":
+        peaks.note_cuda(ctx.dev)
+    extra = {"materialized": "whole-model", "whole_model_s": whole_med, "whole_model_iqr_s": whole_iqr,
+             "whole_model": "measured"}
+    return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
 
+
+def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
+    src = ctx.workload.model
+    # The user's real weights, one layer's worth at a time; FQN-keyed initialisation for a model on meta.
+    weights = None if meta_parameter_names(src) else Checkpoint(dict(src.state_dict()))
+    model = _meta_model(src, ctx.dt, ctx.dev)
+    model.train()
+    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
+    target = ctx.target()
+    cut = cut_layers(model, args, ctx.layers)
+    _retarget_devices(cut, ctx.dev)
+    n = len(cut.pieces)
+    plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(_fake_chain(cut, args, ctx.dev)[0])],
+                  ctx.dedup)
+    timer = Timer(ctx.dev)
+    peaks = _Peaks()
+    figures: dict[int, _Figures] = {}
+    crossing: list[int] = []
+    params: list[tuple[int, int]] = []
+    env: dict[Any, Any] = {}
+    measured = set(plan.measured)
+    bar = Progress(n, f"profiling {n} layers one at a time ({len(measured)} measured)", enabled=ctx.progress)
+    for k, piece in enumerate(cut.pieces):
+        bar.update(k, piece.name)
+        fqns = _piece_fqns(cut, piece)
+        tensors = real_parameters(model, fqns.values(), ctx.dev, weights=weights)
+        materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
+        del tensors
+        values = [resolve(r, args, env) for r in piece.inputs]
+        if k in measured:
+            run = _make_run(piece, k, n, values, ctx.workload, target)
+            (s,), _ = _time_rounds([run], timer, ctx.warmup, ctx.repeats)
+            act, peak = _bytes_and_peak(run, ctx.dev, peaks)
+            figures[k] = _figures(s, act, peak)
+            del run
+        with torch.no_grad():  # the real output, streamed to the layers that need it
+            store_outputs(env, k, piece.module(*values))
+        del values
+        keep = cut.crossing_refs(k)
+        crossing.append(0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in keep))
+        env = {r: v for r, v in env.items() if r in keep}
+        params.append(_param_totals(piece.module))
+        _release_(piece.module)
+        gc.collect()
+        if ctx.dev.type == "cuda":
+            peaks.note_cuda(ctx.dev)
+            torch.cuda.empty_cache()
+    bar.update(n, "done")
+    bar.close()
+    extra = {"materialized": "layer-at-a-time", "whole_model_s": None, "whole_model_iqr_s": None,
+             "whole_model": "skipped: layer-at-a-time"}
+    return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
+
+
+def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
+                      memory_efficiency: float | None) -> Profile:
+    from stageplan.estimate import estimate_module
+
+    model = _meta_model(ctx.workload.model, ctx.dt, ctx.dev)
+    model.train()
+    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
+    target = ctx.target()
+    cut = cut_layers(model, args, ctx.layers)
+    _retarget_devices(cut, ctx.dev)
+    n = len(cut.pieces)
+    inputs, crossing = _fake_chain(cut, args, ctx.dev)
+    plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(inputs)], ctx.dedup)
+    figures: dict[int, _Figures] = {}
+    method: dict[str, Any] = {}
+    bar = Progress(len(plan.measured), f"estimating {n} layers for {gpu.name} ({len(plan.measured)} estimated)",
+                   enabled=ctx.progress)
+    for i, k in enumerate(plan.measured):
+        bar.update(i, cut.pieces[k].name)
+
+        def loss(out: Any) -> torch.Tensor:
+            loss_value: torch.Tensor = ctx.workload.compute_loss(out, target)
+            return loss_value
+
+        # Attention as the target runs it: flash SDPA on every GPU in the table (CUDA and ROCm).
+        est = estimate_module(cut.pieces[k].module, inputs[k], gpu=gpu, dtype=None, attention="flash",
+                              compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
+                              loss_fn=loss if k == n - 1 else None, inputs_require_grad=k > 0)
+        figures[k] = _Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes, None)
+        method = est.method
+    bar.update(len(plan.measured), "done")
+    bar.close()
+    params = [_param_totals(p.module) for p in cut.pieces]
+    extra = {
+        "materialized": "none (analytic estimate on fake tensors)",
+        "whole_model_s": None, "whole_model_iqr_s": None, "whole_model": "skipped: analytic estimate",
+        "timer": "analytic",
+        "warmup": None, "repeats": None, "threads": None,  # nothing was timed
+        "device_name": gpu.description,
+        "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"), "eta_m": method.get("memory_efficiency"),
+                     "attention": "flash", "sources": method.get("sources"), "model": method.get("model"),
+                     "accuracy": ESTIMATE_ACCURACY},
+        "method": "per-layer analytic roofline estimate (stageplan.estimate) on fake tensors, nothing run; "
+                  "activation bytes exact via saved_tensors_hooks deduplicated by storage",
+    }
+    return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, _Peaks(), device=f"{_ESTIMATE_PREFIX}{gpu.name}")
+
+
+def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figures: Mapping[int, _Figures],
+              crossing: Sequence[int], params: Sequence[tuple[int, int]], extra: dict[str, Any],
+              memory: dict[str, Any], peaks: _Peaks, device: str | None = None) -> Profile:
+    """Rows (a deduplicated layer takes its representative's figures, its own bytes) and meta."""
+    names = cut.names
     results: list[LayerProfile] = []
-    for k, (piece, params, inputs, fwd) in enumerate(states):
-        param_ptrs = {p.untyped_storage().data_ptr() for p in piece.module.parameters()}
-        act_bytes, out = saved_bytes(fwd, param_ptrs)
-        del out
-        peak: int | None = None
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
-            out = fwd()
-            tensors = _grad_tensors(out)
-            if tensors:
-                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
-            torch.cuda.synchronize(dev)
-            peak = int(torch.cuda.max_memory_allocated(dev) - base)
-            del out, tensors
-        _zero_grads(params, inputs)
-        crossing = 0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k))
-        f_med, f_iqr = median_iqr(fwd_times[k])
-        b_med, b_iqr = median_iqr(bwd_times[k])
+    for k, piece in enumerate(cut.pieces):
+        rep = plan.rep[k]
+        fig = figures[rep]
         results.append(LayerProfile(
-            name=piece.name, forward_s=f_med, backward_s=b_med, activation_bytes=int(act_bytes),
-            output_bytes=int(crossing), param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
-            param_count=int(sum(p.numel() for p in params)), forward_iqr_s=f_iqr, backward_iqr_s=b_iqr, peak_bytes=peak,
-            backward_accumulate_s=median_iqr(acc_times[k])[0],
+            name=piece.name, forward_s=fig.forward_s, backward_s=fig.backward_s, activation_bytes=fig.activation_bytes,
+            output_bytes=int(crossing[k]), param_bytes=int(params[k][0]),
+            param_count=int(params[k][1]), forward_iqr_s=fig.forward_iqr_s,
+            backward_iqr_s=fig.backward_iqr_s, peak_bytes=fig.peak_bytes, backward_accumulate_s=fig.backward_accumulate_s,
+            measured_as=None if rep == k else names[rep],
         ))
-
+    spread: dict[str, Any] | None = None
+    if plan.spread is not None:
+        a, b = plan.spread
+        fa, fb = figures[a], figures[b]
+        spread = {"layer": names[b], "vs": names[a],
+                  "forward_ratio": fb.forward_s / fa.forward_s if fa.forward_s > 0 else None,
+                  "backward_ratio": fb.backward_s / fa.backward_s if fa.backward_s > 0 else None}
+        off = [r for r in (spread["forward_ratio"], spread["backward_ratio"]) if r is not None and abs(r - 1) > DEDUP_SPREAD_WARN]
+        if off:
+            warnings.warn(
+                f"identical layers {names[a]!r} and {names[b]!r} measured {', '.join(f'{r:.2f}x' for r in off)} apart "
+                f"(more than {DEDUP_SPREAD_WARN:.0%}): the machine was busy or the layers differ in a way their "
+                "signature misses; re-profile with more --repeats on a quiet machine, or with --no-dedup", stacklevel=4)
+    dev = ctx.dev
     layer_sum = sum(r.forward_s + r.backward_s for r in results)
+    whole = extra.get("whole_model_s")
     meta: dict[str, Any] = {
-        "model": workload.name,
-        "factory_options": dict(workload.factory_options),
-        "layers_arg": list(layers) if layers else None,
+        "model": ctx.workload.name,
+        "factory_options": dict(ctx.workload.factory_options),
+        "layers_arg": list(ctx.layers) if ctx.layers else None,
         "split_method": cut.method,
         "named_layers": list(cut.named),
-        "device": str(dev),
+        "device": device or str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()),
-        "dtype": str(dt or next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", ""),
-        "microbatch_size": mb,
-        "batch_size": workload.batch_size,
-        "input_shapes": [list(a.shape) for a in args if isinstance(a, torch.Tensor)],
+        "dtype": str(ctx.dt or next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", ""),
+        "microbatch_size": ctx.mb,
+        "batch_size": ctx.workload.batch_size,
+        "input_shapes": [list(a.shape) for a in ctx.mb_args_cpu if isinstance(a, torch.Tensor)],
         "torch_version": torch.__version__,
         "stageplan_version": __version__,
         "threads": torch.get_num_threads(),
-        "warmup": warmup,
-        "repeats": repeats,
+        "warmup": ctx.warmup,
+        "repeats": ctx.repeats,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
                   "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
                   "activation bytes via saved_tensors_hooks deduplicated by storage",
-        "whole_model_s": whole_med,
-        "whole_model_iqr_s": whole_iqr,
-        "sum_vs_whole": layer_sum / whole_med if whole_med > 0 else None,
+        "whole_model_s": whole,
+        "whole_model_iqr_s": None,
+        "sum_vs_whole": layer_sum / whole if whole else None,
+        "dedup": ctx.dedup,
+        "layers_measured": len(plan.measured),
+        "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),
+        "distinct_layers": len(set(plan.rep)),
+        "dedup_spread": spread,
+        "peak_rss_bytes": peak_rss_bytes(),
         # other processes on the machine inflate wall-clock timings (seen here: up to 2x on 2 shared cores)
         "load_average_1min": os.getloadavg()[0],
     }
+    meta.update(extra)
+    if dev.type == "cuda":
+        meta["peak_cuda_allocated_bytes"] = peaks.cuda
+    if memory:
+        meta["memory_check"] = memory
     return Profile(tuple(results), meta)

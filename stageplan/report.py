@@ -40,28 +40,48 @@ def ratio(x: float | None) -> str:
 
 
 def profile_table(profile: Profile) -> str:
-    """Per-layer table in ms and MiB, with totals and the sum-vs-whole ratio."""
-    headers = ["#", "layer", "fwd ms", "bwd ms", "spread %", "act MiB", "out MiB", "param MiB"]
+    """Per-layer table in ms and MiB, with totals, where each row's figures came from, and the sum-vs-whole
+    ratio (or why the whole model was not timed)."""
+    headers = ["#", "layer", "fwd ms", "bwd ms", "spread %", "act MiB", "out MiB", "param MiB", "measured as"]
     rows = []
     for i, layer in enumerate(profile.layers):
         total = layer.forward_s + layer.backward_s
         spread = 100.0 * (layer.forward_iqr_s + layer.backward_iqr_s) / total if total > 0 else 0.0
         rows.append([i, layer.name, ms(layer.forward_s), ms(layer.backward_s), f"{spread:.1f}",
-                     mib(layer.activation_bytes), mib(layer.output_bytes), mib(layer.param_bytes)])
+                     mib(layer.activation_bytes), mib(layer.output_bytes), mib(layer.param_bytes),
+                     f"= {layer.measured_as}" if layer.measured_as else ""])
     f = sum(layer.forward_s for layer in profile.layers)
     b = sum(layer.backward_s for layer in profile.layers)
     rows.append(["", "total", ms(f), ms(b), "", mib(sum(x.activation_bytes for x in profile.layers)), "",
-                 mib(sum(x.param_bytes for x in profile.layers))])
-    table = format_table(headers, rows, right=[True, False, True, True, True, True, True, True])
+                 mib(sum(x.param_bytes for x in profile.layers)), ""])
+    table = format_table(headers, rows, right=[True, False, True, True, True, True, True, True, False])
     meta = profile.meta
     lines = [table]
     whole = meta.get("whole_model_s")
     if whole:
         lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = {ratio(profile.sum_vs_whole)} "
                      "(near 1: timing layers alone misses little of the whole model's time)")
-    lines.append("spread % = (fwd IQR + bwd IQR) / (fwd + bwd) over the timed rounds: how much a layer's time varied; "
-                 "act = bytes saved for backward per microbatch, out = bytes crossing to the next layer")
-    desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats") if k in meta)
+    elif meta.get("whole_model"):
+        lines.append(f"whole model not timed ({meta['whole_model']}): no sum-of-layers / whole ratio")
+    estimate = meta.get("estimate")
+    if meta.get("timer") == "analytic" and isinstance(estimate, dict):
+        lines.append(f"times are analytic estimates for {estimate.get('gpu')} (compute efficiency {estimate.get('eta_c')}, "
+                     f"memory efficiency {estimate.get('eta_m')}, {estimate.get('attention', 'flash')} attention): "
+                     f"{estimate.get('accuracy')}; activation and output bytes are exact")
+    else:
+        lines.append("spread % = (fwd IQR + bwd IQR) / (fwd + bwd) over the timed rounds: how much a layer's time varied; "
+                     "act = bytes saved for backward per microbatch, out = bytes crossing to the next layer")
+    reused = sum(1 for x in profile.layers if x.measured_as)
+    if reused:
+        line = (f"measured as = the identical layer whose times and act bytes a row reuses "
+                f"({len(profile.layers) - reused} distinct of {len(profile.layers)} layers)")
+        spread_check = meta.get("dedup_spread")
+        if isinstance(spread_check, dict) and spread_check.get("forward_ratio") is not None:
+            line += (f"; {spread_check['layer']} / {spread_check['vs']}: fwd {ratio(spread_check['forward_ratio'])}, "
+                     f"bwd {ratio(spread_check.get('backward_ratio'))}")
+        lines.append(line)
+    desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats",
+                                                 "materialized") if meta.get(k) is not None)
     if desc:
         lines.append(desc)
     return "\n".join(lines)

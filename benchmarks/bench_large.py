@@ -1,0 +1,144 @@
+"""Models bigger than the machine: profile LLaMA-2-7B layer at a time on this CPU (27 GB of fp32 parameters on a
+24 GiB machine), and estimate LLaMA-2-70B for an H100 SXM without running it. Prints wall time, peak RSS and
+how many blocks were measured once for all. Not a unit test: each part runs in a fresh process (peak RSS is a
+process's own), and the 7B part takes minutes.
+
+    python benchmarks/bench_large.py            # both parts
+    python benchmarks/bench_large.py --part 70b # one part
+
+Goals: 7B (seq 128, microbatch 1, streaming, dedup, default repeats): peak RSS <= 8 GB, <= 15 minutes, 32 blocks,
+31 of them measured_as the first. 70B (seq 4096, microbatch 1 of a batch of 8, bfloat16, estimate:h100-sxm):
+<= 2 minutes, peak RSS <= 4 GB; the profile is written to profiles/estimate/llama2-70b-h100-sxm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ESTIMATE_OUT = ROOT / "profiles" / "estimate" / "llama2-70b-h100-sxm.json"
+
+# The published shapes (config.json of meta-llama/Llama-2-7b-hf and Llama-2-70b-hf).
+LLAMA2: dict[str, dict[str, Any]] = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
+}
+
+
+def _llama_workload(size: str, *, seq_len: int, batch_size: int, dtype: str) -> Any:
+    """The ``hf`` workload's preset where this stageplan has it; else the same model built here: LLaMA-2 of
+    ``size`` from its LlamaConfig with parameters on meta, SDPA attention, no cache, a forward returning the
+    logits, real token ids and the next token as target."""
+    import torch
+    import torch.nn.functional as F
+
+    from stageplan import Workload
+    from stageplan.materialize import init_empty_weights
+    from stageplan.profiler import default_dtype
+    from stageplan.zoo import BUILTINS, build_workload
+
+    if "hf" in BUILTINS:
+        with default_dtype(dtype), init_empty_weights():
+            return build_workload("hf", {"preset": f"llama2-{size}", "seq_len": seq_len, "batch_size": batch_size,
+                                         "dtype": dtype})
+    import transformers
+
+    class LlamaLogits(transformers.LlamaForCausalLM):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids=input_ids).logits
+
+    config = transformers.LlamaConfig(**LLAMA2[size], vocab_size=32000, max_position_embeddings=4096,
+                                      rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    with default_dtype(dtype), init_empty_weights():
+        model = LlamaLogits(config)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32000, (batch_size, seq_len + 1), generator=gen)
+
+    def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+    return Workload(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), lm_loss, name=f"llama2-{size}",
+                    factory_options={"preset": f"llama2-{size}", "seq_len": seq_len, "batch_size": batch_size,
+                                     "dtype": dtype})
+
+
+def part_7b() -> None:
+    import torch
+
+    from stageplan.materialize import parameter_bytes
+    from stageplan.profiler import free_bytes, peak_rss_bytes, profile_model
+
+    t0 = time.perf_counter()
+    wl = _llama_workload("7b", seq_len=128, batch_size=8, dtype="float32")  # microbatches of 1 are profiled
+    print(f"  built on meta: {parameter_bytes(wl.model) / 1e9:.1f} GB of fp32 parameters, "
+          f"{free_bytes(torch.device('cpu')) / 1e9:.1f} GB free; {time.perf_counter() - t0:.1f} s", flush=True)
+    prof = profile_model(wl, microbatch_size=1, progress=True)  # streaming chosen by the memory rule
+    wall = time.perf_counter() - t0
+    blocks = [x for x in prof.layers if ".layers." in f".{x.name}"]
+    first = blocks[0].name if blocks else None
+    reused = sum(1 for x in blocks if x.measured_as == first)
+    spread = prof.meta.get("dedup_spread") or {}
+    print(f"  materialized: {prof.meta['materialized']} ({prof.meta.get('memory_check', {}).get('rule', 'forced')})")
+    print(f"  wall time {wall:.0f} s (goal <= 900 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 8 GB)")
+    print(f"  {len(blocks)} blocks (goal 32), {reused} measured_as {first} (goal 31); "
+          f"{prof.meta['layers_measured']} of {len(prof)} layers measured; "
+          f"spread {spread.get('layer')} / {spread.get('vs')}: fwd {spread.get('forward_ratio', 0):.3f}, "
+          f"bwd {spread.get('backward_ratio', 0):.3f}")
+    for x in prof.layers[:2] + prof.layers[-1:]:
+        print(f"  {x.name:22s} fwd {x.forward_s * 1e3:8.1f} ms  bwd {x.backward_s * 1e3:8.1f} ms  "
+              f"act {x.activation_bytes / 2**20:7.1f} MiB  params {x.param_bytes / 2**20:7.1f} MiB")
+    print(f"  load average at the end {prof.meta['load_average_1min']:.2f} (2 shared cores)")
+
+
+def part_70b() -> None:
+    from stageplan.materialize import parameter_bytes
+    from stageplan.profiler import peak_rss_bytes, profile_model
+
+    t0 = time.perf_counter()
+    # A batch of 8 sequences, profiled per microbatch of 1: plans default to 8 microbatches.
+    wl = _llama_workload("70b", seq_len=4096, batch_size=8, dtype="bfloat16")
+    print(f"  built on meta: {parameter_bytes(wl.model) / 2 / 1e9:.2f} B parameters; {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    prof = profile_model(wl, microbatch_size=1, device="estimate:h100-sxm")
+    wall = time.perf_counter() - t0
+    ESTIMATE_OUT.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(ESTIMATE_OUT)
+    blocks = [x for x in prof.layers if ".layers." in f".{x.name}"]
+    print(f"  wall time {wall:.1f} s (goal <= 120 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 4 GB)")
+    print(f"  {len(blocks)} blocks, {sum(1 for x in blocks if x.measured_as)} measured_as {blocks[0].name}; "
+          f"{prof.meta['layers_measured']} of {len(prof)} layers estimated")
+    for x in prof.layers[:2] + prof.layers[-1:]:
+        print(f"  {x.name:22s} fwd {x.forward_s * 1e3:8.2f} ms  bwd {x.backward_s * 1e3:8.2f} ms  "
+              f"act {x.activation_bytes / 2**30:6.2f} GiB  params {x.param_bytes / 2**30:6.2f} GiB")
+    step = sum(x.forward_s + x.backward_s for x in prof.layers)
+    print(f"  one microbatch forward+backward on one H100 SXM: {step:.2f} s (all 80 blocks); wrote "
+          f"{ESTIMATE_OUT.relative_to(ROOT)}")
+
+
+PARTS = {"7b": ("LLaMA-2-7B, seq 128, microbatch 1, fp32, layer at a time on this CPU", part_7b),
+         "70b": ("LLaMA-2-70B, seq 4096, microbatch 1, bfloat16, estimate:h100-sxm", part_70b)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=sorted(PARTS), default=None, help="run one part in this process")
+    args = parser.parse_args()
+    if args.part is not None:
+        title, fn = PARTS[args.part]
+        print(title, flush=True)
+        fn()
+        return
+    for name in ("70b", "7b"):  # each in a fresh process: its peak RSS is its own
+        subprocess.run([sys.executable, __file__, "--part", name], check=True)
+
+
+if __name__ == "__main__":
+    main()
