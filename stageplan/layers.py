@@ -358,6 +358,33 @@ def cut_stages(model: nn.Module, example_args: tuple[Any, ...], layer_names: Seq
     return cut
 
 
+def retarget_devices(cut: CutModel, device: torch.device) -> None:
+    """A model on meta can only be traced with meta tensors flowing, so its exported pieces carry ``device=meta``
+    constants (``arange``, ``.to(device)``, metadata asserts): point them at the device the pieces run on."""
+    from torch.fx.node import map_aggregate
+
+    def fix(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for piece in cut.pieces:
+        for mod in piece.module.modules():
+            graph = getattr(mod, "graph", None)
+            if not isinstance(graph, torch.fx.Graph):
+                continue
+            changed = False
+            for node in graph.nodes:
+                args, kwargs = map_aggregate(node.args, fix), map_aggregate(node.kwargs, fix)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs = args, kwargs
+                    changed = True
+            if changed:
+                gm = mod if isinstance(mod, torch.fx.GraphModule) else getattr(mod, "graph_module", None)
+                if isinstance(gm, torch.fx.GraphModule) and gm.graph is graph:
+                    gm.recompile()
+                elif callable(getattr(mod, "finalize", None)):
+                    mod.finalize()  # type: ignore[operator]
+
+
 def tensor_bytes(values: Any) -> int:
     """Bytes of the tensors in a (nested) value."""
     if isinstance(values, torch.Tensor):

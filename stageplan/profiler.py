@@ -29,6 +29,7 @@ from stageplan.layers import (
     Piece,
     cut_layers,
     resolve,
+    retarget_devices,
     store_outputs,
     tensor_bytes,
     used_parameters,
@@ -529,33 +530,6 @@ def _meta_model(model: nn.Module, dtype: torch.dtype | None, buffers_to: torch.d
     return meta
 
 
-def _retarget_devices(cut: CutModel, device: torch.device) -> None:
-    """A model on meta can only be traced with meta tensors flowing, so its exported pieces carry ``device=meta``
-    constants (``arange``, ``.to(device)``, metadata asserts): point them at the device the pieces run on."""
-    from torch.fx.node import map_aggregate
-
-    def fix(a: Any) -> Any:
-        return device if isinstance(a, torch.device) and a.type == "meta" else a
-
-    for piece in cut.pieces:
-        for mod in piece.module.modules():
-            graph = getattr(mod, "graph", None)
-            if not isinstance(graph, torch.fx.Graph):
-                continue
-            changed = False
-            for node in graph.nodes:
-                args, kwargs = map_aggregate(node.args, fix), map_aggregate(node.kwargs, fix)
-                if args != node.args or kwargs != node.kwargs:
-                    node.args, node.kwargs = args, kwargs
-                    changed = True
-            if changed:
-                gm = mod if isinstance(mod, torch.fx.GraphModule) else getattr(mod, "graph_module", None)
-                if isinstance(gm, torch.fx.GraphModule) and gm.graph is graph:
-                    gm.recompile()
-                elif callable(getattr(mod, "finalize", None)):
-                    mod.finalize()  # type: ignore[operator]
-
-
 def _fake_chain(cut: CutModel, args: tuple[Any, ...], device: torch.device) -> tuple[list[list[Any]], list[int]]:
     """Every piece's inputs as fake tensors (shapes, dtypes and strides; no data, no compute), and the bytes that
     cross a boundary after each piece."""
@@ -784,7 +758,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
     args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
     target = ctx.target()
     cut = cut_layers(model, args, ctx.layers)
-    _retarget_devices(cut, ctx.dev)
+    retarget_devices(cut, ctx.dev)
     n = len(cut.pieces)
     plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(_fake_chain(cut, args, ctx.dev)[0])],
                   ctx.dedup)
@@ -837,7 +811,7 @@ def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
     args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
     target = ctx.target()
     cut = cut_layers(model, args, ctx.layers)
-    _retarget_devices(cut, ctx.dev)
+    retarget_devices(cut, ctx.dev)
     n = len(cut.pieces)
     inputs, crossing = _fake_chain(cut, args, ctx.dev)
     plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(inputs)], ctx.dedup)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from stageplan.errors import StageplanError
-from stageplan.layers import cut_layers, cut_stages, used_parameters
+from stageplan.layers import cut_layers, cut_stages, retarget_devices, used_parameters
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -64,8 +64,8 @@ DEFAULT_LR = {"none": 0.0, "sgd": 0.05, "momentum": 0.05, "adam": 1e-3, "adamw":
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
     """torch's optimizer for ``name`` (momentum: SGD with momentum 0.9); None for "none"."""
-    if name == "none":
-        return None
+    if name == "none" or not params:
+        return None  # no update, or a stage without parameters (an activation alone) has nothing to update
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "momentum":
@@ -119,6 +119,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     mine = [s for s, st in enumerate(plan.stages) if st.rank == rank]
     ties = tie_groups(model)
     cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
+    retarget_devices(cut, device)  # a trace with meta tensors flowing bakes device=meta into the pieces
     stages = []
     for s in mine:
         piece = cut.pieces[s].module
