@@ -91,42 +91,70 @@ class Timer:
         return out
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor can reach: [offset, offset + extent) (a strided view's extent is from its
+    first to its last element)."""
+    elem = t.element_size()
+    start = int(t.storage_offset()) * elem
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((int(size) - 1) * int(stride) for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return start, start + extent * elem
+
+
+def _union_bytes(spans: dict[tuple[int, int], int]) -> int:
+    total, end = 0, -1
+    for lo, hi in sorted(spans):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
 class SavedTensorTracker:
-    """Live saved-for-backward bytes: + a storage's bytes when autograd first saves a tensor on it, - when the
-    graph frees the last saved tensor on it (deduplicated by storage with a refcount: saved tensors and views
-    share storage; FIELD.md). Storages in ``exclude`` (the parameters) are not counted. ``key`` names a storage:
-    its data pointer by default, :func:`storage_identity` for fake tensors (whose data pointers are all 0)."""
+    """Live saved-for-backward bytes, counted at the bytes the saved tensors reach: tensors and views saved on one
+    storage count once (deduplicated by storage: FIELD.md), and a view counts at its own extent, not its storage's:
+    the slice of a batch's target that a microbatch's loss saves counts as the microbatch's rows, not the whole
+    batch. Bytes leave when the graph frees the saved tensors. Storages in ``exclude`` (the parameters) are not
+    counted. ``key`` names a storage: its data pointer by default, :func:`storage_identity` for fake tensors (whose
+    data pointers are all 0)."""
 
     def __init__(self, exclude: set[int] | None = None, key: Callable[[torch.Tensor], int] | None = None) -> None:
         self.exclude = exclude or set()
         self.key = key or (lambda t: t.untyped_storage().data_ptr())
         self.live = 0
         self.peak = 0
-        self._refs: dict[int, int] = {}
+        self._spans: dict[int, dict[tuple[int, int], int]] = {}  # storage -> {byte span: saved tensors on it}
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def _pack(self, t: torch.Tensor) -> Any:
-        storage = t.untyped_storage()
         ptr = self.key(t)
         if ptr in self.exclude:
             return t
-        if self._refs.get(ptr, 0) == 0:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self._refs[ptr] = self._refs.get(ptr, 0) + 1
-        return _Held(self, t, ptr, storage.nbytes())
+        span = _byte_span(t)
+        spans = self._spans.setdefault(ptr, {})
+        before = _union_bytes(spans)
+        spans[span] = spans.get(span, 0) + 1
+        self.live += _union_bytes(spans) - before
+        self.peak = max(self.peak, self.live)
+        return _Held(self, t, ptr, span)
 
     @staticmethod
     def _unpack(held: Any) -> torch.Tensor:
         return held.t if isinstance(held, _Held) else held
 
-    def _release(self, ptr: int, nbytes: int) -> None:
-        self._refs[ptr] -= 1
-        if self._refs[ptr] == 0:
-            del self._refs[ptr]
-            self.live -= nbytes
+    def _release(self, ptr: int, span: tuple[int, int]) -> None:
+        spans = self._spans[ptr]
+        before = _union_bytes(spans)
+        spans[span] -= 1
+        if spans[span] == 0:
+            del spans[span]
+        self.live -= before - _union_bytes(spans)
+        if not spans:
+            del self._spans[ptr]
 
     def hooks(self) -> Any:
         """The context in which autograd's saved tensors are counted."""
@@ -149,13 +177,13 @@ def storage_identity(t: torch.Tensor) -> int:
 
 
 class _Held:
-    __slots__ = ("nbytes", "ptr", "t", "tracker")
+    __slots__ = ("ptr", "span", "t", "tracker")
 
-    def __init__(self, tracker: SavedTensorTracker, t: torch.Tensor, ptr: int, nbytes: int) -> None:
-        self.tracker, self.t, self.ptr, self.nbytes = tracker, t, ptr, nbytes
+    def __init__(self, tracker: SavedTensorTracker, t: torch.Tensor, ptr: int, span: tuple[int, int]) -> None:
+        self.tracker, self.t, self.ptr, self.span = tracker, t, ptr, span
 
     def __del__(self) -> None:
-        self.tracker._release(self.ptr, self.nbytes)
+        self.tracker._release(self.ptr, self.span)
 
 
 def saved_bytes(fn: Callable[[], Any], exclude_ptrs: set[int]) -> tuple[int, Any]:

@@ -845,7 +845,7 @@ def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
                      "attention": "flash", "sources": method.get("sources"), "model": method.get("model"),
                      "accuracy": ESTIMATE_ACCURACY},
         "method": "per-layer analytic roofline estimate (stageplan.estimate) on fake tensors, nothing run; "
-                  "activation bytes exact via saved_tensors_hooks deduplicated by storage",
+                  "activation bytes exact via saved_tensors_hooks deduplicated by storage, views at their own extent",
     }
     return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, _Peaks(), device=f"{_ESTIMATE_PREFIX}{gpu.name}")
 
@@ -903,7 +903,8 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
                   "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
-                  "activation bytes via saved_tensors_hooks deduplicated by storage",
+                  "activation bytes via saved_tensors_hooks deduplicated by storage, views at their own extent (the loss target "
+                  "at its microbatch size)",
         "whole_model_s": whole,
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,

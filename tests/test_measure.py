@@ -1,0 +1,61 @@
+"""The one instrument: saved bytes at their own size, medians, microbatches (against hand-counted bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stageplan.errors import StageplanError
+from stageplan.measure import SavedTensorTracker, check_microbatch_size, median_iqr, microbatch, microbatch_size_for
+
+
+def test_a_view_counts_at_its_own_size_and_storages_once() -> None:
+    big = torch.randn(64, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+    tracker = SavedTensorTracker({w.untyped_storage().data_ptr()})
+    with tracker.hooks():
+        out = big[:32] @ w  # saves the view (32 rows) and w (excluded)
+    assert tracker.live == 32 * 16 * 4
+    with tracker.hooks():
+        out2 = big[16:48] @ w  # overlaps rows 16..31: the union is rows 0..47
+    assert tracker.live == 48 * 16 * 4
+    del out
+    assert tracker.live == 32 * 16 * 4  # rows 16..47 still saved
+    del out2
+    assert tracker.live == 0 and tracker.peak == 48 * 16 * 4
+
+
+def test_a_strided_view_counts_from_its_first_to_its_last_element() -> None:
+    x = torch.randn(8, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    tracker = SavedTensorTracker({w.untyped_storage().data_ptr()})
+    with tracker.hooks():
+        _out = x[:, :2] @ w[:2]  # rows of 2 elements, stride 8: elements 0..57
+    assert tracker.live == (7 * 8 + 2) * 4
+
+
+def test_the_loss_target_of_a_microbatch_counts_as_the_microbatch() -> None:
+    """An MLP with MSE, batch 64, microbatch 32: the last layer (Tanh + loss) saves its output and the target's
+    microbatch slice, 32 x 16 float32 each. The slice used to count as the whole batch's target storage (2 KiB too
+    many here; 32 KiB in the wider MLP of the issue that found it)."""
+    from stageplan.profiler import profile_model
+    from stageplan.workload import Workload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    wl = Workload(model, torch.randn(64, 16), torch.randn(64, 16), nn.functional.mse_loss)
+    prof = profile_model(wl, microbatch_size=32, warmup=0, repeats=1)
+    assert prof.layers[-1].activation_bytes == 2 * 32 * 16 * 4
+    assert prof.layers[0].activation_bytes == 32 * 16 * 4  # Linear saves its input (the weight is excluded)
+
+
+def test_medians_and_microbatches() -> None:
+    assert median_iqr([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0)
+    assert median_iqr([5.0]) == (5.0, 0.0)
+    assert microbatch_size_for(8, 4) == 2
+    assert torch.equal(microbatch(torch.arange(8), 1, 2), torch.tensor([2, 3]))
+    with pytest.raises(StageplanError, match=r"the batch of 8 does not divide into the plan's 3 microbatches"):
+        microbatch_size_for(8, 3)
+    with pytest.raises(StageplanError, match=r"microbatch size 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]"):
+        check_microbatch_size(8, 3)
