@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from stageplan.errors import StageplanError
-from stageplan.measure import SavedTensorTracker, check_microbatch_size, median_iqr, microbatch, microbatch_size_for
+from stageplan.measure import (
+    SavedTensorTracker,
+    check_microbatch_size,
+    median_iqr,
+    microbatch,
+    microbatch_size_for,
+)
 
 
 def test_a_view_counts_at_its_own_size_and_storages_once() -> None:
