@@ -19,7 +19,7 @@ import torch
 
 from stageplan.errors import WorkloadError
 from stageplan.materialize import Checkpoint
-from stageplan.measure import SavedTensorTracker, Timer, median_iqr
+from stageplan.measure import SavedTensorTracker, Timer, median_iqr, steady_allocator
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.stages import (
@@ -40,6 +40,7 @@ def _device(backend: str, rank: int) -> torch.device:
         torch.cuda.set_device(device)
         return device
     torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each (FIELD.md: 2.2x slower with two)
+    steady_allocator()  # the profiler measured with large buffers reused; so does the run
     return torch.device("cpu")
 
 

@@ -20,6 +20,37 @@ if TYPE_CHECKING:
     from stageplan.workload import Workload
 
 
+_ALLOCATOR_STEADY = False
+
+
+def steady_allocator() -> bool:
+    """Keep freed multi-MiB buffers for reuse (glibc only; elsewhere a no-op returning False).
+
+    glibc maps large allocations fresh (mmap) above a threshold it moves at run time, and trims freed heap, so the
+    multi-MiB logits of a 16384-token head and their gradients were faulted in anew on some steps and reused on
+    others, differently from one process to the next (0 to 2,144 minor page faults per step, seen here): one
+    cause of that layer's time swinging between profiles (FIELD.md: 18.5 vs 28.7 ms). Fixed thresholds cut the
+    faults to 102-717 a step. The profiler and every rank call it, so profile and run measure alike.
+    """
+    global _ALLOCATOR_STEADY
+    if _ALLOCATOR_STEADY:
+        return True
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+    except (OSError, AttributeError):
+        return False
+    _ALLOCATOR_STEADY = ok
+    return ok
+
+
 def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
     """Median and inter-quartile range (seconds in, seconds out); (nan, nan) for no samples.
 

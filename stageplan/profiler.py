@@ -49,6 +49,7 @@ from stageplan.measure import (
     first_microbatch,
     median_iqr,
     saved_bytes,
+    steady_allocator,
     storage_identity,
 )
 from stageplan.profile import LayerProfile, Profile
@@ -649,6 +650,7 @@ def profile_model(
     if not isinstance(workload.model, nn.Module):
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
 
+    steady_allocator()  # reuse large buffers, as every rank does: see measure.steady_allocator
     rng_cpu = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads = torch.get_num_threads()
