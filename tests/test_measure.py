@@ -67,28 +67,6 @@ def test_medians_and_microbatches() -> None:
         check_microbatch_size(8, 3)
 
 
-def _faults_per_step(steady: bool) -> float:
-    import subprocess
-    import sys
-
-    code = (
-        "import resource, torch\n"
-        "from stageplan.measure import steady_allocator\n"
-        f"assert steady_allocator() if {steady} else True\n"
-        "torch.set_num_threads(1)\n"
-        "head = torch.nn.Linear(128, 16384, bias=False)\n"
-        "x = torch.randn(2, 64, 128, requires_grad=True); y = torch.randint(0, 16384, (128,))\n"
-        "def step():\n"
-        "    torch.nn.functional.cross_entropy(head(x).reshape(-1, 16384), y).backward()\n"
-        "for _ in range(5): step()\n"
-        "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "for _ in range(20): step()\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    return float(done.stdout)
-
-
 def test_the_allocator_thresholds_are_set_once_on_glibc() -> None:
     """The page-fault counts behind this setting vary from process to process (0-2,144 a step with glibc's
     defaults, 0-717 with fixed thresholds, seen here), too widely for a test of their own; this pins that the
