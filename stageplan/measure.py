@@ -44,7 +44,9 @@ def steady_allocator() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+        # 32 MiB, glibc's own ceiling for its moving threshold: whole weight matrices above it stay mapped (returned to
+        # the system when freed, as layer-at-a-time profiling needs), the activations below it are reused
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
     except (OSError, AttributeError):
         return False
     _ALLOCATOR_STEADY = ok
