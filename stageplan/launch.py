@@ -44,6 +44,7 @@ from stageplan.materialize import (
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
+from stageplan.units import format_bytes
 from stageplan.workload import Workload
 
 PROGRESS_PREFIX = "stageplan-progress: "
@@ -101,7 +102,8 @@ def run(
         validate(meta_wl, the_plan)
         if check and not opts["weights"] and parameter_bytes(meta_wl.model) > _available_bytes() // 2:
             raise StageplanError("--check trains the whole model in one process, and this model's parameters "
-                                 f"({parameter_bytes(meta_wl.model) / 2**30:.1f} GiB) would not fit here; run without --check")
+                                 f"({format_bytes(parameter_bytes(meta_wl.model))}, twice that with gradients) would not "
+                                 f"fit in the {format_bytes(_available_bytes())} available here; run without --check")
         _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
         if _needs_fork(meta_wl):
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress, forked=(meta_wl, the_plan, opts))
