@@ -348,10 +348,10 @@ def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path,
 @pytest.mark.usefixtures("no_spawn")
 def test_check_is_refused_when_the_reference_cannot_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    # the faulty model: 3 x Linear(16, 16) = 3 x 272 x 4 B = 3.19 KiB. A machine with 1 KiB free: the factory's weights are not written, ranks initialise by FQN, and the whole-model
-    # reference that --check trains would not fit
+    # the faulty model: 3 x Linear(16, 16) = 3 x 272 x 4 B = 3.19 KiB. On a machine with 1 KiB free the factory's
+    # weights are not written, the ranks initialise by FQN, and the reference that --check trains would not fit
     monkeypatch.setattr(launch, "_available_bytes", lambda: 1024)
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--check"], capsys)
     assert_one_line_error(code, err, r"--check trains the whole model in one process, and this model's parameters "
-                                     r"\(4.\d\d KiB, twice that with gradients\) would not fit in the 1.00 KiB available "
+                                     r"\(3.19 KiB, twice that with gradients\) would not fit in the 1.00 KiB available "
                                      r"here; run without --check")
