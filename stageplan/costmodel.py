@@ -157,6 +157,9 @@ class LayerArrays:
     output_bytes: np.ndarray
     param_bytes: np.ndarray
     param_count: np.ndarray
+    # per optimizer ("sgd", "momentum", "adam", "adamw"): seconds of one optimizer step per layer; NaN where the
+    # profile did not measure it (profiles written before it was measured)
+    optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def of(cls, profile: Profile, num_microbatches: int = 1) -> LayerArrays:
@@ -175,7 +178,30 @@ class LayerArrays:
                 raise StageplanError(
                     f"layer {i} ({profile.layers[i].name!r}) has {k} = {a[i]}; costs must be finite and >= 0; re-profile the model"
                 )
-        return cls(**arr)
+        optimizer = {name: np.array([math.nan if x.optimizer_s is None else x.optimizer_s.get(name, math.nan)
+                                     for x in profile.layers], dtype=float)
+                     for name in OPTIMIZER_STATE_FACTOR if name != "none"}
+        return cls(**arr, optimizer_s=optimizer)
+
+
+def optimizer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
+    """Seconds of one optimizer step (``opts.optimizer``) per layer on the profiled device, as the profiler
+    measured it (the step over the layer's parameters with gradients present; memory-bound, so it does not
+    depend on the microbatch). 0 for optimizer "none", and 0 where the profile lacks it (``optimizer_measured``
+    says so). Paid once per step per rank, after its last backward: it adds to the step, never to the
+    per-microbatch stage time the solver balances."""
+    times = arr.optimizer_s.get(opts.optimizer)
+    if times is None:
+        return np.zeros_like(arr.forward_s)
+    return np.nan_to_num(times, nan=0.0)
+
+
+def optimizer_measured(arr: LayerArrays, opts: CostOptions) -> bool:
+    """False when the optimizer step counts but the profile did not measure it for some layer."""
+    if opts.optimizer == "none":
+        return True
+    times = arr.optimizer_s.get(opts.optimizer)
+    return times is not None and bool(np.all(np.isfinite(times)))
 
 
 def layer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
@@ -317,6 +343,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     shape = opts.shape
     fl, ranks = shape.peak_inflight, shape.stage_ranks
     comm = comm_time(arr, opts)
+    opt_time = optimizer_time(arr, opts)
     terms = memory_terms(arr, opts)
     L = len(arr.forward_s)
     p = opts.num_ranks
@@ -331,8 +358,9 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         c = 2.0 * float(comm[j - 1]) if j < L else 0.0
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
+        o = float(opt_time[i:j].sum()) / dev.speed  # once per step, not per microbatch: not in time_s
         stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c, fl[s], mem,
-                                dev.memory_limit_bytes))
+                                dev.memory_limit_bytes, o))
     rank_time = [0.0] * p
     static = [0.0] * p
     for st in stages:
@@ -343,13 +371,16 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     else:
         peaks = _rank_peak_activation_bytes(arr, boundaries, shape)
     sim = simulate_shape(shape, np.array([st.forward_s for st in stages]), np.array([st.backward_s for st in stages]),
-                         np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)))
+                         np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
+                         np.array([st.optimizer_s for st in stages]))
     bottleneck = max(rank_time)
     lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices])
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
     notes = []
     if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
         notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
+    if not optimizer_measured(arr, opts):
+        notes.append("optimizer step not measured in this profile: re-profile to include it")
     if opts.boundary_latency_s > 0:
         notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, fitted by calibrate from a run")
     for r, d in enumerate(opts.devices):
@@ -402,6 +433,7 @@ class SplitCosts:
         self.opts, self.num_layers = opts, L
         self.fwd_prefix = np.concatenate([[0.0], np.cumsum(arr.forward_s)])
         self.bwd_prefix = np.concatenate([[0.0], np.cumsum(arr.backward_s)])
+        self.opt_prefix = np.concatenate([[0.0], np.cumsum(optimizer_time(arr, opts))])
         self.comm = comm_time(arr, opts)  # one way, per boundary after each layer
         self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
         terms = list(memory_terms(arr, opts).values())
@@ -433,13 +465,21 @@ class SplitCosts:
         f, b, c, mem = self.stage(np.arange(bounds.shape[1] - 1)[None, :], bounds[:, :-1], bounds[:, 1:])
         return f, b, c, mem @ self.rank_of
 
+    def optimizer(self, bounds: np.ndarray) -> np.ndarray:
+        """Per-chunk seconds of one optimizer step (N, S) for each row of ``bounds`` (N, S+1), as ``evaluate``
+        counts it (the layers' optimizer times over the chunk's device speed)."""
+        bounds = np.asarray(bounds)
+        s = np.arange(bounds.shape[1] - 1)[None, :]
+        return (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
+
     def rank_time(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
         """Per-rank seconds per microbatch (N, p): the sum of its chunks' f + b + c, as ``evaluate`` counts it."""
         return (f + b + c) @ self.rank_of
 
-    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None) -> np.ndarray:
         """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
-        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived)."""
+        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived;
+        each rank's optimizer step ``o``, summed over its chunks, after its last action)."""
         shape = self.opts.shape
         graph = _step_graph(shape)
         n = f.shape[0]
@@ -453,7 +493,11 @@ class SplitCosts:
             start = np.maximum(end[graph.prev[ids]], end[graph.dep1[ids]] + hop[graph.hop1[ids]])
             start = np.maximum(start, end[graph.dep2[ids]] + hop[graph.hop2[ids]])
             end[ids] = start + duration[graph.kind_stage[ids]]
-        return end[:-1].max(axis=0)
+        if o is None:
+            return end[:-1].max(axis=0)
+        # a rank's last action ends last on that rank; its optimizer step follows (schedules.simulate_shape)
+        finish = end[graph.last] + (o @ self.rank_of).T  # (p, N)
+        return np.maximum(end[:-1].max(axis=0), finish.max(axis=0))
 
 
 @dataclass(frozen=True)
@@ -471,6 +515,7 @@ class _StepGraph:
     hop2: np.ndarray
     kind_stage: np.ndarray
     crosses: np.ndarray  # per boundary k -> k+1: 1.0 when chunks k and k+1 run on different ranks
+    last: np.ndarray  # per rank, its last action
 
 
 _STEP_GRAPHS: dict[tuple[str, int, int, int], _StepGraph] = {}
@@ -522,4 +567,5 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
     cuts = np.flatnonzero(np.diff(level[:A][order])) + 1
     ranks = shape.stage_ranks
     crosses = np.array([float(ranks[k] != ranks[k + 1]) for k in range(S - 1)])
-    return _StepGraph(A, tuple(np.split(order, cuts)), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses)
+    last = np.cumsum([len(o) for o in shape.orders]) - 1
+    return _StepGraph(A, tuple(np.split(order, cuts)), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses, last)

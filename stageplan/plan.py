@@ -39,6 +39,9 @@ class StagePlan:
     inflight: int
     memory: dict[str, float]
     memory_limit_bytes: float | None = None
+    # seconds of one optimizer step over the stage's parameters: once per step, after the rank's last backward;
+    # not part of time_s (seconds per microbatch, what the solver balances); 0 in plans made before it existed
+    optimizer_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class Plan:
 
         comm = one_way_delays([st.comm_s for st in self.stages], float(self.cost_options.get("boundary_latency_s", 0.0)))
         return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
-                        self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages)
+                        self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
+                        optimizer_s=[st.optimizer_s for st in self.stages])
 
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd
@@ -119,7 +123,7 @@ class Plan:
         for st in self.stages:
             row = {"stage": st.index, "rank": st.rank, "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
                    "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s, "comm_s": st.comm_s,
-                   "time_s": st.time_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
+                   "time_s": st.time_s, "optimizer_s": st.optimizer_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
             row.update({f"{k}_bytes": v for k, v in st.memory.items()})
             rows.append(row)
         return pd.DataFrame(rows)

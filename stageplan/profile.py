@@ -37,6 +37,10 @@ class LayerProfile:
     - ``measured_as``: the name of the identical layer whose times and activation bytes this row reuses (that
       layer was measured, this one was not); None when this row was measured itself. Its output and
       parameter bytes are always its own.
+    - ``optimizer_s``: per optimizer ("sgd", "momentum" = SGD with momentum 0.9, "adam", "adamw"), the median
+      seconds of one ``optimizer.step()`` over this layer's parameters with gradients present, in torch's
+      default implementation, after warm-up steps (estimates: bytes moved / memory bandwidth); None in profiles
+      that did not measure it (the plan then says so and leaves the optimizer step out).
     """
 
     name: str
@@ -51,6 +55,7 @@ class LayerProfile:
     peak_bytes: int | None = None
     backward_accumulate_s: float | None = None
     measured_as: str | None = None
+    optimizer_s: dict[str, float] | None = None
 
     @property
     def time_s(self) -> float:
@@ -143,6 +148,12 @@ class Profile:
                         f"{source}: layer {i} ({item['name']!r}) has {k} = {v!r}; costs must be finite numbers >= 0; "
                         "re-profile the model"
                     )
+            opt = item.get("optimizer_s")
+            if opt is not None and (not isinstance(opt, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v >= 0 for k, v in opt.items())):
+                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has optimizer_s = {opt!r}; it must map optimizer "
+                                  "names to finite seconds >= 0, or be null; re-profile the model")
             if item.get("measured_as") is not None and not isinstance(item["measured_as"], str):
                 raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has measured_as = {item['measured_as']!r}; "
                                   "it must be a layer name or null; re-profile the model")
@@ -161,8 +172,10 @@ class Profile:
 
     def digest(self) -> str:
         """sha256 (first 16 hex) of the canonical JSON of the layers' costs: identifies what a plan was made from.
-        Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out, so that
-        digests of profiles written before it existed stay the same."""
-        rows = [{k: v for k, v in asdict(layer).items() if k != "measured_as"} for layer in self.layers]
+        Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out; the optimizer
+        times are costs and count where measured, and are left out where absent (None), so that digests of
+        profiles written before either existed stay the same."""
+        rows = [{k: v for k, v in asdict(layer).items()
+                 if k != "measured_as" and not (k == "optimizer_s" and v is None)} for layer in self.layers]
         blob = json.dumps(rows, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -386,6 +386,43 @@ class _Figures:
     backward_accumulate_s: float | None
     activation_bytes: int
     peak_bytes: int | None
+    optimizer_s: dict[str, float] | None = None
+
+
+# The optimizers the profiler times, as torch builds them (lr is irrelevant to the time; momentum 0.9 is the usual).
+# Each uses torch's default implementation for the parameters' device (foreach=None, fused=None): torch 2.13 picks
+# foreach on CUDA and the per-tensor loop on the CPU.
+_OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+}
+# Tensors an optimizer step reads or writes per parameter, each once (it is memory-bound): read the parameter and
+# its gradient, write the parameter, read and write each state (momentum: 1 buffer; Adam/AdamW: exp_avg and
+# exp_avg_sq). The estimate device prices a step as these bytes / (eta_m * bandwidth).
+OPTIMIZER_PASSES: dict[str, int] = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}
+
+
+def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one ``step()`` of each optimizer over copies of ``params`` (so that the layer itself is not
+    changed) with gradients of ones present, after ``max(warmup, 1)`` steps (the first one creates the states)."""
+    trained = [p for p in params if p.requires_grad]
+    if not trained:
+        return dict.fromkeys(_OPTIMIZERS, 0.0)
+    out: dict[str, float] = {}
+    for name, make in _OPTIMIZERS.items():
+        copies = []
+        for p in trained:
+            q = p.detach().clone().requires_grad_(True)
+            q.grad = torch.ones_like(q)
+            copies.append(q)
+        opt = make(copies)
+        for _ in range(max(warmup, 1)):
+            opt.step()
+        out[name] = median_iqr([timer(opt.step)[0] for _ in range(repeats)])[0]
+        del opt, copies
+    return out
 
 
 def _distinct(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
@@ -490,10 +527,11 @@ class _Peaks:
         self.cuda = max(self.cuda, int(torch.cuda.max_memory_allocated(dev)))
 
 
-def _figures(samples: list[list[float]], act: int, peak: int | None) -> _Figures:
+def _figures(samples: list[list[float]], act: int, peak: int | None,
+             optimizer_s: dict[str, float] | None = None) -> _Figures:
     f_med, f_iqr = median_iqr(samples[0])
     b_med, b_iqr = median_iqr(samples[1])
-    return _Figures(f_med, b_med, f_iqr, b_iqr, median_iqr(samples[2])[0], act, peak)
+    return _Figures(f_med, b_med, f_iqr, b_iqr, median_iqr(samples[2])[0], act, peak, optimizer_s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -740,7 +778,7 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     figures: dict[int, _Figures] = {}
     for k, run, s in zip(measured, runs, samples):
         act, peak = _bytes_and_peak(run, ctx.dev, peaks)
-        figures[k] = _figures(s, act, peak)
+        figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.warmup, ctx.repeats))
     crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
     params = [_param_totals(p.module) for p in cut.pieces]
     whole_med, whole_iqr = median_iqr(whole_times)
@@ -783,7 +821,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
             run = _make_run(piece, k, n, values, ctx.workload, target)
             (s,), _ = _time_rounds([run], timer, ctx.warmup, ctx.repeats)
             act, peak = _bytes_and_peak(run, ctx.dev, peaks)
-            figures[k] = _figures(s, act, peak)
+            figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.warmup, ctx.repeats))
             del run
         with torch.no_grad():  # the real output, streamed to the layers that need it
             store_outputs(env, k, piece.module(*values))
@@ -832,8 +870,13 @@ def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
         est = estimate_module(cut.pieces[k].module, inputs[k], gpu=gpu, dtype=None, attention="flash",
                               compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
                               loss_fn=loss if k == n - 1 else None, inputs_require_grad=k > 0)
-        figures[k] = _Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes, None)
         method = est.method
+        # memory-bound: every tensor the step touches read or written once, at eta_m of the spec bandwidth
+        rate = float(method.get("memory_efficiency") or 1.0) * gpu.memory_bandwidth
+        trained = sum(p.numel() * p.element_size()
+                      for p in _distinct(list(used_parameters(cut.pieces[k].module).values())) if p.requires_grad)
+        opt_s = {name: passes * trained / rate for name, passes in OPTIMIZER_PASSES.items()}
+        figures[k] = _Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes, None, opt_s)
     bar.update(len(plan.measured), "done")
     bar.close()
     params = [_param_totals(p.module) for p in cut.pieces]
@@ -841,13 +884,15 @@ def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
         "materialized": "none (analytic estimate on fake tensors)",
         "whole_model_s": None, "whole_model_iqr_s": None, "whole_model": "skipped: analytic estimate",
         "timer": "analytic",
+        "optimizer_step": {"implementation": "analytic: bytes moved / (eta_m x bandwidth)"},
         "warmup": None, "repeats": None, "threads": None,  # nothing was timed
         "device_name": gpu.description,
         "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"), "eta_m": method.get("memory_efficiency"),
                      "attention": "flash", "sources": method.get("sources"), "model": method.get("model"),
                      "accuracy": ESTIMATE_ACCURACY},
         "method": "per-layer analytic roofline estimate (stageplan.estimate) on fake tensors, nothing run; "
-                  "activation bytes exact via saved_tensors_hooks deduplicated by storage, views at their own extent",
+                  "activation bytes exact via saved_tensors_hooks deduplicated by storage, views at their own extent; "
+                  "optimizer step = tensors touched (sgd 3, momentum 5, adam/adamw 7) x parameter bytes / (eta_m x bandwidth)",
     }
     return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, _Peaks(), device=f"{_ESTIMATE_PREFIX}{gpu.name}")
 
@@ -867,6 +912,7 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
             param_count=int(params[k][1]), forward_iqr_s=fig.forward_iqr_s,
             backward_iqr_s=fig.backward_iqr_s, peak_bytes=fig.peak_bytes, backward_accumulate_s=fig.backward_accumulate_s,
             measured_as=None if rep == k else names[rep],
+            optimizer_s=None if fig.optimizer_s is None else dict(fig.optimizer_s),
         ))
     spread: dict[str, Any] | None = None
     if plan.spread is not None:
@@ -906,7 +952,13 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
                   "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
                   "activation bytes via saved_tensors_hooks deduplicated by storage, views at their own extent (the loss target "
-                  "at its microbatch size)",
+                  "at its microbatch size); optimizer_s: median of repeats "
+                  "of one step() per optimizer over copies of the layer's parameters with gradients of ones, torch's "
+                  "default implementation, after warm-up steps",
+        "optimizer_step": {"optimizers": {"sgd": "SGD(lr=1e-3)", "momentum": "SGD(lr=1e-3, momentum=0.9)",
+                                          "adam": "Adam(lr=1e-3)", "adamw": "AdamW(lr=1e-3)"},
+                           "implementation": "torch default (foreach=None, fused=None): foreach on CUDA, "
+                                             "per-tensor loop on the CPU"},
         "whole_model_s": whole,
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,

@@ -88,16 +88,17 @@ def profile_table(profile: Profile) -> str:
 
 
 def plan_table(plan: Plan) -> str:
-    """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures."""
+    """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm and
+    time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step."""
     headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", "comm ms", "time ms", "% of bottleneck",
-               "in flight", "mem MiB", "limit MiB"]
+               "optimizer ms", "in flight", "mem MiB", "limit MiB"]
     rows = []
     for st in plan.stages:
         span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]} .. {st.layers[-1]}"
         rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s), ms(st.comm_s),
                      ms(st.time_s), f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
-                     st.inflight, mib(st.memory["total"]), mib(st.memory_limit_bytes)])
-    right = [True, True, False] + [True] * 9
+                     ms(st.optimizer_s), st.inflight, mib(st.memory["total"]), mib(st.memory_limit_bytes)])
+    right = [True, True, False] + [True] * 10
     lines = [format_table(headers, rows, right=right)]
     kinds = [k for k in plan.stages[0].memory if k != "total"]
     mem_rows = [[st.index, *(mib(st.memory.get(k, 0.0)) for k in kinds), mib(st.memory["total"])] for st in plan.stages]

@@ -438,7 +438,10 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s."""
+    """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s.
+
+    Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
+    backward or W): its ``stage`` is the rank's first stage and its ``microbatch`` is -1 (it has none)."""
 
     rank: int
     stage: int
@@ -512,6 +515,7 @@ def simulate(
     *,
     comm_s: npt.ArrayLike | None = None,
     virtual_stages: int = 1,
+    optimizer_s: npt.ArrayLike | None = None,
 ) -> Simulation:
     """Simulate one training step of ``schedule`` on per-stage times (seconds, one microbatch each).
 
@@ -524,9 +528,16 @@ def simulate(
     schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
     ``_WEIGHT_GRAD_SHARE``).
 
+    ``optimizer_s`` has one value per stage: the seconds of one optimizer step over that stage's parameters.
+    Each rank runs the sum over its stages once per step, after its last backward (or W) action, as an "O"
+    event; the step ends when the last rank's optimizer step ends. Optimizer time counts as busy time, so the
+    bubble stays the idle share of the step.
+
     >>> sim = simulate("1F1B", [1.0] * 4, [2.0] * 4, 8)
     >>> sim.step_s, round(sim.bubble_fraction, 4)   # (m + p - 1)(f + b) = 11 * 3
     (33.0, 0.2727)
+    >>> simulate("1F1B", [1.0] * 4, [2.0] * 4, 8, optimizer_s=[0.5] * 4).step_s   # rank 0 ends last: + o
+    33.5
     """
     name = normalize_schedule(schedule)
     v = _check_count("virtual_stages", virtual_stages)
@@ -550,12 +561,16 @@ def simulate(
             "comm_s", comm_s, num_stages - 1, f"pass one value per boundary between stages ({num_stages - 1})"
         )
     )
-    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm)
+    opt = None if optimizer_s is None else _times("optimizer_s", optimizer_s, num_stages,
+                                                  "pass one optimizer-step time per stage, as many as forward_s")
+    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt)
 
 
-def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray) -> Simulation:
+def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray,
+                   optimizer: np.ndarray | None = None) -> Simulation:
     """:func:`simulate` on a validated shape and validated per-chunk arrays (the cost model's entry point:
-    it holds the shape already, so nothing is re-derived per plan)."""
+    it holds the shape already, so nothing is re-derived per plan). ``optimizer``: seconds per chunk of one
+    optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none."""
     name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
     num_stages = shape.num_chunks
     orders = shape.orders
@@ -621,6 +636,15 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
                 f"simulation of {name} (p={p}, m={m}, v={v}) deadlocked at positions {position}"
             )
 
+    if optimizer is not None:
+        # One optimizer step per rank over all its chunks' parameters, once its last backward (or W) is done.
+        for rank in range(p):
+            chunks = [k for k in range(num_stages) if ranks[k] == rank]
+            took = sum(float(optimizer[k]) for k in chunks)
+            if took > 0:
+                events.append(TimelineEvent(rank, chunks[0], -1, "O", free[rank], free[rank] + took))
+                free[rank] += took
+                busy[rank] += took
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)
     bubble = sum(idle) / (p * step) if step > 0 else 0.0
