@@ -400,9 +400,10 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     measured = load_link(link)
     bw, latency_s = measured["bandwidth_bytes_per_s"], measured["latency_s"]
     where = f" in {str(link)!r}" if not isinstance(link, Mapping) else ""
-    how = f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {len(measured.get('pairs', []))} pairs){where}"
-    note = (f"link {how}: {bw / 1e9:.3g} GB/s one way prices the boundary bytes, and {latency_s * 1e6:.1f} us is the "
-            "delay of every boundary crossing")
+    pairs = len(measured.get("pairs", []))
+    how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
+           f"pair{'' if pairs == 1 else 's'}){where}")
+    note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
     return bw, latency_s, how, note

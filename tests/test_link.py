@@ -53,7 +53,8 @@ def test_plan_link_prices_bytes_as_bandwidth_and_adds_the_latency(tmp_path: Path
     assert linked.simulate().step_s == pytest.approx(linked.predicted_step_s)  # the stored plan replays it
     assert linked.cost_options["boundary_latency_s"] == 0.5
     assert linked.cost_options["bandwidth_bytes_per_s"] == 1e6
-    assert any("measured by stageplan link" in n and "500000.0 us" in n for n in linked.notes)
+    assert "boundary latency 500.000 ms per crossing, measured by stageplan link (gloo, 0 pairs) in" in "\n".join(linked.notes)
+    assert any(n.startswith("link bandwidth 0.001 GB/s one way prices the boundary bytes") for n in linked.notes)
     assert not any("not modelled" in n for n in linked.notes)
     assert any("not modelled" in n for n in bare.notes)
     # a dict works as the file does
