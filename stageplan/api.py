@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -391,6 +391,44 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
             "time, ratios between layers are steadier")
 
 
+def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
+                   ) -> tuple[float, float, str, str]:
+    """Bandwidth (bytes/s), per-crossing latency (s), where the latency came from, and the plan's note, from a
+    LINK.json or its dict."""
+    from stageplan.link import load_link
+
+    measured = load_link(link)
+    bw, latency_s = measured["bandwidth_bytes_per_s"], measured["latency_s"]
+    where = f" in {str(link)!r}" if not isinstance(link, Mapping) else ""
+    pairs = len(measured.get("pairs", []))
+    how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
+           f"pair{'' if pairs == 1 else 's'}){where}")
+    note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
+    if calibrated_latency_s > 0:
+        note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
+    return bw, latency_s, how, note
+
+
+def _estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
+    """The documented default for a profile estimated for a GPU: its link within a node from gpus.json (NVLink
+    or xGMI, one way to one peer), and the note naming the figure, its source and the link across nodes."""
+    import json
+    from importlib import resources
+
+    table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
+    gpu = str((meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")).lower()
+    row = table["gpus"].get(gpu)
+    if row is None:
+        return None, None
+    intra, inter = row["intra_node"], row.get("inter_node", table["inter_node_default"])
+    bw = float(intra["bandwidth"])
+    note = (f"no link given: boundaries priced at {gpu}'s link within a node, {intra['name']}, "
+            f"{bw / 1e9:.0f} GB/s one way ({intra['source']}); latency not modelled; across nodes "
+            f"{inter['name']} would apply, {float(inter['bandwidth']) / 1e9:.0f} GB/s ({inter['source']}): "
+            f"plan with --bandwidth {float(inter['bandwidth']) / 1e9:.0f}GB/s, or --link LINK.json measured there")
+    return bw, note
+
+
 def _rescaled(profile: Profile, factor: float) -> Profile:
     """The profile at ``factor`` x its microbatch size, assuming time and activations linear in the batch
     (an extrapolation: see FIELD.md, pipedream #47; re-profile at the chosen size to confirm)."""
@@ -420,6 +458,7 @@ def plan(
     precision: str | None = None,
     megatron_layout: str | None = None,
     fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
+    link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
 
@@ -439,6 +478,11 @@ def plan(
     ``precision`` (fp32, bf16, bf16-mixed, fp16-mixed) sets the bytes per parameter training holds (16 with
     Adam in mixed precision), else the profiled parameters' bytes are used.
 
+    ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
+    link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its latency as the delay of every
+    boundary crossing. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
+    GPU's link within a node from gpus.json (NVLink or xGMI), said in a note.
+
     Example (no torch needed)::
 
         >>> from stageplan import LayerProfile, Profile, plan
@@ -456,6 +500,16 @@ def plan(
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
+    latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
+    latency_source = "fitted by calibrate from a run"
+    link_note = None
+    if link is not None:
+        if bandwidth is not None:
+            raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
+                                 "--link LINK.json for the measured link, or --bandwidth RATE")
+        bw, latency_s, latency_source, link_note = _measured_link(link, latency_s)
+    elif bw is None and estimate_label(prof.meta):
+        bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)
     LayerArrays.of(prof)  # refuses NaN or negative costs before any candidate is tried
     if len(prof) == 0:
@@ -491,8 +545,10 @@ def plan(
                 opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
-                                    boundary_latency_s=float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0)))
+                                    boundary_latency_s=latency_s, latency_source=latency_source)
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input)
+                if link_note:
+                    cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
             except StageplanError as exc:
                 if not auto:
                     raise

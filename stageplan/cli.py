@@ -1,4 +1,4 @@
-"""Command line: stageplan profile | plan | run | compare | show | calibrate. Parsing and printing only."""
+"""Command line: stageplan profile | plan | run | link | compare | show | calibrate. Parsing and printing only."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB (default: unlimited)")
     p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s "
                    "(default: communication not modelled)")
+    p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link: its "
+                   "bandwidth prices boundary bytes, its latency delays every crossing (instead of --bandwidth)")
     p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
     p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
@@ -131,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "reads only its own tensors (default: the factory's own weights, built once and saved)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
+
+    p = sub.add_parser("link", help="measure the link between neighbouring ranks -> LINK.json",
+                       description="Ping-pong between ranks r and r+1 on local processes (as run starts them): latency "
+                                   "and bandwidth, for stageplan plan --link.")
+    p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
+    p.add_argument("--ranks", type=int, default=2, help="local ranks (pairs r, r+1 are measured)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
+    p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
 
     p = sub.add_parser("calibrate", help="rescale a profile's layer times by a run's measured / predicted ratios",
                        description="Rescale a profile by what a run measured, so the next plan starts from it.")
@@ -313,7 +323,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
-                                precision=a.precision)
+                                precision=a.precision, link=a.link)
     result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None
@@ -377,6 +387,16 @@ def _check_factory_options(plan: Any, model: str, given: dict[str, Any]) -> None
                              f"model with these --set options, or drop them to run the planned model")
 
 
+def _cmd_link(a: argparse.Namespace) -> int:
+    from stageplan.launch import measure_link
+
+    link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output)
+    print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way (median over {len(link['pairs'])} pairs)")
+    print(f"wrote {a.output}")
+    return 0
+
+
 def _cmd_calibrate(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
     from stageplan.api import calibrate
@@ -405,7 +425,8 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"compare": _cmd_compare, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "calibrate": _cmd_calibrate, "show": _cmd_show}
+COMMANDS = {"compare": _cmd_compare, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "link": _cmd_link,
+            "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,8 +68,9 @@ class CostOptions:
     bandwidth_bytes_per_s: float | None = None
     devices: tuple[Device, ...] = ()
     recompute: bool = False
-    boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (fitted by calibrate from a run)
+    boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (calibrate's fit, or stageplan link's)
     precision: str | None = None  # a key of PRECISIONS, or None: memory in the profiled parameters' bytes
+    latency_source: str = "fitted by calibrate from a run"  # where boundary_latency_s came from (said in the note)
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -93,7 +94,8 @@ class CostOptions:
 def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, schedule: str = "1F1B",
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
-                 recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None) -> CostOptions:
+                 recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None,
+                 latency_source: str = "fitted by calibrate from a run") -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -146,7 +148,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
     if precision is not None and precision not in PRECISIONS:
         raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), precision, shape)
+                       float(boundary_latency_s), precision, latency_source, shape)
 
 
 @dataclass(frozen=True)
@@ -382,7 +384,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     if not optimizer_measured(arr, opts):
         notes.append("optimizer step not measured in this profile: re-profile to include it")
     if opts.boundary_latency_s > 0:
-        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, fitted by calibrate from a run")
+        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, {opts.latency_source}")
     for r, d in enumerate(opts.devices):
         if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
             notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stageplan.errors import WorkloadError
+from stageplan.link import ping_pong, probe_sizes, save_link
 from stageplan.materialize import Checkpoint
 from stageplan.measure import SavedTensorTracker, Timer, median_iqr, steady_allocator
 from stageplan.plan import Plan
@@ -203,6 +204,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
                             timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
     _check_same_weights(options, world_size)
+    # the links between neighbouring ranks first, while nothing else runs (well under a second on gloo localhost)
+    largest_boundary_bytes = max((st.memory.get("buffers", 0.0) / 2.0 for st in plan.stages), default=0.0)
+    link = ping_pong(device, sizes_bytes=probe_sizes(largest_boundary_bytes))
     model = workload.model  # parameters on meta: only this rank's chunks get real ones
     model.train()
     mb_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in first_microbatch_of_plan(workload, plan))
@@ -242,8 +246,23 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         per_step = [max(g["step_s"][i] for g in gathered) for i in range(len(gathered[0]["step_s"]))]
         step, step_iqr = median_iqr(per_step)
         report = RunReport.from_measurements(plan, gathered, step_s=step, step_iqr_s=step_iqr, run_options=options,
-                                             check=check_result, meta=meta)
+                                             check=check_result, meta=meta, link=link)
         if report_path:
             report.save(report_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_path: str | None) -> None:
+    """Only the ping-pong between neighbouring ranks (``stageplan link``); rank 0 writes LINK.json."""
+    import torch.distributed as dist
+
+    device = _device(options["backend"], rank)
+    dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
+                            timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
+    link = ping_pong(device)
+    if rank == 0 and output_path:
+        save_link({**link, "num_ranks": world_size, "torch_version": torch.__version__,
+                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, output_path)
     dist.barrier()
     dist.destroy_process_group()

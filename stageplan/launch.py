@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
-from stageplan.executor import worker_main
+from stageplan.executor import link_main, worker_main
+from stageplan.link import load_link, save_link
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -125,6 +127,41 @@ def run(
     if output is not None:
         save_or_keep(report, output)
     return report
+
+
+def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: float = 60.0,
+                 output: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None
+                 ) -> dict[str, Any]:
+    """Measure the links between neighbouring ranks alone: ``num_ranks`` local processes (spawned and watched as
+    :func:`run` does them) ping-pong rank r <-> r + 1; return the LINK.json dict (schema stageplan.link/1:
+    backend, latency_s, bandwidth_bytes_per_s, sizes, pairs), written to ``output`` when given. A failure on
+    any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
+        raise StageplanError(f"the link is measured between neighbouring ranks: num_ranks must be an integer >= 2, "
+                             f"got {num_ranks!r}; e.g. --ranks 2")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 60")
+    the_backend = _backend(backend, num_ranks)
+    opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s)}
+    if output is not None:
+        check_output_path(output)
+    if log_dir is not None:
+        check_output_dir(log_dir)
+    _warn_oversubscribed(num_ranks, the_backend)
+    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stageplan-link-"))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"task": "link", "options": opts}, run_dir / "payload.pt")
+        _spawn_and_wait(run_dir, num_ranks, float(timeout_s), progress=False)
+        link = load_link(run_dir / "link.json")
+    except BaseException:
+        _clean_run_dir(run_dir, keep=log_dir is not None or any(run_dir.glob("rank*.error")))
+        raise
+    _clean_run_dir(run_dir, keep=log_dir is not None)
+    if output is not None:
+        save_link(link, output)
+    return link
 
 
 def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
@@ -246,14 +283,19 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
         raise StageplanError(f"learning rate must be a finite number > 0, got {lr!r}; e.g. --lr 0.01")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
+    backend = _backend(backend, plan.num_ranks)
+    return {"steps": steps, "warmup": warmup, "optimizer": opt, "lr": float(lr) if lr is not None else DEFAULT_LR[opt],
+            "check": bool(check), "backend": backend, "timeout_s": float(timeout_s)}
+
+
+def _backend(backend: str | None, num_ranks: int) -> str:
     backend = backend or "gloo"
     if backend not in ("gloo", "nccl"):
         raise StageplanError(f"unknown backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
-    if backend == "nccl" and torch.cuda.device_count() < plan.num_ranks:
-        raise StageplanError(f"backend nccl needs one CUDA GPU per rank ({plan.num_ranks}) and this machine has "
+    if backend == "nccl" and torch.cuda.device_count() < num_ranks:
+        raise StageplanError(f"backend nccl needs one CUDA GPU per rank ({num_ranks}) and this machine has "
                              f"{torch.cuda.device_count()}; use --backend gloo")
-    return {"steps": steps, "warmup": warmup, "optimizer": opt, "lr": float(lr) if lr is not None else DEFAULT_LR[opt],
-            "check": bool(check), "backend": backend, "timeout_s": float(timeout_s)}
+    return backend
 
 
 def _warn_oversubscribed(num_ranks: int, backend: str) -> None:
@@ -313,7 +355,7 @@ def _forked_rank(wl: Workload, plan: Plan, opts: dict[str, Any], run_dir: str, r
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
     sys.stderr = sys.stdout
     os.environ.update(env)
-    _rank_entry(run_dir, rank, world, lambda: (wl, plan, opts))
+    _rank_entry(run_dir, rank, lambda: _train_rank(run_dir, rank, world, (wl, plan, opts)))
 
 
 def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
@@ -463,13 +505,17 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     return report
 
 
-def _rank_entry(run_dir: str, rank: int, world: int, load: Any) -> None:
-    """Run one rank; on any error write its one-line cause to rank<N>.error and exit 1 at once."""
+def _train_rank(run_dir: str, rank: int, world: int, payload: tuple[Workload, Plan, dict[str, Any]]) -> None:
+    wl, plan, options = payload
+    report = str(Path(run_dir) / "report.json") if rank == 0 else None
+    worker_main(wl, plan, rank=rank, world_size=world, options=options, report_path=report)
+
+
+def _rank_entry(run_dir: str, rank: int, task: Callable[[], None]) -> None:
+    """Run one rank's ``task``; on any error write its one-line cause to rank<N>.error and exit 1 at once."""
     try:
         torch.set_num_threads(1)
-        wl, plan, options = load()
-        report = str(Path(run_dir) / "report.json") if rank == 0 else None
-        worker_main(wl, plan, rank=rank, world_size=world, options=options, report_path=report)
+        task()
         sys.stdout.flush()
         os._exit(0)
     except BaseException as exc:
@@ -485,10 +531,15 @@ def _rank_entry(run_dir: str, rank: int, world: int, load: Any) -> None:
         os._exit(1)
 
 
-def _load_payload(run_dir: str) -> tuple[Workload, Plan, dict[str, Any]]:
+def _payload_task(run_dir: str, rank: int, world: int) -> None:
+    """A spawned rank's work, read from the payload: training with a plan, or only the link's ping-pong."""
     payload = torch.load(Path(run_dir) / "payload.pt", weights_only=False)
-    return payload["workload"], Plan.from_json(payload["plan"]), payload["options"]
+    if payload.get("task") == "link":
+        output = str(Path(run_dir) / "link.json") if rank == 0 else None
+        link_main(rank=rank, world_size=world, options=payload["options"], output_path=output)
+        return
+    _train_rank(run_dir, rank, world, (payload["workload"], Plan.from_json(payload["plan"]), payload["options"]))
 
 
 if __name__ == "__main__":
-    _rank_entry(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), lambda: _load_payload(sys.argv[1]))
+    _rank_entry(sys.argv[1], int(sys.argv[2]), lambda: _payload_task(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

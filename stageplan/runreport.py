@@ -25,7 +25,9 @@ class RunReport:
 
     ``ranks`` holds one entry per pipeline rank: its stage (chunk) indices, predicted and measured compute seconds
     per microbatch (forward, backward), idle seconds per step, and predicted and measured peak activation bytes.
-    ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...).
+    ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...). ``link`` is the
+    ping-pong between neighbouring ranks at the run's start (stageplan.link): backend, latency_s,
+    bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
     """
 
     measured_step_s: float
@@ -41,6 +43,7 @@ class RunReport:
     meta: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] | None = None
     timeline: tuple[dict[str, Any], ...] = ()
+    link: dict[str, Any] | None = None
 
     @property
     def step_ratio(self) -> float:
@@ -85,7 +88,8 @@ class RunReport:
 
     @classmethod
     def from_measurements(cls, plan: Plan, ranks: list[dict[str, Any]], *, step_s: float, step_iqr_s: float,
-                          run_options: dict[str, Any], check: dict[str, Any] | None, meta: dict[str, Any]) -> RunReport:
+                          run_options: dict[str, Any], check: dict[str, Any] | None, meta: dict[str, Any],
+                          link: dict[str, Any] | None = None) -> RunReport:
         """The report of a run of ``plan``: ``ranks`` holds each rank's medians over the measured steps (seconds
         per step: forward_s, backward_s, other_s, compute_cpu_s; their IQRs; peak_activation_bytes; losses;
         timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
@@ -136,5 +140,5 @@ class RunReport:
                   "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
                   "stage_ranks": [st.rank for st in plan.stages],
                   "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names)},
-            run_options=dict(run_options), meta=meta, check=check, timeline=timeline,
+            run_options=dict(run_options), meta=meta, check=check, timeline=timeline, link=link,
         )

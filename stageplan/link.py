@@ -1,0 +1,149 @@
+"""The link between neighbouring pipeline ranks: a ping-pong that measures its latency and bandwidth; LINK.json.
+
+Every run starts with it (executor.py), and ``stageplan link`` runs it alone (launch.measure_link). Ranks r and
+r + 1 of the pipeline's process group send a message back and forth, for a few sizes, after a warm-up; the
+median round trip / 2 is the one-way time at that size. The fit is the usual latency-bandwidth (Hockney) model,
+t(n) = latency + n / bandwidth: the latency is the small message's one-way time, the bandwidth the large
+message's bytes over its one-way time less that latency.
+
+torch is imported inside the functions that measure, so that the planner can read LINK.json without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan.errors import SchemaError, StageplanError
+
+LINK_SCHEMA = "stageplan.link/1"
+SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
+LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
+MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
+WARMUP = 2  # round trips per size before timing (connection set-up, first-touch of the buffers)
+REPEATS = 5  # timed round trips per size (median taken)
+
+
+def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
+    """The message sizes (bytes) to probe: 4 KiB, and the largest boundary tensor the plan sends, at least
+    4 MiB and at most 16 MiB.
+
+    >>> probe_sizes(), probe_sizes(64 * 2**20)
+    ((4096, 4194304), (4096, 16777216))
+    """
+    large = LARGE_BYTES if not largest_boundary_bytes else int(min(max(largest_boundary_bytes, LARGE_BYTES), MAX_BYTES))
+    return (SMALL_BYTES, large)
+
+
+def fit(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, float]:
+    """(latency_s, bandwidth_bytes_per_s) from one-way times at the smallest and largest size (Hockney model):
+    latency is the smallest message's time; bandwidth = largest bytes / (its time - latency), or bytes / its
+    time when the difference is not positive (a link too fast to tell at these sizes).
+
+    >>> latency_s, bandwidth = fit([4096, 4194304], [1e-5, 1e-5 + 4194304 / 1e9])
+    >>> latency_s, round(bandwidth)
+    (1e-05, 1000000000)
+    """
+    i_small, i_large = min(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i]), max(range(len(sizes_bytes)),
+                                                                                         key=lambda i: sizes_bytes[i])
+    latency_s = float(one_way_s[i_small])
+    extra_s = float(one_way_s[i_large]) - latency_s
+    bandwidth = sizes_bytes[i_large] / (extra_s if extra_s > 0 else float(one_way_s[i_large]))
+    return latency_s, float(bandwidth)
+
+
+def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_BYTES), warmup: int = WARMUP,
+              repeats: int = REPEATS, group: Any = None) -> dict[str, Any]:
+    """Measure every neighbouring pair (r, r + 1) of ``group`` (the default group when None), one pair at a time,
+    on an initialised process group; every rank calls it and every rank gets the result:
+    ``{"backend", "latency_s", "bandwidth_bytes_per_s", "sizes", "pairs"}``, where ``pairs`` holds each pair's
+    one-way median seconds per size and its own fit, and the overall figures are the medians over pairs.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.measure import Timer, median_iqr
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    dev = torch.device(device)
+    timer = Timer("cpu")  # wall clock of the whole round trip; on CUDA the round trip synchronises itself
+    sizes = [int(n) for n in sizes_bytes]
+    buffers = {n: torch.zeros(max(n // 4, 1), dtype=torch.float32, device=dev) for n in sizes}
+    pairs: list[dict[str, Any]] = []
+    for low in range(world - 1):
+        row: dict[str, Any] = {"ranks": [ranks[low], ranks[low + 1]], "one_way_s": [], "one_way_iqr_s": []}
+        if rank in (low, low + 1):
+            first = rank == low
+            peer = ranks[low + 1] if first else ranks[low]
+            for n in sizes:
+                trip = functools.partial(_round_trip, buffers[n], peer, first, group)
+                for _ in range(warmup):
+                    trip()
+                med, iqr = median_iqr([timer(trip)[0] / 2.0 for _ in range(repeats)])  # one way = round trip / 2
+                row["one_way_s"].append(med)
+                row["one_way_iqr_s"].append(iqr)
+        if rank == low:
+            lat, bw = fit(sizes, row["one_way_s"])
+            row.update(latency_s=lat, bandwidth_bytes_per_s=bw)
+            pairs.append(row)
+        dist.barrier(group=group)  # one pair at a time: pairs measured together would share the cores and the bus
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, pairs, group=group)
+    all_pairs = [row for rows in gathered for row in rows]
+    return {
+        "backend": str(dist.get_backend(group)),
+        "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
+        "bandwidth_bytes_per_s": median_iqr([r["bandwidth_bytes_per_s"] for r in all_pairs])[0] if all_pairs else None,
+        "sizes": sizes, "warmup": warmup, "repeats": repeats, "device": str(dev), "pairs": all_pairs,
+    }
+
+
+def _round_trip(buf: Any, peer: int, first: bool, group: Any) -> None:
+    """One message there and back: the lower rank sends first, its peer echoes; on CUDA, until it has landed."""
+    import torch
+    import torch.distributed as dist
+
+    if first:
+        dist.send(buf, peer, group=group)
+        dist.recv(buf, peer, group=group)
+    else:
+        dist.recv(buf, peer, group=group)
+        dist.send(buf, peer, group=group)
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+
+
+# ------------------------------------------------------------------------------------------------------
+# LINK.json (no torch)
+
+
+def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``link`` as a versioned LINK.json, atomically."""
+    write_json_atomic(path, {"schema": LINK_SCHEMA, **{k: v for k, v in link.items() if k != "schema"}})
+
+
+def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
+    > 0 bytes/s.
+
+    >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})["bandwidth_bytes_per_s"]
+    1000000000.0
+    """
+    if isinstance(link, Mapping):
+        data, source = dict(link), "link"
+    else:
+        data, source = read_json(link, "link file"), f"link file {str(link)!r}"
+    check_schema(data, LINK_SCHEMA, source)
+    try:
+        latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SchemaError(f"{source} is missing or mangles field {exc}; measure it again with stageplan link") from None
+    if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
+        raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
+                             f"{bandwidth!r}; measure it again with stageplan link")
+    return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
