@@ -186,7 +186,9 @@ def test_streaming_never_holds_the_whole_model(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["model"] == 24 * (4096 * 4096 + 4096) * 4 and res["layers"] == 24
-    assert res["rss"] < 0.5 * res["model"], res  # torch itself is ~0.25 GB; one layer, its grads and a copy ~0.3 GB
+    # torch itself is ~0.25 GB; at most one layer is real (67 MB) with its gradients, and the optimizer-step timing
+    # adds a copy with gradients and Adam's two states: about 8 layers' bytes in all (0.54 GB), 0.88 GB measured
+    assert res["rss"] < 0.65 * res["model"], res
     assert res["as"] == [None, None, *["1"] * 21, None]  # first (no input grad), 22 alike, last (the loss)
 
 
