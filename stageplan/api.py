@@ -251,11 +251,14 @@ def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubbl
     """When one layer bounds the step (largest layer >= total / p, so the lower bound is that layer), say so:
     a balance efficiency of 1.000 then means "as good as that layer allows", not "no time lost". A note, not a
     warning: the options are valid and the plan is the best they allow (only notes about the bubble warn)."""
+    from stageplan.solver import lower_bound
+
     times = layer_time(arr, opts)
     speeds = [d.speed for d in opts.devices]
     big = int(np.argmax(times))
-    largest, share = float(times[big]) / max(speeds), math.fsum(times.tolist()) / sum(speeds)
-    if opts.num_ranks < 2 or largest < share:
+    largest = float(times[big]) / max(speeds)  # the lower bound's second term (solver.lower_bound)
+    share = math.fsum(times.tolist()) / sum(speeds)  # and its first: total / p
+    if opts.num_ranks < 2 or lower_bound(times, speeds) > largest:
         return None
     return (f"one layer bounds the step: {profile.names[big]!r} takes {largest * 1e3:.3f} ms per microbatch, at least "
             f"total / p = {share * 1e3:.3f} ms, so no split can beat it and balance efficiency is measured against it; "
