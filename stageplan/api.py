@@ -623,9 +623,14 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     Bisection: the simulated step does not decrease as the delay grows."""
     plan_json = rep.plan
     arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
+    # the run's own conditions: its optimizer (its step is in the measured step) and the plan's cost options
+    cost = plan_json.get("cost_options") or {}
+    devices = [Device(float(d["speed"]), None, str(d.get("name", ""))) for d in cost.get("devices") or []] or None
     opts = make_options(profile, int(plan_json["num_ranks"]), num_microbatches=int(plan_json["num_microbatches"]),
                         schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
-                        optimizer="sgd")
+                        optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
+                        bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
+                        recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"))
     bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:

@@ -42,6 +42,7 @@ from stageplan.materialize import (
     parameter_bytes,
     real_model,
     save_checkpoint,
+    save_tensors,
 )
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
@@ -86,6 +87,7 @@ def run(
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
+    _warn_precision(the_plan)
     if output is not None:
         check_output_path(output)
     if log_dir is not None:
@@ -102,7 +104,7 @@ def run(
         opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
                                    if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
         validate(meta_wl, the_plan)
-        if check and not opts["weights"] and parameter_bytes(meta_wl.model) > _available_bytes() // 2:
+        if check and 2 * parameter_bytes(meta_wl.model) > _available_bytes() // 2:
             raise StageplanError("--check trains the whole model in one process, and this model's parameters "
                                  f"({format_bytes(parameter_bytes(meta_wl.model))}, twice that with gradients) would not "
                                  f"fit in the {format_bytes(_available_bytes())} available here; run without --check")
@@ -120,8 +122,9 @@ def run(
                 ) from exc
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
-    except BaseException:
-        _clean_run_dir(run_dir, keep=log_dir is not None or any(run_dir.glob("rank*.error")))
+    except BaseException as exc:
+        # a failed or timed-out run keeps its logs (the RunError names them); weights never stay
+        _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
         raise
     _clean_run_dir(run_dir, keep=log_dir is not None)
     if output is not None:
@@ -155,13 +158,22 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
         torch.save({"task": "link", "options": opts}, run_dir / "payload.pt")
         _spawn_and_wait(run_dir, num_ranks, float(timeout_s), progress=False)
         link = load_link(run_dir / "link.json")
-    except BaseException:
-        _clean_run_dir(run_dir, keep=log_dir is not None or any(run_dir.glob("rank*.error")))
+    except BaseException as exc:
+        _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
         raise
     _clean_run_dir(run_dir, keep=log_dir is not None)
     if output is not None:
         save_link(link, output)
     return link
+
+
+def _warn_precision(plan: Plan) -> None:
+    import warnings
+
+    precision = plan.cost_options.get("precision")
+    if precision:
+        warnings.warn(f"the plan counts memory for {precision} training; this run trains the model in its own dtype "
+                      "without mixed precision, so measured memory is not comparable with the plan's", stacklevel=3)
 
 
 def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
@@ -196,15 +208,7 @@ def _given_weights(weights: Any, run_dir: Path) -> str | None:
     if weights is None:
         return None
     if isinstance(weights, dict):
-        from safetensors.torch import save_file
-
-        seen: set[int] = set()
-        unique = {}
-        for k, t in weights.items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                unique[k] = t.detach().contiguous()
-        save_file(unique, str(run_dir / "weights.safetensors"))
+        save_tensors(weights.items(), run_dir / "weights.safetensors")  # a state dict's tied aliases stored once
         return str(run_dir / "weights.safetensors")
     return str(weights)
 
@@ -458,8 +462,12 @@ def _error_line(run_dir: Path, rank: int, code: int | None) -> str:
 def _kill_all(procs: list[Any]) -> None:
     for p in procs:
         if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+            try:
                 os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                # a forked rank killed before its setsid() has no group of its own yet: end the process itself
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, signal.SIGKILL)
     for p in procs:
         with contextlib.suppress(Exception):
             p.wait(timeout=10)
@@ -483,10 +491,17 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
                         backend=backend, timeout_s=timeout_s)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
+    if workload.model is None:  # a model_fn workload: build it weightless here
+        import dataclasses
+
+        workload = dataclasses.replace(workload, model=meta_model(workload), model_fn=None)
+    real = [p for p in workload.model.parameters() if p.device.type != "meta"]
     if weights is not None:
         Checkpoint(weights)
+        if real:
+            raise StageplanError("the workload's model was built with real parameters, so --weights would not be read; "
+                                 "build it inside stageplan.materialize.init_empty_weights() (the CLI does) to load them")
     opts["weights"] = None if weights is None else str(weights)
-    real = [p for p in workload.model.parameters() if p.device.type != "meta"]
     opts["weights_from"] = ("the given weights" if weights is not None else
                             "each rank's own factory build" if real else "initialised by FQN")
     if output is not None and rank == 0:

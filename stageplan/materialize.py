@@ -81,6 +81,10 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def _registration_order(model: nn.Module) -> dict[str, int]:
+    return {name: k for k, (name, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+
+
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """For every parameter FQN, all FQNs naming the same parameter (itself first)."""
     groups: dict[int, list[str]] = {}
@@ -110,6 +114,8 @@ class Checkpoint:
             if index.is_file():
                 try:
                     weight_map = json.loads(index.read_text())["weight_map"]
+                    if not isinstance(weight_map, dict):
+                        raise TypeError(f"weight_map is {type(weight_map).__name__}, not an object")
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
                     raise StageplanError(f"{str(index)!r} is not an HF safetensors index ({exc}); "
                                          "point --weights at a .safetensors file or an HF model folder") from None
@@ -192,14 +198,21 @@ def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
 def save_checkpoint(model: nn.Module, path: str | Path) -> None:
     """The model's parameters and persistent buffers as safetensors, each tied tensor stored once (under its
     first name), as HF stores a tied LM head: safetensors refuses shared tensors."""
+    save_tensors([*model.named_parameters(remove_duplicate=False), *model.state_dict(keep_vars=True).items()], path)
+
+
+def save_tensors(named: Iterable[tuple[str, torch.Tensor]], path: str | os.PathLike[str]) -> None:
+    """Named tensors as safetensors, each stored once: names that share memory (a tie, or a state dict's detached
+    aliases of one tied parameter) keep the first name; a reader resolves the others through the model's ties."""
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
+    seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.state_dict(keep_vars=True).items()]:
-        if id(t) in seen or name in tensors:
+    for name, t in named:
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(x) for x in t.shape), t.dtype)
+        if name in tensors or key in seen:
             continue
-        seen.add(id(t))
+        seen.add(key)
         tensors[name] = t.detach().contiguous()
     save_file(tensors, str(path))
 
@@ -234,8 +247,8 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
         owner, _ = _owner(fqn)
         by_owner.setdefault(owner, []).append(fqn)
     out: dict[str, torch.Tensor] = {}
-    rng = torch.get_rng_state()
-    try:
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):  # every RNG the seeding touches is restored afterwards
         for owner, names in by_owner.items():
             sub = copy.deepcopy(model.get_submodule(owner) if owner else model)
             direct = dict(sub.named_parameters(recurse=False))
@@ -261,8 +274,6 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
             for fqn in names:
                 _, leaf = _owner(fqn)
                 out[fqn] = sub._parameters[leaf].detach()  # type: ignore[union-attr]
-    finally:
-        torch.set_rng_state(rng)
     return out
 
 
@@ -275,9 +286,13 @@ def real_parameters(model: nn.Module, fqns: Iterable[str], device: torch.device 
     """Tensors for the parameters ``fqns`` of the (meta) ``model``: read from ``weights`` (a tied parameter is
     read through whichever of its names the checkpoint holds), or initialised by FQN without weights."""
     names = list(dict.fromkeys(fqns))
-    if weights is None:
-        return initialize_by_fqn(model, names, device, seed=seed)
     aliases = tied_names(model)
+    if weights is None:
+        # a tied parameter is initialised once, under its first name, and every alias gets that tensor: the stages
+        # that hold an embedding and the LM head tied to it start from the same values, as the reference does
+        first = {n: min(aliases.get(n, [n]), key=_registration_order(model).__getitem__) for n in names}
+        made = initialize_by_fqn(model, sorted(set(first.values())), device, seed=seed)
+        return {n: made[first[n]] for n in names}
     have = weights.keys()
     source: dict[str, str] = {}
     missing = []

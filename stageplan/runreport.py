@@ -116,7 +116,10 @@ class RunReport:
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,
-                "activation_ratio": peak / predicted_peak if predicted_peak else None,
+                # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and
+                # recomputes inside the backward, so the hooks see only part of what the plan counts: no ratio
+                "activation_ratio": (peak / predicted_peak if predicted_peak and not plan.cost_options.get("recompute")
+                                     else None),
                 "predicted_memory_bytes": plan.rank_memory_bytes[r],
                 "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
                 "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
@@ -139,6 +142,7 @@ class RunReport:
             plan={"boundaries": list(plan.boundaries), "schedule": plan.schedule, "num_microbatches": m,
                   "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
                   "stage_ranks": [st.rank for st in plan.stages],
-                  "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names)},
+                  "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
+                  "cost_options": dict(plan.cost_options)},
             run_options=dict(run_options), meta=meta, check=check, timeline=timeline, link=link,
         )

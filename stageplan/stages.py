@@ -43,9 +43,13 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with --stages {world_size}"
         )
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
-    args = first_microbatch_of_plan(workload, plan)
+    check_layers(workload.model, first_microbatch_of_plan(workload, plan), plan)
+
+
+def check_layers(model: nn.Module, args: tuple[Any, ...], plan: Plan) -> None:
+    """Refuse a plan whose layers are not this model's: cutting would silently make another split."""
     layers_arg = plan.profile_meta.get("layers_arg")
-    names = cut_layers(meta_copy(workload.model), args, layers_arg).names  # cut a weightless copy: no second model
+    names = cut_layers(meta_copy(model), args, layers_arg).names  # cut a weightless copy: no second model
     if list(names) != list(plan.layer_names):
         diff = next((i for i, (a, b) in enumerate(zip(names, plan.layer_names)) if a != b), min(len(names), len(plan.layer_names)))
         got = names[diff] if diff < len(names) else "(none)"
@@ -124,6 +128,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     for s in mine:
         piece = cut.pieces[s].module
         materialize_(piece, real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
+        if plan.cost_options.get("recompute"):
+            _recompute(piece)
         if cut.method == "export":
             stages.append(cut.pipe.build_stage(s, device, group=group))  # type: ignore[attr-defined]
         else:
@@ -135,6 +141,19 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
         every.extend(st.submod.parameters())
     unique = list({id(p): p for p in every}.values())
     return RankStages(stages, mine, params, unique, ties)
+
+
+def _recompute(module: nn.Module) -> None:
+    """Activation recomputation as the plan priced it (Chen et al. 2016): the stage keeps only its inputs for the
+    backward and runs its forward again inside it (torch.utils.checkpoint, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed
 
 
 def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
@@ -229,6 +248,7 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     else:
         raw = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         mb_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in raw)
+    check_layers(model, mb_args, the_plan)
     source = Checkpoint(weights) if weights is not None else None
     rs = build_rank_stages(model, the_plan, rank, dev, mb_args, weights=source, seed=seed, group=group)
     cls = get_schedule_class(the_plan.schedule)

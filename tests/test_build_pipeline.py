@@ -93,3 +93,13 @@ def test_build_pipeline_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code, _, err = run_cli(["run", "gpt", "--plan", str(tmp_path / "plan.json"), "--weights", str(tmp_path / "nope")],
                            capsys)
     assert code == 2 and "weights" in err and "do not exist" in err
+
+
+def test_build_pipeline_refuses_a_plan_for_another_model(tmp_path: Path) -> None:
+    names = ["tok_emb+pos_emb", *[f"blocks.{i}" for i in range(6)], "ln_f+head"]
+    prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names), {"batch_size": 8, "microbatch_size": 2})
+    plan(prof, 2, num_microbatches=4).save(tmp_path / "plan.json")
+    data = gpt(n_layer=4, tied=True)
+    with pytest.raises(Exception, match=r"the plan does not match this model: it has 8 layers, the model 6"):
+        build_pipeline(lambda: gpt(n_layer=4, tied=True).model, tmp_path / "plan.json", rank=0, world_size=2,
+                       example_inputs=data.inputs[:2])

@@ -200,3 +200,32 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
 def test_api_refuses_too(tmp_path: Path) -> None:
     with pytest.raises(StageplanError, match=r"does not divide into the plan's 2 microbatches"):
         run("workloads:faulty", _toy_plan(tmp_path), factory_options={"batch_size": 9})
+
+
+def test_a_recompute_plan_recomputes_and_still_matches_one_process(tmp_path: Path) -> None:
+    """The executor runs what the plan priced: with recompute each stage keeps nothing from its forward for the
+    backward but what checkpointing holds, and training still equals single-process training."""
+    options = {**SMALL_GPT, "n_layer": 4}
+    _prof, plain = _plan_for("gpt", options, num_microbatches=4, schedule="GPipe", method="uniform")
+    _prof, recomputed = _plan_for("gpt", options, num_microbatches=4, schedule="GPipe", method="uniform", recompute=True)
+    assert plain.boundaries == recomputed.boundaries
+    kept = run("gpt", plain, factory_options=options, steps=2, warmup=1)
+    again = run("gpt", recomputed, factory_options=options, steps=2, warmup=1, check=True)
+    assert again.check is not None and again.check["passed"], again.check
+    for before, after in zip(kept.ranks, again.ranks):
+        # the forward keeps nothing for the backward but what checkpointing holds
+        assert after["measured_peak_activation_bytes"] < 0.5 * before["measured_peak_activation_bytes"]
+        assert after["activation_ratio"] is None  # the hooks cannot see all that the plan counts: no false ratio
+
+
+def test_a_failed_run_without_a_log_dir_keeps_the_logs_it_names(tmp_path: Path) -> None:
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
+    pl = plan(prof, 2, num_microbatches=2, method="uniform")
+    with pytest.raises(RunError) as info:
+        run("workloads:faulty", pl, factory_options={"fail_step": 1}, steps=3, warmup=0)
+    log = Path(str(info.value.log_path))
+    assert log.exists() and "Traceback" in log.read_text()
+    assert not (log.parent / "payload.pt").exists() and not (log.parent / "weights.safetensors").exists()
+    import shutil
+
+    shutil.rmtree(log.parent)

@@ -127,3 +127,32 @@ def test_safetensors_are_read_exactly_without_mapping_the_file(tmp_path: Path) -
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "t.safetensors").read_bytes()[:-8])
     with pytest.raises(StageplanError, match=r"cut.safetensors' is not a safetensors file .*not fully covered"):
         Checkpoint(tmp_path / "cut.safetensors")
+
+
+def test_tied_weights_initialised_by_fqn_start_equal_everywhere() -> None:
+    with init_empty_weights():
+        meta = gpt(**SMALL).model
+    state = torch.get_rng_state()
+    # the head's stage and the embedding's stage ask separately; both get the embedding's initial values
+    head = real_parameters(meta, ["head.weight"], "cpu")["head.weight"]
+    emb = real_parameters(meta, ["tok_emb.weight", "pos_emb.weight"], "cpu")["tok_emb.weight"]
+    assert torch.equal(head, emb)
+    assert torch.equal(torch.get_rng_state(), state)  # the user's RNG is left as it was
+    ref = reference_model(meta, torch.device("cpu"))
+    assert ref.head.weight is ref.tok_emb.weight and torch.equal(ref.tok_emb.weight, emb)
+
+
+def test_a_tied_state_dict_is_stored_once_and_read_through_the_tie(tmp_path: Path) -> None:
+    from stageplan.materialize import save_tensors
+
+    real = gpt(**SMALL).model
+    save_tensors(real.state_dict().items(), tmp_path / "sd.safetensors")  # detached aliases of one tied weight
+    ckpt = Checkpoint(tmp_path / "sd.safetensors")
+    got = real_parameters(meta_copy(real), ["head.weight"], "cpu", weights=ckpt)["head.weight"]
+    assert torch.equal(got, real.tok_emb.weight)
+
+
+def test_an_index_with_a_malformed_weight_map_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": null}')
+    with pytest.raises(StageplanError, match=r"is not an HF safetensors index \(weight_map is NoneType, not an object\)"):
+        Checkpoint(tmp_path)
