@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from stageplan._version import __version__
 
 # Bound eagerly: importing the submodule stageplan.plan would otherwise shadow the function plan().
-from stageplan.api import calibrate, plan
+from stageplan.api import calibrate, plan, tune
 from stageplan.costmodel import Device
 from stageplan.errors import InfeasiblePlanError, RunError, StageplanError
 from stageplan.plan import Plan
@@ -47,6 +47,7 @@ __all__ = [
     "run",
     "simulate",
     "solve",
+    "tune",
 ]
 
 # The torch edge, loaded on first access.

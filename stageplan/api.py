@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -649,6 +650,27 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
 COMPARE_SCHEMA = "stageplan.compare/1"
 
 
+def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
+                      profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str) -> Profile:
+    """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches``; never an
+    analytic estimate, since the commands that call this measure runs on this machine."""
+    if profile is None:
+        workload = build_workload(model, factory_options)
+        mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
+        if not mb or workload.batch_size % mb:
+            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}; "
+                                 "use a divisor of the batch")
+        from stageplan.profiler import profile_model
+
+        prof = profile_model(workload, microbatch_size=mb, progress=progress)
+    else:
+        prof = _as_profile(profile)
+    if estimate_label(prof.meta):
+        raise StageplanError(f"{command} measures runs on this machine, and this profile is an analytic GPU estimate; "
+                             f"{command} a profile measured here, or plan the estimate with stageplan plan --compare")
+    return prof
+
+
 def compare(
     model: str,
     num_ranks: int,
@@ -675,20 +697,7 @@ def compare(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-    if profile is None:
-        workload = build_workload(model, factory_options)
-        mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
-        if not mb or workload.batch_size % mb:
-            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}; "
-                                 "use a divisor of the batch")
-        from stageplan.profiler import profile_model
-
-        prof = profile_model(workload, microbatch_size=mb, progress=progress)
-    else:
-        prof = _as_profile(profile)
-    if estimate_label(prof.meta):
-        raise StageplanError("compare measures each plan on this machine, and this profile is an analytic GPU estimate; "
-                             "compare a profile measured here, or plan the estimate with stageplan plan --compare")
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare")
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
@@ -740,4 +749,76 @@ def compare(
         import matplotlib.pyplot as plt
 
         plt.close("all")
+    return result
+
+
+TUNE_SCHEMA = "stageplan.tune/1"
+
+
+def tune(
+    model: str,
+    num_ranks: int,
+    *,
+    factory_options: dict[str, Any] | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1F1B",
+    rounds: int = 3,
+    steps: int = 8,
+    warmup: int = 2,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    timeout_s: float = 300.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
+    ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
+    the run it was calibrated on) and the uniform split once, for reference.
+
+    Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
+    "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.
+    """
+    from pathlib import Path
+
+    from stageplan._io import check_output_dir, write_json_atomic
+    from stageplan.launch import run
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
+    out = Path(output_dir) if output_dir is not None else None
+    if out is not None:
+        check_output_dir(out)
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune")
+
+    def measure(pl: Plan) -> RunReport:
+        return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s)
+
+    def row(pl: Plan, rep: RunReport) -> dict[str, Any]:
+        return {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s,
+                "measured_step_s": rep.measured_step_s, "error": rep.step_ratio - 1.0}
+
+    rows: list[dict[str, Any]] = []
+    current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
+    for k in range(rounds):
+        rep = measure(current)
+        rows.append(row(current, rep))
+        if progress:  # a line per round on stderr; the caller prints the result
+            print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted {current.predicted_step_s * 1e3:.1f} ms, "
+                  f"measured {rep.measured_step_s * 1e3:.1f} ms ({rep.step_ratio - 1:+.1%})", file=sys.stderr, flush=True)
+        prof = calibrate(prof, rep)
+        following = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
+        changed = following.boundaries != current.boundaries
+        current = following
+        if not changed:
+            break
+    final = row(current, measure(current))
+    uniform_plan = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method="uniform")
+    uniform = row(uniform_plan, measure(uniform_plan))
+    result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
+              "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,
+              "final": final, "uniform": uniform,
+              "final_over_uniform_measured": uniform["measured_step_s"] / final["measured_step_s"],
+              "final_prediction_error": final["error"]}
+    if out is not None:
+        current.save(out / "plan.json")
+        write_json_atomic(out / "tune.json", result)
     return result

@@ -1,4 +1,4 @@
-"""Command line: stageplan profile | plan | run | link | compare | show | calibrate. Parsing and printing only."""
+"""Command line: stageplan profile | plan | run | link | compare | tune | show | calibrate. Parsing and printing only."""
 
 from __future__ import annotations
 
@@ -161,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
+
+    p = sub.add_parser("tune", help="profile, plan, run, calibrate, re-plan until the plan settles -> DIR/plan.json",
+                       description="Close the loop on this machine: profile, plan, run, calibrate and plan again until "
+                                   "the plan stops changing (or --rounds), then measure the final plan on a fresh run "
+                                   "and the uniform split once, for reference.")
+    _add_model_args(p)
+    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
+    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
+    p.add_argument("--schedule", default="1F1B", help="schedule of every run")
+    p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan) and tune.json here")
 
     p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
                        description="Print the table of a stageplan file; --plot writes the figure that fits it.")
@@ -425,7 +441,26 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"compare": _cmd_compare, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "link": _cmd_link,
+def _cmd_tune(a: argparse.Namespace) -> int:
+    from stageplan.api import tune
+
+    result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
+                  schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
+                  output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet)
+    for k, r in enumerate(result["rounds"], 1):
+        print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
+              f"measured {r['measured_step_s'] * 1e3:.1f} ms")
+    for name in ("final", "uniform"):
+        r = result[name]
+        print(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
+              f"measured {r['measured_step_s'] * 1e3:.1f} ms (a fresh run)")
+    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction error "
+          f"{result['final_prediction_error']:+.1%}")
+    print(f"wrote {a.output}/plan.json and {a.output}/tune.json")
+    return 0
+
+
+COMMANDS = {"compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "link": _cmd_link,
             "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 

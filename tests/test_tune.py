@@ -1,0 +1,44 @@
+"""stageplan tune: the profile -> plan -> run -> calibrate -> re-plan loop, on 2 local ranks (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import assert_one_line_error, run_cli
+
+from stageplan.plan import Plan
+
+SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--set", "seq_len=16",
+         "--set", "vocab_size=4096", "--set", "batch_size=8"]
+
+
+@pytest.mark.slow
+def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["tune", "gpt", *SMALL, "--stages", "2", "--microbatches", "4", "--rounds", "2",
+                              "--steps", "2", "--warmup", "1", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    result = json.loads((tmp_path / "tune.json").read_text())
+    assert result["schema"] == "stageplan.tune/1"
+    assert 1 <= len(result["rounds"]) <= 2
+    final = Plan.load(tmp_path / "plan.json")
+    assert list(final.boundaries) == result["final"]["boundaries"]
+    for row in [*result["rounds"], result["final"], result["uniform"]]:
+        assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+        assert row["error"] == pytest.approx(row["measured_step_s"] / row["predicted_step_s"] - 1)
+    assert result["uniform"]["boundaries"] == [0, 3, 6]
+    # a round stops the loop when re-planning keeps the split: only the last round may keep it
+    bounds = [r["boundaries"] for r in result["rounds"]]
+    assert all(a != b for a, b in zip(bounds, bounds[1:]))
+    assert result["final_over_uniform_measured"] == pytest.approx(
+        result["uniform"]["measured_step_s"] / result["final"]["measured_step_s"])
+    assert "round 1:" in out and "final / uniform measured" in out and "tune round 1" in err
+
+
+def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--rounds", "0", "-o", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, r"rounds must be an integer >= 1, got 0")
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "-o", "/proc/tune"], capsys)
+    assert_one_line_error(code, err, r"cannot write")
