@@ -819,6 +819,7 @@ def tune(
               "final_over_uniform_measured": uniform["measured_step_s"] / final["measured_step_s"],
               "final_prediction_error": final["error"]}
     if out is not None:
+        out.mkdir(exist_ok=True)
         current.save(out / "plan.json")
         write_json_atomic(out / "tune.json", result)
     return result

@@ -18,8 +18,9 @@ SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--se
 def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(["tune", "gpt", *SMALL, "--stages", "2", "--microbatches", "4", "--rounds", "2",
-                              "--steps", "2", "--warmup", "1", "-o", str(tmp_path)], capsys)
+                              "--steps", "2", "--warmup", "1", "-o", str(tmp_path / "new")], capsys)
     assert code == 0, err
+    tmp_path = tmp_path / "new"  # a folder tune creates
     result = json.loads((tmp_path / "tune.json").read_text())
     assert result["schema"] == "stageplan.tune/1"
     assert 1 <= len(result["rounds"]) <= 2
