@@ -53,6 +53,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an option for the model's factory, e.g. --set n_layer=12 (repeatable)")
 
 
+def _add_loop_args(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """What compare and tune share: the model, the pipeline, and how each run is measured."""
+    _add_model_args(p)
+    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
+    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
+    p.add_argument("--schedule", default="1F1B", help="schedule of every run")
+    p.add_argument("--steps", type=int, default=steps, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stageplan", description="Profile, plan, run and check pipeline-parallel stage splits.")
     parser.add_argument("--version", action="version", version=f"stageplan {__version__}")
@@ -151,31 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys",
                        description="Profile the model, plan it with optimal, uniform and parameter-balanced splits, "
                                    "run each distinct split and print predicted vs measured.")
-    _add_model_args(p)
-    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
-    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
-    p.add_argument("--schedule", default="1F1B", help="schedule for every method")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
-    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="use this profile instead of profiling")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_loop_args(p, steps=10)
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
 
     p = sub.add_parser("tune", help="profile, plan, run, calibrate, re-plan until the plan settles -> DIR/plan.json",
                        description="Close the loop on this machine: profile, plan, run, calibrate and plan again until "
                                    "the plan stops changing (or --rounds), then measure the final plan on a fresh run "
                                    "and the uniform split once, for reference.")
-    _add_model_args(p)
-    p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
-    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
-    p.add_argument("--schedule", default="1F1B", help="schedule of every run")
+    _add_loop_args(p, steps=8)
     p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
-    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan) and tune.json here")
 
     p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
