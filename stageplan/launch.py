@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +97,7 @@ def run(
     if not isinstance(workload, (str, Workload)):
         raise StageplanError(f"workload must be a Workload or a model spec string, got {type(workload).__name__}; "
                              "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), plan)")
-    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stageplan-run-"))
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    with _run_folder(log_dir, "stageplan-run-") as run_dir:
         meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights, run_dir)
         opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
                                    if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
@@ -122,11 +120,6 @@ def run(
                 ) from exc
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
-    except BaseException as exc:
-        # a failed or timed-out run keeps its logs (the RunError names them); weights never stay
-        _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
-        raise
-    _clean_run_dir(run_dir, keep=log_dir is not None)
     if output is not None:
         save_or_keep(report, output)
     return report
@@ -152,16 +145,10 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if log_dir is not None:
         check_output_dir(log_dir)
     _warn_oversubscribed(num_ranks, the_backend)
-    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stageplan-link-"))
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    with _run_folder(log_dir, "stageplan-link-") as run_dir:
         torch.save({"task": "link", "options": opts}, run_dir / "payload.pt")
         _spawn_and_wait(run_dir, num_ranks, float(timeout_s), progress=False)
         link = load_link(run_dir / "link.json")
-    except BaseException as exc:
-        _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
-        raise
-    _clean_run_dir(run_dir, keep=log_dir is not None)
     if output is not None:
         save_link(link, output)
     return link
@@ -184,6 +171,20 @@ def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
         raise StageplanError(f"this plan was made from an analytic estimate for {gpu}, not from a measurement of this "
                              "machine; profile the model here (stageplan profile MODEL -o PROFILE.json) and plan that, "
                              "or run the plan on that GPU with --backend nccl")
+
+
+@contextlib.contextmanager
+def _run_folder(log_dir: str | os.PathLike[str] | None, prefix: str) -> Iterator[Path]:
+    """The folder the ranks share (payload, logs, report): ``log_dir``, or a temporary one. Weights and payload never
+    stay (a Ctrl-C included); the logs stay when asked for, or when the ranks failed (the RunError names them)."""
+    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        yield run_dir
+    except BaseException as exc:
+        _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
+        raise
+    _clean_run_dir(run_dir, keep=log_dir is not None)
 
 
 def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
