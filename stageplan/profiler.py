@@ -402,11 +402,14 @@ _OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = 
 # its gradient, write the parameter, read and write each state (momentum: 1 buffer; Adam/AdamW: exp_avg and
 # exp_avg_sq). The estimate device prices a step as these bytes / (eta_m * bandwidth).
 OPTIMIZER_PASSES: dict[str, int] = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}
+OPTIMIZER_REPEATS = 5  # timed optimizer steps per layer and optimizer
 
 
-def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, warmup: int, repeats: int) -> dict[str, float]:
+def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int) -> dict[str, float]:
     """Median seconds of one ``step()`` of each optimizer over copies of ``params`` (so that the layer itself is not
-    changed) with gradients of ones present, after ``max(warmup, 1)`` steps (the first one creates the states)."""
+    changed) with gradients of ones present, after one warm-up step (it creates the states), over at most
+    ``OPTIMIZER_REPEATS`` steps: a step is memory-bound and steady, and on a 7B block each Adam step costs about a
+    second, so the layer's own repeats would add minutes to a profile."""
     trained = [p for p in params if p.requires_grad]
     if not trained:
         return dict.fromkeys(_OPTIMIZERS, 0.0)
@@ -418,9 +421,8 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, warmup: int, 
             q.grad = torch.ones_like(q)
             copies.append(q)
         opt = make(copies)
-        for _ in range(max(warmup, 1)):
-            opt.step()
-        out[name] = median_iqr([timer(opt.step)[0] for _ in range(repeats)])[0]
+        opt.step()
+        out[name] = median_iqr([timer(opt.step)[0] for _ in range(min(repeats, OPTIMIZER_REPEATS))])[0]
         del opt, copies
     return out
 
@@ -778,7 +780,7 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     figures: dict[int, _Figures] = {}
     for k, run, s in zip(measured, runs, samples):
         act, peak = _bytes_and_peak(run, ctx.dev, peaks)
-        figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.warmup, ctx.repeats))
+        figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats))
     crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
     params = [_param_totals(p.module) for p in cut.pieces]
     whole_med, whole_iqr = median_iqr(whole_times)
@@ -821,7 +823,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
             run = _make_run(piece, k, n, values, ctx.workload, target)
             (s,), _ = _time_rounds([run], timer, ctx.warmup, ctx.repeats)
             act, peak = _bytes_and_peak(run, ctx.dev, peaks)
-            figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.warmup, ctx.repeats))
+            figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats))
             del run
         with torch.no_grad():  # the real output, streamed to the layers that need it
             store_outputs(env, k, piece.module(*values))
