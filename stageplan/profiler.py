@@ -39,6 +39,7 @@ from stageplan.materialize import (
     init_empty_weights,
     materialize_,
     meta_copy,
+    meta_model,
     meta_parameter_names,
     parameter_bytes,
     real_parameters,
@@ -240,8 +241,8 @@ def build_workload_for_profile(model: str, options: dict[str, Any] | None = None
                 "stageplan.materialize.init_empty_weights(); make its construction not read parameter values"
             ) from exc
     if meta_wl is not None:
-        if estimate or streaming:
-            return meta_wl
+        if estimate or streaming or (meta_wl.model is None and meta_wl.model_fn is not None):
+            return meta_wl  # a model_fn workload is only ever built on meta: profile_model streams it
         if not isinstance(meta_wl.model, nn.Module):
             raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(meta_wl.model).__name__}")
         if 3 * parameter_bytes(meta_wl.model) > free_bytes(dev) // 2:
@@ -687,6 +688,10 @@ def profile_model(
                       "path (float16 ran about 20x slower than float32 here), so these times will not predict a GPU; "
                       "profile on the GPU you will train on, or estimate for it (--device estimate:NAME)", stacklevel=2)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
+    if workload.model is None and workload.model_fn is not None:  # a model only ever built on meta (model_fn)
+        import dataclasses
+
+        workload = dataclasses.replace(workload, model=meta_model(workload), model_fn=None)
     if not isinstance(workload.model, nn.Module):
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
 
@@ -791,16 +796,22 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
 
 
+def _meta_cut(ctx: _Context, src: nn.Module) -> tuple[nn.Module, Any, Any, CutModel]:
+    """A weightless copy of ``src`` in the profile's dtype, cut into layers, with the microbatch and target on the
+    device: what layer-at-a-time profiling and estimation start from."""
+    model = _meta_model(src, ctx.dt, ctx.dev)
+    model.train()
+    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
+    cut = cut_layers(model, args, ctx.layers)
+    retarget_devices(cut, ctx.dev)
+    return model, args, ctx.target(), cut
+
+
 def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
     src = ctx.workload.model
     # The user's real weights, one layer's worth at a time; FQN-keyed initialisation for a model on meta.
     weights = None if meta_parameter_names(src) else Checkpoint(dict(src.state_dict()))
-    model = _meta_model(src, ctx.dt, ctx.dev)
-    model.train()
-    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
-    target = ctx.target()
-    cut = cut_layers(model, args, ctx.layers)
-    retarget_devices(cut, ctx.dev)
+    model, args, target, cut = _meta_cut(ctx, src)
     n = len(cut.pieces)
     plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(_fake_chain(cut, args, ctx.dev)[0])],
                   ctx.dedup)
@@ -848,12 +859,7 @@ def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
                       memory_efficiency: float | None) -> Profile:
     from stageplan.estimate import estimate_module
 
-    model = _meta_model(ctx.workload.model, ctx.dt, ctx.dev)
-    model.train()
-    args = _to(ctx.mb_args_cpu, ctx.dev, ctx.dt)
-    target = ctx.target()
-    cut = cut_layers(model, args, ctx.layers)
-    retarget_devices(cut, ctx.dev)
+    model, args, target, cut = _meta_cut(ctx, ctx.workload.model)
     n = len(cut.pieces)
     inputs, crossing = _fake_chain(cut, args, ctx.dev)
     plan = _dedup([layer_signature(cut, k, model, values) for k, values in enumerate(inputs)], ctx.dedup)

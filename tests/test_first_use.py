@@ -355,3 +355,14 @@ def test_check_is_refused_when_the_reference_cannot_fit(tmp_path: Path, monkeypa
     assert_one_line_error(code, err, r"--check trains the whole model in one process, and this model's parameters "
                                      r"\(3.19 KiB, twice that with gradients\) would not fit in the 1.00 KiB available "
                                      r"here; run without --check")
+
+
+def test_the_cli_profiles_a_model_fn_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # small enough to fit: materialised whole from meta (initialised by FQN); --streaming: one layer at a time
+    for flags, how in (([], "whole-model"), (["--streaming"], "layer-at-a-time")):
+        code, _, err = run_cli(["profile", "workloads:big", *flags, "--warmup", "0", "--repeats", "1", "--quiet",
+                                "-o", str(tmp_path / "big.json")], capsys)
+        assert code == 0, err
+        prof = Profile.load(tmp_path / "big.json")
+        assert len(prof) == 4 and prof.meta["materialized"] == how
+        assert [x.param_bytes for x in prof.layers] == [(32 * 32 + 32) * 4] * 4

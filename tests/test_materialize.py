@@ -156,3 +156,15 @@ def test_an_index_with_a_malformed_weight_map_is_one_line(tmp_path: Path) -> Non
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": null}')
     with pytest.raises(StageplanError, match=r"is not an HF safetensors index \(weight_map is NoneType, not an object\)"):
         Checkpoint(tmp_path)
+
+
+def test_a_model_fn_workload_is_profiled_layer_at_a_time_without_building_it() -> None:
+    from stageplan.profiler import profile_model
+
+    torch.manual_seed(0)
+    wl = Workload(None, torch.randn(8, 16), torch.randn(8, 16), nn.functional.mse_loss,
+                  model_fn=lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
+    prof = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, streaming=True)
+    assert prof.names == ["0", "1", "2"] and prof.meta["materialized"] == "layer-at-a-time"
+    assert [x.param_bytes for x in prof.layers] == [272 * 4, 0, 272 * 4]
+    assert wl.model is None  # the caller's workload is untouched

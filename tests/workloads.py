@@ -56,3 +56,14 @@ def notarget(width: int = 32, batch_size: int = 8) -> stageplan.Workload:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.Tanh())
     return stageplan.Workload(model, torch.randn(batch_size, width), name="notarget")
+
+
+def big(width: int = 32, depth: int = 4, batch_size: int = 8) -> stageplan.Workload:
+    """A model given only as model_fn, as for a model too big to build: stageplan builds it on meta."""
+    torch.manual_seed(0)
+
+    def build() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    return stageplan.Workload(None, torch.randn(batch_size, width), torch.randn(batch_size, width),
+                              nn.functional.mse_loss, name="big", model_fn=build)
