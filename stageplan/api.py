@@ -587,8 +587,14 @@ def plan(
 
 
 def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str | os.PathLike[str]) -> Profile:
-    """Rescale each layer's times by the measured / predicted compute ratio of the rank that ran it, so the
-    next plan starts from what the run measured."""
+    """Rescale each layer's forward and backward times to what the run measured of that layer inside the real
+    schedule (the executor's per-layer clock), so the next plan starts from the run.
+
+    A chunk's time outside its layers (PipelineStage's receive, flatten, detach, send) is shared out over the
+    chunk's layers in proportion to their measured time, so a rank's calibrated compute equals its measured
+    compute. A report without per-layer figures (written before the clock existed) is calibrated per rank: every
+    layer of a rank by that rank's measured / predicted compute. The result's ``meta["calibration"]`` says which,
+    gives the factors, and keeps the raw (never calibrated) profile's digest through repeated calibrations."""
     prof = _as_profile(profile)
     rep = report if isinstance(report, RunReport) else RunReport.load(report)
     names = rep.plan.get("layer_names")
@@ -597,25 +603,63 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
             "the run report was made from a plan over other layers than this profile's; "
             "calibrate the profile that the run's plan was made from"
         )
-    bounds = rep.plan["boundaries"]
-    p = int(rep.plan["num_ranks"])
-    stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
-    factors_by_rank = {}
     for row in rep.ranks:
         pred, meas = row["predicted_compute_s"], row["measured_compute_s"]
         if not (pred > 0 and meas > 0 and math.isfinite(meas)):
             raise StageplanError(f"rank {row['rank']} has no usable measurement (predicted {pred}, measured {meas}); rerun with more --steps")
-        factors_by_rank[int(row["rank"])] = meas / pred
+    m = int(rep.plan["num_microbatches"])
+    if len(rep.layers) == len(prof):
+        fwd, bwd = _layer_factors(prof, rep, m)
+        how: dict[str, Any] = {"per": "layer", "forward_factors": fwd, "backward_factors": bwd}
+    else:
+        fwd = bwd = _rank_factors(prof, rep)
+        how = {"per": "rank", "rank_factors": [row["measured_compute_s"] / row["predicted_compute_s"]
+                                               for row in sorted(rep.ranks, key=lambda r: r["rank"])]}
+    out = prof.scaled(fwd, bwd)
+    latency = _fit_boundary_latency(out, rep)
+    meta = dict(out.meta)
+    before = prof.meta.get("calibration") or {}
+    meta["calibration"] = {**how, "boundary_latency_s": latency, "from_profile_digest": prof.digest(),
+                           "raw_profile_digest": before.get("raw_profile_digest", prof.digest()),
+                           "rounds": int(before.get("rounds", 0)) + 1, "run_plan": rep.plan}
+    return Profile(out.layers, meta)
+
+
+def _rank_factors(prof: Profile, rep: RunReport) -> list[float]:
+    """Per layer: the measured / predicted compute of the rank that ran it."""
+    bounds = rep.plan["boundaries"]
+    p = int(rep.plan["num_ranks"])
+    stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
+    by_rank = {int(row["rank"]): row["measured_compute_s"] / row["predicted_compute_s"] for row in rep.ranks}
     factors = [1.0] * len(prof)
     for s in range(len(bounds) - 1):
         for layer in range(bounds[s], bounds[s + 1]):
-            factors[layer] = factors_by_rank[stage_rank[s]]
-    out = prof.scaled(factors)
-    latency = _fit_boundary_latency(out, rep)
-    meta = dict(out.meta)
-    meta["calibration"] = {"rank_factors": [factors_by_rank[r] for r in sorted(factors_by_rank)],
-                           "boundary_latency_s": latency, "from_profile_digest": prof.digest(), "run_plan": rep.plan}
-    return Profile(out.layers, meta)
+            factors[layer] = by_rank[stage_rank[s]]
+    return factors
+
+
+def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], list[float]]:
+    """Per layer: measured / profiled forward and backward (per microbatch, the backward as a step of m blends
+    it), each rank's chunk overhead shared over its layers by their measured time. A layer the profile or the run
+    put at zero keeps factor 1."""
+    overhead = {int(r["rank"]): (r.get("measured_overhead_forward_s", 0.0), r.get("measured_overhead_backward_s", 0.0))
+                for r in rep.ranks}
+    total: dict[int, list[float]] = {}
+    for x in rep.layers:
+        t = total.setdefault(int(x["rank"]), [0.0, 0.0])
+        t[0] += x["measured_forward_s"]
+        t[1] += x["measured_backward_s"]
+    fwd, bwd = [1.0] * len(prof), [1.0] * len(prof)
+    for x in rep.layers:
+        i, r = int(x["index"]), int(x["rank"])
+        f = x["measured_forward_s"] * (1.0 + overhead[r][0] / total[r][0] if total[r][0] > 0 else 1.0)
+        b = x["measured_backward_s"] * (1.0 + overhead[r][1] / total[r][1] if total[r][1] > 0 else 1.0)
+        pf, pb = prof.layers[i].forward_s, prof.layers[i].backward_per_microbatch_s(m)
+        if pf > 0 and f > 0:
+            fwd[i] = f / pf
+        if pb > 0 and b > 0:
+            bwd[i] = b / pb
+    return fwd, bwd
 
 
 def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
     p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
 
-    p = sub.add_parser("calibrate", help="rescale a profile's layer times by a run's measured / predicted ratios",
-                       description="Rescale a profile by what a run measured, so the next plan starts from it.")
+    p = sub.add_parser("calibrate", help="rescale each layer's times to what a run measured of it",
+                       description="Rescale each layer's forward and backward times to what a run measured of that layer "
+                                   "inside the real schedule, so the next plan starts from the run.")
     p.add_argument("profile", metavar="PROFILE.json", help="the profile the run's plan was made from")
     p.add_argument("run", metavar="RUN.json", help="a run report written by stageplan run -o")
     p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json", help="where to write the calibrated profile")
@@ -420,8 +421,16 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
     save_or_keep(calibrated, a.output)
     cal = calibrated.meta["calibration"]
-    print(f"wrote {a.output}: layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} "
-          f"(measured / predicted); boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
+    if cal["per"] == "layer":
+        import statistics
+
+        factors = cal["forward_factors"] + cal["backward_factors"]
+        how = (f"each layer's forward and backward scaled to what the run measured of it (factors {min(factors):.3f} to "
+               f"{max(factors):.3f}, median {statistics.median(factors):.3f})")
+    else:
+        how = (f"layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} (measured / predicted; "
+               "the run report has no per-layer times)")
+    print(f"wrote {a.output}: {how}; boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 from stageplan.errors import WorkloadError
 from stageplan.link import ping_pong, probe_sizes, save_link
 from stageplan.materialize import Checkpoint
-from stageplan.measure import SavedTensorTracker, Timer, median_iqr, steady_allocator
+from stageplan.measure import LayerClock, SavedTensorTracker, Timer, median_iqr, steady_allocator
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.stages import (
@@ -62,10 +62,12 @@ def _check_same_weights(options: dict[str, Any], world_size: int) -> None:
 
 @dataclass
 class _Instruments:
-    """The rank's timer and saved-bytes tracker, wrapped around its stages' forward/backward/loss calls."""
+    """The rank's timer, per-layer clock and saved-bytes tracker, wrapped around its stages' forward/backward/loss
+    calls."""
 
     timer: Timer
     tracker: SavedTensorTracker
+    clock: LayerClock
     tracking: bool = True  # the hooks run in warm-up steps only (they cost ~6% of a small stage, seen here)
 
     def saving(self) -> Any:
@@ -78,17 +80,19 @@ class _Instruments:
         s = st.stage_index
 
         def forward_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
-            with self.saving():
+            with self.saving(), self.clock.phase("F", s):
                 return self.timer.record("F", s, chunk, lambda: fwd(chunk, *a, **k))
 
         def backward_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
-            return self.timer.record("B", s, chunk, lambda: bwd(chunk, *a, **k))
+            with self.clock.phase("B", s):
+                return self.timer.record("B", s, chunk, lambda: bwd(chunk, *a, **k))
 
         st.forward_one_chunk = forward_one_chunk
         st.backward_one_chunk = backward_one_chunk
         if bwd_w is not None:
             def backward_weight_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
-                return self.timer.record("W", s, chunk, lambda: bwd_w(chunk, *a, **k))
+                with self.clock.phase("W", s):
+                    return self.timer.record("W", s, chunk, lambda: bwd_w(chunk, *a, **k))
 
             st.backward_weight_one_chunk = backward_weight_one_chunk
 
@@ -105,6 +109,28 @@ class _Samples:
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # per measured step, seconds per microbatch: {layer: [forward, backward]} and {stage: [forward, backward]} overhead
+    layer_s: list[dict[int, list[float]]] = field(default_factory=list)
+    overhead_s: list[dict[int, list[float]]] = field(default_factory=list)
+
+    def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
+        """One step's LayerClock phases, as seconds per microbatch (a weight-gradient phase counts as backward)."""
+        layers: dict[int, list[float]] = {}
+        overhead: dict[int, list[float]] = {}
+        for kind, stage, times, rest in phases:
+            j = 0 if kind in ("F", "L") else 1
+            for layer, sec in times.items():
+                layers.setdefault(layer, [0.0, 0.0])[j] += sec / m
+            overhead.setdefault(stage, [0.0, 0.0])[j] += rest / m
+        self.layer_s.append(layers)
+        self.overhead_s.append(overhead)
+
+    def layer_medians(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+        """Medians over the measured steps of :attr:`layer_s` and :attr:`overhead_s`."""
+        def med(rows: list[dict[int, list[float]]]) -> dict[int, list[float]]:
+            keys = sorted({k for r in rows for k in r})
+            return {k: [median_iqr([r.get(k, [0.0, 0.0])[j] for r in rows])[0] for j in (0, 1)] for k in keys}
+        return med(self.layer_s), med(self.overhead_s)
 
 
 def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments) -> Any:
@@ -118,7 +144,7 @@ def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments)
         mb = calls[0] % m
         calls[0] += 1
         tgt = target if workload.target is not None else None
-        with ins.saving():
+        with ins.saving(), ins.clock.phase("L", last_stage):
             return ins.timer.record("F", last_stage, mb, lambda: workload.compute_loss(output, tgt))
 
     cls = get_schedule_class(plan.schedule)
@@ -140,8 +166,10 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     steps, warmup = int(options["steps"]), int(options["warmup"])
     rank = dist.get_rank()
     out = _Samples()
+    bounds = plan.boundaries
     for step in range(warmup + steps):
         ins.tracking = step < warmup or warmup == 0
+        ins.clock.enabled = step >= warmup
         for p in rs.unique_params:
             p.grad = None
         dist.barrier()
@@ -163,6 +191,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
         intervals = ins.timer.drain()
+        phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
         if ins.tracking:  # the profiler's instrument, on every device (max allocated would add grads and states)
             out.peak_activation_bytes.append(ins.tracker.peak)
         if step >= warmup:
@@ -171,6 +200,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
             out.compute_cpu_s.append(sum(cpu for *_, cpu in intervals))
             out.other_s.append(t1 - t_other)
+            out.add_layers(phases, plan.num_microbatches)
             if step == warmup + steps - 1:
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
@@ -179,6 +209,27 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if has_last:
             out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()))
     return out
+
+
+def attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
+    """Hook the clock on each of the rank's layers that is a module of its stage (a layer of code around the named
+    modules, such as an embedding sum before the first block, is timed as the span its neighbours leave)."""
+    from stageplan.layers import used_parameters
+
+    for st, s in zip(rs.stages, rs.indices):
+        modules = {}
+        for layer in range(plan.boundaries[s], plan.boundaries[s + 1]):
+            try:
+                modules[layer] = st.submod.get_submodule(plan.layer_names[layer])
+            except AttributeError:
+                continue
+        owners: dict[int, int] = {}
+        for mod in modules.values():
+            for p in mod.parameters():
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        for layer, mod in modules.items():
+            own = [p for p in used_parameters(mod).values() if owners.get(id(p)) == 1]
+            clock.attach(layer, mod, own)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -211,10 +262,13 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     seed = int(options.get("init_seed", 0))
     reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
     rs = build_rank_stages(model, plan, rank, device, mb_args, weights=weights, seed=seed)
-    ins = _Instruments(Timer(device), SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}))
+    ins = _Instruments(Timer(device), SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}),
+                       LayerClock(device))
     for st in rs.stages:
         ins.wrap(st)
+    attach_layer_clock(ins.clock, rs, plan)
     samples = _train(plan, workload, rs, device, options, ins)
+    layer_s, overhead_s = samples.layer_medians()
 
     f, f_iqr = median_iqr(samples.forward_s)
     b, b_iqr = median_iqr(samples.backward_s)
@@ -223,7 +277,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
-              "peak_memory_bytes": _peak_memory_bytes(device)}
+              "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:

@@ -1,4 +1,4 @@
-"""The one instrument: timer (CPU/CUDA), median/IQR, saved-bytes tracker, microbatch slices (torch).
+"""The one instrument: timer (CPU/CUDA), per-layer clock, median/IQR, saved-bytes tracker, microbatch slices (torch).
 
 The profiler and the executor both measure with this module, so that a measured / predicted ratio away
 from 1 is the cost model's doing, not a difference between two instruments.
@@ -51,6 +51,45 @@ def steady_allocator() -> bool:
         return False
     _ALLOCATOR_STEADY = ok
     return ok
+
+
+def last_level_cache_bytes(device: torch.device | str) -> int:
+    """The device's last-level cache: CUDA's L2; on CPU the largest cache sysfs lists for cpu0 (64 MiB when it
+    cannot be read)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (64 << 20))
+    from pathlib import Path
+
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=64 << 20)
+
+
+class CacheFlush:
+    """Evict the last-level cache before a timed call whose working set would otherwise stay in it from the last
+    repeat: an optimizer step over one layer's parameters, gradients and states (a block's 3 MiB here), timed 5 times
+    in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one step over the same
+    parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is 13.7 ms and one step over
+    all of them 13.1 ms (FIELD.md-style note in the README). Writes a buffer twice the cache's size."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.bytes = 2 * last_level_cache_bytes(device)
+        self._buffer: torch.Tensor | None = None
+        self._device = torch.device(device)
+
+    def __call__(self) -> None:
+        if self._buffer is None:
+            self._buffer = torch.empty(self.bytes, dtype=torch.uint8, device=self._device)
+        self._buffer.fill_(1)
+
+    def release(self) -> None:
+        self._buffer = None
 
 
 def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
@@ -122,6 +161,166 @@ class Timer:
             out.append((kind, stage, mb, wall, seconds, cpu))
         self._events = []
         return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple/list/dict value."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class LayerClock:
+    """Each layer's forward and backward seconds inside a running pipeline chunk, from hooks on its module.
+
+    A phase (one chunk's forward, backward or loss call, opened by :meth:`phase`) collects stamps: a layer's forward
+    runs from its forward pre-hook to its forward hook; its backward from the moment the gradient of its output is
+    ready (a tensor hook on the output) to the moment the gradient of its input is ready (a tensor hook on the input;
+    for a first layer whose input needs no gradient, the last of its parameters' post-accumulate hooks). Layers
+    without a module of their own (the code before the first or after the last named module) get the span between
+    their stamped neighbours, or the phase's edges. What no layer covers is the chunk's overhead (the
+    PipelineStage machinery around the layers). CPU: ``time.perf_counter``; CUDA: events, read by :meth:`drain`.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.enabled = False
+        self._stamps: list[tuple[int, str, Any]] | None = None
+        self._phases: list[tuple[str, int, Any, Any, list[tuple[int, str, Any]]]] = []
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _stamp(self, layer: int, edge: str) -> None:
+        if self._stamps is not None:
+            self._stamps.append((layer, edge, self._now()))
+
+    def attach(self, layer: int, module: torch.nn.Module, params: Sequence[torch.nn.Parameter] = ()) -> None:
+        """Stamp layer ``layer`` each time ``module`` runs (forward) and its gradients flow (backward). ``params``:
+        the layer's own parameters (not shared with another layer), for a first layer whose input needs no grad."""
+
+        def grad_stamp(edge: str) -> Callable[[Any], None]:
+            def hook(_: Any) -> None:
+                self._stamp(layer, edge)
+            return hook
+
+        def pre(_: Any, args: Any) -> None:
+            if self._stamps is None:
+                return
+            self._stamp(layer, "f0")
+            for t in _tensors(args):
+                if t.requires_grad:
+                    t.register_hook(grad_stamp("b1"))
+
+        def post(_: Any, args: Any, out: Any) -> None:
+            if self._stamps is None:
+                return
+            self._stamp(layer, "f1")
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(grad_stamp("b0"))
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(grad_stamp("bp"))
+
+    @contextmanager
+    def phase(self, kind: str, stage: int) -> Iterator[None]:
+        """Collect the stamps of one chunk call (kind "F", "B", "W" or "L" for the loss) while enabled."""
+        if not self.enabled:
+            yield
+            return
+        stamps: list[tuple[int, str, Any]] = []
+        self._stamps = stamps
+        begin = self._now()
+        try:
+            yield
+        finally:
+            end = self._now()
+            self._stamps = None
+            self._phases.append((kind, stage, begin, end, stamps))
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3 if self.cuda else float(b - a)
+
+    def drain(self, layers_of: Callable[[int], Sequence[int]], weights: Sequence[float] | None = None
+              ) -> list[tuple[str, int, dict[int, float], float]]:
+        """Per phase: (kind, stage, {layer: seconds}, overhead seconds). ``layers_of(stage)``: the stage's layer
+        indices in order; ``weights[layer]``: how to share one gap between neighbouring layers without stamps
+        (equal shares when None). A loss phase is all the last layer's; a weight-gradient phase is reported whole,
+        as overhead, for the caller to share out."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for kind, stage, begin, end, stamps in self._phases:
+            total = self._seconds(begin, end)
+            order = list(layers_of(stage))
+            if kind == "L":
+                out.append((kind, stage, {order[-1]: total}, 0.0))
+                continue
+            if kind == "W":
+                out.append((kind, stage, {}, total))
+                continue
+            if kind == "B":
+                order = order[::-1]
+            spans = self._spans(kind, stamps, begin)
+            times = _fill_gaps(order, spans, total, weights)
+            out.append((kind, stage, times, max(total - sum(times.values()), 0.0)))
+        self._phases = []
+        return out
+
+    def _spans(self, kind: str, stamps: list[tuple[int, str, Any]], begin: Any) -> dict[int, tuple[float, float]]:
+        """{layer: (start, end)} seconds after the phase's begin."""
+        at: dict[int, dict[str, float]] = {}
+        for layer, edge, stamp in stamps:
+            t = self._seconds(begin, stamp)
+            edges = at.setdefault(layer, {})
+            edges[edge] = max(edges.get(edge, t), t)  # the last of several (a tuple output, several inputs)
+        spans = {}
+        for layer, e in at.items():
+            start, stop = (e.get("f0"), e.get("f1")) if kind == "F" else (e.get("b0"), e.get("b1", e.get("bp")))
+            if start is not None and stop is not None and stop >= start:
+                spans[layer] = (start, stop)
+        return spans
+
+
+def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], total: float,
+               weights: Sequence[float] | None) -> dict[int, float]:
+    """Seconds per layer of one phase: stamped layers their span; each run of unstamped layers (in execution order)
+    the gap between its stamped neighbours (or the phase's edges), shared by ``weights``."""
+    times: dict[int, float] = {}
+    run: list[int] = []
+    prev_end = 0.0
+
+    def flush(next_start: float) -> None:
+        gap = max(next_start - prev_end, 0.0)
+        w = [1.0 if weights is None else max(float(weights[i]), 0.0) for i in run]
+        for i, wi in zip(run, w):
+            times[i] = gap * (wi / sum(w) if sum(w) > 0 else 1.0 / len(run))
+        run.clear()
+
+    for layer in order:
+        if layer in spans:
+            start, stop = spans[layer]
+            if run:
+                flush(start)
+            times[layer] = stop - start
+            prev_end = stop
+        else:
+            run.append(layer)
+    if run:
+        flush(total)
+    return times
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -112,13 +112,15 @@ class Profile:
         tmp.write_text(buf.getvalue())
         os.replace(tmp, p)
 
-    def scaled(self, factors: list[float]) -> Profile:
-        """A copy with each layer's forward/backward times multiplied by its factor (calibration)."""
+    def scaled(self, factors: list[float], backward_factors: list[float] | None = None) -> Profile:
+        """A copy with each layer's forward times multiplied by its factor and its backward times by its backward
+        factor (the same factor when ``backward_factors`` is None): calibration."""
+        back = factors if backward_factors is None else backward_factors
         layers = tuple(
-            replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
-                    forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * f,
-                    backward_accumulate_s=None if layer.backward_accumulate_s is None else layer.backward_accumulate_s * f)
-            for layer, f in zip(self.layers, factors)
+            replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * g,
+                    forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * g,
+                    backward_accumulate_s=None if layer.backward_accumulate_s is None else layer.backward_accumulate_s * g)
+            for layer, f, g in zip(self.layers, factors, back)
         )
         return Profile(layers, dict(self.meta))
 

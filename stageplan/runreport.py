@@ -28,6 +28,10 @@ class RunReport:
     ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...). ``link`` is the
     ping-pong between neighbouring ranks at the run's start (stageplan.link): backend, latency_s,
     bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
+    ``layers`` holds one entry per layer: its forward and backward seconds per microbatch inside the real schedule
+    (executor's per-layer clock, median over the measured steps), the stage and rank that ran it; each rank row adds
+    the overhead its chunks spent outside their layers (``measured_overhead_forward_s``/``_backward_s``, per
+    microbatch). Empty in reports written before it existed.
     """
 
     measured_step_s: float
@@ -44,6 +48,7 @@ class RunReport:
     check: dict[str, Any] | None = None
     timeline: tuple[dict[str, Any], ...] = ()
     link: dict[str, Any] | None = None
+    layers: tuple[dict[str, Any], ...] = ()
 
     @property
     def step_ratio(self) -> float:
@@ -60,6 +65,7 @@ class RunReport:
         d["ranks"] = list(self.ranks)
         d["losses"] = list(self.losses)
         d["timeline"] = list(self.timeline)
+        d["layers"] = list(self.layers)
         return {"schema": RUN_SCHEMA, **d}
 
     @classmethod
@@ -75,6 +81,7 @@ class RunReport:
             kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
+            kwargs["layers"] = tuple(data.get("layers", ()))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"{source} is missing or mangles field {exc}; rerun stageplan run") from exc
@@ -95,9 +102,15 @@ class RunReport:
         timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
         m = plan.num_microbatches
         rows = []
+        layers = []
         busy_total = 0.0
         for g in sorted(ranks, key=lambda g: g["rank"]):
             r = g["rank"]
+            for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
+                stage = next(s for s in range(plan.num_chunks) if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
+                layers.append({"index": layer, "name": plan.layer_names[layer], "stage": stage, "rank": r,
+                               "measured_forward_s": lf, "measured_backward_s": lb})
+            overhead = g.get("overhead_s") or {}
             pf = sum(st.forward_s for st in plan.stages if st.rank == r)
             pb = sum(st.backward_s for st in plan.stages if st.rank == r)
             f, b, other = g["forward_s"], g["backward_s"], g["other_s"]
@@ -111,6 +124,9 @@ class RunReport:
                 "measured_compute_iqr_s": (g["forward_iqr_s"] + g["backward_iqr_s"]) / m,
                 # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
                 "measured_compute_cpu_s": g["compute_cpu_s"] / m,
+                # the chunks' time outside their layers (PipelineStage's receive, flatten, detach, send), per microbatch
+                "measured_overhead_forward_s": sum(v[0] for v in overhead.values()),
+                "measured_overhead_backward_s": sum(v[1] for v in overhead.values()),
                 "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
                 "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
@@ -145,4 +161,5 @@ class RunReport:
                   "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
                   "cost_options": dict(plan.cost_options)},
             run_options=dict(run_options), meta=meta, check=check, timeline=timeline, link=link,
+            layers=tuple(sorted(layers, key=lambda x: x["index"])),
         )

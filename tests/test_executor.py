@@ -62,6 +62,16 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
     assert RunReport.from_json(old) == report
     for row in report.ranks:
         assert row["measured_compute_s"] > 0 and row["measured_peak_activation_bytes"] > 0
+    # the per-layer clock: every layer once, on the rank the plan put it, and a rank's layers plus its chunks'
+    # overhead make up its measured compute (medians of parts against the median of the whole: loose)
+    assert [x["index"] for x in report.layers] == list(range(len(pl.layer_names)))
+    assert [x["rank"] for x in report.layers] == [pl.stages[x["stage"]].rank for x in report.layers]
+    for row in report.ranks:
+        mine = [x for x in report.layers if x["rank"] == row["rank"]]
+        assert all(x["measured_forward_s"] >= 0 and x["measured_backward_s"] >= 0 for x in mine)
+        parts = sum(x["measured_forward_s"] + x["measured_backward_s"] for x in mine)
+        parts += row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"]
+        assert parts == pytest.approx(row["measured_compute_s"], rel=0.3)
 
 
 def test_check_detects_a_wrong_result() -> None:

@@ -215,7 +215,7 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
 
 
 def test_identical_layers_reuse_the_measured_optimizer_step() -> None:
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 1..4 alike: 3 and 4 reuse 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the spread of two tiny layers on a shared machine
         prof = profile_model(Workload(model, torch.randn(4, 64), loss_fn=_sum_loss), microbatch_size=4, warmup=0,

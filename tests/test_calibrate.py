@@ -1,0 +1,116 @@
+"""Calibration against closed forms: a run report built from known per-layer measurements (no processes), the
+calibrated profile's layers and ranks then predict exactly what the run measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import assert_one_line_error, run_cli
+
+from stageplan import StageplanError
+from stageplan.api import calibrate, plan
+from stageplan.profile import LayerProfile, Profile
+from stageplan.runreport import RunReport
+
+M = 4
+
+
+def _profile() -> Profile:
+    layers = [LayerProfile(name=f"l{i}", forward_s=f, backward_s=2 * f, activation_bytes=1000, output_bytes=100,
+                           param_bytes=400, backward_accumulate_s=2.5 * f)
+              for i, f in enumerate([1e-3, 2e-3, 3e-3, 4e-3, 5e-3])]
+    return Profile(tuple(layers), {"model": "toy", "microbatch_size": 1})
+
+
+# what the run measured per microbatch, per layer (forward, backward), and each rank's chunk overhead
+LAYERS = {0: (1.5e-3, 2.0e-3), 1: (2.0e-3, 6.0e-3), 2: (3.3e-3, 6.0e-3), 3: (4.0e-3, 9.0e-3), 4: (6.0e-3, 12.0e-3)}
+OVERHEAD = {0: (0.3e-3, 0.4e-3), 1: (0.0, 0.6e-3)}
+
+
+def _report(pl, with_layers: bool = True) -> RunReport:  # type: ignore[no-untyped-def]
+    ranks = []
+    for r in (0, 1):
+        mine = [i for s, st in enumerate(pl.stages) if st.rank == r for i in range(pl.boundaries[s], pl.boundaries[s + 1])]
+        f = sum(LAYERS[i][0] for i in mine) + OVERHEAD[r][0]
+        b = sum(LAYERS[i][1] for i in mine) + OVERHEAD[r][1]
+        ranks.append({"rank": r, "stages": [r], "step_s": [0.2], "forward_s": f * M, "forward_iqr_s": 0.0,
+                      "backward_s": b * M, "backward_iqr_s": 0.0, "other_s": 0.0, "compute_cpu_s": (f + b) * M,
+                      "losses": [], "timeline": [], "peak_activation_bytes": 1, "peak_memory_bytes": 1,
+                      "layer_s": {i: list(LAYERS[i]) for i in mine} if with_layers else {},
+                      "overhead_s": {r: list(OVERHEAD[r])} if with_layers else {}})
+    return RunReport.from_measurements(pl, ranks, step_s=0.2, step_iqr_s=0.0, run_options={"optimizer": "none"},
+                                       check=None, meta={})
+
+
+def test_each_layer_takes_what_the_run_measured_of_it_plus_its_share_of_the_chunk_overhead() -> None:
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    cal = calibrate(prof, _report(pl))
+    assert cal.meta["calibration"]["per"] == "layer"
+    for r, layers in ((0, [0, 1]), (1, [2, 3, 4])):
+        tf = sum(LAYERS[i][0] for i in layers)
+        tb = sum(LAYERS[i][1] for i in layers)
+        for i in layers:
+            x = cal.layers[i]
+            share_f = LAYERS[i][0] / tf * OVERHEAD[r][0]
+            share_b = LAYERS[i][1] / tb * OVERHEAD[r][1]
+            assert x.forward_s == pytest.approx(LAYERS[i][0] + share_f)
+            assert x.backward_per_microbatch_s(M) == pytest.approx(LAYERS[i][1] + share_b)
+            # the backward's two measured parts keep their ratio (first microbatch into empty grads, the rest adding)
+            assert x.backward_accumulate_s / x.backward_s == pytest.approx(1.25)
+    # the same split, planned from the calibrated profile, predicts each rank's measured compute
+    again = plan(cal, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    for row in _report(pl).ranks:
+        st = again.stages[row["rank"]]
+        assert st.forward_s + st.backward_s == pytest.approx(row["measured_compute_s"])
+
+
+def test_repeated_calibration_keeps_the_raw_digest_and_counts_rounds() -> None:
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    once = calibrate(prof, _report(pl))
+    pl2 = plan(once, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    twice = calibrate(once, _report(pl2))
+    c1, c2 = once.meta["calibration"], twice.meta["calibration"]
+    assert c1["raw_profile_digest"] == c2["raw_profile_digest"] == prof.digest()
+    assert c2["from_profile_digest"] == once.digest() != prof.digest()
+    assert (c1["rounds"], c2["rounds"]) == (1, 2)
+    # calibrating to the same measurements twice changes nothing the second time
+    assert [x.forward_s for x in twice.layers] == pytest.approx([x.forward_s for x in once.layers])
+
+
+def test_a_report_without_layer_times_is_calibrated_per_rank() -> None:
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    rep = _report(pl, with_layers=False)
+    assert rep.layers == ()
+    cal = calibrate(prof, rep)
+    assert cal.meta["calibration"]["per"] == "rank"
+    for row in rep.ranks:
+        k = row["measured_compute_s"] / row["predicted_compute_s"]
+        assert cal.meta["calibration"]["rank_factors"][row["rank"]] == pytest.approx(k)
+        for i in ([0, 1] if row["rank"] == 0 else [2, 3, 4]):
+            assert cal.layers[i].forward_s == pytest.approx(prof.layers[i].forward_s * k)
+
+
+def test_cli_calibrate_says_per_layer_and_refuses_another_models_run(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    prof = _profile()
+    prof.save(tmp_path / "p.json")
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    _report(pl).save(tmp_path / "run.json")
+    code, out, err = run_cli(["calibrate", str(tmp_path / "p.json"), str(tmp_path / "run.json"), "-o",
+                              str(tmp_path / "c.json")], capsys)
+    assert code == 0, err
+    assert "each layer's forward and backward scaled" in out
+    assert Profile.load(tmp_path / "c.json").meta["calibration"]["per"] == "layer"
+    other = Profile(tuple(LayerProfile(name=f"x{i}", forward_s=1e-3, backward_s=1e-3, activation_bytes=1, output_bytes=1,
+                                       param_bytes=1) for i in range(5)), {})
+    other.save(tmp_path / "other.json")
+    code, out, err = run_cli(["calibrate", str(tmp_path / "other.json"), str(tmp_path / "run.json"), "-o",
+                              str(tmp_path / "c2.json")], capsys)
+    assert_one_line_error(code, err, "other layers than this profile")
+    assert not (tmp_path / "c2.json").exists()
+    with pytest.raises(StageplanError):
+        calibrate(other, tmp_path / "run.json")
