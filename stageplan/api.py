@@ -215,14 +215,14 @@ def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> t
     S = opts.num_chunks
     f, b, c, _ = costs.split(np.array([start]))
     cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
-    step0 = float(costs.steps(f, b, c, costs.optimizer(np.array([start])))[0])
+    step0 = float(costs.split_steps(np.array([start]), f, b, c)[0])
     budget = max(1, _TIE_WORK // (2 * S * opts.num_microbatches))  # splits we may simulate
     listed = _equal_bottleneck_splits(costs, cap, min(_TIE_SPLITS, budget)) if S > 1 else [start]
     best, step, evaluated, exhaustive = start, step0, 1, listed is not None
     if listed and S > 1:
         cand = np.array(listed)
         f, b, c, _ = costs.split(cand)
-        best, step = _best(cand, costs.steps(f, b, c, costs.optimizer(cand)), start)
+        best, step = _best(cand, costs.split_steps(cand, f, b, c), start)
         evaluated = len(listed)
     for _ in range(0 if exhaustive else _TIE_ROUNDS):
         cur = np.array(best)
@@ -240,7 +240,7 @@ def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> t
         if not pick.size:
             break
         evaluated += pick.size
-        new, low = _best(cand[pick], costs.steps(f[pick], b[pick], c[pick], costs.optimizer(cand[pick])), best)
+        new, low = _best(cand[pick], costs.split_steps(cand[pick], f[pick], b[pick], c[pick]), best)
         if low >= step * (1 - _TIE_REL):
             break
         best, step = new, low

@@ -162,6 +162,9 @@ class LayerArrays:
     # per optimizer ("sgd", "momentum", "adam", "adamw"): seconds of one optimizer step per layer; NaN where the
     # profile did not measure it (profiles written before it was measured)
     optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)
+    # the tied parameters two or more layers share (Profile.tied): each one's layers, and its bytes
+    tied_layers: tuple[tuple[int, ...], ...] = ()
+    tied_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def of(cls, profile: Profile, num_microbatches: int = 1) -> LayerArrays:
@@ -183,7 +186,9 @@ class LayerArrays:
         optimizer = {name: np.array([math.nan if x.optimizer_s is None else x.optimizer_s.get(name, math.nan)
                                      for x in profile.layers], dtype=float)
                      for name in OPTIMIZER_STATE_FACTOR if name != "none"}
-        return cls(**arr, optimizer_s=optimizer)
+        ties = [t for t in profile.tied if len(t.layers) > 1]  # a tie inside one layer never crosses ranks
+        return cls(**arr, optimizer_s=optimizer, tied_layers=tuple(t.layers for t in ties),
+                   tied_bytes=np.array([t.bytes for t in ties], dtype=float))
 
 
 def optimizer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
@@ -222,6 +227,39 @@ def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     if opts.bandwidth_bytes_per_s is None:
         return np.zeros_like(arr.output_bytes)
     return arr.output_bytes / opts.bandwidth_bytes_per_s
+
+
+def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
+    """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
+    and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
+    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency. 0 with no bandwidth."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    if opts.bandwidth_bytes_per_s is None:
+        return np.zeros_like(nbytes)
+    p = opts.num_ranks
+    return 2.0 * (p - 1) / p * nbytes / opts.bandwidth_bytes_per_s + 2.0 * (p - 1) * opts.boundary_latency_s
+
+
+def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
+    """For each row of ``bounds`` (N, S+1), whether each tied parameter's layers fall on two or more ranks
+    (N, ties): chunks map to ranks by ``opts.shape.stage_ranks``, so interleaved chunks of one rank share it."""
+    bounds = np.asarray(bounds)
+    ranks = np.asarray(opts.shape.stage_ranks)
+    across = np.zeros((bounds.shape[0], len(arr.tied_layers)), dtype=bool)
+    for g, layers in enumerate(arr.tied_layers):
+        # the chunk holding layer l is the number of inner boundaries at or before l
+        chunk = (bounds[:, None, 1:] <= np.asarray(layers)[None, :, None]).sum(axis=2)  # (N, layers)
+        held = ranks[chunk]
+        across[:, g] = (held != held[:, :1]).any(axis=1)
+    return across
+
+
+def tied_sync_time(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
+    """Seconds per step (N,) of the gradient all-reduce of the tied parameters each split (row of ``bounds``)
+    puts on two or more ranks: one ring all-reduce per parameter over all p ranks, as ``stages.sync_tied_grads``
+    runs it after the schedule and before the optimizer step; every rank waits for it. A tie kept on one rank
+    costs nothing; without a bandwidth nothing is priced (``evaluate`` notes it)."""
+    return tied_across(arr, bounds, opts) @ ring_allreduce_time(arr.tied_bytes, opts)
 
 
 @dataclass(frozen=True)
@@ -326,6 +364,7 @@ class Evidence:
     predicted_step_s: float
     bubble_fraction: float
     notes: tuple[str, ...]
+    tied_sync_s: float  # every rank's tied-gradient all-reduce per step (tied_sync_time)
 
 
 def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
@@ -349,6 +388,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     terms = memory_terms(arr, opts)
     L = len(arr.forward_s)
     p = opts.num_ranks
+    tied = float(tied_sync_time(arr, np.array([boundaries]), opts)[0])
     stages = []
     for s in range(len(boundaries) - 1):
         i, j = int(boundaries[s]), int(boundaries[s + 1])
@@ -361,8 +401,9 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
         o = float(opt_time[i:j].sum()) / dev.speed  # once per step, not per microbatch: not in time_s
+        t = tied if ranks.index(ranks[s]) == s else 0.0  # the rank's all-reduce, held by its first chunk
         stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c, fl[s], mem,
-                                dev.memory_limit_bytes, o))
+                                dev.memory_limit_bytes, o, t))
     rank_time = [0.0] * p
     static = [0.0] * p
     for st in stages:
@@ -374,7 +415,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         peaks = _rank_peak_activation_bytes(arr, boundaries, shape)
     sim = simulate_shape(shape, np.array([st.forward_s for st in stages]), np.array([st.backward_s for st in stages]),
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
-                         np.array([st.optimizer_s for st in stages]))
+                         np.array([st.optimizer_s for st in stages]), tied)
     bottleneck = max(rank_time)
     lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices])
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
@@ -383,6 +424,9 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
     if not optimizer_measured(arr, opts):
         notes.append("optimizer step not measured in this profile: re-profile to include it")
+    tied_note = _tied_note(arr, boundaries, opts)
+    if tied_note:
+        notes.append(tied_note)
     if opts.boundary_latency_s > 0:
         notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, {opts.latency_source}")
     for r, d in enumerate(opts.devices):
@@ -395,8 +439,18 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         stages=tuple(stages), rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem,
         rank_peak_activation_bytes=tuple(peaks), bottleneck_s=bottleneck, lower_bound_s=lower,
         balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
-        bubble_fraction=sim.bubble_fraction, notes=tuple(notes),
+        bubble_fraction=sim.bubble_fraction, notes=tuple(notes), tied_sync_s=tied,
     )
+
+
+def _tied_note(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> str | None:
+    """Without a bandwidth, say that the tied parameters this split puts on two or more ranks are synced unpriced."""
+    across = tied_across(arr, np.array([boundaries]), opts)[0]
+    if opts.bandwidth_bytes_per_s is not None or not across.any():
+        return None
+    return (f"no bandwidth given: the gradient all-reduce of the {int(across.sum())} tied parameter(s) this split puts "
+            f"on two or more ranks ({format_bytes(float(arr.tied_bytes[across].sum()))}) is not modelled "
+            "(tied_sync_s = 0); give a bandwidth to price it")
 
 
 def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape) -> tuple[float, ...]:
@@ -432,7 +486,7 @@ class SplitCosts:
 
     def __init__(self, arr: LayerArrays, opts: CostOptions) -> None:
         S, L = opts.num_chunks, len(arr.forward_s)
-        self.opts, self.num_layers = opts, L
+        self.arr, self.opts, self.num_layers = arr, opts, L
         self.fwd_prefix = np.concatenate([[0.0], np.cumsum(arr.forward_s)])
         self.bwd_prefix = np.concatenate([[0.0], np.cumsum(arr.backward_s)])
         self.opt_prefix = np.concatenate([[0.0], np.cumsum(optimizer_time(arr, opts))])
@@ -474,14 +528,26 @@ class SplitCosts:
         s = np.arange(bounds.shape[1] - 1)[None, :]
         return (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
 
+    def tied_sync(self, bounds: np.ndarray) -> np.ndarray:
+        """Seconds of the tied-gradient all-reduce (N,) for each row of ``bounds`` (N, S+1), as ``evaluate``
+        counts it (``tied_sync_time``)."""
+        return tied_sync_time(self.arr, np.asarray(bounds), self.opts)
+
+    def split_steps(self, bounds: np.ndarray, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """The simulated step of each split (row of ``bounds``) whose per-chunk times ``split`` gave, with its
+        optimizer steps and its tied-gradient all-reduce: ``evaluate(...).predicted_step_s`` of every row."""
+        return self.steps(f, b, c, self.optimizer(bounds), self.tied_sync(bounds))
+
     def rank_time(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
         """Per-rank seconds per microbatch (N, p): the sum of its chunks' f + b + c, as ``evaluate`` counts it."""
         return (f + b + c) @ self.rank_of
 
-    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None) -> np.ndarray:
+    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None,
+              t: np.ndarray | None = None) -> np.ndarray:
         """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
         (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived;
-        each rank's optimizer step ``o``, summed over its chunks, after its last action)."""
+        where a row's tied-gradient all-reduce ``t`` (N,) is > 0, it starts once every rank has ended its last
+        action; then each rank's optimizer step ``o``, summed over its chunks)."""
         shape = self.opts.shape
         graph = _step_graph(shape)
         n = f.shape[0]
@@ -495,10 +561,14 @@ class SplitCosts:
             start = np.maximum(end[graph.prev[ids]], end[graph.dep1[ids]] + hop[graph.hop1[ids]])
             start = np.maximum(start, end[graph.dep2[ids]] + hop[graph.hop2[ids]])
             end[ids] = start + duration[graph.kind_stage[ids]]
-        if o is None:
+        if o is None and t is None:
             return end[:-1].max(axis=0)
-        # a rank's last action ends last on that rank; its optimizer step follows (schedules.simulate_shape)
-        finish = end[graph.last] + (o @ self.rank_of).T  # (p, N)
+        # a rank's last action ends last on that rank; the all-reduce (a collective: every rank starts it when the
+        # last one gets there) and then the rank's optimizer step follow (schedules.simulate_shape)
+        last = end[graph.last]  # (p, N)
+        if t is not None:
+            last = np.where(t > 0, last.max(axis=0) + t, last)
+        finish = last if o is None else last + (o @ self.rank_of).T
         return np.maximum(end[:-1].max(axis=0), finish.max(axis=0))
 
 

@@ -184,7 +184,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             kwargs.update(target=target, losses=losses)
         schedule.step(*(inputs if has_first else ()), **kwargs)
         t_other = time.perf_counter()
-        sync_tied_grads(rs.ties, rs.params, device)
+        sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across)
         if optimizer is not None:
             optimizer.step()
         if device.type == "cuda":

@@ -42,6 +42,10 @@ class StagePlan:
     # seconds of one optimizer step over the stage's parameters: once per step, after the rank's last backward;
     # not part of time_s (seconds per microbatch, what the solver balances); 0 in plans made before it existed
     optimizer_s: float = 0.0
+    # seconds of the rank's tied-gradient all-reduce (a tied parameter the plan puts on two or more ranks), once per
+    # step before the optimizer step; held by the rank's first stage (0 on its others), so that a rank's stages sum
+    # to it; 0 in plans made before it existed
+    tied_sync_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,11 @@ class Plan:
         return str(self.cost_options.get("method", "optimal"))
 
     @property
+    def tied_sync_s(self) -> float:
+        """Seconds of the tied-gradient all-reduce every rank joins once per step (0 when no tie spans ranks)."""
+        return max((st.tied_sync_s for st in self.stages), default=0.0)
+
+    @property
     def stage_sizes(self) -> list[int]:
         return [self.boundaries[s + 1] - self.boundaries[s] for s in range(self.num_chunks)]
 
@@ -114,7 +123,7 @@ class Plan:
         comm = one_way_delays([st.comm_s for st in self.stages], float(self.cost_options.get("boundary_latency_s", 0.0)))
         return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
-                        optimizer_s=[st.optimizer_s for st in self.stages])
+                        optimizer_s=[st.optimizer_s for st in self.stages], tied_sync_s=self.tied_sync_s)
 
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd
@@ -123,7 +132,8 @@ class Plan:
         for st in self.stages:
             row = {"stage": st.index, "rank": st.rank, "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
                    "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s, "comm_s": st.comm_s,
-                   "time_s": st.time_s, "optimizer_s": st.optimizer_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
+                   "time_s": st.time_s, "optimizer_s": st.optimizer_s,
+                   "tied_sync_s": st.tied_sync_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
             row.update({f"{k}_bytes": v for k, v in st.memory.items()})
             rows.append(row)
         return pd.DataFrame(rows)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from stageplan.schedules import Simulation
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "comm": "#55A868",
-          "idle": "#EEEEEE"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
+          "comm": "#55A868", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
@@ -165,8 +165,8 @@ def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
 
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
-    """Gantt chart of rank x time: forward, backward (and W) and the optimizer step coloured, idle in grey,
-    microbatches labelled.
+    """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync and the optimizer step
+    coloured, idle in grey, microbatches labelled.
     ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage, microbatch,
     kind, start_s, end_s.
 
@@ -187,7 +187,7 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
         start, stop = float(r["start_s"]) * 1e3, float(r["end_s"]) * 1e3
         ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8), facecolors=COLORS.get(str(r["kind"]), "grey"),
                        edgecolors="white", linewidth=0.5)
-        label = "" if str(r["kind"]) == "O" else str(r["microbatch"])  # the optimizer step has no microbatch
+        label = "" if str(r["kind"]) in ("O", "T") else str(r["microbatch"])  # the step's tail has no microbatch
         if label and _fits(ax, stop - start, end * 1e3, label):
             ax.text((start + stop) / 2, int(r["rank"]), label, ha="center", va="center", fontsize=LABEL_PT, color="white")
     ax.set_yticks(ranks)
@@ -197,8 +197,8 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
     ax.set_xlim(0, end * 1e3)
     from matplotlib.patches import Patch
 
-    kinds = sorted({str(r["kind"]) for r in rows}, key="FBIWO".find)
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "O": "optimizer"}
+    kinds = sorted({str(r["kind"]) for r in rows}, key="FBIWTO".find)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "T": "tied sync", "O": "optimizer"}
     handles = [Patch(color=COLORS.get(k, "grey"), label=names.get(k, k)) for k in kinds]
     handles.append(Patch(color=COLORS["idle"], label="idle"))
     # Outside the axes: inside, any corner covers some rank's work (rank 0's last backwards, top right).

@@ -69,8 +69,24 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class TiedParameter:
+    """One parameter the model shares under several FQNs (an embedding tied to the LM head), as the profiler
+    records it in ``meta["tied"]``: its ``names``, the ``layers`` (indices, sorted, distinct) whose pieces use it,
+    and its ``bytes`` in the profiled dtype. A pipeline that puts those layers on two or more ranks sums the
+    copies' gradients across ranks every step."""
+
+    names: tuple[str, ...]
+    layers: tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
 class Profile:
-    """A model's per-layer profile plus ``meta`` (how it was measured)."""
+    """A model's per-layer profile plus ``meta`` (how it was measured).
+
+    ``meta["tied"]``, where present, lists the tied parameters (see :class:`TiedParameter`); profiles written
+    before it was recorded have none, and are planned as a model without ties.
+    """
 
     layers: tuple[LayerProfile, ...]
     meta: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +101,11 @@ class Profile:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def tied(self) -> tuple[TiedParameter, ...]:
+        """The tied parameters of ``meta["tied"]`` (none in profiles written before it was recorded)."""
+        return _tied(self.meta.get("tied"), len(self.layers), "profile")
 
     @property
     def sum_vs_whole(self) -> float | None:
@@ -163,6 +184,7 @@ class Profile:
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
             raise SchemaError(f"{source}: 'meta' must be an object")
+        _tied(meta.get("tied"), len(layers), source)
         return cls(tuple(layers), meta)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -176,8 +198,44 @@ class Profile:
         """sha256 (first 16 hex) of the canonical JSON of the layers' costs: identifies what a plan was made from.
         Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out; the optimizer
         times are costs and count where measured, and are left out where absent (None), so that digests of
-        profiles written before either existed stay the same."""
-        rows = [{k: v for k, v in asdict(layer).items()
-                 if k != "measured_as" and not (k == "optimizer_s" and v is None)} for layer in self.layers]
+        profiles written before either existed stay the same. So are the tied parameters shared by two or more
+        layers (their gradient sync is a cost): counted where there are any."""
+        rows: list[Any] = [{k: v for k, v in asdict(layer).items()
+                            if k != "measured_as" and not (k == "optimizer_s" and v is None)} for layer in self.layers]
+        ties = [[list(t.layers), t.bytes] for t in self.tied if len(t.layers) > 1]
+        if ties:
+            rows.append({"tied": ties})
         blob = json.dumps(rows, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _tied(raw: Any, num_layers: int, source: str) -> tuple[TiedParameter, ...]:
+    """``meta["tied"]`` checked: a list of {"names": [2+ FQNs], "layers": [indices], "bytes": n}; None is none."""
+    if raw is None:
+        return ()
+    rule = ("'tied' must be a list of {\"names\": [two or more FQNs], \"layers\": [sorted distinct layer indices "
+            f"below {num_layers}], \"bytes\": integer >= 0}}")
+    if not isinstance(raw, list):
+        raise SchemaError(f"{source}: meta {rule}, got {type(raw).__name__}; re-profile the model")
+    out = []
+    for i, item in enumerate(raw):
+        tie = _tied_entry(item, num_layers)
+        if tie is None:
+            raise SchemaError(f"{source}: meta {rule}; entry {i} is {item!r}; re-profile the model")
+        out.append(tie)
+    return tuple(out)
+
+
+def _tied_entry(item: Any, num_layers: int) -> TiedParameter | None:
+    """One entry of ``meta["tied"]``, or None when it breaks the rule."""
+    if not isinstance(item, dict):
+        return None
+    names, layers, size = item.get("names"), item.get("layers"), item.get("bytes")
+    if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
+        return None
+    if not (isinstance(layers, list) and all(type(k) is int and 0 <= k < num_layers for k in layers)
+            and layers == sorted(set(layers))):
+        return None
+    if type(size) is not int or size < 0:
+        return None
+    return TiedParameter(tuple(names), tuple(layers), size)

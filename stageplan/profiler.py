@@ -446,9 +446,13 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int)
     return out
 
 
-def _distinct(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+def _identity(p: nn.Parameter) -> int:
     # by storage for real tensors (an exported piece can hold two objects on one tied storage), by object on meta
-    return list({(p.data_ptr() if p.device.type != "meta" else id(p)): p for p in params}.values())
+    return p.data_ptr() if p.device.type != "meta" else id(p)
+
+
+def _distinct(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    return list({_identity(p): p for p in params}.values())
 
 
 def _make_run(piece: Piece, k: int, n: int, values: Sequence[Any], workload: Workload, target: Any) -> _Run:
@@ -620,6 +624,24 @@ def _piece_fqns(cut: CutModel, piece: Piece) -> dict[str, str]:
     """The piece's meta parameters: its own name -> the model's FQN (a Sequential child's names are its own)."""
     prefix = f"{piece.name}." if cut.method == "sequential" else ""
     return {name: prefix + name for name in meta_parameter_names(piece.module)}
+
+
+def _piece_used_fqns(cut: CutModel, piece: Piece) -> set[str]:
+    """The model FQNs of the parameters the piece uses (a Sequential child's names are its own)."""
+    prefix = f"{piece.name}." if cut.method == "sequential" else ""
+    return {prefix + name for name in used_parameters(piece.module)}
+
+
+def _tied_parameters(cut: CutModel, model: nn.Module) -> list[dict[str, Any]]:
+    """``meta["tied"]``: each parameter the model holds under two or more FQNs (an embedding tied to the LM head),
+    with the layers whose pieces use it (under any of its names) and its bytes in the profiled dtype. Matched by
+    FQN, so it holds whether the pieces are real, on meta, or released back to meta."""
+    groups: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(_identity(p), ([], p))[0].append(name)
+    used = [_piece_used_fqns(cut, piece) for piece in cut.pieces]
+    return [{"names": names, "layers": [k for k, fqns in enumerate(used) if fqns.intersection(names)],
+             "bytes": p.numel() * p.element_size()} for names, p in groups.values() if len(names) > 1]
 
 
 def _param_totals(module: nn.Module) -> tuple[int, int]:
@@ -994,6 +1016,7 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),
         "distinct_layers": plan.distinct,
         "dedup_spread": spread,
+        "tied": _tied_parameters(cut, model),
         "peak_rss_bytes": peak_rss_bytes(),
         # other processes on the machine inflate wall-clock timings (seen here: up to 2x on 2 shared cores)
         "load_average_1min": os.getloadavg()[0],

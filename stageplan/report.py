@@ -89,16 +89,20 @@ def profile_table(profile: Profile) -> str:
 
 def plan_table(plan: Plan) -> str:
     """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm and
-    time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step."""
+    time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step; "tied sync ms" (shown
+    when the plan puts a tied parameter on two or more ranks) is the rank's tied-gradient all-reduce, once per
+    step before the optimizer step, on the rank's first stage."""
+    tied = plan.tied_sync_s > 0
     headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", "comm ms", "time ms", "% of bottleneck",
-               "optimizer ms", "in flight", "mem MiB", "limit MiB"]
+               *(["tied sync ms"] if tied else []), "optimizer ms", "in flight", "mem MiB", "limit MiB"]
     rows = []
     for st in plan.stages:
         span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]} .. {st.layers[-1]}"
         rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s), ms(st.comm_s),
                      ms(st.time_s), f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
-                     ms(st.optimizer_s), st.inflight, mib(st.memory["total"]), mib(st.memory_limit_bytes)])
-    right = [True, True, False] + [True] * 10
+                     *([ms(st.tied_sync_s)] if tied else []), ms(st.optimizer_s), st.inflight, mib(st.memory["total"]),
+                     mib(st.memory_limit_bytes)])
+    right = [True, True, False] + [True] * (len(headers) - 3)
     lines = [format_table(headers, rows, right=right)]
     kinds = [k for k in plan.stages[0].memory if k != "total"]
     mem_rows = [[st.index, *(mib(st.memory.get(k, 0.0)) for k in kinds), mib(st.memory["total"])] for st in plan.stages]
@@ -118,6 +122,9 @@ def plan_table(plan: Plan) -> str:
         f"{plan.throughput_samples_s:.1f} samples/s"
     )
     lines.append(f"boundaries {list(plan.boundaries)}")
+    if tied:
+        lines.append(f"tied-gradient all-reduce {ms(plan.tied_sync_s)} ms per step on every rank, before its optimizer "
+                     "step (a tied parameter is on two or more ranks)")
     if plan.versus_optimal:
         lines.extend(_versus_optimal_lines(plan))
     lines.extend(f"note: {n}" for n in plan.notes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -441,7 +442,8 @@ class TimelineEvent:
     """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s.
 
     Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
-    backward or W): its ``stage`` is the rank's first stage and its ``microbatch`` is -1 (it has none)."""
+    backward or W), and kind "T" its part in the all-reduce of the tied parameters' gradients (before the
+    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have none)."""
 
     rank: int
     stage: int
@@ -475,6 +477,27 @@ class Simulation:
             [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s) for e in self.timeline],
             columns=columns,
         )
+
+
+def _after_the_schedule(events: list[TimelineEvent], free: list[float], busy: list[float], ranks: Sequence[int],
+                        optimizer: np.ndarray | None, tied_sync_s: float) -> None:
+    """Per rank, after its last backward (or W): the tied-gradient all-reduce ("T"; a collective, so it starts when
+    the last rank gets there) and then one optimizer step over all its chunks' parameters ("O")."""
+    first = {r: ranks.index(r) for r in sorted(set(ranks))}  # each rank's first chunk names its events
+    if tied_sync_s > 0:
+        begin = max(free)
+        for rank, chunk in first.items():
+            events.append(TimelineEvent(rank, chunk, -1, "T", begin, begin + tied_sync_s))
+            free[rank] = begin + tied_sync_s
+            busy[rank] += tied_sync_s
+    if optimizer is None:
+        return
+    for rank, chunk in first.items():
+        took = sum(float(optimizer[k]) for k in range(len(ranks)) if ranks[k] == rank)
+        if took > 0:
+            events.append(TimelineEvent(rank, chunk, -1, "O", free[rank], free[rank] + took))
+            free[rank] += took
+            busy[rank] += took
 
 
 def _times(name: str, values: npt.ArrayLike, length: int | None, remedy: str) -> np.ndarray:
@@ -516,6 +539,7 @@ def simulate(
     comm_s: npt.ArrayLike | None = None,
     virtual_stages: int = 1,
     optimizer_s: npt.ArrayLike | None = None,
+    tied_sync_s: float = 0.0,
 ) -> Simulation:
     """Simulate one training step of ``schedule`` on per-stage times (seconds, one microbatch each).
 
@@ -533,11 +557,18 @@ def simulate(
     event; the step ends when the last rank's optimizer step ends. Optimizer time counts as busy time, so the
     bubble stays the idle share of the step.
 
+    ``tied_sync_s`` is the seconds of the all-reduce of tied parameters' gradients (an embedding tied to the LM
+    head on two ranks). It is a collective over every rank: it starts when the last rank has ended its last
+    backward (or W) action, runs on every rank at once as a "T" event, and each rank's optimizer step follows
+    it. Like the optimizer step it counts as busy time; the ranks that wait for the last one idle.
+
     >>> sim = simulate("1F1B", [1.0] * 4, [2.0] * 4, 8)
     >>> sim.step_s, round(sim.bubble_fraction, 4)   # (m + p - 1)(f + b) = 11 * 3
     (33.0, 0.2727)
     >>> simulate("1F1B", [1.0] * 4, [2.0] * 4, 8, optimizer_s=[0.5] * 4).step_s   # rank 0 ends last: + o
     33.5
+    >>> simulate("1F1B", [1.0] * 4, [2.0] * 4, 8, optimizer_s=[0.5] * 4, tied_sync_s=0.25).step_s   # + t + o
+    33.75
     """
     name = normalize_schedule(schedule)
     v = _check_count("virtual_stages", virtual_stages)
@@ -563,14 +594,23 @@ def simulate(
     )
     opt = None if optimizer_s is None else _times("optimizer_s", optimizer_s, num_stages,
                                                   "pass one optimizer-step time per stage, as many as forward_s")
-    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt)
+    try:
+        tied = math.nan if isinstance(tied_sync_s, bool) else float(tied_sync_s)
+    except (TypeError, ValueError):
+        tied = math.nan
+    if not 0 <= tied < math.inf:
+        raise StageplanError(f"tied_sync_s must be finite and >= 0 seconds, got {tied_sync_s!r}; "
+                             "fix the profile or cost model that produced it")
+    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt, tied)
 
 
 def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray,
-                   optimizer: np.ndarray | None = None) -> Simulation:
+                   optimizer: np.ndarray | None = None, tied_sync_s: float = 0.0) -> Simulation:
     """:func:`simulate` on a validated shape and validated per-chunk arrays (the cost model's entry point:
     it holds the shape already, so nothing is re-derived per plan). ``optimizer``: seconds per chunk of one
-    optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none."""
+    optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none.
+    ``tied_sync_s``: seconds of the tied-gradient all-reduce, a collective every rank starts once the last
+    rank's last action has ended, before its optimizer step; 0: none."""
     name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
     num_stages = shape.num_chunks
     orders = shape.orders
@@ -636,15 +676,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
                 f"simulation of {name} (p={p}, m={m}, v={v}) deadlocked at positions {position}"
             )
 
-    if optimizer is not None:
-        # One optimizer step per rank over all its chunks' parameters, once its last backward (or W) is done.
-        for rank in range(p):
-            chunks = [k for k in range(num_stages) if ranks[k] == rank]
-            took = sum(float(optimizer[k]) for k in chunks)
-            if took > 0:
-                events.append(TimelineEvent(rank, chunks[0], -1, "O", free[rank], free[rank] + took))
-                free[rank] += took
-                busy[rank] += took
+    _after_the_schedule(events, free, busy, ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)
     bubble = sum(idle) / (p * step) if step > 0 else 0.0

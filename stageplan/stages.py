@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from stageplan.errors import StageplanError
-from stageplan.layers import cut_layers, cut_stages, retarget_devices, used_parameters
+from stageplan.layers import CutModel, cut_layers, cut_stages, retarget_devices, used_parameters
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -101,16 +101,27 @@ def tie_groups(model: nn.Module) -> list[TieGroup]:
     return [group for group in by_id.values() if len(group[0]) > 1]
 
 
+def ties_across_ranks(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[bool]:
+    """Per tie group, whether the plan's stages that use it (under any of its names) run on two or more ranks:
+    only then is its gradient summed across ranks. Every rank works it out alike from the plan and the model, so
+    all of them join the same all-reduces."""
+    used = [set(used_parameters(piece.module)) for piece in cut.pieces]
+    return [len({plan.stages[s].rank for s, fqns in enumerate(used) if fqns.intersection(names)}) > 1
+            for names, _ in ties]
+
+
 @dataclass
 class RankStages:
     """What one rank runs: its PipelineStage objects (one per chunk it holds), the parameters they use by FQN,
-    the unique parameters (for the optimizer) and the model's tie groups (for :func:`sync_tied_grads`)."""
+    the unique parameters (for the optimizer), the model's tie groups and which of them the plan puts on two or
+    more ranks (for :func:`sync_tied_grads`)."""
 
     stages: list[Any]
     indices: list[int]
     params: dict[str, nn.Parameter]
     unique_params: list[nn.Parameter]
     ties: list[TieGroup]
+    ties_across: list[bool]
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...], *,
@@ -124,6 +135,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     ties = tie_groups(model)
     cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
     retarget_devices(cut, device)  # a trace with meta tensors flowing bakes device=meta into the pieces
+    across = ties_across_ranks(ties, cut, plan)
     stages = []
     for s in mine:
         piece = cut.pieces[s].module
@@ -140,7 +152,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
         params.update(used_parameters(st.submod))
         every.extend(st.submod.parameters())
     unique = list({id(p): p for p in every}.values())
-    return RankStages(stages, mine, params, unique, ties)
+    return RankStages(stages, mine, params, unique, ties, across)
 
 
 def _recompute(module: nn.Module) -> None:
@@ -157,19 +169,25 @@ def _recompute(module: nn.Module) -> None:
 
 
 def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
-                    group: Any = None) -> None:
+                    group: Any = None, across: Sequence[bool] | None = None) -> None:
     """Sum a tied parameter's gradients over every stage that holds a copy (each copy's own gradient is only
-    its stage's share: 2e-2 off, seen here). Ranks without a copy contribute zeros, so every rank joins."""
+    its stage's share: 2e-2 off, seen here). A tie the plan puts on two or more ranks (``across``, from
+    :func:`ties_across_ranks`; None: every tie) is summed with an all-reduce every rank joins (ranks without a
+    copy contribute zeros); a tie on one rank is summed over that rank's copies, with no communication."""
     import torch.distributed as dist
 
-    for names, original in ties:
-        local = [params[n] for n in names if n in params]
+    for g, (names, original) in enumerate(ties):
+        local = list({id(params[n]): params[n] for n in names if n in params}.values())
+        spans = across is None or across[g]
+        if not spans and len(local) < 2:
+            continue  # at most one copy, and no other rank holds one: its gradient is already whole
         buf = torch.zeros(original.shape, dtype=original.dtype, device=device)
-        for p in {id(p): p for p in local}.values():
+        for p in local:
             if p.grad is not None:
                 buf += p.grad
-        dist.all_reduce(buf, group=group)
-        for p in {id(p): p for p in local}.values():
+        if spans:
+            dist.all_reduce(buf, group=group)
+        for p in local:
             p.grad = buf.clone()
 
 
@@ -203,7 +221,7 @@ class RankPipeline:
         return list({id(p): p for m in self.modules for p in m.parameters()}.values())
 
     def sync_tied_grads(self) -> None:
-        sync_tied_grads(self._ties, self._params, self._device, self._group)
+        sync_tied_grads(self._ties, self._params, self._device, self._group, self._ties_across)
 
     @property
     def is_first(self) -> bool:
@@ -214,6 +232,7 @@ class RankPipeline:
         return self._num_chunks - 1 in self.stage_indices
 
     _num_chunks: int = 1
+    _ties_across: list[bool] | None = None  # per tie group, whether it spans ranks (None: all-reduce every one)
 
 
 def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int, world_size: int,
@@ -255,4 +274,4 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches, loss_fn=loss_fn)
     return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev, group,
-                        the_plan.num_chunks)
+                        the_plan.num_chunks, rs.ties_across)

@@ -67,3 +67,24 @@ def big(width: int = 32, depth: int = 4, batch_size: int = 8) -> stageplan.Workl
 
     return stageplan.Workload(None, torch.randn(batch_size, width), torch.randn(batch_size, width),
                               nn.functional.mse_loss, name="big", model_fn=build)
+
+
+class TiedBlocks(nn.Module):
+    """Five Linear + Tanh blocks in a ModuleList (cut by export); block ``tie_with`` uses block 0's weight."""
+
+    def __init__(self, width: int, tie_with: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(5))
+        self.blocks[tie_with][0].weight = self.blocks[0][0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def tied_blocks(tie_with: int = 4, width: int = 16, batch_size: int = 8) -> stageplan.Workload:
+    """A tie between block 0 and block ``tie_with`` (2 or 4): one that a split keeps on one rank or puts on two."""
+    torch.manual_seed(0)
+    return stageplan.Workload(TiedBlocks(width, tie_with), torch.randn(batch_size, width), torch.randn(batch_size, width),
+                              nn.functional.mse_loss, name="tied_blocks")
