@@ -28,16 +28,39 @@ def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport) -> list[str]:
+    """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers inside
+    the pipeline against their profiled times, its chunks' overhead outside the layers, its optimizer step (and tied
+    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption)."""
+    m = pl.num_microbatches
+    busy = {r["rank"]: r["predicted_compute_s"] for r in rep.ranks}
+    r = max(busy, key=lambda k: busy[k])
+    row = next(x for x in rep.ranks if x["rank"] == r)
+    layers = [x for x in rep.layers if x["rank"] == r]
+    d_layers = m * sum(x["measured_forward_s"] - profile.layers[x["index"]].forward_s + x["measured_backward_s"]
+                       - profile.layers[x["index"]].backward_per_microbatch_s(m) for x in layers)
+    overhead = m * (row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"])
+    predicted_other = sum(st.optimizer_s + getattr(st, "tied_sync_s", 0.0) for st in pl.stages if st.rank == r)
+    d_other = row["optimizer_s"] - predicted_other
+    miss = rep.measured_step_s - pl.predicted_step_s
+    rest = miss - d_layers - overhead - d_other
+    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest)] + [str(r)]
+
+
 def main() -> None:
     start = time.perf_counter()
-    runs, gains = [], []
+    from stageplan.launch import measure_link
+
+    link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
+    runs, gains, parts = [], [], []
     err_wall, err_cpu, err_step = [], [], []
     for model, options in MODELS:
         workload = build_workload(model, options)
         for m in (4, 8):
             profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
             for schedule in ("GPipe", "1F1B"):
-                plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k) for k in ("optimal", "uniform")}
+                plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k, link=link)
+                         for k in ("optimal", "uniform")}
                 reports = {}
                 for name, pl in plans.items():
                     same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
@@ -55,10 +78,12 @@ def main() -> None:
                     runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
                                  f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1), " ".join(map(_pct, walls)),
                                  " ".join(map(_pct, cpus)), f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
+                    parts.append([model, schedule, m, name, *_decompose(profile, pl, rep)])
                 opt, uni = reports["optimal"], reports["uniform"]
                 gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
-    print(f"2 ranks, {STEPS} measured steps after {WARMUP} warm-up; no calibration; load = 1-minute load average at the run's start")
+    print(f"2 ranks, {STEPS} measured steps after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
+          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); load = 1-minute load average at the run's start")
     print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
                         "compute error per rank (wall)", "(thread CPU)", "load"], runs))
     print(f"\nper-rank compute, |measured/predicted - 1| by wall clock: median {statistics.median(err_wall):.1%}, "
@@ -67,6 +92,10 @@ def main() -> None:
           f"worst {max(err_cpu):.1%}")
     print(f"step, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, worst {max(err_step):.1%} over "
           f"{len(err_step)} runs (goal: median <= 15%, worst <= 25%)")
+    print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
+          "pipeline minus their profiled times, its chunks' overhead outside the layers, its optimizer step and tied sync "
+          "minus the predicted, and the rest (waiting, transfers, preemption)")
+    print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest", "rank"], parts))
     print("\noptimal over uniform: predicted and measured step ratio")
     print(format_table(["model", "schedule", "m", "predicted", "measured"], gains))
 
