@@ -807,8 +807,8 @@ def tune(
     num_microbatches: int | None = None,
     schedule: str = "1F1B",
     rounds: int = 3,
-    steps: int = 8,
-    warmup: int = 2,
+    steps: int = 20,
+    warmup: int = 3,
     profile: Profile | str | os.PathLike[str] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
@@ -817,6 +817,9 @@ def tune(
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
     the run it was calibrated on) and the uniform split once, for reference.
+
+    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3% between runs of one
+    plan here, over 8 steps 7-14%, and the final error cannot be smaller than that spread.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.

@@ -200,6 +200,15 @@ def run_table(report: RunReport) -> str:
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")
+    if report.layers:
+        lines.append("\nlayers inside the schedule (ms per microbatch, median over the measured steps; what stageplan "
+                     "calibrate scales each layer to):")
+        lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"],
+                                  [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
+                                    ms(x["measured_backward_s"])] for x in report.layers]))
+        lines.append("chunk overhead outside the layers (ms per microbatch, forward + backward): " + ", ".join(
+            f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + {ms(r.get('measured_overhead_backward_s'))}"
+            for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

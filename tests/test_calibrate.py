@@ -105,6 +105,11 @@ def test_cli_calibrate_says_per_layer_and_refuses_another_models_run(tmp_path: P
     assert code == 0, err
     assert "each layer's forward and backward scaled" in out
     assert Profile.load(tmp_path / "c.json").meta["calibration"]["per"] == "layer"
+    code, out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert code == 0, err
+    assert "layers inside the schedule" in out and "chunk overhead outside the layers" in out
+    row = next(ln for ln in out.splitlines() if ln.split()[:2] == ["3", "l3"])
+    assert row.split()[-2:] == ["4.000", "9.000"]  # the layer's measured forward and backward, ms
     other = Profile(tuple(LayerProfile(name=f"x{i}", forward_s=1e-3, backward_s=1e-3, activation_bytes=1, output_bytes=1,
                                        param_bytes=1) for i in range(5)), {})
     other.save(tmp_path / "other.json")
