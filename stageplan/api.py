@@ -399,10 +399,10 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
                    ) -> tuple[float, float, str, str]:
     """Bandwidth (bytes/s), per-crossing latency (s), where the latency came from, and the plan's note, from a
     LINK.json or its dict."""
-    from stageplan.link import load_link
+    from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
-    bw, latency_s = measured["bandwidth_bytes_per_s"], measured["latency_s"]
+    bw, latency_s = measured["bandwidth_bytes_per_s"], crossing_s(measured)
     where = f" in {str(link)!r}" if not isinstance(link, Mapping) else ""
     pairs = len(measured.get("pairs", []))
     how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
@@ -410,7 +410,9 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
-    return bw, latency_s, how, note
+    # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
+    kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
+    return bw, latency_s, f"{kind} {how}", note
 
 
 def _estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:

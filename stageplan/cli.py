@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s "
                    "(default: communication not modelled)")
     p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link: its "
-                   "bandwidth prices boundary bytes, its latency delays every crossing (instead of --bandwidth)")
+                   "bandwidth prices boundary bytes, its fused send/receive exchange (or latency) delays every crossing "
+                   "(instead of --bandwidth)")
     p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
     p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
@@ -407,7 +408,8 @@ def _cmd_link(a: argparse.Namespace) -> int:
 
     link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output)
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
-          f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way (median over {len(link['pairs'])} pairs)")
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
+          f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)")
     print(f"wrote {a.output}")
     return 0
 

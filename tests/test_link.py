@@ -53,7 +53,8 @@ def test_plan_link_prices_bytes_as_bandwidth_and_adds_the_latency(tmp_path: Path
     assert linked.simulate().step_s == pytest.approx(linked.predicted_step_s)  # the stored plan replays it
     assert linked.cost_options["boundary_latency_s"] == 0.5
     assert linked.cost_options["bandwidth_bytes_per_s"] == 1e6
-    assert "boundary latency 500.000 ms per crossing, measured by stageplan link (gloo, 0 pairs) in" in "\n".join(linked.notes)
+    assert ("boundary latency 500.000 ms per crossing, the one-way latency measured by stageplan link (gloo, 0 pairs) in"
+            in "\n".join(linked.notes))
     assert any(n.startswith("link bandwidth 0.001 GB/s one way prices the boundary bytes") for n in linked.notes)
     assert not any("not modelled" in n for n in linked.notes)
     assert any("not modelled" in n for n in bare.notes)
@@ -61,6 +62,13 @@ def test_plan_link_prices_bytes_as_bandwidth_and_adds_the_latency(tmp_path: Path
     with pytest.warns(UserWarning, match="bubble"):
         as_dict = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=json.loads(link.read_text()))
     assert as_dict.predicted_step_s == linked.predicted_step_s
+    # a link that timed the schedule's fused send/receive prices each crossing at it (here 0.75 s > 0.5 s)
+    fused = {**json.loads(link.read_text()), "exchange_s": 0.75}
+    with pytest.warns(UserWarning, match="bubble"):
+        exchanged = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=fused)
+    assert exchanged.predicted_step_s == pytest.approx(6 + 2 * (1.0 + 0.75))
+    assert exchanged.cost_options["boundary_latency_s"] == 0.75
+    assert "750.000 ms per crossing, a fused send/receive exchange measured by stageplan link" in "\n".join(exchanged.notes)
 
 
 def test_cli_plan_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,6 +163,7 @@ def test_every_run_starts_with_a_ping_pong(tmp_path: Path) -> None:
     link = report.link
     assert link is not None and link["backend"] == "gloo"
     assert link["latency_s"] > 0 and link["bandwidth_bytes_per_s"] > 0
+    assert link["exchange_s"] > 0 and link["pairs"][0]["exchange_s"] == link["exchange_s"]  # one pair: its own figure
     assert link["sizes"][0] == 4096 and link["sizes"][-1] >= 4 * 2**20
     assert [p["ranks"] for p in link["pairs"]] == [[0, 1]]
     assert RunReport.load(tmp_path / "run.json").link == link
