@@ -31,7 +31,9 @@ def _pct(x: float) -> str:
 def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport) -> list[str]:
     """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers inside
     the pipeline against their profiled times, its chunks' overhead outside the layers, its optimizer step (and tied
-    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption)."""
+    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). With a tie across
+    ranks, a rank that finishes its backward first waits inside the all-reduce: the simulator counts that wait as
+    idle, this split counts it under the optimizer."""
     m = pl.num_microbatches
     busy = {r["rank"]: r["predicted_compute_s"] for r in rep.ranks}
     r = max(busy, key=lambda k: busy[k])
