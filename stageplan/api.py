@@ -507,6 +507,7 @@ def plan(
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
+    link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
     latency_source = "fitted by calibrate from a run"
     link_note = None
     if link is not None:
@@ -514,6 +515,9 @@ def plan(
             raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
                                  "--link LINK.json for the measured link, or --bandwidth RATE")
         bw, latency_s, latency_source, link_note = _measured_link(link, latency_s)
+        from stageplan.link import load_link
+
+        link_latency_s = load_link(link)["latency_s"]
     elif bw is None and estimate_label(prof.meta):
         bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)
@@ -551,7 +555,8 @@ def plan(
                 opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
-                                    boundary_latency_s=latency_s, latency_source=latency_source)
+                                    boundary_latency_s=latency_s, latency_source=latency_source,
+                                    link_latency_s=link_latency_s)
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input)
                 if link_note:
                     cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
@@ -610,19 +615,24 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
         if not (pred > 0 and meas > 0 and math.isfinite(meas)):
             raise StageplanError(f"rank {row['rank']} has no usable measurement (predicted {pred}, measured {meas}); rerun with more --steps")
     m = int(rep.plan["num_microbatches"])
-    if len(rep.layers) == len(prof):
+    why_not = _why_not_per_layer(prof, rep)
+    if why_not is None:
         fwd, bwd = _layer_factors(prof, rep, m)
         how: dict[str, Any] = {"per": "layer", "forward_factors": fwd, "backward_factors": bwd}
     else:
         fwd = bwd = _rank_factors(prof, rep)
-        how = {"per": "rank", "rank_factors": [row["measured_compute_s"] / row["predicted_compute_s"]
-                                               for row in sorted(rep.ranks, key=lambda r: r["rank"])]}
+        how = {"per": "rank", "why": why_not, "rank_factors": [row["measured_compute_s"] / row["predicted_compute_s"]
+                                                               for row in sorted(rep.ranks, key=lambda r: r["rank"])]}
     out = prof.scaled(fwd, bwd)
     latency = _fit_boundary_latency(out, rep)
     meta = dict(out.meta)
     before = prof.meta.get("calibration") or {}
-    meta["calibration"] = {**how, "boundary_latency_s": latency, "from_profile_digest": prof.digest(),
-                           "raw_profile_digest": before.get("raw_profile_digest", prof.digest()),
+    link_latency = float((rep.link or {}).get("latency_s") or 0.0)
+    meta["calibration"] = {**how, "boundary_latency_s": latency, "link_latency_s": link_latency,
+                           "from_profile_digest": prof.digest(),
+                           # a profile calibrated before raw_profile_digest existed names only what it came from
+                           "raw_profile_digest": before.get("raw_profile_digest",
+                                                            before.get("from_profile_digest", prof.digest())),
                            "rounds": int(before.get("rounds", 0)) + 1, "run_plan": rep.plan}
     return Profile(out.layers, meta)
 
@@ -640,22 +650,47 @@ def _rank_factors(prof: Profile, rep: RunReport) -> list[float]:
     return factors
 
 
+def _why_not_per_layer(prof: Profile, rep: RunReport) -> str | None:
+    """Why a run cannot be calibrated per layer (then it is per rank), or None."""
+    from stageplan.schedules import normalize_schedule
+
+    if len(rep.layers) != len(prof):
+        return "the run report has no per-layer times (written before the per-layer clock)"
+    if (rep.plan.get("cost_options") or {}).get("recompute"):
+        return "under recomputation a chunk's whole forward runs again inside its last layer's backward"
+    if normalize_schedule(str(rep.plan["schedule"])) in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        return "a zero-bubble schedule computes weight gradients outside the layers' backward spans"
+    return None
+
+
 def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], list[float]]:
-    """Per layer: measured / profiled forward and backward (per microbatch, the backward as a step of m blends
-    it), each rank's chunk overhead shared over its layers by their measured time. A layer the profile or the run
-    put at zero keeps factor 1."""
-    overhead = {int(r["rank"]): (r.get("measured_overhead_forward_s", 0.0), r.get("measured_overhead_backward_s", 0.0))
-                for r in rep.ranks}
-    total: dict[int, list[float]] = {}
+    """Per layer: measured / profiled forward and backward (per microbatch, the backward as a step of m blends it).
+
+    The measured times are put on the profile's footing first: times the rank's device speed (the plan divided by
+    it) and scaled to the profile's microbatch size when the plan rescaled it (``--microbatches auto``). Each rank's
+    chunk overhead is shared over its layers by their measured time, and a rank's layers are then scaled together
+    so that they add up to the rank's measured compute (the clock's steps against the measured steps' median). A
+    layer the profile or the run put at zero keeps factor 1."""
+    cost = rep.plan.get("cost_options") or {}
+    speeds = [float(d.get("speed", 1.0)) for d in cost.get("devices") or []]
+    mb_run, mb_prof = rep.run_options.get("microbatch_size"), prof.meta.get("microbatch_size")
+    size = float(mb_prof) / float(mb_run) if mb_run and mb_prof else 1.0
+    rows = {int(r["rank"]): r for r in rep.ranks}
+    parts: dict[int, list[float]] = {}
     for x in rep.layers:
-        t = total.setdefault(int(x["rank"]), [0.0, 0.0])
+        t = parts.setdefault(int(x["rank"]), [0.0, 0.0])
         t[0] += x["measured_forward_s"]
         t[1] += x["measured_backward_s"]
     fwd, bwd = [1.0] * len(prof), [1.0] * len(prof)
     for x in rep.layers:
         i, r = int(x["index"]), int(x["rank"])
-        f = x["measured_forward_s"] * (1.0 + overhead[r][0] / total[r][0] if total[r][0] > 0 else 1.0)
-        b = x["measured_backward_s"] * (1.0 + overhead[r][1] / total[r][1] if total[r][1] > 0 else 1.0)
+        row = rows[r]
+        (tf, tb), over_f, over_b = parts[r], row.get("measured_overhead_forward_s", 0.0), row.get("measured_overhead_backward_s", 0.0)
+        clocked = tf + tb + over_f + over_b
+        whole = row["measured_compute_s"] / clocked if clocked > 0 else 1.0
+        footing = whole * size * (speeds[r] if r < len(speeds) else 1.0)
+        f = x["measured_forward_s"] * (1.0 + over_f / tf if tf > 0 else 1.0) * footing
+        b = x["measured_backward_s"] * (1.0 + over_b / tb if tb > 0 else 1.0) * footing
         pf, pb = prof.layers[i].forward_s, prof.layers[i].backward_per_microbatch_s(m)
         if pf > 0 and f > 0:
             fwd[i] = f / pf
@@ -677,7 +712,8 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
                         schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
                         optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
                         bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
-                        recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"))
+                        recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"),
+                        link_latency_s=float(cost.get("link_latency_s", 0.0)))
     bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:
@@ -820,8 +856,8 @@ def tune(
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
     the run it was calibrated on) and the uniform split once, for reference.
 
-    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3% between runs of one
-    plan here, over 8 steps 7-14%, and the final error cannot be smaller than that spread.
+    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between runs of
+    one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that spread.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.

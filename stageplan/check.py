@@ -22,7 +22,7 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
     mb = workload.batch_size // m
     dev = next(reference.parameters()).device
     ref_losses: list[float] = []
-    for _ in range(int(options["warmup"]) + int(options["steps"])):
+    for _ in range(int(options["warmup"]) + int(options["steps"]) + int(options.get("clock_steps", 0))):
         for p in reference.parameters():
             p.grad = None
         total = 0.0

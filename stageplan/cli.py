@@ -432,7 +432,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
                f"{max(factors):.3f}, median {statistics.median(factors):.3f})")
     else:
         how = (f"layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} (measured / predicted; "
-               "the run report has no per-layer times)")
+               f"not per layer: {cal.get('why', 'the run report has no per-layer times')})")
     print(f"wrote {a.output}: {how}; boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 

@@ -71,6 +71,9 @@ class CostOptions:
     boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (calibrate's fit, or stageplan link's)
     precision: str | None = None  # a key of PRECISIONS, or None: memory in the profiled parameters' bytes
     latency_source: str = "fitted by calibrate from a run"  # where boundary_latency_s came from (said in the note)
+    # the measured link's one-way latency: the per-message latency of collectives (the tied all-reduce), where the
+    # per-crossing boundary_latency_s may be calibrate's catch-all for every wait the model does not have
+    link_latency_s: float = 0.0
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -95,7 +98,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
                  recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None,
-                 latency_source: str = "fitted by calibrate from a run") -> CostOptions:
+                 latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -148,7 +151,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
     if precision is not None and precision not in PRECISIONS:
         raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), precision, latency_source, shape)
+                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), shape)
 
 
 @dataclass(frozen=True)
@@ -232,12 +235,13 @@ def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
 def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
     and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
-    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency. 0 with no bandwidth."""
+    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way latency,
+    ``link_latency_s``). 0 with no bandwidth."""
     nbytes = np.asarray(nbytes, dtype=float)
     if opts.bandwidth_bytes_per_s is None:
         return np.zeros_like(nbytes)
     p = opts.num_ranks
-    return 2.0 * (p - 1) / p * nbytes / opts.bandwidth_bytes_per_s + 2.0 * (p - 1) * opts.boundary_latency_s
+    return 2.0 * (p - 1) / p * nbytes / opts.bandwidth_bytes_per_s + 2.0 * (p - 1) * opts.link_latency_s
 
 
 def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:

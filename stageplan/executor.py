@@ -163,13 +163,13 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     target = target.to(device) if isinstance(target, torch.Tensor) else target
     has_first = 0 in rs.indices
     has_last = plan.num_chunks - 1 in rs.indices
-    steps, warmup = int(options["steps"]), int(options["warmup"])
+    steps, warmup, clocked = int(options["steps"]), int(options["warmup"]), int(options.get("clock_steps", 0))
     rank = dist.get_rank()
     out = _Samples()
     bounds = plan.boundaries
-    for step in range(warmup + steps):
+    for step in range(warmup + steps + clocked):
         ins.tracking = step < warmup or warmup == 0
-        ins.clock.enabled = step >= warmup
+        ins.clock.enabled = step >= warmup + steps  # the clock's own steps come last, outside the measured ones
         for p in rs.unique_params:
             p.grad = None
         dist.barrier()
@@ -194,13 +194,14 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
         if ins.tracking:  # the profiler's instrument, on every device (max allocated would add grads and states)
             out.peak_activation_bytes.append(ins.tracker.peak)
-        if step >= warmup:
+        if ins.clock.enabled:
+            out.add_layers(phases, plan.num_microbatches)
+        elif step >= warmup:
             out.step_s.append(t1 - t0)
             out.forward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
             out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
             out.compute_cpu_s.append(sum(cpu for *_, cpu in intervals))
             out.other_s.append(t1 - t_other)
-            out.add_layers(phases, plan.num_microbatches)
             if step == warmup + steps - 1:
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
@@ -211,7 +212,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     return out
 
 
-def attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
+def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
     """Hook the clock on each of the rank's layers that is a module of its stage (a layer of code around the named
     modules, such as an embedding sum before the first block, is timed as the span its neighbours leave)."""
     from stageplan.layers import used_parameters
@@ -228,7 +229,9 @@ def attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
             for p in mod.parameters():
                 owners[id(p)] = owners.get(id(p), 0) + 1
         for layer, mod in modules.items():
-            own = [p for p in used_parameters(mod).values() if owners.get(id(p)) == 1]
+            # only the model's first layer has an input without a gradient: its backward ends at its parameters'
+            first = s == 0 and layer == min(modules)
+            own = [p for p in used_parameters(mod).values() if owners.get(id(p)) == 1] if first else []
             clock.attach(layer, mod, own)
 
 
@@ -266,7 +269,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
                        LayerClock(device))
     for st in rs.stages:
         ins.wrap(st)
-    attach_layer_clock(ins.clock, rs, plan)
+    _attach_layer_clock(ins.clock, rs, plan)
     samples = _train(plan, workload, rs, device, options, ins)
     layer_s, overhead_s = samples.layer_medians()
 

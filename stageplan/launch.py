@@ -289,8 +289,12 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
     backend = _backend(backend, plan.num_ranks)
-    return {"steps": steps, "warmup": warmup, "optimizer": opt, "lr": float(lr) if lr is not None else DEFAULT_LR[opt],
-            "check": bool(check), "backend": backend, "timeout_s": float(timeout_s)}
+    # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
+    # microbatch here): the step and compute medians come from steps without them
+    clock_steps = min(5, max(2, steps // 4))
+    return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
+            "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,
+            "timeout_s": float(timeout_s)}
 
 
 def _backend(backend: str | None, num_ranks: int) -> str:

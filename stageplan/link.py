@@ -82,6 +82,9 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     sizes = [int(n) for n in sizes_bytes]
     buffers = {n: torch.zeros(max(n // 4, 1), dtype=torch.float32, device=dev) for n in sizes}
     pairs: list[dict[str, Any]] = []
+    # every rank joins one collective first: NCCL wants all ranks in the first batch_isend_irecv of a group, and a
+    # barrier makes the first (communicator-creating) call a collective that every rank makes
+    dist.barrier(group=group)
     for low in range(world - 1):
         row: dict[str, Any] = {"ranks": [ranks[low], ranks[low + 1]], "one_way_s": [], "one_way_iqr_s": []}
         if rank in (low, low + 1):
@@ -187,4 +190,9 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
         raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
                              f"{bandwidth!r}; measure it again with stageplan link")
+    exchange = data.get("exchange_s")
+    if exchange is not None and (isinstance(exchange, bool) or not isinstance(exchange, (int, float))
+                                 or not math.isfinite(exchange) or exchange < 0):
+        raise StageplanError(f"{source} has exchange_s = {exchange!r}; it must be seconds >= 0, or absent; measure it "
+                             "again with stageplan link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

@@ -76,16 +76,16 @@ class CacheFlush:
     repeat: an optimizer step over one layer's parameters, gradients and states (a block's 3 MiB here), timed 5 times
     in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one step over the same
     parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is 13.7 ms and one step over
-    all of them 13.1 ms (FIELD.md-style note in the README). Writes a buffer twice the cache's size."""
+    all of them 13.1 ms (README, Limitations). Writes a buffer twice the cache's size."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.bytes = 2 * last_level_cache_bytes(device)
+        self.size_bytes = 2 * last_level_cache_bytes(device)
         self._buffer: torch.Tensor | None = None
         self._device = torch.device(device)
 
     def __call__(self) -> None:
         if self._buffer is None:
-            self._buffer = torch.empty(self.bytes, dtype=torch.uint8, device=self._device)
+            self._buffer = torch.empty(self.size_bytes, dtype=torch.uint8, device=self._device)
         self._buffer.fill_(1)
 
     def release(self) -> None:
@@ -191,6 +191,7 @@ class LayerClock:
         self.enabled = False
         self._stamps: list[tuple[int, str, Any]] | None = None
         self._phases: list[tuple[str, int, Any, Any, list[tuple[int, str, Any]]]] = []
+        self._handles: list[Any] = []  # tensor hooks of this step (a stage's receive buffers persist across steps)
 
     def _now(self) -> Any:
         if self.cuda:
@@ -218,7 +219,7 @@ class LayerClock:
             self._stamp(layer, "f0")
             for t in _tensors(args):
                 if t.requires_grad:
-                    t.register_hook(grad_stamp("b1"))
+                    self._handles.append(t.register_hook(grad_stamp("b1")))
 
         def post(_: Any, args: Any, out: Any) -> None:
             if self._stamps is None:
@@ -226,7 +227,7 @@ class LayerClock:
             self._stamp(layer, "f1")
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(grad_stamp("b0"))
+                    self._handles.append(t.register_hook(grad_stamp("b0")))
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -253,14 +254,17 @@ class LayerClock:
     def _seconds(self, a: Any, b: Any) -> float:
         return float(a.elapsed_time(b)) / 1e3 if self.cuda else float(b - a)
 
-    def drain(self, layers_of: Callable[[int], Sequence[int]], weights: Sequence[float] | None = None
-              ) -> list[tuple[str, int, dict[int, float], float]]:
-        """Per phase: (kind, stage, {layer: seconds}, overhead seconds). ``layers_of(stage)``: the stage's layer
-        indices in order; ``weights[layer]``: how to share one gap between neighbouring layers without stamps
-        (equal shares when None). A loss phase is all the last layer's; a weight-gradient phase is reported whole,
-        as overhead, for the caller to share out."""
+    def drain(self, layers_of: Callable[[int], Sequence[int]]) -> list[tuple[str, int, dict[int, float], float]]:
+        """Per phase of the step: (kind, stage, {layer: seconds}, overhead seconds), and the step's tensor hooks
+        removed. ``layers_of(stage)``: the stage's layer indices in order. A loss phase is all the last layer's, and
+        on the stage that computed a loss the start of its backward (the loss's own backward) is its last layer's
+        too, as the profile counts it; a weight-gradient phase is reported whole, as overhead."""
         if self.cuda:
             torch.cuda.synchronize()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        with_loss = {stage for kind, stage, *_ in self._phases if kind == "L"}
         out = []
         for kind, stage, begin, end, stamps in self._phases:
             total = self._seconds(begin, end)
@@ -274,7 +278,9 @@ class LayerClock:
             if kind == "B":
                 order = order[::-1]
             spans = self._spans(kind, stamps, begin)
-            times = _fill_gaps(order, spans, total, weights)
+            if kind == "B" and stage in with_loss and order[0] in spans:
+                spans[order[0]] = (0.0, spans[order[0]][1])
+            times = _fill_gaps(order, spans, total)
             out.append((kind, stage, times, max(total - sum(times.values()), 0.0)))
         self._phases = []
         return out
@@ -285,7 +291,10 @@ class LayerClock:
         for layer, edge, stamp in stamps:
             t = self._seconds(begin, stamp)
             edges = at.setdefault(layer, {})
-            edges[edge] = max(edges.get(edge, t), t)  # the last of several (a tuple output, several inputs)
+            # the last of several outputs' gradients starts the backward; the first input whose gradient is ready
+            # ends it (an input shared with later layers, such as an encoder's memory, is ready only after them)
+            pick = min if edge == "b1" else max
+            edges[edge] = pick(edges.get(edge, t), t)
         spans = {}
         for layer, e in at.items():
             start, stop = (e.get("f0"), e.get("f1")) if kind == "F" else (e.get("b0"), e.get("b1", e.get("bp")))
@@ -294,19 +303,17 @@ class LayerClock:
         return spans
 
 
-def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], total: float,
-               weights: Sequence[float] | None) -> dict[int, float]:
+def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], total: float) -> dict[int, float]:
     """Seconds per layer of one phase: stamped layers their span; each run of unstamped layers (in execution order)
-    the gap between its stamped neighbours (or the phase's edges), shared by ``weights``."""
+    the gap between its stamped neighbours (or the phase's edges), in equal shares."""
     times: dict[int, float] = {}
     run: list[int] = []
     prev_end = 0.0
 
     def flush(next_start: float) -> None:
         gap = max(next_start - prev_end, 0.0)
-        w = [1.0 if weights is None else max(float(weights[i]), 0.0) for i in run]
-        for i, wi in zip(run, w):
-            times[i] = gap * (wi / sum(w) if sum(w) > 0 else 1.0 / len(run))
+        for i in run:
+            times[i] = gap / len(run)
         run.clear()
 
     for layer in order:
@@ -314,8 +321,9 @@ def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], tota
             start, stop = spans[layer]
             if run:
                 flush(start)
-            times[layer] = stop - start
-            prev_end = stop
+            start = max(start, prev_end)  # never before the previous layer ended (spans clamped, never overlapping)
+            times[layer] = max(stop - start, 0.0)
+            prev_end = max(stop, prev_end)
         else:
             run.append(layer)
     if run:

@@ -338,8 +338,8 @@ def layer_signature(cut: CutModel, k: int, model: nn.Module, inputs: Sequence[An
 
 @dataclass(frozen=True)
 class _Dedup:
-    """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: two instances of the
-    largest group, both measured (the second and third; of a pair, both), or None."""
+    """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: the second and third
+    instances of the largest group, both measured, or None when no group has three."""
 
     rep: list[int]
     spread: tuple[int, int] | None
@@ -369,7 +369,7 @@ def _dedup(signatures: Sequence[Any], enabled: bool) -> _Dedup:
             rep[k] = members[1]
     # the spread check compares two instances that should agree: the second and third (both follow their own kind)
     largest = max(groups.values(), key=len)  # the first of the largest groups on a tie (dicts keep order)
-    spread = (largest[1], largest[2]) if len(largest) > 2 else (largest[0], largest[1]) if len(largest) > 1 else None
+    spread = (largest[1], largest[2]) if len(largest) > 2 else None  # of a pair, both are measured and used
     return _Dedup(rep, spread, len(groups))
 
 
@@ -437,7 +437,7 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int)
         opt.step()
         samples = []
         for _ in range(min(repeats, OPTIMIZER_REPEATS)):
-            if state_bytes < flush.bytes:
+            if state_bytes < flush.size_bytes:
                 flush()  # a rank steps after a backward that evicted these states: time it from memory, not cache
             samples.append(timer(opt.step)[0])
         out[name] = median_iqr(samples)[0]
@@ -691,8 +691,8 @@ def profile_model(
       activations would not fit in the device's free memory.
     - ``dedup``: of identical layers (same code, parameter shapes and dtypes, input shapes) the first two are
       measured and the rest reuse the second's figures (the first follows a different layer, and runs slower);
-      their rows say ``measured_as``. The largest group's third instance is measured too, and its ratio to the
-      second recorded in ``meta["dedup_spread"]``.
+      their rows say ``measured_as``. In a group of three or more, the third instance is measured too and its ratio to
+      the second recorded in ``meta["dedup_spread"]`` (None without such a group; a pair is simply measured twice).
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
     """

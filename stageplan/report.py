@@ -201,8 +201,8 @@ def run_table(report: RunReport) -> str:
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")
     if report.layers:
-        lines.append("\nlayers inside the schedule (ms per microbatch, median over the measured steps; what stageplan "
-                     "calibrate scales each layer to):")
+        lines.append("\nlayers inside the schedule (ms per microbatch, median over the clock's steps; what stageplan "
+                     "calibrate starts from):")
         lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"],
                                   [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
                                     ms(x["measured_backward_s"])] for x in report.layers]))

@@ -19,6 +19,23 @@ RUN_SCHEMA = "stageplan.run/2"
 _OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}}
 
 
+_LAYER_FIELDS = {"index": int, "name": str, "stage": int, "rank": int, "measured_forward_s": float,
+                 "measured_backward_s": float}
+
+
+def _checked_layers(rows: Any, source: str) -> list[dict[str, Any]]:
+    """The per-layer rows of a run report, each with its fields of the right kinds (SchemaError otherwise)."""
+    if not isinstance(rows, (list, tuple)):
+        raise SchemaError(f"{source}: 'layers' must be a list of per-layer rows; rerun stageplan run")
+    for i, row in enumerate(rows):
+        bad = [k for k, kind in _LAYER_FIELDS.items() if not isinstance(row, dict) or isinstance(row.get(k), bool)
+               or not isinstance(row.get(k), (int, float) if kind is float else kind)]
+        if bad:
+            raise SchemaError(f"{source}: layer row {i} lacks or mangles {', '.join(bad)}; every row needs "
+                              f"{', '.join(_LAYER_FIELDS)}; rerun stageplan run")
+    return list(rows)
+
+
 @dataclass(frozen=True)
 class RunReport:
     """Medians over the measured steps (after warm-up), with IQR spreads.
@@ -29,9 +46,9 @@ class RunReport:
     ping-pong between neighbouring ranks at the run's start (stageplan.link): backend, latency_s,
     bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
     ``layers`` holds one entry per layer: its forward and backward seconds per microbatch inside the real schedule
-    (executor's per-layer clock, median over the measured steps), the stage and rank that ran it; each rank row adds
-    the overhead its chunks spent outside their layers (``measured_overhead_forward_s``/``_backward_s``, per
-    microbatch). Empty in reports written before it existed.
+    (executor's per-layer clock, median over the clock's steps after the measured ones), the stage and rank that ran
+    it; each rank row adds the overhead its chunks spent outside their layers (``measured_overhead_forward_s`` and
+    ``measured_overhead_backward_s``, per microbatch). Empty in reports written before it existed.
     """
 
     measured_step_s: float
@@ -81,7 +98,7 @@ class RunReport:
             kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
-            kwargs["layers"] = tuple(data.get("layers", ()))
+            kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"{source} is missing or mangles field {exc}; rerun stageplan run") from exc

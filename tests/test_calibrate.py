@@ -119,3 +119,44 @@ def test_cli_calibrate_says_per_layer_and_refuses_another_models_run(tmp_path: P
     assert not (tmp_path / "c2.json").exists()
     with pytest.raises(StageplanError):
         calibrate(other, tmp_path / "run.json")
+
+
+def test_a_run_on_devices_of_different_speeds_calibrates_to_the_profile_it_confirms() -> None:
+    # each rank ran its layers exactly as the plan priced them (profile / device speed): every factor is 1
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none", devices=[2.0, 1.0])
+    speed = {0: 2.0, 1: 1.0}
+    ranks = []
+    for r in (0, 1):
+        mine = range(pl.boundaries[r], pl.boundaries[r + 1])
+        lay = {i: [prof.layers[i].forward_s / speed[r], prof.layers[i].backward_per_microbatch_s(M) / speed[r]] for i in mine}
+        f, b = sum(v[0] for v in lay.values()), sum(v[1] for v in lay.values())
+        ranks.append({"rank": r, "stages": [r], "step_s": [0.2], "forward_s": f * M, "forward_iqr_s": 0.0,
+                      "backward_s": b * M, "backward_iqr_s": 0.0, "other_s": 0.0, "compute_cpu_s": (f + b) * M,
+                      "losses": [], "timeline": [], "peak_activation_bytes": 1, "peak_memory_bytes": 1,
+                      "layer_s": lay, "overhead_s": {r: [0.0, 0.0]}})
+    rep = RunReport.from_measurements(pl, ranks, step_s=0.2, step_iqr_s=0.0, run_options={"optimizer": "none"},
+                                      check=None, meta={})
+    cal = calibrate(prof, rep)
+    assert cal.meta["calibration"]["forward_factors"] == pytest.approx([1.0] * 5)
+    assert cal.meta["calibration"]["backward_factors"] == pytest.approx([1.0] * 5)
+
+
+def test_a_recompute_run_is_calibrated_per_rank_and_says_why() -> None:
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none", recompute=True)
+    cal = calibrate(prof, _report(pl))
+    assert cal.meta["calibration"]["per"] == "rank"
+    assert "recomputation" in cal.meta["calibration"]["why"]
+
+
+def test_a_mangled_layer_table_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    data = _report(pl).to_json()
+    data["layers"] = [{"index": 0}]
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    code, _out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert_one_line_error(code, err, r"layer row 0 lacks or mangles name, stage, rank")

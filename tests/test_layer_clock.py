@@ -93,8 +93,51 @@ def test_disabled_clock_records_nothing_and_a_loss_phase_is_the_last_layers() ->
     assert (kind, stage, list(times), rest) == ("L", 0, [6], 0.0) and 0.02 <= times[6] < 0.02 + SLACK
 
 
-def test_gaps_are_shared_by_weight_between_stamped_neighbours() -> None:
+def test_gaps_are_shared_between_stamped_neighbours_and_spans_never_overlap() -> None:
     # layers 0..4 in execution order; 1 and 2 unstamped between 0 (ends at 1.0) and 3 (starts at 4.0)
-    times = _fill_gaps([0, 1, 2, 3, 4], {0: (0.5, 1.0), 3: (4.0, 5.0)}, 6.0, [1, 1, 3, 1, 1])
-    assert times == pytest.approx({0: 0.5, 1: 0.75, 2: 2.25, 3: 1.0, 4: 1.0})
-    assert _fill_gaps([0, 1], {}, 2.0, None) == pytest.approx({0: 1.0, 1: 1.0})
+    times = _fill_gaps([0, 1, 2, 3, 4], {0: (0.5, 1.0), 3: (4.0, 5.0)}, 6.0)
+    assert times == pytest.approx({0: 0.5, 1: 1.5, 2: 1.5, 3: 1.0, 4: 1.0})
+    assert _fill_gaps([0, 1], {}, 2.0) == pytest.approx({0: 1.0, 1: 1.0})
+    # a span that starts before its predecessor ended is clamped to start there
+    assert _fill_gaps([0, 1], {0: (0.0, 2.0), 1: (1.0, 3.0)}, 3.0) == pytest.approx({0: 2.0, 1: 1.0})
+
+
+class _Pair(nn.Module):
+    """A layer with its own input and a memory shared with the other layers (as a decoder's cross-attention)."""
+
+    def __init__(self, backward_s: float) -> None:
+        super().__init__()
+        self.backward_s = backward_s
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return _SleepGrad.apply(x + memory, self.backward_s)
+
+
+def test_an_input_shared_with_later_layers_does_not_stretch_a_backward() -> None:
+    layers = [_Pair(b) for b in BWD]
+    clock = LayerClock("cpu")
+    for k, layer in enumerate(layers):
+        clock.attach(k, layer)
+    clock.enabled = True
+    memory = torch.ones(4, requires_grad=True)
+    with clock.phase("F", 0):
+        x = torch.ones(4, requires_grad=True)
+        for layer in layers:
+            x = layer(x, memory)
+    with clock.phase("B", 0):
+        x.sum().backward()
+    (_, _, _, _), (_, _, bwd, _) = clock.drain(lambda s: range(3))
+    for k in range(3):
+        assert BWD[k] <= bwd[k] < BWD[k] + SLACK, (k, bwd)
+
+
+def test_the_step_hooks_on_a_persistent_tensor_are_removed_at_drain() -> None:
+    model = nn.Sequential(Sleeper(0.0, 0.0))
+    clock = LayerClock("cpu")
+    clock.attach(0, model[0])
+    clock.enabled = True
+    buffer = torch.ones(4, requires_grad=True)  # as a PipelineStage's receive buffer, reused every step
+    for _ in range(3):
+        _run(clock, model, buffer)
+        clock.drain(lambda s: [0])
+    assert not buffer._backward_hooks

@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 
 import stageplan.link
-from stageplan import RunReport
+from stageplan import RunReport, StageplanError
 from stageplan.api import plan
 from stageplan.link import LINK_SCHEMA, load_link
 from stageplan.profile import LayerProfile, Profile
@@ -107,6 +107,12 @@ def test_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert_one_line_error(code, err, r"timeout must be > 0")
     code, _, err = run_cli(["link", "-o", str(tmp_path / "no" / "l.json")], capsys)
     assert_one_line_error(code, err, r"does not exist")
+
+
+def test_load_link_refuses_a_mangled_exchange() -> None:
+    for bad in (True, -1.0, float("nan"), "fast"):
+        with pytest.raises(StageplanError, match="exchange_s"):
+            load_link({"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "exchange_s": bad})
 
 
 def test_load_link_checks_the_figures() -> None:
