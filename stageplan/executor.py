@@ -109,7 +109,7 @@ class _Samples:
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
-    # per measured step, seconds per microbatch: {layer: [forward, backward]} and {stage: [forward, backward]} overhead
+    # per clocked step, seconds per microbatch: {layer: [forward, backward]} and {stage: [forward, backward]} overhead
     layer_s: list[dict[int, list[float]]] = field(default_factory=list)
     overhead_s: list[dict[int, list[float]]] = field(default_factory=list)
 
@@ -126,7 +126,7 @@ class _Samples:
         self.overhead_s.append(overhead)
 
     def layer_medians(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
-        """Medians over the measured steps of :attr:`layer_s` and :attr:`overhead_s`."""
+        """Medians over the clocked steps of :attr:`layer_s` and :attr:`overhead_s`."""
         def med(rows: list[dict[int, list[float]]]) -> dict[int, list[float]]:
             keys = sorted({k for r in rows for k in r})
             return {k: [median_iqr([r.get(k, [0.0, 0.0])[j] for r in rows])[0] for j in (0, 1)] for k in keys}
