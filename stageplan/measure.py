@@ -188,7 +188,9 @@ class LayerClock:
 
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
-        self.enabled = False
+        self._enabled = False
+        self._targets: list[tuple[int, torch.nn.Module, list[torch.nn.Parameter]]] = []
+        self._module_hooks: list[Any] = []  # registered only while enabled: nothing runs in the other steps
         self._stamps: list[tuple[int, str, Any]] | None = None
         self._phases: list[tuple[str, int, Any, Any, list[tuple[int, str, Any]]]] = []
         self._handles: list[Any] = []  # tensor hooks of this step (a stage's receive buffers persist across steps)
@@ -204,10 +206,33 @@ class LayerClock:
         if self._stamps is not None:
             self._stamps.append((layer, edge, self._now()))
 
-    def attach(self, layer: int, module: torch.nn.Module, params: Sequence[torch.nn.Parameter] = ()) -> None:
-        """Stamp layer ``layer`` each time ``module`` runs (forward) and its gradients flow (backward). ``params``:
-        the layer's own parameters (not shared with another layer), for a first layer whose input needs no grad."""
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
 
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Register the attached layers' hooks when switched on, remove them when switched off."""
+        if bool(on) == self._enabled:
+            return
+        self._enabled = bool(on)
+        if on:
+            for layer, module, params in self._targets:
+                self._hook(layer, module, params)
+        else:
+            for handle in self._module_hooks:
+                handle.remove()
+            self._module_hooks = []
+
+    def attach(self, layer: int, module: torch.nn.Module, params: Sequence[torch.nn.Parameter] = ()) -> None:
+        """Stamp layer ``layer`` each time ``module`` runs (forward) and its gradients flow (backward), while the
+        clock is enabled. ``params``: the layer's own parameters (not shared with another layer), for a first layer
+        whose input needs no grad."""
+        self._targets.append((layer, module, [p for p in params if p.requires_grad]))
+        if self._enabled:
+            self._hook(layer, module, self._targets[-1][2])
+
+    def _hook(self, layer: int, module: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> None:
         def grad_stamp(edge: str) -> Callable[[Any], None]:
             def hook(_: Any) -> None:
                 self._stamp(layer, edge)
@@ -229,11 +254,8 @@ class LayerClock:
                 if t.requires_grad:
                     self._handles.append(t.register_hook(grad_stamp("b0")))
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
-        for p in params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(grad_stamp("bp"))
+        self._module_hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        self._module_hooks += [p.register_post_accumulate_grad_hook(grad_stamp("bp")) for p in params]
 
     @contextmanager
     def phase(self, kind: str, stage: int) -> Iterator[None]:

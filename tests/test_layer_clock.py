@@ -80,12 +80,19 @@ def test_a_layer_without_a_module_gets_the_span_its_neighbours_leave() -> None:
     assert over_f < 1e-9  # nothing is left outside a layer when the end layers take the edges
 
 
-def test_disabled_clock_records_nothing_and_a_loss_phase_is_the_last_layers() -> None:
+def test_disabled_clock_records_nothing_holds_no_hooks_and_a_loss_phase_is_the_last_layers() -> None:
     model = nn.Sequential(Sleeper(0.0, 0.0))
     clock = LayerClock("cpu")
     clock.attach(0, model[0], list(model[0].parameters()))
     _run(clock, model, torch.ones(4, requires_grad=True))
     assert clock.drain(lambda s: [0]) == []
+    # hooks exist only while enabled: the measured steps run without them
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+    clock.enabled = True
+    assert len(model[0]._forward_pre_hooks) == len(model[0]._forward_hooks) == 1
+    clock.enabled = False
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+    assert not model[0].w._post_accumulate_grad_hooks
     clock.enabled = True
     with clock.phase("L", 0):
         time.sleep(0.02)
