@@ -238,23 +238,19 @@ class LayerClock:
                 self._stamp(layer, edge)
             return hook
 
-        def pre(_: Any, args: Any) -> None:
+        def forward_edge(edge: str, tensors: Any, grad_edge: str) -> None:
+            """Stamp the forward's edge; the gradients of ``tensors`` will stamp the backward's."""
             if self._stamps is None:
                 return
-            self._stamp(layer, "f0")
-            for t in _tensors(args):
+            self._stamp(layer, edge)
+            for t in _tensors(tensors):
                 if t.requires_grad:
-                    self._handles.append(t.register_hook(grad_stamp("b1")))
+                    self._handles.append(t.register_hook(grad_stamp(grad_edge)))
 
-        def post(_: Any, args: Any, out: Any) -> None:
-            if self._stamps is None:
-                return
-            self._stamp(layer, "f1")
-            for t in _tensors(out):
-                if t.requires_grad:
-                    self._handles.append(t.register_hook(grad_stamp("b0")))
-
-        self._module_hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        self._module_hooks += [  # inputs' gradients end the layer's backward, outputs' gradients start it
+            module.register_forward_pre_hook(lambda _, args: forward_edge("f0", args, "b1")),
+            module.register_forward_hook(lambda _, args, out: forward_edge("f1", out, "b0")),
+        ]
         self._module_hooks += [p.register_post_accumulate_grad_hook(grad_stamp("bp")) for p in params]
 
     @contextmanager
