@@ -42,7 +42,7 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
     d_layers = m * sum(x["measured_forward_s"] - profile.layers[x["index"]].forward_s + x["measured_backward_s"]
                        - profile.layers[x["index"]].backward_per_microbatch_s(m) for x in layers)
     overhead = m * (row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"])
-    predicted_other = sum(st.optimizer_s + getattr(st, "tied_sync_s", 0.0) for st in pl.stages if st.rank == r)
+    predicted_other = sum(st.optimizer_s + st.tied_sync_s for st in pl.stages if st.rank == r)
     d_other = row["optimizer_s"] - predicted_other
     miss = rep.measured_step_s - pl.predicted_step_s
     rest = miss - d_layers - overhead - d_other

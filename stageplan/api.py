@@ -396,9 +396,9 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
 
 
 def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
-                   ) -> tuple[float, float, str, str]:
-    """Bandwidth (bytes/s), per-crossing latency (s), where the latency came from, and the plan's note, from a
-    LINK.json or its dict."""
+                   ) -> tuple[float, float, str, str, float]:
+    """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, and the one-way
+    latency (s, for collectives), from a LINK.json or its dict."""
     from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
@@ -412,7 +412,7 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
-    return bw, latency_s, f"{kind} {how}", note
+    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"]
 
 
 def _estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
@@ -514,10 +514,7 @@ def plan(
         if bandwidth is not None:
             raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
                                  "--link LINK.json for the measured link, or --bandwidth RATE")
-        bw, latency_s, latency_source, link_note = _measured_link(link, latency_s)
-        from stageplan.link import load_link
-
-        link_latency_s = load_link(link)["latency_s"]
+        bw, latency_s, latency_source, link_note, link_latency_s = _measured_link(link, latency_s)
     elif bw is None and estimate_label(prof.meta):
         bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)
@@ -597,10 +594,10 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     """Rescale each layer's forward and backward times to what the run measured of that layer inside the real
     schedule (the executor's per-layer clock), so the next plan starts from the run.
 
-    A chunk's time outside its layers (PipelineStage's receive, flatten, detach, send) is shared out over the
-    chunk's layers in proportion to their measured time, so a rank's calibrated compute equals its measured
-    compute. A report without per-layer figures (written before the clock existed) is calibrated per rank: every
-    layer of a rank by that rank's measured / predicted compute. The result's ``meta["calibration"]`` says which,
+    A rank's time outside its layers (PipelineStage's receive, flatten, detach, send) is shared out over its layers
+    in proportion to their measured time, so a rank's calibrated compute equals its measured compute. A report
+    without per-layer figures (written before the clock existed), a run with recomputation and a zero-bubble run
+    are calibrated per rank: every layer of a rank by that rank's measured / predicted compute. The result's ``meta["calibration"]`` says which,
     gives the factors, and keeps the raw (never calibrated) profile's digest through repeated calibrations."""
     prof = _as_profile(profile)
     rep = report if isinstance(report, RunReport) else RunReport.load(report)
@@ -675,22 +672,23 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
     speeds = [float(d.get("speed", 1.0)) for d in cost.get("devices") or []]
     mb_run, mb_prof = rep.run_options.get("microbatch_size"), prof.meta.get("microbatch_size")
     size = float(mb_prof) / float(mb_run) if mb_run and mb_prof else 1.0
-    rows = {int(r["rank"]): r for r in rep.ranks}
     parts: dict[int, list[float]] = {}
     for x in rep.layers:
         t = parts.setdefault(int(x["rank"]), [0.0, 0.0])
         t[0] += x["measured_forward_s"]
         t[1] += x["measured_backward_s"]
+    scale: dict[int, tuple[float, float]] = {}  # per rank: what multiplies a layer's measured forward, backward
+    for row in rep.ranks:
+        r = int(row["rank"])
+        tf, tb = parts.get(r, (0.0, 0.0))
+        over_f, over_b = row.get("measured_overhead_forward_s", 0.0), row.get("measured_overhead_backward_s", 0.0)
+        clocked = tf + tb + over_f + over_b
+        footing = (row["measured_compute_s"] / clocked if clocked > 0 else 1.0) * size * (speeds[r] if r < len(speeds) else 1.0)
+        scale[r] = ((1.0 + over_f / tf if tf > 0 else 1.0) * footing, (1.0 + over_b / tb if tb > 0 else 1.0) * footing)
     fwd, bwd = [1.0] * len(prof), [1.0] * len(prof)
     for x in rep.layers:
         i, r = int(x["index"]), int(x["rank"])
-        row = rows[r]
-        (tf, tb), over_f, over_b = parts[r], row.get("measured_overhead_forward_s", 0.0), row.get("measured_overhead_backward_s", 0.0)
-        clocked = tf + tb + over_f + over_b
-        whole = row["measured_compute_s"] / clocked if clocked > 0 else 1.0
-        footing = whole * size * (speeds[r] if r < len(speeds) else 1.0)
-        f = x["measured_forward_s"] * (1.0 + over_f / tf if tf > 0 else 1.0) * footing
-        b = x["measured_backward_s"] * (1.0 + over_b / tb if tb > 0 else 1.0) * footing
+        f, b = x["measured_forward_s"] * scale[r][0], x["measured_backward_s"] * scale[r][1]
         pf, pb = prof.layers[i].forward_s, prof.layers[i].backward_per_microbatch_s(m)
         if pf > 0 and f > 0:
             fwd[i] = f / pf

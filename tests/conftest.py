@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# (schedule, p, m, v): one case per schedule family, for the tests that check the batch pricer (SplitCosts) against
+# the one evaluate on random splits
+SCHEDULE_CASES = [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2), ("ZBVZeroBubble", 2, 4, 2),
+                  ("InterleavedZeroBubble", 2, 4, 2), ("LoopedBFS", 2, 4, 2)]
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SCHEDULE_CASES
 from torch import nn
 
 from stageplan import LayerProfile, Profile, Workload, profile_model
@@ -105,9 +106,7 @@ def test_optimizer_times_are_validated() -> None:
 # -- the cost model -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v"), [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2),
-                                                       ("ZBVZeroBubble", 2, 4, 2), ("InterleavedZeroBubble", 2, 4, 2),
-                                                       ("LoopedBFS", 2, 4, 2)])
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_split_costs_price_the_optimizer_step_as_evaluate_does(schedule: str, p: int, m: int, v: int) -> None:
     rng = np.random.default_rng(11)
     n = 11

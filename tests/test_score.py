@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_cli
+from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
 
 import stageplan.api as api
 from stageplan import LayerProfile, Profile, StageplanError
@@ -296,9 +296,7 @@ def test_a_head_larger_than_total_over_p_is_named_as_the_bound() -> None:
 # -- the tie-break: the lowest simulated step among equal-bottleneck splits ---------------------------------------
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v"), [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2),
-                                                       ("ZBVZeroBubble", 2, 4, 2), ("InterleavedZeroBubble", 2, 4, 2),
-                                                       ("LoopedBFS", 2, 4, 2)])
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_split_costs_price_splits_as_evaluate_does(schedule: str, p: int, m: int, v: int) -> None:
     rng = np.random.default_rng(7)
     n = 11

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SCHEDULE_CASES
 
 from stageplan.api import build_workload, plan
 from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
@@ -110,9 +111,7 @@ def test_without_bandwidth_the_sync_is_not_priced_and_the_note_says_so() -> None
     assert not any(note in n for n in _evaluate(prof, (0, 2, 4), 2).notes)  # priced: no note
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v"), [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2),
-                                                       ("ZBVZeroBubble", 2, 4, 2), ("InterleavedZeroBubble", 2, 4, 2),
-                                                       ("LoopedBFS", 2, 4, 2)])
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_split_costs_price_the_tied_sync_as_evaluate_does(schedule: str, p: int, m: int, v: int) -> None:
     rng = np.random.default_rng(5)
     n = 11
