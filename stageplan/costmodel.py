@@ -549,7 +549,8 @@ class SplitCosts:
     def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None,
               t: np.ndarray | None = None) -> np.ndarray:
         """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
-        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived;
+        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived, a
+        crossing no earlier than the receive is posted where the schedule posts it on demand;
         where a row's tied-gradient all-reduce ``t`` (N,) is > 0, it starts once every rank has ended its last
         action; then each rank's optimizer step ``o``, summed over its chunks)."""
         shape = self.opts.shape
@@ -561,9 +562,12 @@ class SplitCosts:
         hop = c[:, :-1].T / 2.0 + self.opts.boundary_latency_s
         hop = np.concatenate([hop * graph.crosses[:, None], np.zeros((1, n))])
         end = np.zeros((graph.num_actions + 1, n))  # the last row stays 0: "no such predecessor"
+        on_demand = shape.receives_on_demand  # a transfer starts no earlier than its receive is posted
         for ids in graph.levels:
-            start = np.maximum(end[graph.prev[ids]], end[graph.dep1[ids]] + hop[graph.hop1[ids]])
-            start = np.maximum(start, end[graph.dep2[ids]] + hop[graph.hop2[ids]])
+            h1, h2 = hop[graph.hop1[ids]], hop[graph.hop2[ids]]
+            start = end[graph.prev[ids]] + (h1 + h2 if on_demand else 0.0)  # at most one input crosses ranks
+            start = np.maximum(start, end[graph.dep1[ids]] + h1)
+            start = np.maximum(start, end[graph.dep2[ids]] + h2)
             end[ids] = start + duration[graph.kind_stage[ids]]
         if o is None and t is None:
             return end[:-1].max(axis=0)

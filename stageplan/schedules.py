@@ -382,6 +382,15 @@ class ScheduleShape:
         return self.num_ranks * self.virtual_stages
 
     @property
+    def receives_on_demand(self) -> bool:
+        """A receive is posted only when the rank is about to run the action that needs it, so a crossing's
+        transfer starts no earlier than that (torch's single-stage schedules, GPipe and 1F1B: each posts its
+        receive right before the forward or backward and waits for it; a point-to-point message moves once both
+        sides have posted, on gloo and NCCL alike). torch's multi-stage runtime posts receives ahead (its RECV_F
+        and RECV_B actions), so there a transfer overlaps the receiving rank's compute."""
+        return self.schedule in _SINGLE_STAGE
+
+    @property
     def zero_bubble(self) -> bool:
         """The backward is split into I and W actions (activations are held until W)."""
         return self.schedule in _ZERO_BUBBLE
@@ -545,10 +554,11 @@ def simulate(
 
     ``forward_s`` and ``backward_s`` have one value per stage (S = num_ranks * virtual_stages); ``comm_s``
     has one per boundary k -> k+1 (S - 1 values): an activation or gradient crossing it arrives that long
-    after its producer ends. Each rank runs its torch order one action at a time; an action starts when
-    the rank is free and its inputs have arrived. Sends and receives are asynchronous and occupy no rank;
-    a boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). The
-    rendezvous waits of torch's fused send/recv in Schedule1F1B are not modelled. In zero-bubble
+    after its producer ends, or, in GPipe and 1F1B, that long after the receiving rank posts its receive, if
+    that is later (``ScheduleShape.receives_on_demand``: torch posts the receive just before the action that
+    needs it, and the message moves once both sides have posted). Each rank runs its torch order one action
+    at a time; an action starts when the rank is free and its inputs have arrived. Sends occupy no rank; a
+    boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). In zero-bubble
     schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
     ``_WEIGHT_GRAD_SHARE``).
 
@@ -628,21 +638,25 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     grad_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
     last = num_stages - 1
 
-    def ready_at(a: Action) -> float | None:
-        """When a's inputs are available, or None if a producer has not been simulated yet."""
+    on_demand = shape.receives_on_demand
+
+    def start_at(a: Action, free_at: float) -> float | None:
+        """When a starts on a rank free from ``free_at``, or None if a producer has not been simulated yet: once
+        its inputs have arrived, a crossing's transfer starting at its producer's end, or (``on_demand``) at
+        the later of that and the moment the rank is free to post the receive."""
         k, i = a.stage, a.microbatch
+        local = free_at  # inputs produced on this rank (its own forward, the I before a W) ended by then
         if a.kind == "F":
             if k == 0:
-                return 0.0
-            end = forward_end[k - 1][i]
-            return None if end is None else end + hop[k - 1]
-        if a.kind == "W":
-            return grad_end[k][i]
-        own = forward_end[k][i]
-        if own is None or k == last:
-            return own
-        end = grad_end[k + 1][i]
-        return None if end is None else max(own, end + hop[k])
+                return local
+            end, delay = forward_end[k - 1][i], hop[k - 1]
+        elif a.kind == "W" or k == last:
+            return local
+        else:
+            end, delay = grad_end[k + 1][i], hop[k]
+        if end is None:
+            return None
+        return max(local, end) + delay if on_demand else max(local, end + delay)
 
     events: list[TimelineEvent] = []
     free = [0.0] * p
@@ -655,10 +669,9 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             order = orders[rank]
             while position[rank] < len(order):
                 action = order[position[rank]]
-                ready = ready_at(action)
-                if ready is None:
+                start = start_at(action, free[rank])
+                if start is None:
                     break
-                start = max(free[rank], ready)
                 took = duration[action.kind][action.stage]
                 end = start + took
                 if action.kind == "F":

@@ -285,10 +285,19 @@ def test_gpipe_two_stages_by_hand() -> None:
         (0, 0, "B"): (9.0, 11.0),
         (0, 1, "B"): (13.0, 15.0),
     }
-    # With comm 0.5 on the boundary:
+    # With comm 0.5 on the boundary. GPipe posts each receive just before the action needing it, and the
+    # message moves from then on: start = max(rank free, producer end) + 0.5.
+    # rank 1: F(1,0) max(0, 1)+0.5=1.5-3.5, F(1,1) max(3.5, 2)+0.5=4-6, B(1,0) 6-10, B(1,1) 10-14
+    # rank 0: B(0,0) max(2, 10)+0.5=10.5-12.5, B(0,1) max(12.5, 14)+0.5=14.5-16.5  -> step 16.5
+    assert simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5]).step_s == 16.5
+    # LoopedBFS at one stage per rank runs the same order, but torch's multi-stage runtime posts receives ahead,
+    # so a message moves as soon as it is sent: start = max(rank free, producer end + 0.5).
     # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5, B(1,0) 5.5-9.5, B(1,1) 9.5-13.5
     # rank 0: B(0,0) 9.5+0.5=10-12, B(0,1) 13.5+0.5=14-16  -> step 16
-    assert simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5]).step_s == 16.0
+    ahead = simulate("LoopedBFS", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
+    assert sorted((e.rank, e.stage, e.microbatch, e.kind) for e in ahead.timeline) == sorted(
+        (e.rank, e.stage, e.microbatch, e.kind) for e in sim.timeline)
+    assert ahead.step_s == 16.0
 
 
 def test_1f1b_two_stages_by_hand() -> None:
@@ -303,25 +312,25 @@ def test_1f1b_two_stages_by_hand() -> None:
     assert sim.step_s == 21.0
     assert sim.busy_s == (9.0, 18.0)
     assert sim.bubble_fraction == pytest.approx(15.0 / 42.0)
-    # With comm 0.5:
-    # rank 1: F(1,0) 1.5-3.5, B(1,0) 3.5-7.5, F(1,1) max(7.5, 2.5)=7.5-9.5, B(1,1) 9.5-13.5
-    # rank 0: B(0,0) 7.5+0.5=8-10, F(0,2) 10-11, B(0,1) 13.5+0.5=14-16
-    # rank 1: F(1,2) max(13.5, 11.5)=13.5-15.5, B(1,2) 15.5-19.5
-    # rank 0: B(0,2) 19.5+0.5=20-22  -> step 22
-    assert simulate("1F1B", [1.0, 2.0], [2.0, 4.0], 3, comm_s=[0.5]).step_s == 22.0
+    # With comm 0.5 (each receive posted when the rank gets to the action: start = max(free, producer end) + 0.5):
+    # rank 1: F(1,0) 1.5-3.5, B(1,0) 3.5-7.5, F(1,1) max(7.5, 2)+0.5=8-10, B(1,1) 10-14
+    # rank 0: B(0,0) max(2, 7.5)+0.5=8-10, F(0,2) 10-11, B(0,1) max(11, 14)+0.5=14.5-16.5
+    # rank 1: F(1,2) max(14, 11)+0.5=14.5-16.5, B(1,2) 16.5-20.5
+    # rank 0: B(0,2) max(16.5, 20.5)+0.5=21-23  -> step 23
+    assert simulate("1F1B", [1.0, 2.0], [2.0, 4.0], 3, comm_s=[0.5]).step_s == 23.0
 
 
 def test_gpipe_three_stages_with_comm_by_hand() -> None:
-    # f = (1, 2, 1), b = (2, 3, 1), comm = (0.5, 0.25), m = 2.
+    # f = (1, 2, 1), b = (2, 3, 1), comm = (0.5, 0.25), m = 2; start = max(rank free, producer end) + comm.
     # rank 0: F(0,0) 0-1, F(0,1) 1-2
-    # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5
-    # rank 2: F(2,0) 3.75-4.75, F(2,1) 5.75-6.75, B(2,0) 6.75-7.75, B(2,1) 7.75-8.75
-    # rank 1: B(1,0) 7.75+0.25=8-11, B(1,1) max(11, 9)=11-14
-    # rank 0: B(0,0) 11+0.5=11.5-13.5, B(0,1) 14+0.5=14.5-16.5  -> step 16.5
+    # rank 1: F(1,0) 1+0.5=1.5-3.5, F(1,1) max(3.5, 2)+0.5=4-6
+    # rank 2: F(2,0) 3.5+0.25=3.75-4.75, F(2,1) max(4.75, 6)+0.25=6.25-7.25, B(2,0) 7.25-8.25, B(2,1) 8.25-9.25
+    # rank 1: B(1,0) max(6, 8.25)+0.25=8.5-11.5, B(1,1) max(11.5, 9.25)+0.25=11.75-14.75
+    # rank 0: B(0,0) max(2, 11.5)+0.5=12-14, B(0,1) max(14, 14.75)+0.5=15.25-17.25  -> step 17.25
     sim = simulate("GPipe", [1.0, 2.0, 1.0], [2.0, 3.0, 1.0], 2, comm_s=[0.5, 0.25])
-    assert sim.step_s == 16.5
+    assert sim.step_s == 17.25
     assert sim.busy_s == (6.0, 10.0, 4.0)
-    assert sim.bubble_fraction == pytest.approx((10.5 + 6.5 + 12.5) / (3 * 16.5))
+    assert sim.bubble_fraction == pytest.approx((11.25 + 7.25 + 13.25) / (3 * 17.25))
 
 
 def test_comm_between_stages_on_one_rank_is_free() -> None:
