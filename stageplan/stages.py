@@ -146,6 +146,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
             stages.append(cut.pipe.build_stage(s, device, group=group))  # type: ignore[attr-defined]
         else:
             stages.append(PipelineStage(piece.to(device), s, S, device, group=group))
+    _no_warmup_to_self(stages)
     params: dict[str, nn.Parameter] = {}
     every: list[nn.Parameter] = []
     for st in stages:
@@ -153,6 +154,27 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
         every.extend(st.submod.parameters())
     unique = list({id(p): p for p in every}.values())
     return RankStages(stages, mine, params, unique, ties, across)
+
+
+def _no_warmup_to_self(stages: list[Any]) -> None:
+    """torch 2.13 warms up stages that are not PipelineStage (the export cut's) by a send and a receive to each
+    neighbouring stage, even where that neighbour runs on this rank (ZBVZeroBubble's V puts stages p - 1 and p on
+    rank p - 1, and its first and last on rank 0). gloo has no pair from a rank to itself ("Pair is not connected"),
+    and the schedule hands those tensors over locally anyway, so the warm-up's messages to this rank are dropped."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    me = dist.get_rank()
+    for st in stages:
+        original = getattr(st, "_get_init_p2p_neighbors_ops", None)
+        if original is None:
+            continue
+
+        def ops(original: Any = original) -> list[Any]:
+            return [op for op in original() if op.peer != me]
+
+        st._get_init_p2p_neighbors_ops = ops
 
 
 def _recompute(module: nn.Module) -> None:
