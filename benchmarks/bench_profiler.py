@@ -1,7 +1,8 @@
 """Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512`, the per-layer
 spread (IQR/median) and the sum-of-layers / whole-model ratio; then repeatability: the skewed gpt (16384-token head,
 microbatch 2) profiled twice, each in its own process, one after the other, and each layer's two figures compared
-(goal: within 5% for every layer above 1 ms or above 2% of the model's time)."""
+(goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --processes 3, each
+profile the median of three fresh processes (a process's memory layout offsets all its timings alike)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,9 @@ def _profile(args: list[str], out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def repeatability(tmp: Path) -> None:
-    args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
-    _profile(args, tmp / "a.json")
-    _profile(args, tmp / "b.json")
-    a, b = Profile.load(tmp / "a.json"), Profile.load(tmp / "b.json")
+def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float]:
+    """Each layer's two figures side by side, and the worst difference over the layers that count (above 1 ms, or
+    above 2% of the model's time)."""
     total = sum(x.time_s for x in a.layers)
     rows, worst = [], 0.0
     for x, y in zip(a.layers, b.layers):
@@ -38,10 +37,24 @@ def repeatability(tmp: Path) -> None:
             worst = max(worst, abs(f), abs(bw))
         rows.append([x.name, f"{x.forward_s * 1e3:.2f}", f"{y.forward_s * 1e3:.2f}", f"{f:+.1%}", f"{x.backward_s * 1e3:.2f}",
                      f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", "yes" if counts else "no"])
-    print(f"\nrepeatability: stageplan profile {' '.join(args)}, twice, each in its own process (ms)")
-    print(format_table(["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "counts"], rows))
-    print(f"  worst difference over the counted layers: {worst:.1%} (goal <= 5%); load average at the starts "
-          f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
+    return rows, worst
+
+
+def repeatability(tmp: Path) -> None:
+    args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
+    headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "counts"]
+    for processes in (1, 3):
+        more = [] if processes == 1 else ["--processes", str(processes)]
+        a_path, b_path = tmp / f"a{processes}.json", tmp / f"b{processes}.json"
+        wall = _profile(args + more, a_path)
+        _profile(args + more, b_path)
+        a, b = Profile.load(a_path), Profile.load(b_path)
+        rows, worst = _compare(a, b)
+        how = "each in its own process" if processes == 1 else f"each the median of {processes} fresh processes"
+        print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; ms)")
+        print(format_table(headers, rows))
+        print(f"  worst difference over the counted layers: {worst:.1%} (goal <= 5%); load average at the starts "
+              f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """stageplan: profile a model per layer, plan pipeline stages exactly, run and check the plan.
 
 ``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
-The torch-backed functions (``profile_model``, ``run``, ``build_pipeline``) are the real functions of
+The torch-backed functions (``profile_model``, ``profile_in_processes``, ``run``, ``build_pipeline``) are the real
+functions of
 ``stageplan.profiler``, ``stageplan.launch`` and ``stageplan.stages``, re-exported lazily (PEP 562): torch is
 imported on first access.
 """
@@ -18,14 +19,14 @@ from stageplan.api import calibrate, plan, tune
 from stageplan.costmodel import Device
 from stageplan.errors import InfeasiblePlanError, RunError, StageplanError
 from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile
+from stageplan.profile import LayerProfile, Profile, merge_profiles
 from stageplan.runreport import RunReport
 from stageplan.schedules import simulate
 from stageplan.solver import solve
 from stageplan.workload import Workload
 
 if TYPE_CHECKING:
-    from stageplan.launch import run
+    from stageplan.launch import profile_in_processes, run
     from stageplan.profiler import profile_model
     from stageplan.stages import build_pipeline
 
@@ -42,7 +43,9 @@ __all__ = [
     "__version__",
     "build_pipeline",
     "calibrate",
+    "merge_profiles",
     "plan",
+    "profile_in_processes",
     "profile_model",
     "run",
     "simulate",
@@ -51,7 +54,8 @@ __all__ = [
 ]
 
 # The torch edge, loaded on first access.
-_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch", "build_pipeline": "stageplan.stages"}
+_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch", "profile_in_processes": "stageplan.launch",
+         "build_pipeline": "stageplan.stages"}
 
 
 def __getattr__(name: str) -> Any:

@@ -28,12 +28,7 @@ from stageplan.profile import Profile
 from stageplan.runreport import RunReport
 from stageplan.schedules import normalize_schedule
 from stageplan.units import parse_bandwidth, parse_bytes
-from stageplan.workload import Workload
-
-
-def default_microbatch_size(batch_size: int) -> int:
-    """Default microbatch: a quarter of the batch when it divides, else 1 (so m = 4 microbatches)."""
-    return batch_size // 4 if batch_size % 4 == 0 and batch_size >= 4 else 1
+from stageplan.workload import Workload, default_microbatch_size
 
 
 def build_workload(model: str, options: dict[str, Any] | None = None) -> Workload:

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device estimate:GPU: the fraction of peak FLOP/s matmuls reach (default: 0.45)")
     p.add_argument("--memory-efficiency", type=float, default=None, metavar="FRACTION",
                    help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach (default: 0.7)")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="profile N times, each in a fresh process, one after the other, and keep each layer's median: "
+                   "a process's memory layout shifts all its timings alike (here up to 7%% between processes) "
+                   "(default: 1, in this process)")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
@@ -187,20 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_profile(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
-    from stageplan.api import default_microbatch_size
     from stageplan.profiler import build_workload_for_profile, profile_model
     from stageplan.report import profile_table
+    from stageplan.workload import default_microbatch_size
 
     check_output_path(a.output)
     if a.csv:
         check_output_path(a.csv)
-    workload = build_workload_for_profile(a.model, parse_set(a.factory_options), device=a.device, dtype=a.dtype,
-                                          streaming=a.streaming)
-    mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
-    prof = profile_model(workload, microbatch_size=mb, device=a.device, dtype=a.dtype, warmup=a.warmup,
-                         repeats=a.repeats, layers=a.layers, progress=not a.quiet, streaming=a.streaming,
-                         dedup=not a.no_dedup, compute_efficiency=a.compute_efficiency,
-                         memory_efficiency=a.memory_efficiency)
+    options = parse_set(a.factory_options)
+    measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
+               "streaming": a.streaming, "dedup": not a.no_dedup}
+    if a.processes != 1:
+        from stageplan.launch import profile_in_processes
+
+        prof = profile_in_processes(a.model, options, processes=a.processes, microbatch_size=a.microbatch_size,
+                                    progress=not a.quiet, **measure)
+    else:
+        workload = build_workload_for_profile(a.model, options, device=a.device, dtype=a.dtype, streaming=a.streaming)
+        mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
+        prof = profile_model(workload, microbatch_size=mb, progress=not a.quiet, compute_efficiency=a.compute_efficiency,
+                             memory_efficiency=a.memory_efficiency, **measure)
     save_or_keep(prof, a.output)
     if a.csv:
         prof.to_csv(a.csv)

@@ -45,10 +45,11 @@ from stageplan.materialize import (
     save_tensors,
 )
 from stageplan.plan import Plan
+from stageplan.profile import Profile, merge_profiles
 from stageplan.runreport import RunReport
 from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
 from stageplan.units import format_bytes
-from stageplan.workload import Workload
+from stageplan.workload import Workload, default_microbatch_size
 
 PROGRESS_PREFIX = "stageplan-progress: "
 
@@ -152,6 +153,59 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if output is not None:
         save_link(link, output)
     return link
+
+
+def profile_in_processes(model: str, factory_options: dict[str, Any] | None = None, *, processes: int,
+                         microbatch_size: int | None = None, timeout_s: float = 1800.0, progress: bool = False,
+                         **profile_options: Any) -> Profile:
+    """Profile the model spec ``model`` ``processes`` times, each in a fresh process, one after the other (so they
+    never share the cores), and merge them (:func:`stageplan.profile.merge_profiles`: per layer, the median of each
+    time). ``profile_options`` are :func:`stageplan.profiler.profile_model`'s (device, dtype, warmup, repeats,
+    layers, streaming, dedup). Each process is watched as a run's ranks are: ``timeout_s`` bounds each one, and
+    a failure or a timeout ends it and raises :class:`stageplan.RunError` with its error line.
+    """
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise StageplanError(f"processes must be an integer >= 1, got {processes!r}; e.g. --processes 3")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 600")
+    from stageplan.profiler import is_estimate_device
+
+    if is_estimate_device(str(profile_options.get("device", "cpu"))):
+        raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device measures "
+                             "nothing (an estimate comes out the same every time); drop --processes")
+    from stageplan.measure import check_microbatch_size
+    from stageplan.profiler import build_workload_for_profile
+
+    # built here once (on meta where it would not fit), so that a wrong spec, option or microbatch size is refused
+    # at once rather than in the first process
+    workload = build_workload_for_profile(model, factory_options, device=str(profile_options.get("device", "cpu")),
+                                          dtype=profile_options.get("dtype"), streaming=profile_options.get("streaming"))
+    batch = workload.batch_size
+    del workload
+    mb = check_microbatch_size(batch, default_microbatch_size(batch) if microbatch_size is None else microbatch_size)
+    task = {"task": "profile", "model": model, "factory_options": dict(factory_options or {}),
+            "microbatch_size": mb, "options": profile_options}
+    profiles = []
+    with _run_folder(None, "stageplan-profile-") as run_dir:
+        for k in range(processes):
+            if progress:
+                print(f"profiling in process {k + 1} of {processes}", file=sys.stderr, flush=True)
+            torch.save(task, run_dir / "payload.pt")
+            _spawn_and_wait(run_dir, 1, float(timeout_s), progress=False)
+            profiles.append(Profile.load(run_dir / "profile.json"))
+            (run_dir / "profile.json").unlink()
+    return merge_profiles(profiles)
+
+
+def _profile_task(run_dir: str, payload: dict[str, Any]) -> None:
+    """One process of :func:`profile_in_processes`: build, profile, write run_dir/profile.json."""
+    from stageplan.profiler import build_workload_for_profile, profile_model
+
+    options = dict(payload["options"])
+    workload = build_workload_for_profile(payload["model"], payload["factory_options"],
+                                          device=options.get("device", "cpu"), dtype=options.get("dtype"),
+                                          streaming=options.get("streaming"))
+    profile_model(workload, microbatch_size=payload["microbatch_size"], **options).save(Path(run_dir) / "profile.json")
 
 
 def _warn_precision(plan: Plan) -> None:
@@ -552,8 +606,12 @@ def _rank_entry(run_dir: str, rank: int, task: Callable[[], None]) -> None:
 
 
 def _payload_task(run_dir: str, rank: int, world: int) -> None:
-    """A spawned rank's work, read from the payload: training with a plan, or only the link's ping-pong."""
+    """A spawned rank's work, read from the payload: training with a plan, only the link's ping-pong, or one
+    profile of :func:`profile_in_processes`."""
     payload = torch.load(Path(run_dir) / "payload.pt", weights_only=False)
+    if payload.get("task") == "profile":
+        _profile_task(run_dir, payload)
+        return
     if payload.get("task") == "link":
         output = str(Path(run_dir) / "link.json") if rank == 0 else None
         link_main(rank=rank, world_size=world, options=payload["options"], output_path=output)

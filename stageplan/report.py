@@ -80,6 +80,11 @@ def profile_table(profile: Profile) -> str:
             line += (f"; {spread_check['layer']} / {spread_check['vs']}: fwd {ratio(spread_check['forward_ratio'])}, "
                      f"bwd {ratio(spread_check.get('backward_ratio'))}")
         lines.append(line)
+    procs = meta.get("processes")
+    if isinstance(procs, dict) and isinstance(procs.get("range"), list) and procs["range"]:
+        widest = max(procs["range"], key=lambda r: max(r.get("forward", 0.0), r.get("backward", 0.0)))
+        lines.append(f"times are the median over {procs.get('count')} processes; the widest range between them: "
+                     f"{widest.get('layer')} fwd {widest.get('forward', 0.0):.1%}, bwd {widest.get('backward', 0.0):.1%}")
     desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats",
                                                  "materialized") if meta.get(k) is not None)
     if desc:

@@ -9,6 +9,11 @@ from typing import Any
 from stageplan.errors import WorkloadError
 
 
+def default_microbatch_size(batch_size: int) -> int:
+    """Default microbatch: a quarter of the batch when it divides, else 1 (so m = 4 microbatches)."""
+    return batch_size // 4 if batch_size % 4 == 0 and batch_size >= 4 else 1
+
+
 @dataclass
 class Workload:
     """A model with one full batch of example inputs.

@@ -22,9 +22,39 @@ def test_profile_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and "blocks.1" in stdout
 
 
+def test_profile_in_processes_merges_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import stageplan
+    from stageplan.api import build_workload
+
+    out = tmp_path / "p.json"
+    tiny = ["gpt", "--set", "n_layer=2", "--set", "d_model=64"]
+    code, stdout, _ = run_cli(["profile", *tiny, "--warmup", "1", "--repeats", "2", "--processes", "2", "--quiet",
+                               "-o", str(out)], capsys)
+    assert code == 0, stdout
+    merged = stageplan.Profile.load(out)
+    procs = merged.meta["processes"]
+    assert procs["count"] == 2 and len(procs["digests"]) == 2 and len(set(procs["digests"])) == 2  # two measurements
+    assert [r["layer"] for r in procs["range"]] == merged.names
+    # what is not a time comes out as one process measures it here
+    here = stageplan.profile_model(build_workload("gpt", {"n_layer": 2, "d_model": 64}), microbatch_size=2, warmup=0,
+                                   repeats=1)
+    assert merged.names == here.names
+    assert [(x.activation_bytes, x.output_bytes, x.param_bytes) for x in merged.layers] == [
+        (x.activation_bytes, x.output_bytes, x.param_bytes) for x in here.layers]
+    assert merged.meta["microbatch_size"] == 2 and merged.meta["threads"] == 1
+    code, stdout, _ = run_cli(["show", str(out)], capsys)
+    assert code == 0 and "median over 2 processes" in stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "pattern"),
     [
+        (["profile", "gpt", "--processes", "0", "-o", "{tmp}/x.json"], r"processes must be an integer >= 1, got 0"),
+        (["profile", "gpt", "--processes", "2", "--device", "estimate:h100-sxm", "-o", "{tmp}/x.json"],
+         r"an estimate device measures nothing .*drop --processes"),
+        (["profile", "gpt", "--processes", "2", "--microbatch-size", "3", "-o", "{tmp}/x.json"],
+         r"does not divide the batch of 8"),
+        (["profile", "nope", "--processes", "2", "-o", "{tmp}/x.json"], r"unknown model 'nope'"),
         (["profile", "nope", "-o", "{tmp}/x.json"], r"unknown model 'nope'.*use a built-in name"),
         (["profile", "gpt", "--set", "n_layer", "-o", "{tmp}/x.json"], r"--set expects key=value"),
         (["profile", "gpt", "--microbatch-size", "0", "-o", "{tmp}/x.json"], r"microbatch size must be a positive integer, got 0"),

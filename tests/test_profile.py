@@ -72,3 +72,53 @@ def test_pandas_and_csv(tmp_path: Path) -> None:
 def test_scaled() -> None:
     p = _profile().scaled([2.0, 1.0, 1.0, 0.5])
     assert p.layers[0].forward_s == pytest.approx(0.002) and p.layers[3].backward_s == pytest.approx(0.004)
+
+
+def _one_layer(forward_s: float, backward_s: float, acc: float | None, adam: float | None, load: float,
+               whole: float | None) -> Profile:
+    layer = LayerProfile(name="l0", forward_s=forward_s, backward_s=backward_s, activation_bytes=128, output_bytes=64,
+                         param_bytes=4096, param_count=1024, forward_iqr_s=forward_s / 10, backward_iqr_s=0.0,
+                         backward_accumulate_s=acc, optimizer_s=None if adam is None else {"adam": adam, "sgd": adam / 4})
+    meta = {"model": "toy", "device": "cpu", "microbatch_size": 2, "whole_model_s": whole, "load_average_1min": load}
+    return Profile((layer,), meta)
+
+
+def test_merge_profiles_takes_each_times_median_over_processes() -> None:
+    from stageplan import merge_profiles
+
+    runs = [_one_layer(1.0, 2.0, 1.5, 0.4, 0.5, 3.0), _one_layer(1.3, 1.8, 1.2, 0.5, 1.5, 3.2),
+            _one_layer(1.1, 2.6, 1.4, 0.3, 0.9, 2.9)]
+    merged = merge_profiles(runs)
+    (row,) = merged.layers
+    # medians by hand: forward {1.0, 1.3, 1.1} -> 1.1; backward {2.0, 1.8, 2.6} -> 2.0; accumulating {1.5, 1.2, 1.4}
+    # -> 1.4; adam {0.4, 0.5, 0.3} -> 0.4; forward IQR {0.1, 0.13, 0.11} -> 0.11; whole {3.0, 3.2, 2.9} -> 3.0
+    assert (row.forward_s, row.backward_s, row.backward_accumulate_s) == (1.1, 2.0, 1.4)
+    assert row.optimizer_s == {"adam": 0.4, "sgd": 0.1}
+    assert row.forward_iqr_s == pytest.approx(0.11)
+    assert (row.activation_bytes, row.output_bytes, row.param_bytes) == (128, 64, 4096)
+    assert merged.meta["whole_model_s"] == 3.0 and merged.sum_vs_whole == pytest.approx(3.1 / 3.0)
+    assert merged.meta["load_average_1min"] == 1.5  # the highest any process started under
+    procs = merged.meta["processes"]
+    assert procs["count"] == 3 and procs["digests"] == [p.digest() for p in runs]
+    # range = (max - min) / median: forward (1.3 - 1.0) / 1.1, backward (2.6 - 1.8) / 2.0
+    assert procs["range"] == [{"layer": "l0", "forward": pytest.approx(0.3 / 1.1), "backward": pytest.approx(0.4)}]
+    # an even count takes the middle two's mean; a profile without accumulating backward or optimizer keeps None
+    pair = merge_profiles([runs[0], _one_layer(1.2, 2.2, None, None, 0.0, None)])
+    assert pair.layers[0].forward_s == pytest.approx(1.1) and pair.layers[0].backward_accumulate_s is None
+    assert pair.layers[0].optimizer_s is None and pair.meta["whole_model_s"] is None
+    assert merge_profiles(runs[:1]) is runs[0]
+
+
+def test_merge_profiles_refuses_profiles_of_other_models_or_conditions() -> None:
+    from stageplan import merge_profiles
+
+    base = _one_layer(1.0, 2.0, None, None, 0.0, None)
+    other_mb = Profile(base.layers, {**base.meta, "microbatch_size": 4})
+    with pytest.raises(SchemaError, match=r"profile 1 has microbatch_size = 4 where profile 0 has 2; merge profiles "
+                                          r"taken under the same conditions"):
+        merge_profiles([base, other_mb])
+    renamed = Profile((LayerProfile("x", 1.0, 2.0, 0, 0, 0),), dict(base.meta))
+    with pytest.raises(SchemaError, match=r"profile 1 has layers \['x'\] where profile 0 has \['l0'\]"):
+        merge_profiles([base, renamed])
+    with pytest.raises(SchemaError, match="needs at least one profile"):
+        merge_profiles([])
