@@ -28,10 +28,12 @@ def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
-def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport) -> list[str]:
+def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport, link: dict) -> list[str]:
     """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers inside
     the pipeline against their profiled times, its chunks' overhead outside the layers, its optimizer step (and tied
-    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). With a tie across
+    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). Then the whole miss
+    split in two by replaying the split with every rank's measured layer times: compute on all ranks, and the waits and
+    transfers the simulator does not see. With a tie across
     ranks, a rank that finishes its backward first waits inside the all-reduce: the simulator counts that wait as
     idle, this split counts it under the optimizer."""
     m = pl.num_microbatches
@@ -46,7 +48,12 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
     d_other = row["optimizer_s"] - predicted_other
     miss = rep.measured_step_s - pl.predicted_step_s
     rest = miss - d_layers - overhead - d_other
-    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest)] + [str(r)]
+    # the same split replayed: every rank's layers (chunk overhead shared in) at their times inside this run
+    # (calibrate, per layer), simulated with the same link; what stays is waiting and transfers
+    replayed = stageplan.plan(stageplan.calibrate(profile, rep), 2, num_microbatches=m, schedule=pl.schedule,
+                              boundaries=pl.boundaries, link=link).predicted_step_s
+    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, replayed - pl.predicted_step_s,
+                                        rep.measured_step_s - replayed)] + [str(r)]
 
 
 def main() -> None:
@@ -80,7 +87,7 @@ def main() -> None:
                     runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
                                  f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1), " ".join(map(_pct, walls)),
                                  " ".join(map(_pct, cpus)), f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
-                    parts.append([model, schedule, m, name, *_decompose(profile, pl, rep)])
+                    parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
                 opt, uni = reports["optimal"], reports["uniform"]
                 gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
@@ -97,7 +104,10 @@ def main() -> None:
     print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
           "pipeline minus their profiled times, its chunks' overhead outside the layers, its optimizer step and tied sync "
           "minus the predicted, and the rest (waiting, transfers, preemption)")
-    print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest", "rank"], parts))
+    print("then the whole miss in two: the split replayed with every rank's layers at their measured times (calibrate, "
+          "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
+    print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
+                        "compute, all ranks", "waits", "rank"], parts))
     print("\noptimal over uniform: predicted and measured step ratio")
     print(format_table(["model", "schedule", "m", "predicted", "measured"], gains))
 
