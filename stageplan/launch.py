@@ -421,14 +421,32 @@ def _forked_rank(wl: Workload, plan: Plan, opts: dict[str, Any], run_dir: str, r
     _rank_entry(run_dir, rank, lambda: _train_rank(run_dir, rank, world, (wl, plan, opts)))
 
 
+PORT_TRIES = 3  # the rendezvous port is free when chosen, but another process can take it before rank 0 binds it
+
+
 def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
                     forked: tuple[Workload, Plan, dict[str, Any]] | None = None) -> None:
-    port = _free_port()
+    """Start ``world`` ranks on a free local port and watch them until all exit 0 (see :func:`_watch`). When rank 0
+    could not listen on the port because something took it after it was chosen (EADDRINUSE: no rank has started
+    any work yet), start again on another port, up to ``PORT_TRIES`` times within the one ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            _watch(run_dir, world, deadline, timeout_s, progress, forked, _free_port())
+            return
+        except RunError as exc:
+            if attempt == PORT_TRIES or "EADDRINUSE" not in str(exc):
+                raise
+            for stale in run_dir.glob("rank*.error"):
+                stale.unlink()
+
+
+def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progress: bool,
+           forked: tuple[Workload, Plan, dict[str, Any]] | None, port: int) -> None:
     procs: list[Any] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
-    deadline = time.monotonic() + timeout_s
     forward = _ProgressForwarder(logs[0], enabled=progress)
     try:
         for r in range(world):

@@ -223,9 +223,10 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     here the same layer measured 1.06-1.16 ms forward over 18 fresh processes, and within 2.4% over four profiles
     in one process. The median over processes takes that offset out, as pyperf runs several processes for it.
 
-    ``meta["processes"]`` records the count, the source profiles' digests, and per layer the relative range
-    ((max - min) / median) of its forward and backward over them. Raises :class:`SchemaError` when the profiles
-    are of different models, layers or conditions.
+    ``meta["load_average_1min"]`` is the highest any of them started under. ``meta["processes"]`` records the
+    count, the source profiles' digests, and per layer the relative range ((max - min) / median) of its forward
+    and backward over them. Raises :class:`SchemaError` when the profiles are of different models, layers or
+    conditions.
     """
     profiles = list(profiles)
     if not profiles:

@@ -190,3 +190,36 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
     # what it measured plans as a link
     pl = plan(_profile(), 2, num_microbatches=4, link=out)
     assert pl.cost_options["bandwidth_bytes_per_s"] == link["bandwidth_bytes_per_s"]
+
+
+@pytest.mark.slow
+def test_a_rendezvous_port_taken_after_it_was_chosen_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process can take the free port between the launcher choosing it and rank 0 listening on it: that
+    start fails with EADDRINUSE before any work, and the launcher starts again on a new port (a bounded number of
+    times)."""
+    import socket
+
+    from stageplan import RunError, launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = int(taken.getsockname()[1])
+    real = launch._free_port
+    chosen: list[int] = []
+
+    def first_taken() -> int:
+        chosen.append(busy if not chosen else real())
+        return chosen[-1]
+
+    try:
+        monkeypatch.setattr(launch, "_free_port", first_taken)
+        link = launch.measure_link(2, timeout_s=120)
+        assert link["latency_s"] > 0 and len(chosen) == 2 and chosen[0] == busy != chosen[1]
+        monkeypatch.setattr(launch, "_free_port", lambda: chosen.append(busy) or busy)
+        chosen.clear()
+        with pytest.raises(RunError, match="EADDRINUSE"):
+            launch.measure_link(2, timeout_s=120)
+        assert chosen == [busy] * launch.PORT_TRIES
+    finally:
+        taken.close()
