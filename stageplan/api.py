@@ -759,6 +759,7 @@ def compare(
     output_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
     progress: bool = False,
+    pin_cpus: bool = True,
 ) -> dict[str, Any]:
     """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
     plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
@@ -800,7 +801,7 @@ def compare(
 
             bar.update(k, f"running {name}")
             reports[name] = run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup,
-                                timeout_s=timeout_s, output=None if out is None else out / f"run_{name}.json")
+                                timeout_s=timeout_s, pin_cpus=pin_cpus, output=None if out is None else out / f"run_{name}.json")
         rep = reports[name]
         row.update({"measured_step_s": rep.measured_step_s, "measured_step_iqr_s": rep.measured_step_iqr_s,
                     "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in rep.ranks],
@@ -844,6 +845,7 @@ def tune(
     output_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 300.0,
     progress: bool = False,
+    pin_cpus: bool = True,
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
@@ -868,7 +870,8 @@ def tune(
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune")
 
     def measure(pl: Plan) -> RunReport:
-        return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s)
+        return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,
+                   pin_cpus=pin_cpus)
 
     def row(pl: Plan, rep: RunReport) -> dict[str, Any]:
         return {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s,

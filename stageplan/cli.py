@@ -63,6 +63,7 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--warmup", type=int, default=warmup, help="steps before measuring")
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
+    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare with single-process training; exit 1 on FAIL")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
+    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
     p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
     p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model folder: each rank "
                    "reads only its own tensors (default: the factory's own weights, built once and saved)")
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks (pairs r, r+1 are measured)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
+    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
     p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
 
     p = sub.add_parser("calibrate", help="rescale each layer's times to what a run measured of it",
@@ -379,7 +382,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from stageplan.report import run_table
 
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
-                                  backend=a.backend, timeout_s=a.timeout)
+                                  backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus)
     factory_options = parse_set(a.factory_options)
     the_plan = Plan.load(a.plan)
     _check_factory_options(the_plan, a.model, factory_options)
@@ -416,7 +419,7 @@ def _check_factory_options(plan: Any, model: str, given: dict[str, Any]) -> None
 def _cmd_link(a: argparse.Namespace) -> int:
     from stageplan.launch import measure_link
 
-    link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output)
+    link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus)
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
           f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)")
@@ -453,7 +456,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
-                     timeout_s=a.timeout, progress=not a.quiet)
+                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")
@@ -465,7 +468,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
-                  output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet)
+                  output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms")

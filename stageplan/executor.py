@@ -35,14 +35,64 @@ from stageplan.stages import (
 from stageplan.workload import Workload
 
 
-def _device(backend: str, rank: int) -> torch.device:
+def _thread_ids() -> list[int]:
+    """Every thread of this process (Linux: /proc/self/task); elsewhere 0, the calling thread."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def pin_rank_cpus(local_rank: int, local_world: int) -> list[int] | None:
+    """Give this rank's process its own block of the CPUs it may use: local rank r gets ``cpus[r*k:(r+1)*k]``,
+    k = len(cpus) // local_world. Every thread it has now is moved, and threads it starts later (gloo's) inherit
+    the block. Returns the block; None where affinity is not available (not Linux) or cannot be set, and, with
+    nothing changed, where there are fewer CPUs than local ranks.
+
+    Why: unpinned, the kernel put a rank's gloo thread behind the other rank's compute thread on the other core;
+    posting a send or receive then blocked 2.7-6.3 ms and a gpt 1F1B m=8 step swung 140-168 ms. Pinned, the same
+    run's steps were 142.7-145.6 ms (README, limitations)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if local_world < 1 or len(cpus) < local_world or not 0 <= local_rank < local_world:
+        return None
+    k = len(cpus) // local_world
+    block = cpus[local_rank * k:(local_rank + 1) * k]
+    try:
+        for tid in _thread_ids():
+            os.sched_setaffinity(tid, block)
+    except OSError:
+        return None
+    return block
+
+
+def process_cpus() -> list[int] | None:
+    """The CPUs any thread of this process may run on now (gloo's threads included); None where not knowable."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus: set[int] = set()
+    for tid in _thread_ids():
+        try:
+            cpus |= os.sched_getaffinity(tid)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(cpus)
+
+
+def _device(backend: str, rank: int, world_size: int, pin: bool) -> tuple[torch.device, list[int] | None]:
+    """This rank's device, and the CPUs it was pinned to (None: not pinned). CPU ranks (gloo) are pinned, before
+    the process group so gloo's threads start on the rank's own CPUs; CUDA ranks are left as the launcher bound
+    them (numactl, srun --cpu-bind), which knows the machine's NUMA layout."""
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        return device
+        return device, None
+    cpus = pin_rank_cpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if pin else None
     torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each (FIELD.md: 2.2x slower with two)
     steady_allocator()  # the profiler measured with large buffers reused; so does the run
-    return torch.device("cpu")
+    return torch.device("cpu"), cpus
 
 
 def _check_same_weights(options: dict[str, Any], world_size: int) -> None:
@@ -112,6 +162,7 @@ class _Samples:
     # per clocked step, seconds per microbatch: {layer: [forward, backward]} and {stage: [forward, backward]} overhead
     layer_s: list[dict[int, list[float]]] = field(default_factory=list)
     overhead_s: list[dict[int, list[float]]] = field(default_factory=list)
+    clock_compute_s: list[float] = field(default_factory=list)  # the chunks' calls in the clock's steps, as compute_s
 
     def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
         """One step's LayerClock phases, as seconds per microbatch (a weight-gradient phase counts as backward)."""
@@ -196,6 +247,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.peak_activation_bytes.append(ins.tracker.peak)
         if ins.clock.enabled:
             out.add_layers(phases, plan.num_microbatches)
+            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("F", "B", "W")))
         elif step >= warmup:
             out.step_s.append(t1 - t0)
             out.forward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
@@ -250,7 +302,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     """Run this rank's stages of ``plan``; rank 0 gathers the measurements and writes the RunReport."""
     import torch.distributed as dist
 
-    device = _device(options["backend"], rank)
+    device, cpus = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
                             timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
     _check_same_weights(options, world_size)
@@ -280,7 +332,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
-              "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s}
+              "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
+              "cpus": process_cpus() if cpus is not None else None,
+              "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:
@@ -294,7 +348,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
                 "load_average_1min": os.getloadavg()[0], "python": sys.version.split()[0],
-                "activation_measure": "saved_tensors_hooks live bytes (the profiler's tracker), warm-up steps"}
+                "activation_measure": "saved_tensors_hooks live bytes (the profiler's tracker), warm-up steps",
+                "cpus_per_rank": [g["cpus"] for g in gathered]}
         # the step ends when the slowest rank ends: per measured step, the max over ranks
         per_step = [max(g["step_s"][i] for g in gathered) for i in range(len(gathered[0]["step_s"]))]
         step, step_iqr = median_iqr(per_step)
@@ -310,7 +365,7 @@ def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_pat
     """Only the ping-pong between neighbouring ranks (``stageplan link``); rank 0 writes LINK.json."""
     import torch.distributed as dist
 
-    device = _device(options["backend"], rank)
+    device, _ = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
                             timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
     link = ping_pong(device)

@@ -74,6 +74,7 @@ def run(
     log_dir: str | os.PathLike[str] | None = None,
     weights: str | os.PathLike[str] | dict[str, torch.Tensor] | None = None,
     progress: bool = False,
+    pin_cpus: bool = True,
 ) -> RunReport:
     """Train ``workload`` with ``plan`` on one local process per pipeline rank; return the RunReport.
 
@@ -82,11 +83,13 @@ def run(
     with its parameters on meta and materialises only its own stage: its tensors come from ``weights`` (a
     safetensors file, an HF folder or a state dict), else from the user's factory built once here and saved,
     else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
-    naming the rank and its log file; after ``timeout_s`` every rank is ended.
+    naming the rank and its log file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each
+    CPU rank runs on its own block of this machine's CPUs (:func:`stageplan.executor.pin_rank_cpus`; skipped where
+    there are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran.
     """
     the_plan = _load_plan(plan)
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     _warn_precision(the_plan)
     if output is not None:
@@ -127,12 +130,13 @@ def run(
 
 
 def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: float = 60.0,
-                 output: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None
-                 ) -> dict[str, Any]:
+                 output: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
+                 pin_cpus: bool = True) -> dict[str, Any]:
     """Measure the links between neighbouring ranks alone: ``num_ranks`` local processes (spawned and watched as
     :func:`run` does them) ping-pong rank r <-> r + 1; return the LINK.json dict (schema stageplan.link/1:
     backend, latency_s, bandwidth_bytes_per_s, sizes, pairs), written to ``output`` when given. A failure on
-    any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``.
+    any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``. ``pin_cpus``: CPU ranks
+    on their own CPUs, as :func:`run` puts them.
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
         raise StageplanError(f"the link is measured between neighbouring ranks: num_ranks must be an integer >= 2, "
@@ -140,7 +144,7 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 60")
     the_backend = _backend(backend, num_ranks)
-    opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s)}
+    opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus)}
     if output is not None:
         check_output_path(output)
     if log_dir is not None:
@@ -330,7 +334,7 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
 
 
 def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
-                 backend: str | None, timeout_s: float) -> dict[str, Any]:
+                 backend: str | None, timeout_s: float, pin_cpus: bool = True) -> dict[str, Any]:
     """Validate every run option before any process starts."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or isinstance(warmup, bool) \
             or not isinstance(warmup, int) or warmup < 0:
@@ -348,7 +352,7 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
     clock_steps = min(5, max(2, steps // 4))
     return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
             "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,
-            "timeout_s": float(timeout_s)}
+            "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus)}
 
 
 def _backend(backend: str | None, num_ranks: int) -> str:
@@ -553,7 +557,7 @@ def _kill_all(procs: list[Any]) -> None:
 def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20, warmup: int = 3,
                   optimizer: str | None = None, lr: float | None = None, check: bool = False, backend: str | None = None,
                   timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None,
-                  weights: str | os.PathLike[str] | None = None) -> RunReport | None:
+                  weights: str | os.PathLike[str] | None = None, pin_cpus: bool = True) -> RunReport | None:
     """One rank under torchrun (rank and world size from the environment); rank 0 returns the RunReport.
 
     Every rank builds the workload itself: its model with parameters on meta (build it inside
@@ -565,7 +569,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
     if workload.model is None:  # a model_fn workload: build it weightless here

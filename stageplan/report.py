@@ -202,6 +202,10 @@ def run_table(report: RunReport) -> str:
         f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured {100 * report.measured_bubble_fraction:.1f}%; "
         f"{report.samples_per_s:.1f} samples/s; load average {report.meta.get('load_average_1min', float('nan')):.2f}"
     )
+    if "cpus_per_rank" in report.meta:
+        placed = report.meta["cpus_per_rank"]
+        lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" for r, c in enumerate(placed))
+                                          if all(placed) else "not pinned (the OS places the ranks)"))
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")

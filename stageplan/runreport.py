@@ -144,6 +144,8 @@ class RunReport:
                 # the chunks' time outside their layers (PipelineStage's receive, flatten, detach, send), per microbatch
                 "measured_overhead_forward_s": sum(v[0] for v in overhead.values()),
                 "measured_overhead_backward_s": sum(v[1] for v in overhead.values()),
+                # the same compute over the clock's own steps (hooks on), which its layers and overhead make up
+                "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
                 "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
                 "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),

@@ -66,7 +66,8 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
     for row in report.ranks:
         assert row["measured_compute_s"] > 0 and row["measured_peak_activation_bytes"] > 0
     # the per-layer clock: every layer once, on the rank the plan put it, and a rank's layers plus its chunks'
-    # overhead make up its measured compute (medians of parts against the median of the whole: loose)
+    # overhead make up its compute in the same steps (medians of parts against the median of the whole; against
+    # the measured steps' compute a 3 ms rank missed by up to 66% on this noisy machine: other steps, other times)
     assert [x["index"] for x in report.layers] == list(range(len(pl.layer_names)))
     assert [x["rank"] for x in report.layers] == [pl.stages[x["stage"]].rank for x in report.layers]
     for row in report.ranks:
@@ -74,7 +75,7 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
         assert all(x["measured_forward_s"] >= 0 and x["measured_backward_s"] >= 0 for x in mine)
         parts = sum(x["measured_forward_s"] + x["measured_backward_s"] for x in mine)
         parts += row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"]
-        assert parts == pytest.approx(row["measured_compute_s"], rel=0.3)
+        assert parts == pytest.approx(row["measured_clock_compute_s"], rel=0.15)
 
 
 def test_check_detects_a_wrong_result() -> None:
@@ -150,6 +151,63 @@ def test_a_killed_rank_ends_every_rank(tmp_path: Path) -> None:
     assert time.monotonic() - start < 30
 
 
+def _blocks(world: int) -> list[list[int]]:
+    """Each local rank's CPUs, worked out from this process's own affinity: equal consecutive blocks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    k = len(cpus) // world
+    return [cpus[r * k:(r + 1) * k] for r in range(world)]
+
+
+def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from stageplan.executor import pin_rank_cpus, process_cpus
+
+    before = sorted(os.sched_getaffinity(0))
+    refused = pin_rank_cpus(0, len(before) + 1)  # more local ranks than CPUs: nothing changes
+    unchanged = sorted(os.sched_getaffinity(0))
+    started, stop = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def wait() -> None:
+        tids.append(threading.get_native_id())
+        started.set()
+        stop.wait()
+
+    old = threading.Thread(target=wait)
+    old.start()
+    started.wait()
+    block = pin_rank_cpus(1, 2)
+    started.clear()
+    new = threading.Thread(target=wait)
+    new.start()
+    started.wait()
+    threads = [sorted(os.sched_getaffinity(t)) for t in tids]  # one started before pinning, one after
+    stop.set()
+    old.join()
+    new.join()
+    queue.put({"refused": refused, "unchanged": unchanged == before, "block": block, "threads": threads,
+               "main": sorted(os.sched_getaffinity(0)), "process": process_cpus()})
+
+
+def test_pin_rank_cpus_moves_every_thread_and_new_ones_inherit() -> None:
+    """A rank's threads, those it had and those it starts after (as gloo's are), all run on its block; with more
+    ranks than CPUs nothing is pinned."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pin_in_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    want = _blocks(2)[1]
+    assert got["refused"] is None and got["unchanged"]
+    assert got["block"] == want and got["main"] == want and got["process"] == want
+    assert got["threads"] == [want, want]
+    assert sorted(os.sched_getaffinity(0)) == sorted(set().union(*_blocks(1)))  # this process was left alone
+
+
 def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
     plan(prof, 2, num_microbatches=2, method="uniform").save(tmp_path / "plan.json")
@@ -157,6 +215,16 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
                             "--steps", "2", "--warmup", "1", "--check", "-o", str(tmp_path / "run.json")], capsys)
     assert code == 0, out
     assert "check: PASS" in out and "step: predicted" in out
+    # each rank ran on its own CPUs, gloo's threads included (what the ranks read back after training)
+    blocks = _blocks(2)
+    report = RunReport.load(tmp_path / "run.json")
+    assert report.meta["cpus_per_rank"] == blocks and report.run_options["pin_cpus"] is True
+    assert "CPUs per rank: " + "; ".join(f"rank {r} on {','.join(map(str, b))}" for r, b in enumerate(blocks)) in out
+    code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan", str(tmp_path / "plan.json"),
+                            "--steps", "1", "--warmup", "0", "--no-pin", "-o", str(tmp_path / "free.json")], capsys)
+    assert code == 0, out
+    assert "CPUs per rank: not pinned" in out
+    assert RunReport.load(tmp_path / "free.json").meta["cpus_per_rank"] == [None, None]
     code, out, _ = run_cli(["show", str(tmp_path / "run.json")], capsys)
     assert code == 0 and "compute ms pred" in out
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json"), "--steps", "4", "--warmup", "0"], capsys)
