@@ -4,7 +4,8 @@ Three models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 1638
 costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration is profiled once,
 planned optimal and uniform, and each distinct split run. Printed per run: predicted and measured step, and per
 rank measured / predicted compute by wall clock and by thread CPU time side by side (wall above CPU is time the
-rank was preempted), with the 1-minute load average at the run's start. Then the medians and worst cases against the
+rank was preempted), with the 1-minute load average at the run's start and the machine's own drift (a fixed kernel
+timed just before the run against just after the profile). Then the medians and worst cases against the
 goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%), the optimal-over-uniform gains
 predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on a fresh run
 and its measured gain over uniform against the predicted one.
@@ -26,6 +27,30 @@ MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {}), ("hf-gpt2", {})]
 
 def _pct(x: float) -> str:
     return f"{x:+.1%}"
+
+
+def _machine_speed() -> float:
+    """The machine's own speed now: median seconds of a fixed pair of kernels (a 256x256 matmul and a 2M-float
+    multiply-sum, one thread) over half a second. Timed after each profile and before each run, its ratio says how
+    much of a run's miss is the shared host itself drifting: on an idle 2-core VM here it moved 418-528 us and
+    1073-1467 us (2-second medians, 30 s) with nothing else running."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, x = torch.randn(256, 256), torch.randn(2_000_000)
+    for _ in range(20):  # first touch of the buffers, untimed
+        torch.mm(a, a)
+        (x * 1.0001).sum()
+    times = []
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        (x * 1.0001).sum()
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return statistics.median(times)
 
 
 def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport, link: dict) -> list[str]:
@@ -61,21 +86,26 @@ def main() -> None:
     from stageplan.launch import measure_link
 
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
-    runs, gains, parts = [], [], []
+    runs, gains, parts, speeds = [], [], [], []
     err_wall, err_cpu, err_step = [], [], []
     for model, options in MODELS:
         workload = build_workload(model, options)
         for m in (4, 8):
             profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
+            at_profile = _machine_speed()
+            speeds.append(at_profile)
             for schedule in ("GPipe", "1F1B"):
                 plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k, link=link)
                          for k in ("optimal", "uniform")}
                 reports = {}
                 for name, pl in plans.items():
                     same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
-                    reports[name] = reports[same] if same else stageplan.run(model, pl, steps=STEPS, warmup=WARMUP, factory_options=options)
                     if same:
+                        reports[name] = reports[same]
                         continue
+                    at_run = _machine_speed()
+                    speeds.append(at_run)
+                    reports[name] = stageplan.run(model, pl, steps=STEPS, warmup=WARMUP, factory_options=options)
                     rep = reports[name]
                     err_step.append(abs(rep.step_ratio - 1))
                     walls, cpus = [], []
@@ -86,21 +116,25 @@ def main() -> None:
                     err_cpu += [abs(x) for x in cpus]
                     runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
                                  f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1), " ".join(map(_pct, walls)),
-                                 " ".join(map(_pct, cpus)), f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
+                                 " ".join(map(_pct, cpus)), _pct(at_run / at_profile - 1),
+                                 f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
                     parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
                 opt, uni = reports["optimal"], reports["uniform"]
                 gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
     print(f"2 ranks, {STEPS} measured steps after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
-          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); load = 1-minute load average at the run's start")
+          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); load = 1-minute load average at the run's start; "
+          "machine = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
     print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
-                        "compute error per rank (wall)", "(thread CPU)", "load"], runs))
+                        "compute error per rank (wall)", "(thread CPU)", "machine", "load"], runs))
     print(f"\nper-rank compute, |measured/predicted - 1| by wall clock: median {statistics.median(err_wall):.1%}, "
           f"worst {max(err_wall):.1%} over {len(err_wall)} rank runs (goal: median <= 10%, worst <= 20%)")
     print(f"per-rank compute, |thread CPU/predicted - 1|:             median {statistics.median(err_cpu):.1%}, "
           f"worst {max(err_cpu):.1%}")
     print(f"step, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, worst {max(err_step):.1%} over "
           f"{len(err_step)} runs (goal: median <= 15%, worst <= 25%)")
+    print(f"the machine's fixed kernel over the bench: {min(speeds) * 1e6:.0f}-{max(speeds) * 1e6:.0f} us "
+          f"(median {statistics.median(speeds) * 1e6:.0f} us; slowest / fastest {max(speeds) / min(speeds):.2f})")
     print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
           "pipeline minus their profiled times, its chunks' overhead outside the layers, its optimizer step and tied sync "
           "minus the predicted, and the rest (waiting, transfers, preemption)")

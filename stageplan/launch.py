@@ -449,7 +449,8 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
            forked: tuple[Workload, Plan, dict[str, Any]] | None, port: int) -> None:
     procs: list[Any] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
     forward = _ProgressForwarder(logs[0], enabled=progress)
     try:
