@@ -313,7 +313,7 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
     cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
-                 "timer", "estimate")
+                 "timer", "estimate", "processes")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
     pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)
@@ -726,18 +726,31 @@ COMPARE_SCHEMA = "stageplan.compare/1"
 
 
 def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
-                      profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str) -> Profile:
-    """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches``; never an
+                      profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str,
+                      processes: int = 1) -> Profile:
+    """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches`` (with ``processes``
+    > 1, the per-layer median of that many fresh processes: :func:`stageplan.launch.profile_in_processes`); never an
     analytic estimate, since the commands that call this measure runs on this machine."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise StageplanError(f"processes must be an integer >= 1, got {processes!r}; e.g. --processes 3")
+    if processes > 1 and profile is not None:
+        raise StageplanError(f"--processes {processes} profiles the model in fresh processes, and --profile gives the "
+                             "profile to start from; drop one of them")
     if profile is None:
         workload = build_workload(model, factory_options)
         mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
         if not mb or workload.batch_size % mb:
             raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}; "
                                  "use a divisor of the batch")
-        from stageplan.profiler import profile_model
+        if processes > 1:
+            from stageplan.launch import profile_in_processes
 
-        prof = profile_model(workload, microbatch_size=mb, progress=progress)
+            del workload
+            prof = profile_in_processes(model, factory_options, processes=processes, microbatch_size=mb, progress=progress)
+        else:
+            from stageplan.profiler import profile_model
+
+            prof = profile_model(workload, microbatch_size=mb, progress=progress)
     else:
         prof = _as_profile(profile)
     if estimate_label(prof.meta):
@@ -760,11 +773,14 @@ def compare(
     timeout_s: float = 300.0,
     progress: bool = False,
     pin_cpus: bool = True,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
     plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
     also write compare.json (schema ``stageplan.compare/1``), the plans, the run reports and the figures there.
-    When every method gives the same boundaries nothing is run: ``result["identical"]`` says so."""
+    When every method gives the same boundaries nothing is run: ``result["identical"]`` says so. ``processes`` > 1
+    profiles in that many fresh processes and keeps each layer's median (:func:`stageplan.profile_in_processes`);
+    ``pin_cpus`` places the ranks as :func:`stageplan.run` does."""
     from pathlib import Path
 
     from stageplan._io import check_output_dir
@@ -773,7 +789,7 @@ def compare(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare")
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
@@ -846,6 +862,7 @@ def tune(
     timeout_s: float = 300.0,
     progress: bool = False,
     pin_cpus: bool = True,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
@@ -853,6 +870,9 @@ def tune(
 
     Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between runs of
     one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that spread.
+
+    ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``pin_cpus`` places the ranks as
+    :func:`stageplan.run` does.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.
@@ -867,7 +887,7 @@ def tune(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune")
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes)
 
     def measure(pl: Plan) -> RunReport:
         return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,

@@ -62,6 +62,8 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--steps", type=int, default=steps, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=warmup, help="steps before measuring")
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
+    p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
+                   "(as stageplan profile --processes)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
     p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -456,7 +458,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
-                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus)
+                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")
@@ -468,7 +470,8 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
-                  output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus)
+                  output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
+                  processes=a.processes)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms")

@@ -18,7 +18,7 @@ SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--se
 def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(["tune", "gpt", *SMALL, "--stages", "2", "--microbatches", "4", "--rounds", "2",
-                              "--steps", "2", "--warmup", "1", "-o", str(tmp_path / "new")], capsys)
+                              "--steps", "2", "--warmup", "1", "--processes", "2", "-o", str(tmp_path / "new")], capsys)
     assert code == 0, err
     tmp_path = tmp_path / "new"  # a folder tune creates
     result = json.loads((tmp_path / "tune.json").read_text())
@@ -26,6 +26,8 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
     assert 1 <= len(result["rounds"]) <= 2
     final = Plan.load(tmp_path / "plan.json")
     assert list(final.boundaries) == result["final"]["boundaries"]
+    # the first profile was the median of two fresh processes, and the plan says so
+    assert final.profile_meta["processes"]["count"] == 2 and len(final.profile_meta["processes"]["digests"]) == 2
     for row in [*result["rounds"], result["final"], result["uniform"]]:
         assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
         assert row["error"] == pytest.approx(row["measured_step_s"] / row["predicted_step_s"] - 1)
@@ -43,3 +45,10 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert_one_line_error(code, err, r"rounds must be an integer >= 1, got 0")
     code, _, err = run_cli(["tune", "gpt", "--stages", "2", "-o", "/proc/tune"], capsys)
     assert_one_line_error(code, err, r"cannot write")
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--processes", "0", "-o", str(tmp_path / "t")], capsys)
+    assert_one_line_error(code, err, r"processes must be an integer >= 1, got 0; e\.g\. --processes 3")
+    prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    code, _, err = run_cli(["compare", "gpt", "--stages", "2", "--processes", "2", "--profile", prof], capsys)
+    assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile gives the "
+                                     r"profile to start from; drop one of them")
+    assert not (tmp_path / "t").exists()
