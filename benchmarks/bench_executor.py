@@ -8,7 +8,8 @@ rank was preempted), with the 1-minute load average at the run's start and the m
 timed just before the run against just after the profile). Then the medians and worst cases against the
 goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%), the optimal-over-uniform gains
 predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on a fresh run
-and its measured gain over uniform against the predicted one.
+and its measured gain over uniform against the predicted one. Last, the GPT's plan with ranks pinned to their own
+CPUs against placed by the OS, alternating.
 """
 
 from __future__ import annotations
@@ -79,6 +80,28 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
                               boundaries=pl.boundaries, link=link).predicted_step_s
     return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, replayed - pl.predicted_step_s,
                                         rep.measured_step_s - replayed)] + [str(r)]
+
+
+def placement(link: dict, pairs: int = 2) -> None:
+    """Ranks pinned to their own CPUs against placed by the OS: one GPT plan (vocab 16384, m = 8, optimal), run
+    pinned and unpinned alternately, ``pairs`` times per schedule, so the machine's drift falls on both alike."""
+    options = MODELS[0][1]
+    workload = build_workload("gpt", options)
+    profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // 8)
+    rows, ratios = [], []
+    for schedule in ("GPipe", "1F1B"):
+        pl = stageplan.plan(profile, 2, num_microbatches=8, schedule=schedule, link=link)
+        errors: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(pairs):
+            for pin in (True, False):
+                rep = stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP, factory_options=options, pin_cpus=pin)
+                errors[pin].append(rep.step_ratio - 1)
+        ratios.append(statistics.median(1 + e for e in errors[False]) / statistics.median(1 + e for e in errors[True]))
+        rows.append([schedule, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
+                     " ".join(map(_pct, errors[True])), " ".join(map(_pct, errors[False])), f"{ratios[-1]:.3f}"])
+    print(f"\nplacement: gpt {options} m = 8 optimal, each rank pinned to its own CPUs (the default) or placed by the OS "
+          f"(--no-pin), alternating, {pairs} runs each; step error = measured / predicted - 1")
+    print(format_table(["schedule", "split", "predicted ms", "pinned", "unpinned", "unpinned / pinned (median step)"], rows))
 
 
 def main() -> None:
@@ -160,6 +183,7 @@ def main() -> None:
           "(goal: |error| <= 5%; measured gain >= 90% of predicted where the prediction is >= 1.2x)")
     print(format_table(["m", "rounds", "first split", "first error", "final split", "final predicted ms",
                         "final measured ms", "final error", "predicted gain", "measured gain", "gain realised"], tuned))
+    placement(link)
     print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s (load average now {os.getloadavg()[0]:.2f})")
 
 
