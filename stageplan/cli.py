@@ -53,6 +53,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an option for the model's factory, e.g. --set n_layer=12 (repeatable)")
 
 
+def _add_pin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-pin", dest="pin_cpus", action="store_false",
+                   help="let the OS place the ranks (default: each CPU rank on its own block of CPUs; two jobs on one "
+                        "machine would share those blocks)")
+
+
 def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -> None:
     """What compare and tune share: the model, the pipeline, and how each run is measured."""
     _add_model_args(p)
@@ -65,7 +71,7 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
                    "(as stageplan profile --processes)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
-    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
+    _add_pin_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -149,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare with single-process training; exit 1 on FAIL")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
-    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
+    _add_pin_arg(p)
     p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
     p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model folder: each rank "
                    "reads only its own tensors (default: the factory's own weights, built once and saved)")
@@ -162,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks (pairs r, r+1 are measured)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
-    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", help="let the OS place the ranks (default: each CPU rank on its own block of CPUs)")
+    _add_pin_arg(p)
     p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
 
     p = sub.add_parser("calibrate", help="rescale each layer's times to what a run measured of it",

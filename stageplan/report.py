@@ -204,8 +204,9 @@ def run_table(report: RunReport) -> str:
     )
     if "cpus_per_rank" in report.meta:
         placed = report.meta["cpus_per_rank"]
-        lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" for r, c in enumerate(placed))
-                                          if all(placed) else "not pinned (the OS places the ranks)"))
+        lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" if c else f"rank {r} not pinned"
+                                                    for r, c in enumerate(placed))
+                                          if any(placed) else "not pinned (the OS places the ranks)"))
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")

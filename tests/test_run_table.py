@@ -1,0 +1,27 @@
+"""The run table says where each rank ran: a report built from known measurements (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_calibrate import _profile, _report
+
+from stageplan.api import plan
+from stageplan.report import run_table
+
+
+@pytest.mark.parametrize(("placed", "line"), [
+    ([[0, 1], [2, 3]], "CPUs per rank: rank 0 on 0,1; rank 1 on 2,3"),
+    ([[0], None], "CPUs per rank: rank 0 on 0; rank 1 not pinned"),  # one rank could not set its affinity
+    ([None, None], "CPUs per rank: not pinned (the OS places the ranks)"),
+])
+def test_run_table_names_each_ranks_cpus(placed: list, line: str) -> None:  # type: ignore[type-arg]
+    pl = plan(_profile(), 2, num_microbatches=4, boundaries=[0, 2, 5], optimizer="none")
+    report = dataclasses.replace(_report(pl), meta={"cpus_per_rank": placed})
+    assert line in run_table(report).splitlines()
+
+
+def test_a_report_from_before_pinning_prints_no_placement_line() -> None:
+    pl = plan(_profile(), 2, num_microbatches=4, boundaries=[0, 2, 5], optimizer="none")
+    assert "CPUs per rank" not in run_table(_report(pl))
