@@ -2,9 +2,8 @@
 
 ``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
 The torch-backed functions (``profile_model``, ``profile_in_processes``, ``run``, ``build_pipeline``) are the real
-functions of
-``stageplan.profiler``, ``stageplan.launch`` and ``stageplan.stages``, re-exported lazily (PEP 562): torch is
-imported on first access.
+functions of ``stageplan.profiler``, ``stageplan.launch`` and ``stageplan.stages``, re-exported lazily (PEP 562):
+torch is imported on first access.
 """
 
 from __future__ import annotations

@@ -592,8 +592,9 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     A rank's time outside its layers (PipelineStage's receive, flatten, detach, send) is shared out over its layers
     in proportion to their measured time, so a rank's calibrated compute equals its measured compute. A report
     without per-layer figures (written before the clock existed), a run with recomputation and a zero-bubble run
-    are calibrated per rank: every layer of a rank by that rank's measured / predicted compute. The result's ``meta["calibration"]`` says which,
-    gives the factors, and keeps the raw (never calibrated) profile's digest through repeated calibrations."""
+    are calibrated per rank: every layer of a rank by that rank's measured / predicted compute. The result's
+    ``meta["calibration"]`` says which, gives the factors, and keeps the raw (never calibrated) profile's digest
+    through repeated calibrations."""
     prof = _as_profile(profile)
     rep = report if isinstance(report, RunReport) else RunReport.load(report)
     names = rep.plan.get("layer_names")

@@ -54,9 +54,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pin_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-pin", dest="pin_cpus", action="store_false",
-                   help="let the OS place the ranks (default: each CPU rank on its own block of CPUs; two jobs on one "
-                        "machine would share those blocks)")
+    # the default is set apart (first, so the flag keeps SUPPRESS) and the help does not read "(default: True)"
+    # beside a flag that turns pinning off
+    p.set_defaults(pin_cpus=True)
+    p.add_argument("--no-pin", dest="pin_cpus", action="store_false", default=argparse.SUPPRESS,
+                   help="let the OS place the ranks instead of each CPU rank on its own block of CPUs (two jobs on "
+                        "one machine would share those blocks)")
 
 
 def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -> None:
@@ -103,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach (default: 0.7)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="profile N times, each in a fresh process, one after the other, and keep each layer's median: "
-                   "a process's memory layout shifts all its timings alike (here up to 7%% between processes) "
-                   "(default: 1, in this process)")
+                   "a process's memory layout shifts all its timings alike (here one GPT block 1.06-1.16 ms over 18 "
+                   "processes); 1 profiles in this process")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
