@@ -575,6 +575,15 @@ def plan(
             notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
                          "re-profile at that size to confirm")
         best = dataclasses.replace(best, candidates=tuple(candidates), notes=tuple(notes))
+    mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
+    if batch and mb_best * m_best != batch:
+        fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
+        redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
+                if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
+        best = dataclasses.replace(best, notes=(*best.notes, (
+            f"this plan prices {m_best} microbatches of {mb_best} sample{'s' * (mb_best != 1)}, a batch of {mb_best * m_best}, and the "
+            f"profiled model's batch is {batch}: stageplan run splits the model's own batch, so to run this model "
+            f"{fits}{redo}")))
     for note in best.notes:
         if "bubble" in note:
             warnings.warn(note, stacklevel=2)

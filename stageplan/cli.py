@@ -14,9 +14,20 @@ from stageplan._version import __version__
 from stageplan.errors import RunError, StageplanError
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where X says something: not to a help text that says its default in words, and
+    not None (an option that is off unless given) or False (a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump

@@ -43,7 +43,24 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with --stages {world_size}"
         )
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
+    check_microbatch_size_of_plan(workload.batch_size, plan)
     check_layers(workload.model, first_microbatch_of_plan(workload, plan), plan)
+
+
+def check_microbatch_size_of_plan(batch: int, plan: Plan) -> None:
+    """Refuse a run whose microbatches are not the size the plan priced: the plan keeps its profile's microbatch
+    size for any number of microbatches (a plan of 70B at microbatch 1 for 64 of them), while a run splits this
+    model's own batch into the plan's m, so a profile at microbatch 2 planned for 8 microbatches ran 8 of 1 sample
+    and compared a 246 ms step with a 334 ms prediction for microbatches twice that size."""
+    priced = (plan.cost_options or {}).get("microbatch_size")
+    size = microbatch_size_for(batch, plan.num_microbatches)
+    if isinstance(priced, int) and not isinstance(priced, bool) and priced != size:
+        m = plan.num_microbatches
+        fits = (f"plan --microbatches {batch // priced}, " if batch % priced == 0 else "")
+        raise StageplanError(
+            f"the plan prices {m} microbatches of {priced} sample{'s' * (priced != 1)} (a batch of {m * priced}), and this model's batch of "
+            f"{batch} makes {m} microbatches of {size}, so its predictions would not describe this run; "
+            f"{fits}profile at --microbatch-size {size} and plan that, or build the model with a batch of {m * priced}")
 
 
 def check_layers(model: nn.Module, args: tuple[Any, ...], plan: Plan) -> None:

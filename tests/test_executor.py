@@ -245,6 +245,7 @@ def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _toy_plan(tmp_path: Path, *, layers: int = 4, m: int = 2, schedule: str = "GPipe") -> str:
     prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(layers)), {"batch_size": 8, "microbatch_size": 4})
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "plan.json"
     plan(prof, 2, num_microbatches=m, method="uniform", schedule=schedule).save(path)
     return str(path)
@@ -260,6 +261,10 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
         (["run", "workloads:faulty", "--set", "batch_size=7", "--plan", plan_path],
          r"the batch of 7 does not divide into the plan's 2 microbatches"),
         (["run", "workloads:faulty", "--plan", plan_path, "--optimizer", "lamb"], r"unknown optimizer 'lamb'"),
+        # priced at the profile's microbatch of 4 for 4 microbatches (a batch of 16): this batch of 8 would run 4 of 2
+        (["run", "workloads:faulty", "--plan", _toy_plan(tmp_path / "m4", m=4)],
+         r"the plan prices 4 microbatches of 4 samples \(a batch of 16\), and this model's batch of 8 makes 4 "
+         r"microbatches of 2, .* plan --microbatches 2, profile at --microbatch-size 2"),
     ]
     for argv, pattern in cases:
         code, _, err = run_cli(argv, capsys)

@@ -261,3 +261,23 @@ def test_precision_holds_the_bytes_a_megatron_user_expects() -> None:
     assert info.value.min_memory_limit_bytes == 32000
     with pytest.raises(StageplanError, match=r"unknown precision 'fp8'; use one of fp32, bf16, bf16-mixed, fp16-mixed"):
         plan(prof, 2, num_microbatches=2, precision="fp8")
+
+
+def test_a_plan_for_another_batch_than_the_profiled_one_says_how_to_run_it() -> None:
+    """A plan keeps its profile's microbatch size for any m; when m microbatches of it are not the profiled model's
+    batch, the plan says so (stageplan run splits the model's own batch and refuses the mismatch)."""
+    prof = make_profile([1.0] * 6)  # batch 8, microbatch 2
+
+    def batch_notes(pl: Plan) -> list[str]:
+        return [n for n in pl.notes if "prices" in n]
+
+    assert batch_notes(plan(prof, 2, num_microbatches=4)) == []  # 4 x 2 = the profiled batch
+    assert batch_notes(plan(prof, 2)) == []  # m defaults to batch / microbatch
+    assert batch_notes(plan(prof, 2, num_microbatches="auto")) == []  # auto rescales to batch / m
+    (note,) = batch_notes(plan(prof, 2, num_microbatches=8))
+    assert ("prices 8 microbatches of 2 samples, a batch of 16, and the profiled model's batch is 8" in note
+            and "plan --microbatches 4, or profile at --microbatch-size 1" in note)
+    (note,) = batch_notes(plan(prof, 2, num_microbatches=16))  # 16 does not divide 8: only a bigger batch runs it
+    assert note.endswith("build the model with a batch of 32") and "--microbatch-size" not in note
+    (note,) = batch_notes(plan(make_profile([1.0] * 6, mb=1), 2, num_microbatches=64))  # the 70B way: m free at mb 1
+    assert "64 microbatches of 1 sample, a batch of 64" in note
