@@ -93,6 +93,9 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
 
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise StageplanError(f"{what} {str(p)!r} is a folder, not a file; give the file inside it "
+                             f"(e.g. {str(p / 'compare.json')!r} from stageplan compare -o)")
     if not p.is_file():
         raise StageplanError(f"{what} file {str(p)!r} does not exist; check the path")
     try:

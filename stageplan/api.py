@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -558,16 +559,25 @@ def plan(
                 last_error = exc
                 candidates.append({"schedule": sched, "num_microbatches": m, "feasible": False, "reason": str(exc)})
                 continue
-            over = any("over its limit" in n for n in cand.notes)
+            over = [n for n in cand.notes if "over its limit" in n]
             candidates.append({"schedule": cand.schedule, "num_microbatches": m, "virtual_stages": cand.virtual_stages,
                                "microbatch_size": mb, "feasible": not over, "predicted_step_s": cand.predicted_step_s,
-                               "bottleneck_s": cand.bottleneck_s, "bubble_fraction": cand.bubble_fraction})
+                               "bottleneck_s": cand.bottleneck_s, "bubble_fraction": cand.bubble_fraction,
+                               **({"reason": "; ".join(over), "peak_bytes": max(cand.rank_memory_bytes)} if over else {})})
             if over and auto:
                 continue
             if best is None or cand.predicted_step_s < best.predicted_step_s - 1e-15:
                 best = cand
     if best is None:
-        assert last_error is not None
+        over_limit = [c for c in candidates if "peak_bytes" in c]
+        if over_limit:  # every candidate that could be priced was over a limit: that, not the others' errors, is why
+            closest = min(over_limit, key=lambda c: c["peak_bytes"])
+            raise InfeasiblePlanError(
+                f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the memory limits "
+                f"with method {method}; the closest, {closest['schedule']} with {closest['num_microbatches']} "
+                f"microbatch{'es' * (closest['num_microbatches'] != 1)}: {closest['reason']}; raise --memory-limit, add --stages or add --recompute"
+                + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
+        assert last_error is not None  # every candidate raised, and auto kept the last error
         raise last_error
     if auto:
         notes = list(best.notes)
@@ -612,6 +622,17 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
             "the run report was made from a plan over other layers than this profile's; "
             "calibrate the profile that the run's plan was made from"
         )
+    label = estimate_label(prof.meta)
+    if label:
+        raise StageplanError(f"calibrate puts a run's measured times on the footing of a profile measured alike, and this "
+                             f"profile is an analytic estimate ({label}); calibrate the profile measured here that the "
+                             "run's plan was made from")
+    planned = rep.plan.get("profile_meta") or {}
+    for key in ("model", "device", "dtype", "factory_options"):  # same layer names, another model or footing
+        if key in planned and key in prof.meta and json.dumps(planned[key], sort_keys=True, default=str) != json.dumps(
+                prof.meta[key], sort_keys=True, default=str):
+            raise StageplanError(f"the run's plan was made from a profile with {key} = {planned[key]!r}, and this profile "
+                                 f"has {key} = {prof.meta[key]!r}; calibrate the profile that the run's plan was made from")
     for row in rep.ranks:
         pred, meas = row["predicted_compute_s"], row["measured_compute_s"]
         if not (pred > 0 and meas > 0 and math.isfinite(meas)):
@@ -707,9 +728,13 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
     Bisection: the simulated step does not decrease as the delay grows."""
     plan_json = rep.plan
-    arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
-    # the run's own conditions: its optimizer (its step is in the measured step) and the plan's cost options
+    # the run's own conditions: its optimizer (its step is in the measured step), the plan's cost options, and its
+    # microbatch size (a plan of --microbatches auto rescaled the profile to it)
     cost = plan_json.get("cost_options") or {}
+    mb_plan, mb_prof = cost.get("microbatch_size"), profile.meta.get("microbatch_size")
+    if mb_plan and mb_prof and int(mb_plan) != int(mb_prof):
+        profile = _rescaled(profile, int(mb_plan) / int(mb_prof))
+    arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
     devices = [Device(float(d["speed"]), None, str(d.get("name", ""))) for d in cost.get("devices") or []] or None
     opts = make_options(profile, int(plan_json["num_ranks"]), num_microbatches=int(plan_json["num_microbatches"]),
                         schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
@@ -748,10 +773,13 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
                              "profile to start from; drop one of them")
     if profile is None:
         workload = build_workload(model, factory_options)
-        mb = workload.batch_size // num_microbatches if num_microbatches else default_microbatch_size(workload.batch_size)
-        if not mb or workload.batch_size % mb:
-            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {workload.batch_size}; "
-                                 "use a divisor of the batch")
+        batch = workload.batch_size
+        if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+                                             or num_microbatches < 1 or batch % num_microbatches):
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {batch}; use one of "
+                                 f"{divisors}")
+        mb = batch // num_microbatches if num_microbatches else default_microbatch_size(batch)
         if processes > 1:
             from stageplan.launch import profile_in_processes
 

@@ -225,7 +225,8 @@ def _cmd_profile(a: argparse.Namespace) -> int:
         check_output_path(a.csv)
     options = parse_set(a.factory_options)
     measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
-               "streaming": a.streaming, "dedup": not a.no_dedup}
+               "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
+               "memory_efficiency": a.memory_efficiency}
     if a.processes != 1:
         from stageplan.launch import profile_in_processes
 
@@ -234,8 +235,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     else:
         workload = build_workload_for_profile(a.model, options, device=a.device, dtype=a.dtype, streaming=a.streaming)
         mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
-        prof = profile_model(workload, microbatch_size=mb, progress=not a.quiet, compute_efficiency=a.compute_efficiency,
-                             memory_efficiency=a.memory_efficiency, **measure)
+        prof = profile_model(workload, microbatch_size=mb, progress=not a.quiet, **measure)
     save_or_keep(prof, a.output)
     if a.csv:
         prof.to_csv(a.csv)
@@ -263,8 +263,25 @@ def _load_any(path: str) -> tuple[str, Any]:
 
         return "plan", Plan.from_json(data, source=f"plan {path!r}")
     if schema.startswith("stageplan.compare/"):
+        _check_compare(data, path)
         return "compare", data
     raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run and compare files")
+
+
+def _check_compare(data: dict[str, Any], path: str) -> None:
+    """A compare.json with every field its table reads, of the right kind (SchemaError otherwise)."""
+    from stageplan.errors import SchemaError
+
+    methods = data.get("methods")
+    rows = methods.items() if isinstance(methods, dict) and methods else None
+    need: dict[str, type | tuple[type, ...]] = {"boundaries": list, "predicted_step_s": (int, float),
+                                                "balance_efficiency": (int, float), "peak_memory_bytes": list}
+    for name, row in rows or [("", None)]:
+        bad = [k for k, kind in need.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+        if rows is None or bad:
+            what = "no 'methods'" if rows is None else f"method {name!r} lacks or mangles {', '.join(bad)}"
+            raise SchemaError(f"compare result {path!r} has {what}; each method needs {', '.join(need)}; "
+                              "rerun stageplan compare")
 
 
 def _plot(kind: str, obj: Any, path: str) -> None:
@@ -407,7 +424,6 @@ def _cmd_run(a: argparse.Namespace) -> int:
                                   backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus)
     factory_options = parse_set(a.factory_options)
     the_plan = Plan.load(a.plan)
-    _check_factory_options(the_plan, a.model, factory_options)
     if _in_torchrun():
         with init_empty_weights():  # each rank materialises only its own stage
             workload = build_workload(a.model, factory_options)
@@ -423,19 +439,6 @@ def _cmd_run(a: argparse.Namespace) -> int:
     if report.check is not None and not report.check["passed"]:
         return 1
     return 0
-
-
-def _check_factory_options(plan: Any, model: str, given: dict[str, Any]) -> None:
-    """Refuse a plan made for other factory options than this run's: its predictions would be for another model."""
-    planned_model = plan.profile_meta.get("model")
-    planned = plan.profile_meta.get("factory_options")
-    if planned is None or planned_model not in (model, model.rsplit(":", 1)[-1]):
-        return
-    differing = sorted(k for k in given if k in planned and planned[k] != given[k])
-    if differing:
-        text = ", ".join(f"{k}={given[k]!r} (plan: {planned[k]!r})" for k in differing)
-        raise StageplanError(f"the plan was made for {planned_model} with other options: {text}; profile and plan the "
-                             f"model with these --set options, or drop them to run the planned model")
 
 
 def _cmd_link(a: argparse.Namespace) -> int:

@@ -177,6 +177,10 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
     if is_estimate_device(str(profile_options.get("device", "cpu"))):
         raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device measures "
                              "nothing (an estimate comes out the same every time); drop --processes")
+    for name in ("compute_efficiency", "memory_efficiency"):  # the one process would refuse them as profile does
+        if profile_options.get(name) is not None:
+            raise StageplanError(f"{name} ({profile_options[name]}) applies to estimates only; use it with --device "
+                                 "estimate:GPU (e.g. estimate:h100-sxm), or drop it when measuring")
     from stageplan.measure import check_microbatch_size
     from stageplan.profiler import build_workload_for_profile
 
@@ -229,6 +233,13 @@ def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
         raise StageplanError(f"this plan was made from an analytic estimate for {gpu}, not from a measurement of this "
                              "machine; profile the model here (stageplan profile MODEL -o PROFILE.json) and plan that, "
                              "or run the plan on that GPU with --backend nccl")
+    measured_on = str(plan.profile_meta.get("device") or "")
+    runs_on = "cuda" if backend == "nccl" else "cpu"
+    if plan.profile_meta.get("timer") != "analytic" and measured_on.split(":")[0] in ("cpu", "cuda") \
+            and measured_on.split(":")[0] != runs_on:
+        raise StageplanError(f"this plan was made from a profile measured on {measured_on}, and this run trains on "
+                             f"{runs_on} ({backend}): its predictions are for the other device; profile the model on "
+                             f"{runs_on} and plan that, or run with --backend {'gloo' if runs_on == 'cuda' else 'nccl'}")
 
 
 @contextlib.contextmanager
@@ -346,6 +357,13 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
         raise StageplanError(f"learning rate must be a finite number > 0, got {lr!r}; e.g. --lr 0.01")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
+    planned = str(plan.cost_options.get("optimizer") or opt).lower()
+    if opt != planned:
+        import warnings
+
+        warnings.warn(f"the plan priced a {planned} step and this run steps {opt}: the report's predicted step and idle "
+                      f"times still hold the {planned} step; plan with --optimizer {opt} to compare like with like",
+                      stacklevel=3)
     backend = _backend(backend, plan.num_ranks)
     # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
     # microbatch here): the step and compute medians come from steps without them
@@ -572,6 +590,8 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
+    if rank == 0:
+        _warn_precision(the_plan)
     opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
     if workload.model is None:  # a model_fn workload: build it weightless here
         import dataclasses

@@ -182,6 +182,16 @@ class Plan:
                  "megatron": self.megatron_layout, "deepspeed": self.deepspeed_parts, "torchgpipe": self.torchgpipe_balance}
         if kind not in table:
             raise StageplanError(f"unknown export {kind!r}; use one of {', '.join(EXPORTS)}")
+        v, p = self.virtual_stages, self.num_ranks
+        if v > 1 and kind in ("deepspeed", "torchgpipe"):
+            raise StageplanError(f"{kind} places one stage on each rank, and this {self.schedule} plan has {v} chunks on "
+                                 f"each of its {p} ranks ({self.num_chunks} stages); export torchtitan or split-spec, or "
+                                 "plan with --virtual-stages 1")
+        looped = all(st.rank == s % p for s, st in enumerate(self.stages))
+        if v > 1 and kind == "megatron" and not looped:
+            raise StageplanError(f"Megatron places virtual stages round-robin (stage s on rank s mod {p}), and this "
+                                 f"{self.schedule} plan places them otherwise (ranks "
+                                 f"{[st.rank for st in self.stages]}); export torchtitan, whose schedule places them")
         return table[kind]()
 
     # -- JSON --------------------------------------------------------------------------------------

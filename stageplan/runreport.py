@@ -42,6 +42,8 @@ class RunReport:
 
     ``ranks`` holds one entry per pipeline rank: its stage (chunk) indices, predicted and measured compute seconds
     per microbatch (forward, backward), idle seconds per step, and predicted and measured peak activation bytes.
+    ``plan`` is what the run executed: boundaries, schedule, cost options, and the meta of the profile the plan was
+    made from (model, factory options, device, dtype; absent in older reports), which calibrate checks.
     ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...). ``link`` is the
     ping-pong between neighbouring ranks at the run's start (stageplan.link): backend, latency_s,
     bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
@@ -178,7 +180,7 @@ class RunReport:
                   "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
                   "stage_ranks": [st.rank for st in plan.stages],
                   "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
-                  "cost_options": dict(plan.cost_options)},
+                  "cost_options": dict(plan.cost_options), "profile_meta": dict(plan.profile_meta)},
             run_options=dict(run_options), meta=meta, check=check, timeline=timeline, link=link,
             layers=tuple(sorted(layers, key=lambda x: x["index"])),
         )

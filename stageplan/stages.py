@@ -5,6 +5,7 @@ rank's chunks in torch's PipelineStage, give it its optimizer and keep the tied 
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,8 +44,37 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with --stages {world_size}"
         )
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
+    check_same_model(workload, plan.profile_meta, "plan")
     check_microbatch_size_of_plan(workload.batch_size, plan)
     check_layers(workload.model, first_microbatch_of_plan(workload, plan), plan)
+
+
+def _json_value(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str) -> None:
+    """Refuse a plan (or profile: ``what``) measured on the same model built with other factory options, or in
+    another dtype, than this workload: the layer names stay the same, so nothing else notices, and the run would
+    compare another model with the prediction (gpt profiled with vocab_size=2048 and run without it trained the
+    default 8192-token head: measured 4.6x the prediction, against 1.6x for the matched run). Every option both
+    recorded is compared (a built-in model records its defaults too)."""
+    planned, model = meta.get("factory_options"), meta.get("model")
+    same_name = isinstance(model, str) and model.rsplit(":", 1)[-1] == workload.name.rsplit(":", 1)[-1]
+    if isinstance(planned, Mapping) and workload.factory_options and same_name:
+        given = _json_value(dict(workload.factory_options))
+        differing = sorted(k for k in planned if k in given and _json_value(planned[k]) != given[k])
+        if differing:
+            text = ", ".join(f"{k}={given[k]!r} ({what}: {planned[k]!r})" for k in differing)
+            raise StageplanError(f"the {what} was made for {model} with other options: {text}; profile and plan the "
+                                 f"model with these --set options, or set them as the {what} has them")
+    dtype = meta.get("dtype")
+    params = workload.model.parameters() if workload.model is not None else ()
+    own = next((str(t.dtype).removeprefix("torch.") for t in params if t.is_floating_point()), None)
+    if isinstance(dtype, str) and own is not None and dtype != own:
+        raise StageplanError(f"the {what} was profiled in {dtype}, and this run trains the model in its own {own}: "
+                             f"its times and bytes are not this run's; profile without --dtype (or build the model in "
+                             f"{dtype}) and plan that")
 
 
 def check_microbatch_size_of_plan(batch: int, plan: Plan) -> None:

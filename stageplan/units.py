@@ -32,12 +32,14 @@ def parse_bytes(text: str | float | int, what: str = "memory limit") -> float:
 
 def parse_bandwidth(text: str | float | int) -> float:
     """'25GB/s' -> 2.5e10 bytes/s; a plain number is bytes/s."""
-    if isinstance(text, str):
-        t = text.strip()
-        if t.lower().endswith("/s"):
-            t = t[:-2]
-        return parse_bytes(t, "bandwidth") if t else parse_bytes(text, "bandwidth")
-    return parse_bytes(text, "bandwidth")
+    t = text.strip() if isinstance(text, str) else text
+    if isinstance(t, str) and t.lower().endswith("/s"):
+        t = t[:-2]
+    try:
+        return parse_bytes(t if t != "" else text, "bandwidth")
+    except StageplanError:  # say it in bandwidth's words: the text as given, a rate as the example
+        raise StageplanError(f"bandwidth must be a positive rate, got {text!r}; use a number with a unit such as "
+                             "25GB/s, 400MiB/s or 1e9 (bytes/s)") from None
 
 
 _BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))

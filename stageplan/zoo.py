@@ -98,6 +98,8 @@ def gpt(
                     vocab_size=vocab_size, batch_size=batch_size)
     if d_model % n_head:
         raise WorkloadError(f"gpt: d_model ({d_model}) must be divisible by n_head ({n_head}); pick d_model = k * n_head")
+    if not isinstance(tied, bool) and tied not in (0, 1):  # bool("no") is True: a word would build a tied model
+        raise WorkloadError(f"gpt: option tied must be true or false, got {tied!r}; pass --set tied=true or --set tied=false")
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size, tied=bool(tied))

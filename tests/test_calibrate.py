@@ -160,3 +160,46 @@ def test_a_mangled_layer_table_is_one_line_and_exit_2(tmp_path: Path, capsys: py
     (tmp_path / "run.json").write_text(json.dumps(data))
     code, _out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
     assert_one_line_error(code, err, r"layer row 0 lacks or mangles name, stage, rank")
+
+
+def test_a_run_at_a_rescaled_microbatch_calibrates_to_a_profile_that_reproduces_it() -> None:
+    """A plan of --microbatches auto prices the profile rescaled to its own microbatch size (here 1, profiled at 2):
+    the per-crossing delay calibrate fits must be fitted at that size too, so that the calibrated profile, priced
+    as the plan priced it, predicts the step the run measured (fitted at the profile's size it gave 0 ms)."""
+    from stageplan.api import _rescaled
+
+    base = _profile()
+    prof = Profile(base.layers, {"model": "toy", "microbatch_size": 2, "batch_size": 8})
+    pl = plan(prof, 2, num_microbatches="auto", schedule="GPipe", boundaries=[0, 2, 5], optimizer="none")
+    m, mb = pl.num_microbatches, pl.cost_options["microbatch_size"]
+    assert mb != 2  # the plan rescaled the profile
+    ranks = []
+    for r in (0, 1):
+        mine = range(pl.boundaries[r], pl.boundaries[r + 1])
+        f, b = sum(LAYERS[i][0] for i in mine), sum(LAYERS[i][1] for i in mine)
+        ranks.append({"rank": r, "stages": [r], "step_s": [1.0], "forward_s": f * m, "forward_iqr_s": 0.0,
+                      "backward_s": b * m, "backward_iqr_s": 0.0, "other_s": 0.0, "compute_cpu_s": (f + b) * m,
+                      "losses": [], "timeline": [], "peak_activation_bytes": 1, "peak_memory_bytes": 1,
+                      "layer_s": {i: list(LAYERS[i]) for i in mine}, "overhead_s": {r: [0.0, 0.0]}})
+    rep = RunReport.from_measurements(pl, ranks, step_s=1.0, step_iqr_s=0.0,
+                                      run_options={"optimizer": "none", "microbatch_size": mb}, check=None, meta={})
+    cal = calibrate(prof, rep)
+    assert cal.meta["calibration"]["boundary_latency_s"] > 0
+    again = plan(_rescaled(cal, mb / 2), 2, num_microbatches=m, schedule="GPipe", boundaries=[0, 2, 5], optimizer="none")
+    assert again.predicted_step_s == pytest.approx(1.0, rel=1e-6)
+
+
+def test_calibrate_refuses_a_profile_of_another_footing(tmp_path: Path) -> None:
+    """Same layer names, another footing: an analytic GPU estimate, or a profile in another dtype than the one the
+    run's plan was made from (factors of 857-4097x were written before)."""
+    prof = Profile(_profile().layers, {"model": "toy", "microbatch_size": 1, "dtype": "float32", "device": "cpu"})
+    rep = _report(plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none"))
+    calibrate(prof, rep)  # its own profile
+    for meta, pattern in (
+            ({"dtype": "bfloat16"}, r"the run's plan was made from a profile with dtype = 'float32', and this profile "
+                                    r"has dtype = 'bfloat16'"),
+            ({"device": "cuda"}, r"with device = 'cpu', and this profile has device = 'cuda'"),
+            ({"timer": "analytic", "estimate": {"gpu": "h100-sxm"}}, r"this profile is an analytic estimate")):
+        other = Profile(prof.layers, {**prof.meta, **meta})
+        with pytest.raises(StageplanError, match=pattern):
+            calibrate(other, rep)

@@ -55,6 +55,8 @@ def test_profile_in_processes_merges_fresh_processes(tmp_path: Path, capsys: pyt
         (["profile", "gpt", "--processes", "2", "--microbatch-size", "3", "-o", "{tmp}/x.json"],
          r"does not divide the batch of 8"),
         (["profile", "nope", "--processes", "2", "-o", "{tmp}/x.json"], r"unknown model 'nope'"),
+        (["profile", "gpt", "--processes", "2", "--compute-efficiency", "0.5", "-o", "{tmp}/x.json"],  # was dropped
+         r"compute_efficiency \(0.5\) applies to estimates only"),
         (["profile", "nope", "-o", "{tmp}/x.json"], r"unknown model 'nope'.*use a built-in name"),
         (["profile", "gpt", "--set", "n_layer", "-o", "{tmp}/x.json"], r"--set expects key=value"),
         (["profile", "gpt", "--microbatch-size", "0", "-o", "{tmp}/x.json"], r"microbatch size must be a positive integer, got 0"),
@@ -67,6 +69,11 @@ def test_profile_in_processes_merges_fresh_processes(tmp_path: Path, capsys: pyt
         (["profile", "badfactory:missing", "-o", "{tmp}/x.json"], r"has no callable 'missing'"),
         (["profile", "badfactory:unsplittable", "-o", "{tmp}/x.json"], r"torch.export cannot split .*--layers"),
         (["show", "{tmp}/none.json"], r"does not exist"),
+        (["show", "{tmp}"], r"input '.*' is a folder, not a file; give the file inside it"),  # said "does not exist"
+        (["show", "{tmp}/cmp.json"], r"compare result '.*cmp.json' has no 'methods'; each method needs boundaries"),
+        (["show", "{tmp}/cmp2.json"], r"method 'optimal' lacks or mangles predicted_step_s"),  # were KeyError tracebacks
+        (["plan", str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json"), "--stages", "2", "--bandwidth", "0GB/s"], r"bandwidth must be a positive rate, got "
+                                                                             r"'0GB/s'; use .* such as 25GB/s"),
         (["profile", "gpt"], r"required: -o/--output"),
     ],
 )
@@ -82,6 +89,9 @@ def test_bad_input_is_one_line_exit_2(argv: list[str], pattern: str, tmp_path: P
         "        return x\n"
         "def unsplittable():\n    return stageplan.Workload(M(), torch.randn(8, 4))\n"
     )
+    (tmp_path / "cmp.json").write_text('{"schema": "stageplan.compare/1"}')
+    (tmp_path / "cmp2.json").write_text('{"schema": "stageplan.compare/1", "methods": {"optimal": {"boundaries": [0, 2, 4], '
+                                        '"balance_efficiency": 1.0, "peak_memory_bytes": [1, 1]}}}')
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("badfactory", None)
     code, _, err = run_cli([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)

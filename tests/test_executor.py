@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import assert_one_line_error, run_cli
 from stageplan import RunError, RunReport, StageplanError
 from stageplan.api import plan
 from stageplan.launch import run
+from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile
 from stageplan.profiler import profile_model
 from stageplan.zoo import build_workload
@@ -48,7 +50,7 @@ def _plan_for(spec: str, options: dict, p: int = 2, **kw):  # type: ignore[no-un
          "gpt-interleaved-v2", "gpt-zbv", "convnet-zbv"],
 )
 def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_path: Path) -> None:
-    _prof, pl = _plan_for(spec, options, num_microbatches=4, schedule=schedule, method="uniform", **extra)
+    _prof, pl = _plan_for(spec, options, num_microbatches=4, schedule=schedule, method="uniform", optimizer="adamw", **extra)
     if options.get("tied"):
         holders = [st.index for st in pl.stages if any(n.startswith(("tok_emb", "ln_f+head")) for n in st.layers)]
         assert holders == [0, 1]  # the tied embedding/head weight lives on both ranks
@@ -281,6 +283,19 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
     monkeypatch.setenv("WORLD_SIZE", "3")
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", _toy_plan(tmp_path)], capsys)
     assert_one_line_error(code, err, r"world size 3 does not match the plan's 2 pipeline ranks")
+
+
+def test_a_run_stepping_another_optimizer_than_the_plan_priced_says_so(tmp_path: Path) -> None:
+    from stageplan.launch import _run_options
+
+    pl = Plan.load(_toy_plan(tmp_path))  # priced with plan's default, adam
+    kw = dict(steps=2, warmup=0, lr=None, check=False, backend=None, timeout_s=10.0)
+    with pytest.warns(UserWarning, match=r"the plan priced a adam step and this run steps sgd: .* plan with --optimizer sgd"):
+        assert _run_options(pl, optimizer="sgd", **kw)["optimizer"] == "sgd"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _run_options(pl, optimizer=None, **kw)["optimizer"] == "adam"  # the plan's own: nothing to say
+        _run_options(pl, optimizer="ADAM", **kw)
 
 
 def test_api_refuses_too(tmp_path: Path) -> None:

@@ -146,6 +146,25 @@ def test_a_plan_for_other_factory_options_is_refused(tmp_path: Path, capsys: pyt
     assert_one_line_error(code, err, r"the plan was made for workloads:faulty with other options: width=32 \(plan: 16\)")
 
 
+@pytest.mark.usefixtures("no_spawn")
+def test_a_plan_for_another_build_of_the_same_model_is_refused_by_the_api_too(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Same layer names, another model: an option dropped at run time (the built-in records its defaults), an option
+    that differs through the API, and a profile taken in another dtype."""
+    from stageplan.api import build_workload
+
+    gpt = dict(build_workload("gpt", {"n_layer": 2}).factory_options)
+    pl = _plan_file(tmp_path, model="gpt", factory_options={**gpt, "vocab_size": 2048}, dtype="float32")
+    code, _, err = run_cli(["run", "gpt", "--set", "n_layer=2", "--plan", pl], capsys)  # vocab_size dropped
+    assert_one_line_error(code, err, r"the plan was made for gpt with other options: vocab_size=8192 \(plan: 2048\)")
+    with pytest.raises(StageplanError, match=r"with other options: seq_len=32 \(plan: 64\), vocab_size=8192"):
+        launch.run("gpt", pl, factory_options={"n_layer": 2, "seq_len": 32})
+    pl = _plan_file(tmp_path, model="gpt", factory_options=gpt, dtype="bfloat16")
+    code, _, err = run_cli(["run", "gpt", "--set", "n_layer=2", "--plan", pl], capsys)
+    assert_one_line_error(code, err, r"the plan was profiled in bfloat16, and this run trains the model in its own "
+                                     r"float32: .* profile without --dtype")
+
+
 def test_hand_edited_boundaries_are_refused_and_given_ones_are_evaluated(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     prof = _profile(tmp_path, n=6)
@@ -340,6 +359,18 @@ def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path,
     assert_one_line_error(code, err, r"made from an analytic estimate for h100-sxm, not from a measurement of this machine")
     with pytest.raises(StageplanError, match=r"this profile is an analytic GPU estimate"):
         compare("workloads:faulty", 2, profile=tmp_path / "est.json")
+    # measured on CUDA, run on CPU ranks (a CPU profile on nccl ranks is refused alike, on a machine with GPUs)
+    Profile(prof.layers, {**meta, "timer": "cuda-events", "estimate": None, "device": "cuda:0"}).save(tmp_path / "gpu.json")
+    code, _, _ = run_cli(["plan", str(tmp_path / "gpu.json"), "--stages", "2", "-o", str(tmp_path / "gpu-plan.json")], capsys)
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "gpu-plan.json")], capsys)
+    assert_one_line_error(code, err, r"made from a profile measured on cuda:0, and this run trains on cpu \(gloo\): its "
+                                     r"predictions are for the other device; profile the model on cpu")
+    from stageplan.launch import _refuse_estimate_on_cpu
+
+    on_cpu = plan(Profile(prof.layers, {**meta, "timer": "perf_counter", "estimate": None, "device": "cpu"}), 2)
+    _refuse_estimate_on_cpu(on_cpu, "gloo")
+    with pytest.raises(StageplanError, match=r"measured on cpu, and this run trains on cuda \(nccl\).*--backend gloo"):
+        _refuse_estimate_on_cpu(on_cpu, "nccl")
     from stageplan.plots import plot_stage_balance
 
     assert "ESTIMATE for h100-sxm" in plot_stage_balance(Plan.load(tmp_path / "plan.json")).get_title()

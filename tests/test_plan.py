@@ -176,6 +176,11 @@ def test_units() -> None:
     assert parse_bandwidth("25GB/s") == 25e9 and parse_bandwidth(1e9) == 1e9
     with pytest.raises(StageplanError, match=r"cannot read memory limit '40 gigs'; use a number with a unit such as 40GiB"):
         parse_bytes("40 gigs")
+    assert parse_bandwidth("400MiB/s") == 400 * 2**20 and parse_bandwidth("1e9") == 1e9
+    for bad in ("0GB/s", "fast", "/s", -1):  # the text as given, and a rate as the example (was '0GB' and 40GiB)
+        with pytest.raises(StageplanError, match=rf"bandwidth must be a positive rate, got {bad!r}; use a number with "
+                                                 r"a unit such as 25GB/s"):
+            parse_bandwidth(bad)  # type: ignore[arg-type]
 
 
 def _write(tmp_path: Path, prof: Profile) -> str:
@@ -210,6 +215,19 @@ def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixt
         (["--stages", "2", "--memory-limit", "1KiB", "--microbatches", "4"], r"smallest limit that admits a plan is"),
         (["--stages", "4", "--microbatches", "2"], r"1F1B needs num_microbatches >= num_ranks"),
         (["--stages", "2", "--export", "nope"], r"unknown export 'nope'"),
+        (["--stages", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "2", "--export", "deepspeed"],
+         r"deepspeed places one stage on each rank, and this Interleaved1F1B plan has 2 chunks on each of its 2 ranks"),
+        (["--stages", "2", "--schedule", "ZBVZeroBubble", "--virtual-stages", "2", "--export", "torchgpipe"],
+         r"torchgpipe places one stage on each rank"),
+        (["--stages", "2", "--schedule", "ZBVZeroBubble", "--virtual-stages", "2", "--export", "megatron"],
+         r"Megatron places virtual stages round-robin \(stage s on rank s mod 2\), and this ZBVZeroBubble plan places "
+         r"them otherwise \(ranks \[0, 1, 1, 0\]\); export torchtitan"),
+        # every auto candidate of a fixed split over the limit (was an AssertionError); with 1F1B the m = 1
+        # candidate's own error used to stand in for the memory limit
+        *[(["--stages", "2", "--method", "uniform", "--memory-limit", "1KiB", "--microbatches", "auto", "--schedule", s],
+           rf"no candidate of the 4 tried \({s}; m in \[1, 2, 4, 8\]\) fits the memory limits with method uniform; "
+           rf"the closest, {s} with \d+ microbatch(es)?: rank 0 needs .* over its limit of 1.00 KiB.*raise --memory-limit")
+          for s in ("GPipe", "1F1B")],
     ],
 )
 def test_cli_plan_bad_input(args: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,6 +252,16 @@ def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pyt
     path.write_text(json.dumps(data).replace("NaN", "null"))
     code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "2"], capsys)
     assert_one_line_error(code, err, pattern)
+
+
+def test_an_interleaved_plan_exports_where_the_tool_can_place_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron's virtual stages go round-robin, as Interleaved1F1B places them; torchtitan's parts and torch's split
+    points leave the placement to the schedule."""
+    pl = plan(make_profile([1, 2, 3, 4, 5, 6]), 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    assert [st.rank for st in pl.stages] == [0, 1, 0, 1]
+    assert boundaries_from_megatron(pl.export("megatron")) == pl.boundaries
+    assert boundaries_from_module_fqns(pl.export("torchtitan"), pl.layer_names) == pl.boundaries
+    assert boundaries_from_split_spec(pl.export("split-spec"), pl.layer_names) == pl.boundaries
 
 
 def test_small_m_warns() -> None:

@@ -261,7 +261,7 @@ def _plan_for_tied_blocks(tie_with: int) -> Plan:
     prof = profile_model(wl, microbatch_size=2, warmup=0, repeats=1, streaming=False, dedup=False)
     assert [t.layers for t in prof.tied] == [(0, tie_with)]
     return plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, boundaries=(0, 1, 2, 4, 5),
-                bandwidth=BANDWIDTH)
+                bandwidth=BANDWIDTH, optimizer="adamw")
 
 
 @pytest.mark.parametrize(("tie_with", "across"), [(2, False), (4, True)])

@@ -51,4 +51,16 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     code, _, err = run_cli(["compare", "gpt", "--stages", "2", "--processes", "2", "--profile", prof], capsys)
     assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile gives the "
                                      r"profile to start from; drop one of them")
+    # refused before a profile is taken (it was refused only by the first run, after a 7 s profile)
+    from stageplan import profiler
+
+    def no_profile(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("profiled for input that should have been refused")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiler, "profile_model", no_profile)
+        for cmd in ("tune", "compare"):
+            code, _, err = run_cli([cmd, "gpt", "--set", "n_layer=2", "--stages", "2", "--microbatches", "3",
+                                    "-o", str(tmp_path / "t")], capsys)
+            assert_one_line_error(code, err, r"--microbatches 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]")
     assert not (tmp_path / "t").exists()

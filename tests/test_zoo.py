@@ -244,3 +244,13 @@ def test_cli_profiles_a_local_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = json.loads(out.read_text())
     assert [layer["name"] for layer in data["layers"]] == TINY["llama"][1]
     assert data["meta"]["factory_options"]["seq_len"] == 16
+
+
+def test_gpt_refuses_a_word_for_tied(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--set tied=no reached the factory as the string 'no', and bool('no') built a tied model."""
+    assert build_workload("gpt", {"tied": True, "n_layer": 1}).factory_options["tied"] is True
+    assert build_workload("gpt", {"tied": False, "n_layer": 1}).factory_options["tied"] is False
+    with pytest.raises(WorkloadError, match=r"gpt: option tied must be true or false, got 'no'; pass --set tied=true"):
+        build_workload("gpt", {"tied": "no"})
+    code, _, err = run_cli(["profile", "gpt", "--set", "tied=no", "-o", str(tmp_path / "p.json")], capsys)
+    assert_one_line_error(code, err, r"option tied must be true or false, got 'no'")
