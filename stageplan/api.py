@@ -90,7 +90,10 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
         isol = interleaved.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
-                                             memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"])
+                                             memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"],
+                                             placement=opts.shape.stage_ranks, boundary_costs=inp["boundary_costs"],
+                                             memory_start_bytes=inp["memory_start_bytes"],
+                                             memory_end_bytes=inp["memory_end_bytes"])
         return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
