@@ -26,10 +26,15 @@ def _probe_writable(folder: Path, what: str) -> None:
         ) from None
 
 
-def check_output_path(path: str | os.PathLike[str]) -> Path:
+def check_output_path(path: str | os.PathLike[str], inputs: Any = ()) -> Path:
     """Refuse, before any work is done, an output file that could not be written: a missing or unwritable
-    folder, or a path that is a folder."""
+    folder, a path that is a folder, or one of the command's own ``inputs`` (paths; others are ignored), which
+    the output would replace."""
     p = Path(path)
+    for given in inputs:
+        if isinstance(given, (str, os.PathLike)) and Path(given).exists() and p.exists() and os.path.samefile(given, p):
+            raise StageplanError(f"output {str(p)!r} is this command's input {str(given)!r}; writing it would replace "
+                                 "what it was made from: give another -o path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")

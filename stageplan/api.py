@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -765,7 +766,7 @@ COMPARE_SCHEMA = "stageplan.compare/1"
 
 def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
                       profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str,
-                      processes: int = 1) -> Profile:
+                      processes: int = 1, timeout_s: float = 1800.0) -> Profile:
     """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches`` (with ``processes``
     > 1, the per-layer median of that many fresh processes: :func:`stageplan.launch.profile_in_processes`); never an
     analytic estimate, since the commands that call this measure runs on this machine."""
@@ -787,7 +788,8 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
             from stageplan.launch import profile_in_processes
 
             del workload
-            prof = profile_in_processes(model, factory_options, processes=processes, microbatch_size=mb, progress=progress)
+            prof = profile_in_processes(model, factory_options, processes=processes, microbatch_size=mb, progress=progress,
+                                        timeout_s=timeout_s)
         else:
             from stageplan.profiler import profile_model
 
@@ -825,20 +827,55 @@ def compare(
     from pathlib import Path
 
     from stageplan._io import check_output_dir
-    from stageplan._progress import Progress
 
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes)
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
         "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
         "profile_digest": prof.digest(), "identical": identical, "methods": {}}
-    if out is not None:
-        out.mkdir(exist_ok=True)
+    if out is None:
+        _compare_runs(result, plans, None, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress)
+        return result
+    # everything is written to a staging folder inside DIR and moved in at the end: a failed compare leaves DIR as
+    # it was (it had replaced plan_optimal.json beside an old compare.json), and a finished one leaves no file of
+    # an earlier compare's (an old run_optimal.json beside a compare.json that ran nothing)
+    import shutil
+    import tempfile
+
+    out.mkdir(exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".stageplan-compare-", dir=out))
+    try:
+        _compare_runs(result, plans, stage, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress)
+        written = {f.name for f in stage.iterdir()}
+        for old in out.iterdir():
+            if old.is_file() and old.name not in written and _is_compare_output(old.name):
+                old.unlink()
+        for f in stage.iterdir():
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def _is_compare_output(name: str) -> bool:
+    return name in ("compare.json", "balance.png") or (
+        name.startswith(("plan_", "run_")) and name.endswith(".json")) or (
+        name.startswith("timeline_") and name.endswith(".png"))
+
+
+def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.Path | None, model: str,
+                  factory_options: dict[str, Any] | None, steps: int, warmup: int, timeout_s: float, pin_cpus: bool,
+                  progress: bool) -> None:
+    """Run each distinct plan of ``plans`` into ``result``; with ``out``, write the plans, the run reports,
+    compare.json and the figures there."""
+    from stageplan._progress import Progress
+
+    identical = bool(result["identical"])
     reports: dict[str, RunReport] = {}
     rows: dict[str, dict[str, Any]] = result["methods"]
     bar = Progress(len(plans), "compare", enabled=progress, interval_s=0.0)
@@ -882,7 +919,6 @@ def compare(
         import matplotlib.pyplot as plt
 
         plt.close("all")
-    return result
 
 
 TUNE_SCHEMA = "stageplan.tune/1"
@@ -928,7 +964,7 @@ def tune(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes)
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s)
 
     def measure(pl: Plan) -> RunReport:
         return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,

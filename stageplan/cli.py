@@ -84,7 +84,7 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
     p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
                    "(as stageplan profile --processes)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks are ended")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks (or, with --processes, a profiling process) are ended")
     _add_pin_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile N times, each in a fresh process, one after the other, and keep each layer's median: "
                    "a process's memory layout shifts all its timings alike (here one GPT block 1.06-1.16 ms over 18 "
                    "processes); 1 profiles in this process")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="with --processes: seconds before a profiling process is ended")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
@@ -231,7 +233,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
         from stageplan.launch import profile_in_processes
 
         prof = profile_in_processes(a.model, options, processes=a.processes, microbatch_size=a.microbatch_size,
-                                    progress=not a.quiet, **measure)
+                                    progress=not a.quiet, timeout_s=a.timeout, **measure)
     else:
         workload = build_workload_for_profile(a.model, options, device=a.device, dtype=a.dtype, streaming=a.streaming)
         mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
@@ -384,7 +386,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from stageplan.report import compare_table, plan_table
 
     if a.output:
-        check_output_path(a.output)
+        check_output_path(a.output, (a.profile, a.link, a.fqns))
     if a.export is not None and a.export not in EXPORTS:
         raise StageplanError(f"unknown export {a.export!r}; use one of {', '.join(EXPORTS)}")
     prof = Profile.load(a.profile)
@@ -423,6 +425,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
                                   backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus)
     factory_options = parse_set(a.factory_options)
+    if a.output:
+        from stageplan._io import check_output_path
+
+        check_output_path(a.output, (a.plan, a.weights))
     the_plan = Plan.load(a.plan)
     if _in_torchrun():
         with init_empty_weights():  # each rank materialises only its own stage
@@ -458,7 +464,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     from stageplan.profile import Profile
     from stageplan.runreport import RunReport
 
-    check_output_path(a.output)
+    check_output_path(a.output, (a.profile, a.run))
     calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
     save_or_keep(calibrated, a.output)
     cal = calibrated.meta["calibration"]
@@ -512,8 +518,41 @@ COMMANDS = {"compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile,
             "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the main thread is, so that every rank is ended and every temporary folder
+    removed on the way out, as on Ctrl-C (the ranks run in their own sessions: a signal to the launcher alone
+    left them running, with the weights in /tmp)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise _Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 run/check failure, 2 bad input)."""
+    """Entry point; returns the exit code (0 ok, 1 run/check failure, 2 bad input, 128 + N on signal N)."""
+    import signal
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                previous[sig] = signal.signal(sig, _terminate)
+    try:
+        return _main(argv)
+    except _Terminated as exc:
+        print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; every rank was ended", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         return COMMANDS[args.command](args)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from stageplan.errors import WorkloadError
+from stageplan.errors import RunError, WorkloadError
 from stageplan.link import ping_pong, probe_sizes, save_link
 from stageplan.materialize import Checkpoint
 from stageplan.measure import LayerClock, SavedTensorTracker, Timer, median_iqr, steady_allocator
@@ -65,6 +65,21 @@ def pin_rank_cpus(local_rank: int, local_world: int) -> list[int] | None:
     except OSError:
         return None
     return block
+
+
+def join_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """init_process_group, with a failure to meet the other ranks (a missing peer past the timeout, an unreachable
+    or mistyped MASTER_ADDR) said in one line as a RunError (the original stays its cause)."""
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=_dt.timedelta(seconds=timeout_s))
+    except (dist.DistError, ValueError, RuntimeError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '(no MASTER_ADDR)')}:{os.environ.get('MASTER_PORT', '(no MASTER_PORT)')}"
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise RunError(f"rank {rank} of {world_size} could not join the other ranks at {where} within {timeout_s:g} s "
+                       f"({type(exc).__name__}: {first}); start every rank with the same MASTER_ADDR, MASTER_PORT and "
+                       "WORLD_SIZE (torchrun sets them), and check that rank 0 is reachable", rank=rank) from exc
 
 
 def process_cpus() -> list[int] | None:
@@ -303,8 +318,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     import torch.distributed as dist
 
     device, cpus = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
-    dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
-                            timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
+    join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
     _check_same_weights(options, world_size)
     # the links between neighbouring ranks first, while nothing else runs (well under a second on gloo localhost)
     largest_boundary_bytes = max((st.memory.get("buffers", 0.0) / 2.0 for st in plan.stages), default=0.0)
@@ -366,8 +380,7 @@ def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_pat
     import torch.distributed as dist
 
     device, _ = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
-    dist.init_process_group(options["backend"], rank=rank, world_size=world_size,
-                            timeout=_dt.timedelta(seconds=float(options["timeout_s"])))
+    join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
     link = ping_pong(device)
     if rank == 0 and output_path:
         save_link({**link, "num_ranks": world_size, "torch_version": torch.__version__,

@@ -93,16 +93,17 @@ def run(
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     _warn_precision(the_plan)
     if output is not None:
-        check_output_path(output)
+        check_output_path(output, (plan, weights))
     if log_dir is not None:
-        check_output_dir(log_dir)
+        check_log_dir(log_dir)
     if weights is not None:
         Checkpoint(weights)  # refuse a missing or malformed checkpoint before any work
     if not isinstance(workload, (str, Workload)):
         raise StageplanError(f"workload must be a Workload or a model spec string, got {type(workload).__name__}; "
                              "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), plan)")
     with _run_folder(log_dir, "stageplan-run-") as run_dir:
-        meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights, run_dir)
+        meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights, run_dir,
+                                                                        float(timeout_s))
         opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
                                    if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
         validate(meta_wl, the_plan)
@@ -148,7 +149,7 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if output is not None:
         check_output_path(output)
     if log_dir is not None:
-        check_output_dir(log_dir)
+        check_log_dir(log_dir)
     _warn_oversubscribed(num_ranks, the_backend)
     with _run_folder(log_dir, "stageplan-link-") as run_dir:
         torch.save({"task": "link", "options": opts}, run_dir / "payload.pt")
@@ -225,6 +226,25 @@ def _warn_precision(plan: Plan) -> None:
                       "without mixed precision, so measured memory is not comparable with the plan's", stacklevel=3)
 
 
+def torchrun_rank() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) from torchrun's environment, refusing one that is half set or out of range in one line
+    (a KeyError or int() traceback before)."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in names if not os.environ.get(k)]
+    if missing:
+        raise StageplanError(f"this looks like a torchrun launch, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                             "not set; start it with torchrun --nproc-per-node N -m stageplan run ..., or unset RANK, "
+                             "LOCAL_RANK and TORCHELASTIC_RUN_ID to run on local processes")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise StageplanError(f"RANK and WORLD_SIZE must be integers, got RANK={os.environ['RANK']!r}, "
+                             f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}; let torchrun set them") from None
+    if not 0 <= rank < world:
+        raise StageplanError(f"RANK must be in 0..WORLD_SIZE-1, got RANK={rank}, WORLD_SIZE={world}; let torchrun set them")
+    return rank, world
+
+
 def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
     """A plan made from an analytic GPU estimate predicts that GPU; a CPU run would be compared with it as if the
     estimate were a measurement of this machine."""
@@ -240,6 +260,24 @@ def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
         raise StageplanError(f"this plan was made from a profile measured on {measured_on}, and this run trains on "
                              f"{runs_on} ({backend}): its predictions are for the other device; profile the model on "
                              f"{runs_on} and plan that, or run with --backend {'gloo' if runs_on == 'cuda' else 'nccl'}")
+
+
+_RUN_FILES = ("payload.pt", "weights.safetensors", "data.pt", "report.json", "profile.json", "link.json")
+
+
+def check_log_dir(log_dir: str | os.PathLike[str]) -> None:
+    """Refuse a --log-dir holding files of the names a run writes there and removes (its payload, weights, data,
+    report) or reads back (rank logs and errors): the user's own would be lost, or a stale rank error blamed."""
+    check_output_dir(log_dir)
+    folder = Path(log_dir)
+    if not folder.is_dir():
+        return
+    taken = sorted(p.name for p in folder.iterdir()
+                   if p.name in _RUN_FILES or (p.name.startswith("rank") and p.suffix in (".log", ".error")))
+    if taken:
+        raise StageplanError(f"--log-dir {str(folder)!r} already holds {', '.join(taken[:4])}"
+                             f"{' ...' if len(taken) > 4 else ''}, which a run writes there (and removes or reads "
+                             "back); give an empty or new folder")
 
 
 @contextlib.contextmanager
@@ -283,7 +321,7 @@ def _given_weights(weights: Any, run_dir: Path) -> str | None:
     return str(weights)
 
 
-def _build_and_save(spec: str, factory_options: dict[str, Any], path: Path) -> None:
+def _build_and_save(spec: str, factory_options: dict[str, Any], path: Path, timeout_s: float = 1800.0) -> None:
     """Build the model exactly as the user's factory does and write it as a checkpoint, in a forked child where
     fork exists: its memory goes back to the system when it exits (freed tensors in this process would stay in
     the allocator's arenas), so the launcher never holds a model while the ranks run."""
@@ -292,7 +330,12 @@ def _build_and_save(spec: str, factory_options: dict[str, Any], path: Path) -> N
     if "fork" in multiprocessing.get_all_start_methods():
         proc = multiprocessing.get_context("fork").Process(target=_save_factory_build, args=(spec, factory_options, str(path)))
         proc.start()
-        proc.join()
+        proc.join(timeout_s)
+        if proc.is_alive():  # a factory that never returns is bounded by the run's timeout, as the ranks are
+            proc.kill()
+            proc.join()
+            raise RunError(f"building {spec!r} to write its weights did not finish within the {timeout_s:g} s timeout; "
+                           "raise --timeout, or run stageplan profile on it to see where it stops")
         if proc.exitcode == 0 and path.exists():
             return
         raise WorkloadError(f"building {spec!r} to write its weights failed (exit code {proc.exitcode}); "
@@ -310,7 +353,7 @@ def _save_factory_build(spec: str, factory_options: dict[str, Any], path: str) -
 
 
 def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | None, weights: Any,
-                   run_dir: Path) -> tuple[Workload, str | None, str]:
+                   run_dir: Path, timeout_s: float = 1800.0) -> tuple[Workload, str | None, str]:
     """The workload the ranks get: its model with parameters on meta, its inputs real. Where the weights come
     from: ``weights`` when given; else, when the whole model fits here, the user's own factory build written as a
     checkpoint (built once, freed before the ranks start); else each rank initialises its tensors by FQN."""
@@ -335,7 +378,7 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
     if given is not None:
         return meta, given, "the given weights"
     if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
-        _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors")
+        _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors", timeout_s)
         # the real build's data: a factory drawing its inputs from the global RNG after building its model would
         # draw other numbers when the model's initialisation ran on meta (FIELD.md)
         data = torch.load(run_dir / "data.pt", weights_only=False)
@@ -468,7 +511,7 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
     procs: list[Any] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1",
+           "OMP_NUM_THREADS": "1", "STAGEPLAN_PARENT_PID": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
     forward = _ProgressForwarder(logs[0], enabled=progress)
     try:
@@ -511,7 +554,7 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
             if time.monotonic() > deadline:
                 _kill_all(procs)
                 raise RunError(f"the run did not finish within the {timeout_s:g} s timeout; all {world} ranks were ended; "
-                               f"logs in {run_dir}; raise --timeout or run fewer --steps", log_path=str(run_dir))
+                               f"logs in {run_dir}; raise --timeout, or ask for less work (fewer --steps)", log_path=str(run_dir))
             time.sleep(0.05)
     finally:
         _kill_all(procs)
@@ -585,8 +628,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     the factory must be seeded, and a checksum of the initial weights is compared across ranks.
     """
     the_plan = _load_plan(plan)
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
+    rank, world = torchrun_rank()
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
@@ -607,7 +649,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     opts["weights_from"] = ("the given weights" if weights is not None else
                             "each rank's own factory build" if real else "initialised by FQN")
     if output is not None and rank == 0:
-        check_output_path(output)
+        check_output_path(output, (plan, weights))
     validate(workload, the_plan, world_size=world)
     if real:
         opts["weights_checksum"] = float(sum(float(p.detach().double().sum()) for p in real))
@@ -628,8 +670,23 @@ def _train_rank(run_dir: str, rank: int, world: int, payload: tuple[Workload, Pl
     worker_main(wl, plan, rank=rank, world_size=world, options=options, report_path=report)
 
 
+def _die_with_parent() -> None:
+    """A rank this launcher started ends when the launcher does, however it ends (kill -9, the OOM killer): Linux
+    sends it SIGKILL then (PR_SET_PDEATHSIG). Not under torchrun, whose agent watches its workers itself."""
+    parent = os.environ.get("STAGEPLAN_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != int(parent):  # the launcher died before the line above
+            os._exit(1)
+
+
 def _rank_entry(run_dir: str, rank: int, task: Callable[[], None]) -> None:
     """Run one rank's ``task``; on any error write its one-line cause to rank<N>.error and exit 1 at once."""
+    _die_with_parent()
     try:
         torch.set_num_threads(1)
         task()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -277,12 +278,40 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
     Path(plan_path).write_text(json.dumps(data))
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", plan_path], capsys)
     assert_one_line_error(code, err, r"1F1B needs num_microbatches >= num_ranks, got num_microbatches=1 < num_ranks=2")
-    # a world size that does not match (as torchrun would set it)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    # torchrun's environment half set, or out of range (tracebacks before), then a world size that does not match
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", _toy_plan(tmp_path)], capsys)
-    assert_one_line_error(code, err, r"world size 3 does not match the plan's 2 pipeline ranks")
+    assert_one_line_error(code, err, r"looks like a torchrun launch, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are "
+                                     r"not set; start it with torchrun")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(key, value)
+    for rank, world, pattern in (("abc", "2", r"RANK and WORLD_SIZE must be integers, got RANK='abc'"),
+                                 ("3", "2", r"RANK must be in 0..WORLD_SIZE-1, got RANK=3, WORLD_SIZE=2"),
+                                 ("0", "3", r"world size 3 does not match the plan's 2 pipeline ranks")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        code, _, err = run_cli(["run", "workloads:faulty", "--plan", _toy_plan(tmp_path)], capsys)
+        assert_one_line_error(code, err, pattern)
+
+
+def test_a_rank_that_cannot_meet_the_others_says_so_in_one_line(tmp_path: Path) -> None:
+    """Rank 0 of 2 under torchrun's environment with no rank 1: the rendezvous times out as one line, exit 1 (a
+    DistStoreError traceback before)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "stageplan", "run", "workloads:faulty", "--plan", _toy_plan(tmp_path),
+                           "--timeout", "3", "--steps", "1"], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert re.search(r"rank 0 of 2 could not join the other ranks at 127\.0\.0\.1:\d+ within 3 s \(", lines[-1]), lines
 
 
 def test_a_run_stepping_another_optimizer_than_the_plan_priced_says_so(tmp_path: Path) -> None:

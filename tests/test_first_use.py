@@ -8,6 +8,8 @@ cores, silent long commands, and the help text. CLI cases go through ``main(argv
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -203,6 +205,108 @@ def test_an_interrupted_run_removes_the_weights(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(KeyboardInterrupt):
         launch.run("workloads:faulty", _plan_file(tmp_path), log_dir=tmp_path / "logs")
     assert not (tmp_path / "logs" / "payload.pt").exists() and not (tmp_path / "logs" / "weights.safetensors").exists()
+
+
+def _ranks_of(folder: Path) -> list[int]:
+    """Processes whose command line names ``folder`` (the ranks: python -m stageplan.launch RUN_DIR ...)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "stageplan.launch" in cmd and str(folder) in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+def test_a_terminated_or_killed_launcher_leaves_no_rank_running(tmp_path: Path) -> None:
+    """SIGTERM ends every rank and removes the run folder, as Ctrl-C does (they kept running, with the weights in
+    /tmp); after a SIGKILL of the launcher, which can clean nothing, the ranks still end (PR_SET_PDEATHSIG)."""
+    import signal
+
+    from stageplan.api import build_workload
+    from stageplan.profiler import profile_model
+
+    options = {"n_layer": 2, "vocab_size": 512}
+    prof = profile_model(build_workload("gpt", options), microbatch_size=2, warmup=0, repeats=1)
+    plan(prof, 2, num_microbatches=4).save(tmp_path / "plan.json")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "stageplan", "run", "gpt", "--set", "n_layer=2", "--set", "vocab_size=512", "--plan",
+            str(tmp_path / "plan.json"), "--steps", "100000", "--quiet"]
+    for sig, code in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while len(_ranks_of(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_ranks_of(tmp_path)) == 2, proc.communicate()
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == code, err
+        deadline = time.monotonic() + 15
+        while _ranks_of(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _ranks_of(tmp_path) == []
+        if sig == signal.SIGTERM:
+            assert err.strip().splitlines()[-1] == "stageplan: terminated by SIGTERM; every rank was ended"
+            assert not list(tmp_path.glob("stageplan-run-*"))
+
+
+def test_profiling_processes_are_bounded_by_the_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """compare/tune --processes profiled under a fixed 1800 s limit whatever --timeout said, and profile
+    --processes had no --timeout: a layer that never returns hung them."""
+    from stageplan import RunError
+
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"did not finish within the 6 s timeout"):
+        compare("workloads:faulty", 2, factory_options={"hang": True}, processes=2, timeout_s=6)
+    code, _, err = run_cli(["profile", "workloads:faulty", "--set", "hang=true", "--processes", "2", "--timeout", "6",
+                            "-o", str(tmp_path / "p.json")], capsys)
+    assert code == 1 and "did not finish within the 6 s timeout" in err and "Traceback" not in err
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.usefixtures("no_spawn")
+def test_an_output_that_is_the_commands_own_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """plan -o PROFILE replaced the profile with a plan, run -o PLAN the plan with a report, calibrate -o PROFILE
+    the raw profile."""
+    prof, pl = _profile(tmp_path), _plan_file(tmp_path)
+    before = {prof: Path(prof).read_text(), pl: Path(pl).read_text()}
+    for argv, given in ((["plan", prof, "--stages", "2", "-o", prof], prof),
+                        (["run", "workloads:faulty", "--plan", pl, "-o", pl], pl),
+                        (["calibrate", prof, pl, "-o", str(Path(prof).parent / "." / Path(prof).name)], prof)):
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, rf"output '.*' is this command's input '{re.escape(given)}'; writing it would "
+                                         r"replace what it was made from")
+    assert {prof: Path(prof).read_text(), pl: Path(pl).read_text()} == before
+
+
+def test_a_factory_build_that_never_ends_is_bounded_by_the_timeout(tmp_path: Path) -> None:
+    """The launcher builds the user's factory once, in a forked child, to write the weights; it waited for it
+    without a limit."""
+    from stageplan import RunError
+
+    start = time.monotonic()
+    with pytest.raises(RunError, match=r"building 'workloads:sleepy' to write its weights did not finish within the 2 s"):
+        launch._build_and_save("workloads:sleepy", {}, tmp_path / "weights.safetensors", 2.0)
+    assert time.monotonic() - start < 20 and not (tmp_path / "weights.safetensors").exists()
+
+
+def test_a_log_dir_holding_what_a_run_writes_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run wrote its payload, weights and data into --log-dir and removed them afterwards, the user's files of
+    those names included (a --weights checkpoint kept there was deleted), and a stale rank1.error was blamed."""
+    for name in ("weights.safetensors", "rank1.error"):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("the user's")
+        (folder / "notes.txt").write_text("kept")
+        code, _, err = run_cli(["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--log-dir", str(folder)], capsys)
+        assert_one_line_error(code, err, rf"--log-dir '.*' already holds {name}, which a run writes there .* give an "
+                                         r"empty or new folder")
+        assert (folder / name).read_text() == "the user's"
 
 
 # -- 7. the same options everywhere -------------------------------------------------------------------------

@@ -11,16 +11,21 @@ import stageplan
 class FailingLayer(nn.Module):
     """A layer that raises on its ``fail_at``-th forward call (a bad layer deep inside a run)."""
 
-    def __init__(self, width: int, fail_at: int, kill: bool = False) -> None:
+    def __init__(self, width: int, fail_at: int, kill: bool = False, hang: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
         self.fail_at = fail_at
         self.kill = kill
+        self.hang = hang
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls > self.fail_at:
+            if self.hang:  # a layer that never returns (a deadlock, a stuck collective)
+                import time
+
+                time.sleep(10**6)
             if self.kill:  # the process dies without a word, as under the OOM killer
                 import os
                 import signal
@@ -31,12 +36,12 @@ class FailingLayer(nn.Module):
 
 
 def faulty(fail_step: int = 2, num_microbatches: int = 2, width: int = 16, batch_size: int = 8,
-           kill: bool = False) -> stageplan.Workload:
+           kill: bool = False, hang: bool = False) -> stageplan.Workload:
     """Four layers; the last one raises (or SIGKILLs its process) in step ``fail_step`` (0-based), i.e. after
     fail_step * m calls."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
-                          FailingLayer(width, fail_step * num_microbatches, kill))
+                          FailingLayer(width, fail_step * num_microbatches, kill, hang))
     return stageplan.Workload(model, torch.randn(batch_size, width), torch.randn(batch_size, width),
                               nn.functional.mse_loss, name="faulty")
 
@@ -88,3 +93,11 @@ def tied_blocks(tie_with: int = 4, width: int = 16, batch_size: int = 8) -> stag
     torch.manual_seed(0)
     return stageplan.Workload(TiedBlocks(width, tie_with), torch.randn(batch_size, width), torch.randn(batch_size, width),
                               nn.functional.mse_loss, name="tied_blocks")
+
+
+def sleepy(seconds: float = 60.0) -> stageplan.Workload:
+    """A factory that takes ``seconds`` to build (a download or a deadlock inside the user's own code)."""
+    import time
+
+    time.sleep(seconds)
+    return mlp()
