@@ -560,7 +560,11 @@ def plan(
             except StageplanError as exc:
                 if not auto:
                     raise
-                last_error = exc
+                # a memory limit no split meets says more than a candidate the schedule cannot run (m < p, too
+                # few layers for its chunks): keep the first kind once seen
+                if last_error is None or not isinstance(last_error, InfeasiblePlanError) or isinstance(
+                        exc, InfeasiblePlanError):
+                    last_error = exc
                 candidates.append({"schedule": sched, "num_microbatches": m, "feasible": False, "reason": str(exc)})
                 continue
             over = [n for n in cand.notes if "over its limit" in n]

@@ -1156,11 +1156,14 @@ def _raise_infeasible(inst: _Instance, limits: FloatArray) -> NoReturn:
     assert inst.mem_prefix is not None
     L, p = inst.num_layers, inst.num_stages
     needed = _min_peak_memory(inst)
-    single = np.diff(inst.mem_prefix, axis=1)
+    # what a layer needs wherever it sits: its own row, plus the first layer's start term and the last layer's end
+    # term (another layer's start or end terms go with it only where it opens or closes a stage, which it need
+    # not: the send buffer of layer 0 had blamed layer 0 where a split with it inside a stage fits)
+    single = np.array(np.diff(inst.mem_prefix, axis=1))
     if inst.mem_start is not None:
-        single = single + inst.mem_start[:, :-1]
+        single[:, 0] += inst.mem_start[:, 0]
     if inst.mem_end is not None:
-        single = single + inst.mem_end[:, 1:]
+        single[:, L - 1] += inst.mem_end[:, L]
     too_big = np.all(single > limits[:, None], axis=0)
     limit_text = format_limits(limits, "stage")
     if too_big.any():

@@ -309,3 +309,11 @@ def test_a_plan_for_another_batch_than_the_profiled_one_says_how_to_run_it() -> 
     assert note.endswith("build the model with a batch of 32") and "--microbatch-size" not in note
     (note,) = batch_notes(plan(make_profile([1.0] * 6, mb=1), 2, num_microbatches=64))  # the 70B way: m free at mb 1
     assert "64 microbatches of 1 sample, a batch of 64" in note
+
+
+def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tried() -> None:
+    """schedule='auto' tries Interleaved1F1B last; with 3 layers it cannot run 4 chunks, and that error used to
+    stand in for the memory limit every candidate missed."""
+    prof = make_profile([1.0, 1.0, 1.0], act=[1 << 20] * 3, params=[1 << 20] * 3)
+    with pytest.raises(InfeasiblePlanError, match=r"alone needs .* more than the memory limit of 1\.00 MiB"):
+        plan(prof, 2, memory_limit="1MiB", schedule="auto")

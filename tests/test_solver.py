@@ -520,6 +520,16 @@ def test_infeasible_single_layer_message() -> None:
     assert info.value.min_memory_limit_bytes == 5.0 * 2**30 + 1.0
 
 
+def test_infeasible_names_the_layer_that_fits_nowhere_not_one_whose_buffer_it_need_not_carry() -> None:
+    """Layer 0's send buffer (an end term) goes with it only where it closes a stage; with layer 1 beside it,
+    it fits: the layer to blame is layer 2, whose own 600 B fit no stage of 500 B."""
+    with pytest.raises(InfeasiblePlanError, match=r"layer 2 alone needs 600 B \(600 bytes\) on any stage") as info:
+        solve([1, 1, 1], 2, memory_bytes=[10, 10, 600], memory_end_bytes=[2000, 0, 0], memory_limit_bytes=500)
+    assert info.value.min_memory_limit_bytes == 600.0
+    with pytest.raises(InfeasiblePlanError, match=r"layer 0 alone needs 1\.95 KiB"):  # the first layer opens stage 0
+        solve([1, 1, 1], 2, memory_bytes=[0, 10, 10], memory_start_bytes=[2000, 0, 0], memory_limit_bytes=500)
+
+
 def test_infeasible_vector_limits_are_listed() -> None:
     with pytest.raises(
         InfeasiblePlanError, match=r"fits the per-stage memory limits \[2, 3\] B; the smallest limit"
