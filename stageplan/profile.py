@@ -126,14 +126,12 @@ class Profile:
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         import io
 
-        from stageplan._io import check_output_path
+        from stageplan._io import write_atomic
 
-        p = check_output_path(path)
         buf = io.StringIO()
         self.to_pandas().to_csv(buf, index=False)
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(buf.getvalue())
-        os.replace(tmp, p)
+        text = buf.getvalue().encode()
+        write_atomic(path, lambda f: f.write(text))  # a unique temporary name, removed if the write fails
 
     def scaled(self, factors: list[float], backward_factors: list[float] | None = None) -> Profile:
         """A copy with each layer's forward times multiplied by its factor and its backward times by its backward
