@@ -160,10 +160,16 @@ def peak_rss_bytes() -> int:
 def _fake_state(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
     """Fake tensors (call inside a FakeTensorMode) shaped like the module's parameters and buffers."""
     state: dict[str, torch.Tensor] = {}
+    fakes: dict[int, torch.Tensor] = {}  # a tied parameter is one fake under all its names (functional_call
+    # refused two values for tied keys, so a layer holding a tie could not be streamed or estimated)
     for name, p in module.named_parameters(remove_duplicate=False):
-        state[name] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+        if id(p) not in fakes:
+            fakes[id(p)] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+        state[name] = fakes[id(p)]
     for name, b in module.named_buffers(remove_duplicate=False):
-        state[name] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device)
+        if id(b) not in fakes:
+            fakes[id(b)] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device)
+        state[name] = fakes[id(b)]
     return state
 
 
@@ -257,34 +263,49 @@ def build_workload_for_profile(model: str, options: dict[str, Any] | None = None
 
 # Attributes that number a layer within its model (HF's layer_idx, Megatron's layer_number) differ between
 # otherwise identical layers and change nothing in what they compute.
-_INDEX_ATTR = re.compile(r"(?:.*_)?(?:idx|index|id|number|num)")
+_INDEX_ATTR = re.compile(r"(?:.*_)?(?:layer|block|stage)_?(?:idx|index|id|number|num)|idx|index")
 _PRIMITIVE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def _const(value: Any) -> Any:
-    """A hashable, address-free stand-in for a graph argument or a module attribute (None: leave it out)."""
+def _const(value: Any, nodes: dict[Any, int] | None = None) -> Any:
+    """A hashable, address-free stand-in for a graph argument or a module attribute (None: leave it out). A graph
+    node stands in as its position in its graph (``nodes``), so that the wiring counts, not only the ops."""
     if isinstance(value, torch.fx.Node):
-        return "%"
+        return f"%{nodes[value]}" if nodes is not None and value in nodes else "%"
     if isinstance(value, _PRIMITIVE):
         return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
     if isinstance(value, (tuple, list)):
-        items = tuple(_const(v) for v in value)
+        items = tuple(_const(v, nodes) for v in value)
         return None if any(i is None and v is not None for i, v in zip(items, value)) else items
     if isinstance(value, slice):
-        return ("slice", _const(value.start), _const(value.stop), _const(value.step))
+        return ("slice", _const(value.start, nodes), _const(value.stop, nodes), _const(value.step, nodes))
     if isinstance(value, dict):
-        return tuple(sorted((str(k), repr(_const(v))) for k, v in value.items()))
+        return tuple(sorted((str(k), repr(_const(v, nodes))) for k, v in value.items()))
     return None
+
+
+def _attribute(value: Any) -> Any:
+    """A module attribute in a signature: its constant; a named function by its qualified name; any other object
+    (a lambda, a tensor that is not a buffer, a config) by its identity, so that two layers holding different
+    ones are measured apart (torch.relu against a lambda, or two config objects, had been taken as one layer)."""
+    c = _const(value)
+    if c is not None or value is None:
+        return c
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and isinstance(name, str) and "<" not in name and getattr(value, "__module__", None):
+        return ("function", f"{value.__module__}.{name}")
+    return ("object", type(value).__qualname__, id(value))
 
 
 def _graph_signature(graph: torch.fx.Graph, rename: Callable[[str], str]) -> tuple[Any, ...]:
     out: list[Any] = []
+    nodes = {node: k for k, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op == "placeholder":  # its name is the producer's, which differs from layer to layer
             out.append(("placeholder",))
             continue
         target = rename(node.target) if isinstance(node.target, str) and node.op != "output" else str(node.target)
-        out.append((node.op, target, _const(node.args), _const(dict(node.kwargs))))
+        out.append((node.op, target, _const(node.args, nodes), _const(dict(node.kwargs), nodes)))
     return tuple(out)
 
 
@@ -306,8 +327,8 @@ def _module_signature(module: nn.Module, layer: str) -> tuple[Any, ...]:
         if isinstance(graph, torch.fx.Graph):  # exported code: its graph is its structure
             mods.append((rename(name), "graph", _graph_signature(graph, rename_in(name))))
             continue
-        attrs = tuple(sorted((k, c) for k, v in vars(mod).items()
-                             if not k.startswith("_") and not _INDEX_ATTR.fullmatch(k) and (c := _const(v)) is not None))
+        attrs = tuple(sorted(((k, _attribute(v)) for k, v in vars(mod).items()
+                              if not k.startswith("_") and not _INDEX_ATTR.fullmatch(k)), key=lambda kv: kv[0]))
         mods.append((rename(name), f"{type(mod).__module__}.{type(mod).__qualname__}", mod.extra_repr(), attrs))
     params = tuple((rename(n), tuple(p.shape), str(p.dtype), p.requires_grad)
                    for n, p in module.named_parameters(remove_duplicate=False))
@@ -521,7 +542,8 @@ def _time_rounds(runs: Sequence[_Run], timer: Timer, warmup: int, repeats: int,
 def _bytes_and_peak(run: _Run, dev: torch.device, peaks: _Peaks) -> tuple[int, int | None]:
     """Saved-for-backward bytes (parameters excluded) and, on CUDA, the peak allocated above the baseline
     during one forward+backward."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in run.module.parameters()}
+    # parameters and buffers are module state, not per-microbatch activations (the estimate excludes both)
+    param_ptrs = {t.untyped_storage().data_ptr() for t in (*run.module.parameters(), *run.module.buffers())}
     act_bytes, out = saved_bytes(run.fwd, param_ptrs)
     del out
     peak: int | None = None

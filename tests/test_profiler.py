@@ -147,3 +147,84 @@ def test_unsplittable_model_names_the_reason_and_the_remedy() -> None:
 def test_layer_pattern_matching_nothing_is_refused() -> None:
     with pytest.raises(WorkloadError, match=r"layer pattern 'decoder\.\*' matches no module of GPT; top-level modules are: tok_emb"):
         profile_model(gpt(n_layer=1), microbatch_size=2, layers=["decoder.*"])
+
+
+def _sum_loss(out, _target):  # type: ignore[no-untyped-def]
+    return out.sum()
+
+
+class _Act(nn.Module):
+    def __init__(self, act, loop_num: int = 1) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.act = act
+        self.loop_num = loop_num
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.loop_num):
+            x = self.act(self.lin(x))
+        return x
+
+
+@pytest.mark.parametrize("last", [_Act(lambda x: x), _Act(torch.tanh, loop_num=4)], ids=["lambda", "loop_num"])
+def test_dedup_measures_apart_what_an_attribute_changes(last: nn.Module) -> None:
+    """Blocks that differ only in a function attribute (torch.tanh against a lambda: saves 256 B, not 512), or in
+    an attribute named like a layer index but used as a count (loop_num), were taken as one layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _Act(torch.tanh), _Act(torch.tanh), _Act(torch.tanh), last, nn.Linear(16, 16))
+    wl = Workload(model, torch.randn(4, 16), loss_fn=_sum_loss)
+    every = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, dedup=False)
+    dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=1)
+    assert dedup.layers[3].measured_as == "2"  # the identical ones are still measured once
+    assert dedup.layers[4].measured_as is None
+    assert dedup.layers[4].activation_bytes == every.layers[4].activation_bytes != every.layers[3].activation_bytes
+
+
+def test_a_graph_signature_follows_the_wiring_not_only_the_ops() -> None:
+    from stageplan.profiler import _graph_signature
+
+    def squared(x: torch.Tensor) -> torch.Tensor:
+        a = torch.sigmoid(x)
+        return a * a
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        a = torch.sigmoid(x)
+        return a * x
+
+    sig = [_graph_signature(torch.fx.symbolic_trace(f).graph, lambda t: t) for f in (squared, gated, squared)]
+    assert sig[0] != sig[1] and sig[0] == sig[2]
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("g", torch.full((32,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+def test_a_tie_inside_a_layer_streams_and_estimates_and_buffers_are_state() -> None:
+    """A layer holding a tie could not be streamed or estimated (two fakes for one tensor); a buffer the layer
+    saves for backward counted as activation bytes in a measured profile and not in an estimate."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Tied(), _Gain(), nn.Linear(32, 32))
+    wl = Workload(model, torch.randn(8, 32), loss_fn=_sum_loss)
+    whole = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, streaming=False)
+    streamed = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, streaming=True)
+    est = profile_model(wl, microbatch_size=4, device="estimate:h100-sxm")
+    for p in (whole, streamed, est):
+        assert [x.param_bytes for x in p.layers] == [32 * 33 * 4, 32 * 32 * 4, 0, 32 * 33 * 4]  # the tie once
+        assert p.layers[2].activation_bytes == 0  # x * g saves only the buffer g: module state
+    assert [x.activation_bytes for x in whole.layers] == [x.activation_bytes for x in streamed.layers] \
+        == [x.activation_bytes for x in est.layers]
