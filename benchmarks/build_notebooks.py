@@ -51,8 +51,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "plots.plot_stage_balance(plans4, ax=axes[0])\n"
                  "plots.plot_memory(plans4['optimal'], ax=axes[1])\n"
                  "plt.show()"),
-        ("md", "Per-layer cost with the optimal 4-stage boundaries: the head gets a stage with few blocks, the "
-               "embedding shares its stage with more blocks."),
+        ("md", "Per-layer cost with the optimal 4-stage boundaries: the embedding and the head each get a "
+               "stage of their own, and the blocks share the two in between."),
         ("code", "ax = plots.plot_layer_costs(profile, plans4['optimal'])\nplt.show()"),
         ("md", "Memory can change the answer: under 1F1B stage 0 keeps p microbatches of activations in flight. "
                "With a per-device limit just below what the time-optimal 2-stage split needs on stage 0, the planner "
@@ -114,7 +114,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", "fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={'width_ratios': [2.5, 1]})\n"
                  "plots.plot_timeline(report, ax=axes[0])\n"
                  "plots.plot_predicted_vs_measured(report, ax=axes[1]); plt.show()"),
-        ("md", "Calibrate: each layer's time is scaled by its rank's measured ÷ predicted compute; plan again."),
+        ("md", "Calibrate: each layer's time becomes what the run measured of it inside the schedule (the per-layer "
+               "clock; its rank's overhead outside the layers shared out by time); plan again."),
         ("code", "calibrated = stageplan.calibrate(profile, report)\n"
                  "plan2 = stageplan.plan(calibrated, 2, num_microbatches=4)\n"
                  "report2 = stageplan.run('gpt', plan2, steps=6, warmup=2)\n"

@@ -9,7 +9,7 @@ import os
 import pathlib
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -485,8 +485,9 @@ def plan(
     Adam in mixed precision), else the profiled parameters' bytes are used.
 
     ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
-    link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its latency as the delay of every
-    boundary crossing. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
+    link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
+    latency where the link has no exchange, :func:`stageplan.link.crossing_s`) as the delay of every boundary
+    crossing. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
     GPU's link within a node from gpus.json (NVLink or xGMI), said in a note.
 
     Example (no torch needed)::
@@ -835,6 +836,7 @@ def compare(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
+        _refuse_input_among_outputs(out, profile, _is_compare_output)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
@@ -864,6 +866,15 @@ def compare(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return result
+
+
+def _refuse_input_among_outputs(out: pathlib.Path, given: Any, written: Callable[[str], bool]) -> None:
+    """Refuse a --profile that is one of the files the command writes into its output folder (compare -o DIR
+    with --profile DIR/compare.json replaced the profile)."""
+    if isinstance(given, (str, os.PathLike)) and pathlib.Path(given).is_file() and out.is_dir() \
+            and written(pathlib.Path(given).name) and os.path.samefile(pathlib.Path(given).parent, out):
+        raise StageplanError(f"--profile {str(given)!r} is one of the files this command writes into {str(out)!r}; "
+                             "writing them would replace it: move the profile, or give another -o folder")
 
 
 def _is_compare_output(name: str) -> bool:
@@ -968,6 +979,7 @@ def tune(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
+        _refuse_input_among_outputs(out, profile, lambda name: name in ("plan.json", "tune.json"))
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s)
 
     def measure(pl: Plan) -> RunReport:

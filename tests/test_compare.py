@@ -68,3 +68,18 @@ def test_a_failed_compare_leaves_the_folder_as_it_was_and_a_finished_one_no_stal
     assert "run_optimal.json" not in names and (out / "notes.txt").read_text() == "the user's"
     assert {"compare.json", "plan_optimal.json", "plan_uniform.json", "balance.png"} <= names
     assert json.loads((out / "compare.json").read_text())["identical"] is True
+
+
+def test_a_profile_among_the_files_compare_or_tune_write_is_refused(tmp_path: Path) -> None:
+    from stageplan import StageplanError
+    from stageplan.api import compare, tune
+    from stageplan.profile import LayerProfile, Profile
+
+    prof = Profile(tuple(LayerProfile(str(i), 1e-3, 1e-3, 0, 8, 4) for i in range(4)),
+                   {"batch_size": 8, "microbatch_size": 4, "model": "workloads:faulty"})
+    for fn, name in ((compare, "compare.json"), (compare, "plan_optimal.json"), (tune, "plan.json")):
+        prof.save(tmp_path / name)
+        before = (tmp_path / name).read_text()
+        with pytest.raises(StageplanError, match=rf"--profile '.*{name}' is one of the files this command writes"):
+            fn("workloads:faulty", 2, profile=tmp_path / name, output_dir=tmp_path)
+        assert (tmp_path / name).read_text() == before
