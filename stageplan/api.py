@@ -782,13 +782,14 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
                              "profile to start from; drop one of them")
     if profile is None:
         workload = build_workload(model, factory_options)
+        from stageplan.measure import microbatch_size_for
+
         batch = workload.batch_size
         if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
-                                             or num_microbatches < 1 or batch % num_microbatches):
-            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-            raise StageplanError(f"--microbatches {num_microbatches} does not divide the batch of {batch}; use one of "
-                                 f"{divisors}")
-        mb = batch // num_microbatches if num_microbatches else default_microbatch_size(batch)
+                                             or num_microbatches < 1):
+            raise StageplanError(f"--microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 4")
+        # refused here, before the profile, as the run would refuse it after
+        mb = microbatch_size_for(batch, num_microbatches) if num_microbatches else default_microbatch_size(batch)
         if processes > 1:
             from stageplan.launch import profile_in_processes
 

@@ -62,5 +62,6 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         for cmd in ("tune", "compare"):
             code, _, err = run_cli([cmd, "gpt", "--set", "n_layer=2", "--stages", "2", "--microbatches", "3",
                                     "-o", str(tmp_path / "t")], capsys)
-            assert_one_line_error(code, err, r"--microbatches 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]")
+            assert_one_line_error(code, err, r"the batch of 8 does not divide into the plan's 3 microbatches.* or plan "
+                                             r"with one of \[1, 2, 4, 8\] microbatches")
     assert not (tmp_path / "t").exists()
