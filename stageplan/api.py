@@ -62,7 +62,7 @@ GIVEN_AS = {"boundaries": "boundaries", "megatron_layout": "the Megatron layout"
 
 
 def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[int, ...] | None = None,
-                given_as: str = "boundaries") -> tuple[tuple[int, ...], dict[str, Any]]:
+                given_as: str = "boundaries", time_limit_s: float = 2.0) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan import baselines, interleaved, solver
 
@@ -90,11 +90,16 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
     inp = solver_inputs(arr, opts)
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
+        exact = inp["activation_bytes"] is not None  # a rank's activation peak over its order, as evaluate counts it
         isol = interleaved.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
-                                             memory_bytes=inp["memory_bytes"], memory_limit_bytes=inp["limits"],
+                                             memory_bytes=inp["static_memory_bytes" if exact else "memory_bytes"],
+                                             memory_limit_bytes=inp["limits"],
                                              placement=opts.shape.stage_ranks, boundary_costs=inp["boundary_costs"],
                                              memory_start_bytes=inp["memory_start_bytes"],
-                                             memory_end_bytes=inp["memory_end_bytes"])
+                                             memory_end_bytes=inp["memory_end_bytes"],
+                                             activation_bytes=inp["activation_bytes"] if exact else None,
+                                             live_counts=opts.shape.live_counts if exact else None,
+                                             time_limit_s=time_limit_s)
         return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
@@ -267,7 +272,8 @@ def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubbl
             f"that layer as several), fewer stages, or splitting the layer itself (e.g. a vocabulary-parallel head)")
 
 
-def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, given_input: Any) -> dict[str, Any]:
+def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, given_input: Any,
+                    time_limit_s: float = 2.0) -> dict[str, Any]:
     """How far a given split is from the optimal plan under the same options: bottleneck and predicted step
     ratios (given / optimal) and memory per rank (need, limit, headroom = limit - need)."""
     limits = [d.memory_limit_bytes for d in opts.devices]
@@ -277,7 +283,7 @@ def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str,
         "memory_headroom_bytes": [None if lim is None else lim - n for lim, n in zip(limits, need)],
     }
     try:
-        best, _ = _boundaries("optimal", arr, opts)
+        best, _ = _boundaries("optimal", arr, opts, time_limit_s=time_limit_s)
         best, _ = _tie_break(arr, opts, best)
     except InfeasiblePlanError as exc:
         out.update(optimal_boundaries=None, optimal_infeasible=str(exc))
@@ -293,8 +299,9 @@ def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str,
 
 
 def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
-               given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None) -> Plan:
-    boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as)
+               given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None,
+               time_limit_s: float = 2.0) -> Plan:
+    boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as, time_limit_s)
     tie: dict[str, Any] = {}
     if method == "optimal":
         boundaries, tie = _tie_break(arr, opts, boundaries)
@@ -308,13 +315,14 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     one_layer = _one_layer_note(profile, arr, opts, ev.bubble_fraction)
     if one_layer:
         notes.append(one_layer)
-    versus = _versus_optimal(arr, opts, ev, given_as, given_input) if method == "given" else {}
+    versus = _versus_optimal(arr, opts, ev, given_as, given_input, time_limit_s) if method == "given" else {}
     label = estimate_label(profile.meta)
     if label:
         notes.insert(0, label)
     if solver_evidence.get("optimal") is False:
-        notes.append(f"interleaved solve hit its time limit: within {ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x "
-                     "of the proven optimum")
+        notes.append(f"interleaved solve hit its time limit ({time_limit_s:g} s): within "
+                     f"{ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x of the proven optimum; a longer "
+                     "--time-limit may close the gap")
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
     cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
@@ -465,6 +473,7 @@ def plan(
     megatron_layout: str | None = None,
     fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
     link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    time_limit_s: float = 2.0,
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
 
@@ -490,6 +499,10 @@ def plan(
     crossing. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
     GPU's link within a node from gpus.json (NVLink or xGMI), said in a note.
 
+    ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan
+    that hits it says how far from the proven optimum it may be, and a tight memory limit may need longer to
+    find any split that fits.
+
     Example (no torch needed)::
 
         >>> from stageplan import LayerProfile, Profile, plan
@@ -505,6 +518,9 @@ def plan(
         method = "optimal"
     elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
+        raise StageplanError(f"the solver's time limit must be a number of seconds > 0, got {time_limit_s!r}; e.g. "
+                             "--time-limit 20 (time_limit_s=20)")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
@@ -555,7 +571,8 @@ def plan(
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=latency_s, latency_source=latency_source,
                                     link_latency_s=link_latency_s)
-                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input)
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
+                                  time_limit_s)
                 if link_note:
                     cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
             except StageplanError as exc:

@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fqns", default=None, metavar="FQNS.json",
                    help="score torchtitan's module_fqns_per_model_part: a JSON list of lists of module FQNs, one list "
                         "per stage (as --export torchtitan prints it)")
+    p.add_argument("--time-limit", type=float, default=2.0, metavar="SECONDS",
+                   help="the solver's time per MILP solve of an interleaved or V plan (--virtual-stages > 1); a plan "
+                        "that hits it says how close to the proven optimum it is")
     p.add_argument("--compare", action="store_true", help="also print every method side by side")
     p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, megatron, "
                    "deepspeed or torchgpipe (stdout then carries only the export; the table goes to stderr)")
@@ -393,7 +396,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
-                                precision=a.precision, link=a.link)
+                                precision=a.precision, link=a.link, time_limit_s=a.time_limit)
     result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None

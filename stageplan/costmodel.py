@@ -335,10 +335,15 @@ def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
     """Arrays for stageplan.solver: per-stage time rows, boundary costs and memory rows.
 
     Stage time over layers [i, j) = sum(layer_time) / speed + 2 * comm_time[j-1] (charged to that stage).
-    Stage memory = the sum of ``memory_terms`` (rows, start and end terms added kind by kind).
+    Stage memory = the sum of ``memory_terms`` (rows, start and end terms added kind by kind). Without
+    recomputation, "static_memory_bytes" is the same without the activations (the rows of every other kind) and
+    "activation_bytes" the saved bytes per layer and microbatch, for a solver that counts a rank's activation peak
+    over its own order (``opts.shape.live_counts``) rather than chunk by chunk.
     """
-    terms = list(memory_terms(arr, opts).values())
+    by_kind = memory_terms(arr, opts)
+    terms = list(by_kind.values())
     memory = sum((t.rows for t in terms), start=np.zeros_like(terms[0].rows))
+    static = sum((t.rows for k, t in by_kind.items() if k != "activations"), start=np.zeros_like(terms[0].rows))
     starts = [t.start for t in terms if t.start is not None]
     ends = [t.end for t in terms if t.end is not None]
     limits = [d.memory_limit_bytes for d in opts.devices]
@@ -348,6 +353,8 @@ def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
         "speeds": np.array([opts.devices[rank[s]].speed for s in range(opts.num_chunks)]),
         "boundary_costs": 2.0 * comm_time(arr, opts),
         "memory_bytes": memory,
+        "static_memory_bytes": None if opts.recompute else static,
+        "activation_bytes": None if opts.recompute else np.asarray(arr.activation_bytes, dtype=float),
         "memory_start_bytes": sum(starts[1:], start=starts[0]) if starts else None,
         "memory_end_bytes": sum(ends[1:], start=ends[0]) if ends else None,
         "limits": None if all(x is None for x in limits) else np.array([np.inf if x is None else x for x in limits]),

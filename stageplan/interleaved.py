@@ -51,6 +51,28 @@ class InterleavedSolution:
 
 
 @dataclass(frozen=True)
+class _Live:
+    """Activations counted at their exact peak: ``activation_bytes`` per layer (L,) and, per rank, the
+    microbatch counts each chunk holds at the moments the rank can peak (``counts[r]``, (K_r, C), 0 off the rank;
+    ScheduleShape.live_counts). Rank r's activation peak is max_k sum_c counts[r][k, c] x chunk c's bytes."""
+
+    activation_bytes: FloatArray
+    counts: tuple[FloatArray, ...]
+
+    @property
+    def upper_activations(self) -> FloatArray:
+        """(C, L): each chunk's own peak count x its layers' bytes; summed over a rank's chunks, an upper bound."""
+        most = np.max(np.concatenate(self.counts, axis=0), axis=0)
+        return np.asarray(most[:, None] * self.activation_bytes[None, :])
+
+    def rank_peaks(self, bounds: Sequence[int]) -> FloatArray:
+        prefix = np.concatenate([[0.0], np.cumsum(self.activation_bytes)])
+        b = np.asarray(bounds)
+        chunk = prefix[b[1:]] - prefix[b[:-1]]
+        return np.array([float((k @ chunk).max()) for k in self.counts])
+
+
+@dataclass(frozen=True)
 class _MilpResult:
     bounds: list[int] | None
     optimal: bool
@@ -73,13 +95,16 @@ def _interleaved_milp(
     time_end: FloatArray | None = None,
     mem_start: FloatArray | None = None,
     mem_end: FloatArray | None = None,
+    live: _Live | None = None,
 ) -> _MilpResult:
     """Solve with HiGHS. u[l, c] = 1 iff layer l sits in chunk >= c (c = 1..C-1): a staircase,
     non-decreasing in l, rising by at most one per layer, so every chunk is non-empty and contiguous.
     With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs S_c - S_{c+1}. Chunk c runs on rank
     ``place[c]``. A term of a chunk's first layer (start[c, i]) or last layer (end[c, j-1]) is linear in u too:
     layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and starts chunk c >= 1 iff u[l, c] - u[l-1, c] = 1.
-    ``time_end`` is a chunk's boundary time at its last layer, already times its rank's speed."""
+    ``time_end`` is a chunk's boundary time at its last layer, already times its rank's speed. With ``live``,
+    ``memory`` holds the static bytes only and each rank gets one memory row per live-count vector (its chunks'
+    static bytes + sum_c count_c x activation bytes of chunk c): the exact activation peak, not a bound."""
     L = costs.size
     C = p * v
     nc = C - 1
@@ -128,11 +153,11 @@ def _interleaved_milp(
     layers = np.arange(L)
 
     def add_rank_rows(weights: FloatArray, rhs: FloatArray, z_coef: FloatArray, start: FloatArray | None = None,
-                      end: FloatArray | None = None) -> None:
+                      end: FloatArray | None = None, ranks: Sequence[int] | None = None) -> None:
         """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the end
-        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L)."""
+        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or ``ranks``."""
         nonlocal n_rows
-        for rank in range(p):
+        for rank in range(p) if ranks is None else ranks:
             const = 0.0
             for chunk in (c for c in range(C) if place[c] == rank):
                 # + sum_l weights[chunk, l] * u[l, chunk]   (u[., 0] = 1)
@@ -167,21 +192,32 @@ def _interleaved_milp(
     time_scale = lower if lower > 0 else 1.0
     mem_scale = 1.0
     if memory is not None:
-        mem_scale = max(float(memory.sum(axis=1).max()) / p, 1e-300)
+        whole = memory if live is None else memory + live.upper_activations
+        mem_scale = max(float(whole.sum(axis=1).max()) / p, 1e-300)
     ms = None if mem_start is None else mem_start / mem_scale
     me = None if mem_end is None else mem_end / mem_scale
+
+    def add_memory_rows(rhs: FloatArray, z_coef: FloatArray) -> None:
+        assert memory is not None
+        if live is None:
+            add_rank_rows(memory / mem_scale, rhs, z_coef, ms, me)
+            return
+        for rank, vectors in enumerate(live.counts):
+            for counts in vectors:
+                rows_k = (memory + counts[:, None] * live.activation_bytes[None, :]) / mem_scale
+                add_rank_rows(rows_k, rhs, z_coef, ms, me, ranks=[rank])
     if objective == "time":
         add_rank_rows(np.broadcast_to(costs / time_scale, (C, L)), np.zeros(p), -speeds,
                       end=None if time_end is None else time_end / time_scale)
         if memory is not None and limits is not None:
             finite = np.where(np.isfinite(limits), limits / mem_scale, 1e300)
-            add_rank_rows(memory / mem_scale, finite, np.zeros(p), ms, me)
+            add_memory_rows(finite, np.zeros(p))
         lb[z] = lower / time_scale
         ub[z] = upper / time_scale * (1 + 1e-9) if math.isfinite(upper) else _INF
         scale = time_scale
     else:
         assert memory is not None
-        add_rank_rows(memory / mem_scale, np.zeros(p), -np.ones(p), ms, me)
+        add_memory_rows(np.zeros(p), -np.ones(p))
         lb[z] = 0.0
         ub[z] = _INF
         scale = mem_scale
@@ -246,6 +282,13 @@ def _rank_memory(memory: FloatArray, bounds: list[int], place: list[int], p: int
     return _per_rank(_chunk_values(memory, start, end, bounds), place, p)
 
 
+def _exact_rank_memory(static: FloatArray, live: _Live | None, bounds: list[int], place: list[int], p: int,
+                       start: FloatArray | None, end: FloatArray | None) -> FloatArray:
+    """Each rank's memory: its chunks' (static) bytes, plus its exact activation peak with ``live``."""
+    out = _rank_memory(static, bounds, place, p, start, end)
+    return out if live is None else out + live.rank_peaks(bounds)
+
+
 def solve_interleaved(
     costs: ArrayLike,
     num_ranks: int,
@@ -259,6 +302,8 @@ def solve_interleaved(
     boundary_costs: ArrayLike | None = None,
     memory_start_bytes: ArrayLike | None = None,
     memory_end_bytes: ArrayLike | None = None,
+    activation_bytes: ArrayLike | None = None,
+    live_counts: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> InterleavedSolution:
     """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``placement[c]`` (default ``c % p``,
     torch's looped schedules; ZBVZeroBubble's V is ``0..p-1, p-1..0``), minimising the largest rank load (the
@@ -267,7 +312,11 @@ def solve_interleaved(
 
     ``memory_bytes`` is ``(L,)`` or ``(p*v, L)`` (one row per chunk); a chunk's memory adds
     ``memory_start_bytes[c, i]`` of its first layer i and ``memory_end_bytes[c, j-1]`` of its last; a rank's
-    memory is the sum of its chunks' and must fit ``memory_limit_bytes`` (scalar or one per rank). ``v == 1``
+    memory is the sum of its chunks' and must fit ``memory_limit_bytes`` (scalar or one per rank). With
+    ``activation_bytes`` (L,) and ``live_counts`` (per rank, the microbatch counts each of the C chunks holds at
+    the moments its activations can peak: ScheduleShape.live_counts), ``memory_bytes`` is the static part and a
+    rank adds its exact activation peak, max over its count vectors of sum_c count_c x chunk c's activation bytes
+    (a rank's chunks do not all peak at once). ``v == 1``
     is the contiguous problem and is solved exactly by :func:`solve`. Otherwise a MILP is solved with
     HiGHS (scipy.optimize.milp) within ``time_limit_s``: ``optimal`` is True when HiGHS proves it
     (gap 1e-9 of the objective scaled by the trivial bound); else the best plan found is returned
@@ -311,6 +360,7 @@ def solve_interleaved(
             end = _validate_rows("memory_end_bytes", memory_end_bytes, C, L, "chunk")
         if memory_limit_bytes is not None:
             limits = _validate_limits(memory_limit_bytes, p, "rank")
+    live = _validate_live(activation_bytes, live_counts, memory is not None, place, L)
     if (
         isinstance(time_limit_s, bool)
         or not isinstance(time_limit_s, (int, float))
@@ -320,6 +370,9 @@ def solve_interleaved(
         raise StageplanError(f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
 
     if v == 1:
+        if live is not None:  # one chunk per rank: its own peak is the rank's
+            assert memory is not None
+            memory = memory + live.upper_activations
         sol = solve(c, p, stage_speeds=speeds[place], boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start,
                     memory_end_bytes=end, memory_limit_bytes=None if limits is None else limits[place])
         return InterleavedSolution(
@@ -334,7 +387,35 @@ def solve_interleaved(
     if bc is not None and np.any(bc[:-1] > 0):
         time_end = np.array(bc) * speeds[place][:, None]  # charged undivided: times the speed the row divides by
         time_end[C - 1] = 0.0  # the last chunk sends nothing
-    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc, start, end)
+    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc, start, end,
+                                   live)
+
+
+def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Sequence[Sequence[int]]] | None,
+                   has_memory: bool, place: list[int], L: int) -> _Live | None:
+    if activation_bytes is None and live_counts is None:
+        return None
+    if activation_bytes is None or live_counts is None or not has_memory:
+        raise StageplanError(
+            "activation_bytes and live_counts go together, with memory_bytes holding the static bytes (pass zeros "
+            "for none); pass all three, or fold the activations into memory_bytes and pass neither")
+    C, p = len(place), max(place) + 1
+    act = _validate_rows("activation_bytes", activation_bytes, 1, L, "chunk")[0]
+    if len(live_counts) != p:
+        raise StageplanError(f"live_counts needs one list of count vectors per rank ({p}), got {len(live_counts)}; "
+                             "pass ScheduleShape.live_counts")
+    counts = []
+    for r, vectors in enumerate(live_counts):
+        k = np.asarray(vectors, dtype=float)
+        if k.ndim != 2 or k.shape[0] < 1 or k.shape[1] != C or not np.all(np.isfinite(k)) or np.any(k < 0):
+            raise StageplanError(f"live_counts[{r}] must be one or more vectors of {C} counts >= 0, got shape "
+                                 f"{k.shape}; pass ScheduleShape.live_counts")
+        off = [ci for ci in range(C) if place[ci] != r and np.any(k[:, ci] != 0)]
+        if off:
+            raise StageplanError(f"live_counts[{r}] counts chunks {off}, which run on other ranks; a rank counts "
+                                 "only its own chunks (0 elsewhere)")
+        counts.append(k)
+    return _Live(act, tuple(counts))
 
 
 def _solve_interleaved_milp(
@@ -350,29 +431,35 @@ def _solve_interleaved_milp(
     bc: FloatArray | None,
     start: FloatArray | None,
     end: FloatArray | None,
+    live: _Live | None = None,
 ) -> InterleavedSolution:
     L = c.size
     C = p * v
     trivial = lower_bound(c, speeds)
+    static = memory
+    if memory is not None and live is not None:
+        memory = memory + live.upper_activations  # per chunk, its own peak: what the heuristics bound ranks by
 
     def fits(bounds: list[int]) -> bool:
-        if memory is None or limits is None:
+        if static is None or limits is None:
             return True
-        return bool(np.all(_rank_memory(memory, bounds, place, p, start, end) <= limits))
+        return bool(np.all(_exact_rank_memory(static, live, bounds, place, p, start, end) <= limits))
 
     def bottleneck_of(bounds: list[int]) -> float:
         return max(_rank_loads(c, speeds, bounds, place, time_end))
 
-    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored, or
-    # each chunk held to 1/v of its rank's limit), improved by local search; it bounds the MILP
+    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored, or each chunk
+    # held to a share of its rank's limit), improved by local search; it bounds the MILP
     chunk_speeds = speeds[place]
     starts = [list(solve(c, C, stage_speeds=chunk_speeds, boundary_costs=bc).boundaries)]
     if memory is not None and limits is not None:
-        with contextlib.suppress(InfeasiblePlanError):
-            chunk_limits = limits[place] / v
-            sol = solve(c, C, stage_speeds=chunk_speeds, boundary_costs=bc, memory_bytes=memory,
-                        memory_start_bytes=start, memory_end_bytes=end, memory_limit_bytes=chunk_limits)
-            starts.append(list(sol.boundaries))
+        assert static is not None
+        for rows, share in _memory_starts(static, live, memory, place, p):
+            with contextlib.suppress(InfeasiblePlanError):
+                sol = solve(c, C, stage_speeds=chunk_speeds, boundary_costs=bc, memory_bytes=rows,
+                            memory_start_bytes=start, memory_end_bytes=end, memory_limit_bytes=limits[place] * share)
+                if list(sol.boundaries) not in starts:
+                    starts.append(list(sol.boundaries))
     heur: list[int] = []
     upper = _INF
     time_rows = np.broadcast_to(c, (C, L))
@@ -381,16 +468,17 @@ def _solve_interleaved_milp(
             assert memory is not None
             first = _improve_interleaved(memory, p, np.ones(p), None, None, first, place, start, end, None, None)
         if fits(first):
-            cand = _improve_interleaved(time_rows, p, speeds, memory, limits, first, place, None, time_end, start, end)
+            cand = _improve_interleaved(time_rows, p, speeds, static, limits, first, place, None, time_end, start, end,
+                                        live)
             load = bottleneck_of(cand)
             if load < upper:
                 heur, upper = cand, load
     heur_ok = bool(heur)
 
-    result = _interleaved_milp(c, p, v, speeds, memory, limits, "time", upper, trivial, time_limit_s, place, time_end,
-                               start, end)
+    result = _interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
+                               start, end, live)
     if result.infeasible and not heur_ok:
-        _raise_interleaved_infeasible(c, p, v, memory, limits, time_limit_s, place, start, end)
+        _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
     candidates: list[tuple[float, float, list[int], bool]] = []
 
     def largest_chunk(bounds: list[int]) -> float:
@@ -403,7 +491,8 @@ def _solve_interleaved_milp(
     if not candidates:
         raise StageplanError(
             f"no interleaved plan of {L} layers into {p} ranks x {v} virtual stages was found within "
-            f"time_limit_s={time_limit_s:g}, and infeasibility was not proven either; raise time_limit_s"
+            f"time_limit_s={time_limit_s:g}, and infeasibility was not proven either; give the solver longer "
+            "(time_limit_s; stageplan plan --time-limit SECONDS), raise the memory limit, or use recomputation"
         )
     best = min(t[0] for t in candidates)
     # equal bottlenecks: keep the split whose largest chunk is smallest (a chunk is what the schedule waits on; a
@@ -424,6 +513,34 @@ def _solve_interleaved_milp(
     )
 
 
+_SHARE_BLENDS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _memory_starts(static: FloatArray, live: _Live | None, upper: FloatArray, place: list[int],
+                   p: int) -> list[tuple[FloatArray, FloatArray]]:
+    """Per-chunk memory rows and each chunk's share of its rank's limit, for contiguous solves that seed the
+    incumbent: rows that bound each chunk by its own peak (their sum over a rank bounds the rank), or with live
+    counts each rank's heaviest moment's counts (equal-sized chunks; not a bound, so a split is kept only when its
+    exact memory fits); shares equal (1/v), or in proportion to a chunk's bytes per layer (a chunk holding more
+    microbatches gets more of the limit, and so about as many layers)."""
+    C = len(place)
+    options = [upper]
+    if live is not None:
+        heaviest = np.zeros(C)
+        for k in live.counts:
+            heaviest += k[int(np.argmax(k.sum(axis=1)))]
+        options.append(static + heaviest[:, None] * live.activation_bytes[None, :])
+    out = []
+    for rows in options:
+        per_layer = rows.mean(axis=1) + 1e-300
+        rank_total = np.array([per_layer[[ci for ci in range(C) if place[ci] == r]].sum() for r in range(p)])
+        proportional = per_layer / rank_total[place]
+        counts = np.bincount(place, minlength=p)
+        equal = 1.0 / counts[place]
+        out += [(rows, (1 - t) * equal + t * proportional) for t in _SHARE_BLENDS]
+    return out
+
+
 def _improve_interleaved(
     values: FloatArray,
     p: int,
@@ -436,12 +553,13 @@ def _improve_interleaved(
     v_end: FloatArray | None,
     g_start: FloatArray | None,
     g_end: FloatArray | None,
+    g_live: _Live | None = None,
 ) -> list[int]:
     """Local search over chunk boundaries: move one layer across a boundary whenever that lowers the
     larger load of the ranks involved (rank load = sum of its chunks' values, each chunk's first-layer start
     and last-layer end terms included, / div[rank]), keeping every rank within guard_limits on guard_rows
-    (with their start and end terms) when given. The sorted load vector falls with every move, so it stops;
-    the result is a heuristic incumbent, not a proof."""
+    (with their start and end terms, plus the rank's exact activation peak with ``g_live``) when given. The
+    sorted load vector falls with every move, so it stops; the result is a heuristic incumbent, not a proof."""
     C = values.shape[0]
     if p == 1:
         return bounds
@@ -468,6 +586,14 @@ def _improve_interleaved(
     def mem_of(ci: int, i: int, j: int) -> float:
         return M[ci][j] - M[ci][i] + term(g_start, ci, i) + term(g_end, ci, j - 1)
 
+    act_prefix = None if g_live is None else np.concatenate([[0.0], np.cumsum(g_live.activation_bytes)])
+    cact: list[float] = []
+
+    def peak(r: int) -> float:  # rank r's activation peak over its order (0 without g_live)
+        if g_live is None:
+            return 0.0
+        return float((g_live.counts[r] @ np.asarray(cact)).max())
+
     if guard_rows is not None and guard_limits is not None:
         mp = np.zeros((C, guard_rows.shape[1] + 1))
         np.cumsum(guard_rows, axis=1, out=mp[:, 1:])
@@ -475,6 +601,8 @@ def _improve_interleaved(
         lim = guard_limits.tolist()
         cmem = [mem_of(i, b[i], b[i + 1]) for i in range(C)]
         rmem = [math.fsum(cmem[ci] for ci in range(C) if place[ci] == r) for r in range(p)]
+        if act_prefix is not None:
+            cact = [float(act_prefix[b[i + 1]] - act_prefix[b[i]]) for i in range(C)]
     improved = True
     while improved:
         improved = False
@@ -496,7 +624,12 @@ def _improve_interleaved(
                     nmem = {ra: rmem[ra], rb: rmem[rb]}
                     nmem[ra] += ma - cmem[ci - 1]
                     nmem[rb] += mb - cmem[ci]
-                    if any(x > lim[r] for r, x in nmem.items()):
+                    old_act = cact[ci - 1:ci + 1]
+                    if act_prefix is not None:
+                        cact[ci - 1] = float(act_prefix[nb] - act_prefix[b[ci - 1]])
+                        cact[ci] = float(act_prefix[b[ci + 1]] - act_prefix[nb])
+                    if any(x + peak(r) > lim[r] for r, x in nmem.items()):
+                        cact[ci - 1:ci + 1] = old_act
                         continue
                     for r, x in nmem.items():
                         rmem[r] = x
@@ -508,7 +641,7 @@ def _improve_interleaved(
                 improved = True
                 break
     if guard_rows is not None and guard_limits is not None and not np.all(
-        _rank_memory(guard_rows, b, place, p, g_start, g_end) <= guard_limits
+        _exact_rank_memory(guard_rows, g_live, b, place, p, g_start, g_end) <= guard_limits
     ):
         return bounds  # incremental sums drifted past a limit: keep the start
     return b
@@ -516,18 +649,19 @@ def _improve_interleaved(
 
 def _raise_interleaved_infeasible(
     c: FloatArray, p: int, v: int, memory: FloatArray | None, limits: FloatArray | None, time_limit_s: float,
-    place: list[int], start: FloatArray | None, end: FloatArray | None,
+    place: list[int], start: FloatArray | None, end: FloatArray | None, live: _Live | None = None,
 ) -> NoReturn:
     assert memory is not None and limits is not None
     L = c.size
     res = _interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", _INF, 0.0, time_limit_s, place, None, start,
-                            end)
-    needed = (float(_rank_memory(memory, res.bounds, place, p, start, end).max())
+                            end, live)
+    needed = (float(_exact_rank_memory(memory, live, res.bounds, place, p, start, end).max())
               if res.optimal and res.bounds else None)
     tail = (
         f"the smallest limit that admits a plan is {format_bytes(needed)}"
         if needed is not None
-        else f"the smallest limit that admits a plan was not found within time_limit_s={time_limit_s:g}"
+        else f"the smallest limit that admits a plan was not found within time_limit_s={time_limit_s:g} (give the solver "
+             "longer to find it: stageplan plan --time-limit SECONDS)"
     )
     raise InfeasiblePlanError(
         f"no partition of {L} layers into {p * v} chunks ({p} ranks x {v} virtual stages) fits "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -394,6 +394,35 @@ class ScheduleShape:
     def zero_bubble(self) -> bool:
         """The backward is split into I and W actions (activations are held until W)."""
         return self.schedule in _ZERO_BUBBLE
+
+    @cached_property
+    def live_counts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per rank, how many microbatches' activations each chunk holds at the moments the rank's live
+        activation bytes can peak: the counts (one per chunk, 0 off the rank) after each forward in its order,
+        keeping only those no other moment's counts cover chunk by chunk. A rank's activation peak is the largest
+        of sum_c counts[c] x bytes of chunk c over these (exact for a rank holding several chunks, where
+        sum_c peak_inflight[c] x bytes overcounts).
+
+        >>> shape = schedule_shape("Interleaved1F1B", 2, 4, 2)
+        >>> shape.peak_inflight, shape.live_counts[0]  # rank 0 holds chunks 0 and 2: never 4 and 2 at once
+        ((4, 3, 2, 1), ((4, 0, 1, 0), (3, 0, 2, 0)))
+        """
+        release = "W" if self.zero_bubble else "B"
+        out = []
+        for order in self.orders:
+            held = [0] * self.num_chunks
+            seen: list[tuple[int, ...]] = []
+            for action in order:
+                if action.kind == "F":
+                    held[action.stage] += 1
+                    seen.append(tuple(held))
+                elif action.kind == release:
+                    held[action.stage] -= 1
+            unique = set(seen)
+            kept = [x for x in unique
+                    if not any(y != x and all(a <= b for a, b in zip(x, y, strict=True)) for y in unique)]
+            out.append(tuple(sorted(kept, reverse=True)))
+        return tuple(out)
 
 
 def schedule_shape(
