@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import pathlib
 import sys
@@ -167,8 +168,12 @@ def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[t
         later[s, list(ranks[s + 1:])] = 1.0
     found: list[tuple[int, ...]] = []
     nodes = 0
+    # an interleaved rank's activations peak over its order: carry, per rank, each live-count vector's sum over the
+    # chunks placed so far (a lower bound of the rank's peak while chunks remain, its peak once all are placed)
+    live = costs.live
 
-    def visit(s: int, x: int, load: np.ndarray, mem: np.ndarray, cuts: list[int]) -> bool:
+    def visit(s: int, x: int, load: np.ndarray, mem: np.ndarray, cuts: list[int],
+              partial: tuple[np.ndarray, ...] = ()) -> bool:
         nonlocal nodes
         nodes += 1
         if (alive is None and nodes > _TIE_NODES) or len(found) > most:
@@ -186,21 +191,31 @@ def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[t
             return True
         f, b, c, m = costs.stage(s, x, ys)
         t = load[r] + (f + b + c)
-        ok = (t <= cap) & (mem[r] + m <= costs.limits[r])
+        if live is not None:
+            acts = costs.act_prefix[ys] - costs.act_prefix[x]
+            sums = partial[r][None, :] + acts[:, None] * live[r][:, s][None, :]  # (len(ys), K_r)
+            ok = (t <= cap) & (mem[r] + m + sums.max(axis=1) <= costs.limits[r])
+        else:
+            ok = (t <= cap) & (mem[r] + m <= costs.limits[r])
         if not last:  # the work after y must fit in what the later ranks have left (communication only adds)
             room = later[s] @ ((cap - load) * rank_speed) - later[s, r] * (t - load[r]) * rank_speed[r]
             ok &= work[L] - work[ys] <= room * (1 + 1e-9)
-        for y, tt, mm in zip(ys[ok].tolist(), t[ok].tolist(), m[ok].tolist()):
+        for idx in np.flatnonzero(ok).tolist():
+            y = int(ys[idx])
             if last:
                 found.append((*cuts, y))
                 continue
             load2, mem2 = load.copy(), mem.copy()
-            load2[r], mem2[r] = tt, mem[r] + mm
-            if not visit(s + 1, y, load2, mem2, [*cuts, y]):
+            load2[r], mem2[r] = float(t[idx]), mem[r] + float(m[idx])
+            partial2 = partial
+            if live is not None:
+                partial2 = tuple(sums[idx] if q == r else partial[q] for q in range(p))
+            if not visit(s + 1, y, load2, mem2, [*cuts, y], partial2):
                 return False
         return True
 
-    complete = visit(0, 0, np.zeros(p), np.zeros(p), [0])
+    start_partial = tuple(np.zeros(len(k)) for k in live) if live is not None else ()
+    complete = visit(0, 0, np.zeros(p), np.zeros(p), [0], start_partial)
     return found if complete and len(found) <= most else None
 
 
@@ -229,6 +244,8 @@ def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> t
         f, b, c, _ = costs.split(cand)
         best, step = _best(cand, costs.split_steps(cand, f, b, c), start)
         evaluated = len(listed)
+        if step > step0 * (1 + _TIE_REL):  # the solver's own split was not listed: never trade it for a slower one
+            best, step = start, step0
     for _ in range(0 if exhaustive else _TIE_ROUNDS):
         cur = np.array(best)
         # every single-boundary move, nearest first: boundary k to x, strictly between its neighbours
@@ -518,9 +535,10 @@ def plan(
         method = "optimal"
     elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
-        raise StageplanError(f"the solver's time limit must be a number of seconds > 0, got {time_limit_s!r}; e.g. "
-                             "--time-limit 20 (time_limit_s=20)")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not 0 < time_limit_s < math.inf:
+        raise StageplanError(f"the solver's time limit must be a finite number of seconds > 0, got {time_limit_s!r}; "
+                             "e.g. --time-limit 20 (time_limit_s=20)")
+    time_limit_s = float(time_limit_s)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))

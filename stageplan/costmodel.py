@@ -503,8 +503,15 @@ class SplitCosts:
         self.opt_prefix = np.concatenate([[0.0], np.cumsum(optimizer_time(arr, opts))])
         self.comm = comm_time(arr, opts)  # one way, per boundary after each layer
         self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
-        terms = list(memory_terms(arr, opts).values())
-        self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(sum(t.rows for t in terms), axis=1)], axis=1)
+        by_kind = memory_terms(arr, opts)
+        terms = list(by_kind.values())
+        # interleaved ranks without recomputation: a rank's activations peak over its own order (live_counts), not
+        # at the sum of its chunks' peaks, so the activations are kept apart from the chunks' other bytes
+        self.exact_peak = opts.virtual_stages > 1 and not opts.recompute
+        rows = sum(t.rows for k, t in by_kind.items() if not (self.exact_peak and k == "activations"))
+        self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(rows, axis=1)], axis=1)
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(np.asarray(arr.activation_bytes, dtype=float))])
+        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None
         self.mem_start = sum((t.start for t in terms if t.start is not None), start=np.zeros((S, L)))
         self.mem_end = sum((t.end for t in terms if t.end is not None), start=np.zeros(L))
         self.rank_of = np.zeros((S, opts.num_ranks))  # chunk -> rank, one-hot
@@ -514,7 +521,8 @@ class SplitCosts:
     def stage(self, s: np.ndarray | int, i: np.ndarray | int, j: np.ndarray | int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward, comm (both directions) seconds and memory bytes of chunk s over layers [i, j):
-        the formulas of ``evaluate``, term by term."""
+        the formulas of ``evaluate``, term by term. With :attr:`exact_peak` the memory leaves the activations out
+        (a rank adds its peak over its order: :meth:`rank_peaks`)."""
         s, i, j = np.asarray(s), np.asarray(i), np.asarray(j)
         f = (self.fwd_prefix[j] - self.fwd_prefix[i]) / self.speed[s]
         b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
@@ -526,11 +534,21 @@ class SplitCosts:
 
     def split(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For each row of ``bounds`` (N, S+1): per-chunk forward, backward and comm seconds (N, S) and per-rank
-        memory bytes (N, p): the sum of the rank's chunks (exact for one chunk per rank, an upper bound for
-        interleaved ranks, as the interleaved solver counts it)."""
+        memory bytes (N, p), as ``evaluate`` counts them: the sum of the rank's chunks, with an interleaved rank's
+        activations at their peak over its order."""
         bounds = np.asarray(bounds)
         f, b, c, mem = self.stage(np.arange(bounds.shape[1] - 1)[None, :], bounds[:, :-1], bounds[:, 1:])
-        return f, b, c, mem @ self.rank_of
+        return f, b, c, mem @ self.rank_of + self.rank_peaks(bounds)
+
+    def rank_peaks(self, bounds: np.ndarray) -> np.ndarray:
+        """Per rank (N, p), the activation bytes :meth:`stage` leaves out: with :attr:`exact_peak`, the largest
+        sum_c count_c x chunk c's saved bytes over the rank's live-count vectors (``ScheduleShape.live_counts``);
+        else 0."""
+        bounds = np.asarray(bounds)
+        if self.live is None:
+            return np.zeros((bounds.shape[0], self.opts.num_ranks))
+        chunk = self.act_prefix[bounds[:, 1:]] - self.act_prefix[bounds[:, :-1]]  # (N, S)
+        return np.stack([(chunk @ k.T).max(axis=1) for k in self.live], axis=1)
 
     def optimizer(self, bounds: np.ndarray) -> np.ndarray:
         """Per-chunk seconds of one optimizer step (N, S) for each row of ``bounds`` (N, S+1), as ``evaluate``

@@ -39,7 +39,9 @@ class InterleavedSolution:
 
     ``rank_loads[r]`` is the summed cost of rank r's chunks divided by its speed,
     ``bottleneck == max(rank_loads)``. ``lower_bound`` is a proven lower bound on the optimal
-    bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk.
+    bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk (with live
+    counts, each chunk at its own activation peak: a rank's chunks need not peak at once, so their sum bounds the
+    rank's memory from above).
     """
 
     boundaries: tuple[int, ...]

@@ -319,14 +319,16 @@ def test_time_limit_is_checked_and_reaches_the_solver(capsys: pytest.CaptureFixt
     from stageplan import LayerProfile, Profile, plan
 
     prof = Profile(tuple(LayerProfile(f"l{i}", 1e-3 * (i + 1), 2e-3, 0, 0, 0) for i in range(8)))
-    for bad in (0, -1.0, float("nan"), True, "2"):
-        with pytest.raises(StageplanError, match="time limit must be a number of seconds > 0"):
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(StageplanError, match="time limit must be a finite number of seconds > 0"):
             plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, time_limit_s=bad)
     path = tmp_path / "p.json"
     prof.save(path)
     code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule", "Interleaved1F1B",
                             "--virtual-stages", "2", "--time-limit", "0"], capsys)
-    assert_one_line_error(code, err, r"time limit must be a number of seconds > 0, got 0\.0; e\.g\. --time-limit 20")
+    assert_one_line_error(code, err, r"time limit must be a finite number of seconds > 0, got 0\.0; e\.g\. --time-limit 20")
+    assert plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2,
+                time_limit_s=np.int64(5)).boundaries[-1] == 8  # numpy numbers are numbers
     seen = []
     original = interleaved.solve_interleaved
 
