@@ -466,21 +466,11 @@ def _tied_note(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -
 
 def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape) -> tuple[float, ...]:
     """Per rank, the peak of live saved-activation bytes over its torch order (+ on F, - on B, or on W in
-    zero-bubble schedules): exact for interleaved ranks that hold several stages, where summing per-stage peaks
-    would overcount."""
-    acts = [float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in range(len(boundaries) - 1)]
-    release = "W" if shape.zero_bubble else "B"
-    peaks = []
-    for order in shape.orders:
-        live = peak = 0.0
-        for a in order:
-            if a.kind == "F":
-                live += acts[a.stage]
-            elif a.kind == release:
-                live -= acts[a.stage]
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    zero-bubble schedules), from the counts each chunk holds at the moments it can peak
+    (``ScheduleShape.live_counts``): exact for interleaved ranks that hold several stages, where summing per-stage
+    peaks would overcount."""
+    acts = np.array([float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in range(len(boundaries) - 1)])
+    return tuple(float(max(np.dot(k, acts) for k in vectors)) for vectors in shape.live_counts)
 
 
 # ------------------------------------------------------------------------------------------------------
