@@ -101,7 +101,8 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
                                              activation_bytes=inp["activation_bytes"] if exact else None,
                                              live_counts=opts.shape.live_counts if exact else None,
                                              time_limit_s=time_limit_s)
-        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound}
+        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound,
+                                        "timed_out": isol.timed_out}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
                        memory_end_bytes=inp["memory_end_bytes"], memory_limit_bytes=inp["limits"])
@@ -337,9 +338,13 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     if label:
         notes.insert(0, label)
     if solver_evidence.get("optimal") is False:
-        notes.append(f"interleaved solve hit its time limit ({time_limit_s:g} s): within "
-                     f"{ev.bottleneck_s / solver_evidence['proven_lower_bound_s']:.3f}x of the proven optimum; a longer "
-                     "--time-limit may close the gap")
+        gap = ev.bottleneck_s / solver_evidence["proven_lower_bound_s"]
+        if solver_evidence.get("timed_out", True):
+            notes.append(f"interleaved solve hit its time limit ({time_limit_s:g} s): within {gap:.3f}x of the proven "
+                         "optimum; a longer --time-limit may close the gap")
+        else:  # HiGHS ended otherwise (numerical trouble, or its split missed the exact memory check by its tolerance)
+            notes.append(f"interleaved split not proven optimal: the MILP ended without a proof it could use, before "
+                         f"its time limit; the split kept is within {gap:.3f}x of the proven lower bound")
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
     cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",

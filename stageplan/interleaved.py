@@ -41,7 +41,8 @@ class InterleavedSolution:
     ``bottleneck == max(rank_loads)``. ``lower_bound`` is a proven lower bound on the optimal
     bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk (with live
     counts, each chunk at its own activation peak: a rank's chunks need not peak at once, so their sum bounds the
-    rank's memory from above).
+    rank's memory from above). ``timed_out`` is True when the MILP stopped at ``time_limit_s`` (then ``optimal``
+    is False unless a split it had found is proven to share the optimum's bottleneck).
     """
 
     boundaries: tuple[int, ...]
@@ -50,6 +51,7 @@ class InterleavedSolution:
     lower_bound: float
     optimal: bool
     chunk_memory: tuple[float, ...] | None
+    timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class _MilpResult:
     optimal: bool
     infeasible: bool
     dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
+    timed_out: bool = False  # HiGHS stopped at its time limit
 
 
 def _interleaved_milp(
@@ -249,7 +252,7 @@ def _interleaved_milp(
         cand = [0, *inner, L]
         if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)):
             bounds = cand
-    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound)
+    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1)
 
 
 def _chunk_values(rows: FloatArray, start: FloatArray | None, end: FloatArray | None, bounds: list[int]) -> FloatArray:
@@ -512,6 +515,7 @@ def _solve_interleaved_milp(
         lower_bound=lower,
         optimal=optimal,
         chunk_memory=None if memory is None else tuple(float(x) for x in _chunk_values(memory, start, end, bounds)),
+        timed_out=result.timed_out,
     )
 
 

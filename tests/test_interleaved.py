@@ -340,3 +340,20 @@ def test_time_limit_is_checked_and_reaches_the_solver(capsys: pytest.CaptureFixt
     code, _, _ = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule", "Interleaved1F1B",
                           "--virtual-stages", "2", "--time-limit", "7.5"], capsys)
     assert code == 0 and seen == [7.5]
+
+
+def test_a_plan_says_whether_its_milp_ran_out_of_time_or_ended_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan the MILP did not prove says why: the time limit (the 70B test above), or, when HiGHS ends before it
+    without a usable split (numerical trouble; or a split the exact memory check refuses by HiGHS's tolerance),
+    that it is not proven, with the heuristic's split and its gap to the proven bound."""
+    from stageplan import LayerProfile, Profile, plan
+
+    prof = Profile(tuple(LayerProfile(f"l{i}", 1e-3 * (1 + i % 3), 2e-3, 0, 0, 0) for i in range(8)))
+    kw = dict(num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    assert not any("proven" in n for n in plan(prof, 2, **kw).notes)  # proven optimal: nothing to say
+    monkeypatch.setattr(interleaved, "_interleaved_milp",
+                        lambda *a, **k: interleaved._MilpResult(None, False, False, -math.inf, False))
+    pl = plan(prof, 2, **kw)
+    note = next(n for n in pl.notes if "not proven optimal" in n)
+    assert "before its time limit" in note and "hit its time limit" not in " ".join(pl.notes)
+    assert pl.cost_options["optimal"] is False and pl.cost_options["timed_out"] is False
