@@ -470,7 +470,7 @@ def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], sha
     (``ScheduleShape.live_counts``): exact for interleaved ranks that hold several stages, where summing per-stage
     peaks would overcount."""
     acts = np.array([float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in range(len(boundaries) - 1)])
-    return tuple(float(max(np.dot(k, acts) for k in vectors)) for vectors in shape.live_counts)
+    return tuple(float(x) for x in shape.activation_peaks(acts))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -501,7 +501,7 @@ class SplitCosts:
         rows = sum(t.rows for k, t in by_kind.items() if not (self.exact_peak and k == "activations"))
         self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(rows, axis=1)], axis=1)
         self.act_prefix = np.concatenate([[0.0], np.cumsum(np.asarray(arr.activation_bytes, dtype=float))])
-        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None
+        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None  # (K_r, S)
         self.mem_start = sum((t.start for t in terms if t.start is not None), start=np.zeros((S, L)))
         self.mem_end = sum((t.end for t in terms if t.end is not None), start=np.zeros(L))
         self.rank_of = np.zeros((S, opts.num_ranks))  # chunk -> rank, one-hot
@@ -537,8 +537,7 @@ class SplitCosts:
         bounds = np.asarray(bounds)
         if self.live is None:
             return np.zeros((bounds.shape[0], self.opts.num_ranks))
-        chunk = self.act_prefix[bounds[:, 1:]] - self.act_prefix[bounds[:, :-1]]  # (N, S)
-        return np.stack([(chunk @ k.T).max(axis=1) for k in self.live], axis=1)
+        return self.opts.shape.activation_peaks(self.act_prefix[bounds[:, 1:]] - self.act_prefix[bounds[:, :-1]])
 
     def optimizer(self, bounds: np.ndarray) -> np.ndarray:
         """Per-chunk seconds of one optimizer step (N, S) for each row of ``bounds`` (N, S+1), as ``evaluate``

@@ -424,6 +424,16 @@ class ScheduleShape:
             out.append(tuple(sorted(kept, reverse=True)))
         return tuple(out)
 
+    def activation_peaks(self, chunk_bytes: np.ndarray) -> np.ndarray:
+        """Each rank's peak of live activation bytes, given each chunk's saved bytes per microbatch: ``chunk_bytes``
+        (C,) gives (p,), (N, C) gives (N, p); the largest sum_c counts[c] x chunk_bytes[c] over ``live_counts``.
+
+        >>> schedule_shape("Interleaved1F1B", 2, 4, 2).activation_peaks(np.array([1.0, 1.0, 1.0, 1.0])).tolist()
+        [5.0, 3.0]
+        """
+        chunk_bytes = np.asarray(chunk_bytes, dtype=float)
+        return np.stack([(chunk_bytes @ np.asarray(k, dtype=float).T).max(axis=-1) for k in self.live_counts], axis=-1)
+
 
 def schedule_shape(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
