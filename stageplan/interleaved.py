@@ -488,7 +488,10 @@ def _solve_interleaved_milp(
                 heur, upper = cand, load
     if heur and slides is not None:  # slides from the best start only: at 128 chunks each costs about 1 s
         quick = slides.faster(heur)
-        if fits(quick) and bottleneck_of(quick) <= upper:  # the bulk sums round in another order: check again
+        # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the bulk sums
+        # round in another order than bottleneck_of, so the split is checked again with that same tolerance (an exact
+        # test here had dropped whole faster() results over one ulp: 26.2 against 26.199999999999996)
+        if fits(quick) and _no_slower(bottleneck_of(quick), upper):
             heur, upper = quick, bottleneck_of(quick)
     heur_ok = bool(heur)
 
@@ -665,6 +668,15 @@ def _improve_interleaved(
     return b
 
 
+_TIE = 1e-12  # relative: two sums of the same costs in another order are equal within this (float rounding)
+
+
+def _no_slower(bottleneck: float, upper: float) -> bool:
+    """Whether a bottleneck summed one way is no slower than ``upper`` summed another, up to their rounding (a tie
+    within _TIE of each, as the slides take them)."""
+    return bottleneck <= upper * (1 + 2 * _TIE)
+
+
 class _Slides:
     """Local search over slides, for splits under memory limits: a slide shifts a run of consecutive boundaries one
     layer the same way, so one chunk gives a layer and another, possibly on a distant rank, takes one while the
@@ -730,6 +742,7 @@ class _Slides:
         ones only)."""
         b = np.asarray(bounds, dtype=np.int64)
         now = [float(x[0]) for x in score(b[None, :])]
+        first = now[0]  # a tie on the first key is bounded by the start's value, so that rounding cannot creep up
         for _ in range(4 * self.L):
             if done(now) or time.perf_counter() > self.deadline[phase]:
                 break
@@ -740,9 +753,9 @@ class _Slides:
             keys = score(cands)
             better = np.zeros(len(cands), dtype=bool)
             tied = np.ones(len(cands), dtype=bool)
-            for key, ref in zip(keys, now):
-                better |= tied & (key < ref * (1 - 1e-12))
-                tied &= key <= ref * (1 + 1e-12)
+            for j, (key, ref) in enumerate(zip(keys, now)):
+                better |= tied & (key < ref * (1 - _TIE))
+                tied &= key <= (min(ref, first) if j == 0 else ref) * (1 + _TIE)
             idx = np.flatnonzero(better)
             if admissible is not None and len(idx):
                 idx = idx[admissible(cands[idx])]
