@@ -199,30 +199,43 @@ class _Samples:
         return med(self.layer_s), med(self.overhead_s)
 
 
-def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments) -> Any:
+def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments) -> tuple[Any, float]:
+    """The rank's torch schedule, and the factor that turns its recorded losses back into the microbatches' own.
+
+    The step's gradient is the mean over microbatches. torch's schedules get it by dividing every parameter's
+    gradient by m after the last backward (``scale_grads=True``, their default): one more pass over all of a
+    rank's gradients, inside ``step()`` and outside any chunk call, which the cost model does not price (1.3-2.9
+    ms a step over the bench models' gradients here). Dividing each microbatch's loss by m instead gives the same
+    gradient, as the single-process reference computes it (``(loss / m).backward()``), at the cost of one scalar
+    op. Where a torch release has no ``scale_grads``, the schedule is built as torch builds it, and the factor is 1."""
+    import inspect
+
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     m = plan.num_microbatches
     last_stage = plan.num_chunks - 1
     calls = [0]
+    cls = get_schedule_class(plan.schedule)
+    by_loss = "scale_grads" in inspect.signature(cls.__init__).parameters
+    divisor = float(m) if by_loss else 1.0
 
     def loss_fn(output: Any, target: Any) -> Any:
         mb = calls[0] % m
         calls[0] += 1
         tgt = target if workload.target is not None else None
         with ins.saving(), ins.clock.phase("L", last_stage):
-            return ins.timer.record("F", last_stage, mb, lambda: workload.compute_loss(output, tgt))
+            return ins.timer.record("F", last_stage, mb, lambda: workload.compute_loss(output, tgt) / divisor)
 
-    cls = get_schedule_class(plan.schedule)
     single = issubclass(cls, PipelineScheduleSingle)
-    return cls(rs.stages[0] if single else rs.stages, n_microbatches=m, loss_fn=loss_fn)
+    extra = {"scale_grads": False} if by_loss else {}
+    return cls(rs.stages[0] if single else rs.stages, n_microbatches=m, loss_fn=loss_fn, **extra), divisor
 
 
 def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device, options: dict[str, Any],
            ins: _Instruments) -> _Samples:
     import torch.distributed as dist
 
-    schedule = _schedule(plan, rs, workload, ins)
+    schedule, loss_divisor = _schedule(plan, rs, workload, ins)
     optimizer = make_optimizer(options["optimizer"], rs.unique_params, float(options["lr"]))
     inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in workload.input_tuple())
     target = batch_target(workload)
@@ -275,7 +288,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             if rank == 0:  # the launcher forwards these lines of rank 0's log to the user
                 print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms", flush=True)
         if has_last:
-            out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()))
+            out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()) * loss_divisor)
     return out
 
 
