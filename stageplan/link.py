@@ -30,8 +30,12 @@ LINK_SCHEMA = "stageplan.link/1"
 SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
 MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
-WARMUP = 2  # round trips per size before timing (connection set-up, first-touch of the buffers)
-REPEATS = 5  # timed round trips per size (median taken)
+# Round trips per size before timing (connection set-up, first touch of the buffers, waking idle CPUs), and timed
+# ones (median taken). 2 and 5 once read a 2105 us latency where the same machine's next four probes read 63-80 us:
+# at least 3 of the 5 fell in one slow spell, and the bench priced every crossing of 24 plans with it. The 20 round
+# trips cost about 4 ms at 4 KiB, 0.1 s at 4 MiB and 0.35 s at 16 MiB per pair on gloo here.
+WARMUP = 5
+REPEATS = 15
 
 
 def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
