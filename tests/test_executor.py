@@ -78,9 +78,12 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
         assert all(x["measured_forward_s"] >= 0 and x["measured_backward_s"] >= 0 for x in mine)
         parts = sum(x["measured_forward_s"] + x["measured_backward_s"] for x in mine)
         parts += row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"]
-        # each chunk call's clock phase also wraps the timer's own bookkeeping (up to 3 calls a microbatch: F, B, the
-        # loss), which the timed intervals leave out: on a 2 ms rank under a loaded machine it came to 0.31 ms
-        assert parts == pytest.approx(row["measured_clock_compute_s"], rel=0.15, abs=3 * 100e-6)
+        # each chunk call's clock phase encloses its timed call, so the parts never fall short of it (the medians of
+        # two clocked steps are their means, so this holds per step and in the median); they exceed it by what runs in
+        # a phase outside the timed call: bookkeeping, and on a loaded machine a garbage collection or preemption
+        # there (+17% on a 2 ms rank once, +20-40% with a second test suite running beside this one)
+        whole = row["measured_clock_compute_s"]
+        assert whole * (1 - 1e-9) <= parts <= 1.5 * whole + 3 * 100e-6, (parts, whole)
 
 
 def test_check_detects_a_wrong_result() -> None:
