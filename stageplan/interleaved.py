@@ -34,6 +34,9 @@ from stageplan.units import format_bytes, format_limits
 
 __all__ = ["InterleavedSolution", "solve_interleaved"]
 
+# Relative tolerance of a tie: two sums of the same costs in another order are equal within it (float rounding).
+_TIE = 1e-12
+
 
 @dataclass(frozen=True)
 class InterleavedSolution:
@@ -517,7 +520,7 @@ def _solve_interleaved_milp(
     best = min(t[0] for t in candidates)
     # equal bottlenecks: keep the split whose largest chunk is smallest (a chunk is what the schedule waits on; a
     # proven-optimal MILP split of the 70B estimate with 20-layer and 1-layer chunks simulated 15.9 s against 11.1 s)
-    tied = [t for t in candidates if t[0] <= best * (1 + 1e-12)]
+    tied = [t for t in candidates if t[0] <= best * (1 + _TIE)]
     _, _, bounds, _ = min(tied, key=lambda t: t[1])
     optimal = any(t[3] for t in tied)  # a proven optimum's bottleneck is shared by every tied split
     bottleneck = best
@@ -637,7 +640,7 @@ def _improve_interleaved(
                 new = {ra: load[ra], rb: load[rb]}
                 new[ra] += ca - cost[ci - 1]
                 new[rb] += cb - cost[ci]
-                if max(x / d[r] for r, x in new.items()) >= max(load[r] / d[r] for r in new) * (1 - 1e-12):
+                if max(x / d[r] for r, x in new.items()) >= max(load[r] / d[r] for r in new) * (1 - _TIE):
                     continue
                 if guarded:
                     ma = mem_of(ci - 1, b[ci - 1], nb)
@@ -666,9 +669,6 @@ def _improve_interleaved(
     ):
         return bounds  # incremental sums drifted past a limit: keep the start
     return b
-
-
-_TIE = 1e-12  # relative: two sums of the same costs in another order are equal within this (float rounding)
 
 
 def _no_slower(bottleneck: float, upper: float) -> bool:
@@ -742,7 +742,6 @@ class _Slides:
         ones only)."""
         b = np.asarray(bounds, dtype=np.int64)
         now = [float(x[0]) for x in score(b[None, :])]
-        first = now[0]  # a tie on the first key is bounded by the start's value, so that rounding cannot creep up
         for _ in range(4 * self.L):
             if done(now) or time.perf_counter() > self.deadline[phase]:
                 break
@@ -753,9 +752,9 @@ class _Slides:
             keys = score(cands)
             better = np.zeros(len(cands), dtype=bool)
             tied = np.ones(len(cands), dtype=bool)
-            for j, (key, ref) in enumerate(zip(keys, now)):
+            for key, ref in zip(keys, now):
                 better |= tied & (key < ref * (1 - _TIE))
-                tied &= key <= (min(ref, first) if j == 0 else ref) * (1 + _TIE)
+                tied &= key <= ref * (1 + _TIE)
             idx = np.flatnonzero(better)
             if admissible is not None and len(idx):
                 idx = idx[admissible(cands[idx])]
