@@ -104,6 +104,111 @@ def placement(link: dict, pairs: int = 2) -> None:
     print(format_table(["schedule", "split", "predicted ms", "pinned", "unpinned", "unpinned / pinned (median step)"], rows))
 
 
+def _crossing_rank(rank: int, slice_ns: int, port: int, out: object, crossings: int = 20, warmup: int = 5) -> None:
+    """One side of :func:`crossings`: rank 0 posts a 4 KiB send and computes for 10 ms; rank 1 posts its receive
+    0.5 ms after the send and records how long the message took from then (ms)."""
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.executor import pin_rank_cpus, short_comm_slices
+
+    pin_rank_cpus(rank, 2)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    short_comm_slices(slice_ns)
+    msg, stamp, a = torch.zeros(1024), torch.zeros(1, dtype=torch.float64), torch.randn(256, 256)
+    delays = []
+    for i in range(warmup + crossings):
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.002)
+            stamp[0] = time.perf_counter()
+            work = dist.isend(msg, 1)
+            end = time.perf_counter() + 0.010
+            while time.perf_counter() < end:
+                torch.mm(a, a)
+            work.wait()
+            dist.send(stamp, 1)
+        else:
+            time.sleep(0.0025)
+            posted = time.perf_counter()
+            dist.irecv(msg, 0).wait()
+            arrived = time.perf_counter()
+            dist.recv(stamp, 0)
+            if i >= warmup:
+                delays.append(1e3 * (arrived - max(posted, float(stamp[0]))))
+    dist.destroy_process_group()
+    if rank == 1:
+        out.put(delays)  # type: ignore[attr-defined]
+
+
+def _crossing_run(slice_ns: int, port: int, timeout_s: float = 120.0) -> list[float]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_crossing_rank, args=(r, slice_ns, port, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        return out.get(timeout=timeout_s)
+    finally:  # a hung or failed side ends both
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def crossings(pairs: int = 3) -> None:
+    """A send posted while its receiver is not ready yet, the sender then computing: how long the message takes
+    from the moment the receiver posts, with gloo's threads at the kernel's slice and at the executor's 0.1 ms
+    (stageplan.executor.short_comm_slices), alternating ``pairs`` times; 20 crossings per run."""
+    from stageplan.executor import COMM_SLICE_NS
+
+    got: dict[int, list[float]] = {0: [], COMM_SLICE_NS: []}
+    port = 29700 + os.getpid() % 200
+    for k in range(pairs):
+        for j, ns in enumerate(got):
+            got[ns] += _crossing_run(ns, port + 2 * k + j)
+    rows = [[name, f"{statistics.median(d):.3f}", f"{sum(x > 1.0 for x in d)} of {len(d)}", f"{max(d):.2f}"]
+            for name, d in (("kernel's slice", got[0]), ("0.1 ms (the default)", got[COMM_SLICE_NS]))]
+    ratio = statistics.median(got[0]) / statistics.median(got[COMM_SLICE_NS])
+    print("\ncrossings: a 4 KiB send posted 0.5 ms before its receive, the sender computing 10 ms; time from the receive's "
+          f"post to the message (ms), gloo's threads at each slice, alternating, {pairs} runs of 20 each")
+    print(format_table(["comm threads' slice", "median ms", "over 1 ms", "worst ms"], rows))
+    print(f"kernel's slice / 0.1 ms, median: {ratio:.2f}")
+
+
+def slices_in_pipelines(pairs: int = 2) -> None:
+    """The same plans run with gloo's threads at the kernel's slice and at 0.1 ms, alternating: the step and its
+    error against the prediction (the plans' crossings are priced the same either way)."""
+    link = __import__("stageplan.launch", fromlist=["measure_link"]).measure_link(2)
+    rows = []
+    for model, m, schedule, method in (("convnet", 8, "GPipe", "uniform"), ("hf-gpt2", 8, "GPipe", "optimal")):
+        options = dict(MODELS)[model]
+        workload = build_workload(model, options)
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
+        pl = stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=method, link=link)
+        steps: dict[str, list[float]] = {"0": [], "": []}
+        for _ in range(pairs):
+            for value in steps:
+                os.environ["STAGEPLAN_COMM_SLICE_US"] = value
+                try:
+                    rep = stageplan.run(model, pl, steps=STEPS, warmup=WARMUP, factory_options=options)
+                finally:
+                    os.environ.pop("STAGEPLAN_COMM_SLICE_US", None)
+                steps[value].append(rep.measured_step_s)
+        kernel, short = statistics.median(steps["0"]), statistics.median(steps[""])
+        rows.append([model, schedule, m, method, f"{pl.predicted_step_s * 1e3:.1f}",
+                     " ".join(f"{x * 1e3:.1f}" for x in steps["0"]), " ".join(f"{x * 1e3:.1f}" for x in steps[""]),
+                     f"{kernel / short:.3f}", _pct(short / pl.predicted_step_s - 1)])
+    print(f"\nslices in pipelines: each plan run with gloo's threads at the kernel's slice and at 0.1 ms, alternating, "
+          f"{pairs} runs each")
+    print(format_table(["model", "schedule", "m", "method", "predicted ms", "kernel's slice ms", "0.1 ms ms",
+                        "kernel's / 0.1 ms (median step)", "step error at 0.1 ms"], rows))
+
+
 def main() -> None:
     start = time.perf_counter()
     from stageplan.launch import measure_link
@@ -184,6 +289,8 @@ def main() -> None:
     print(format_table(["m", "rounds", "first split", "first error", "final split", "final predicted ms",
                         "final measured ms", "final error", "predicted gain", "measured gain", "gain realised"], tuned))
     placement(link)
+    crossings()
+    slices_in_pipelines()
     print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s (load average now {os.getloadavg()[0]:.2f})")
 
 

@@ -8,16 +8,18 @@ nothing else from the planning side (it never imports solver, costmodel or api).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from stageplan.errors import RunError, WorkloadError
+from stageplan.errors import RunError, StageplanError, WorkloadError
 from stageplan.link import ping_pong, probe_sizes, save_link
 from stageplan.materialize import Checkpoint
 from stageplan.measure import LayerClock, SavedTensorTracker, Timer, median_iqr, steady_allocator
@@ -65,6 +67,74 @@ def pin_rank_cpus(local_rank: int, local_world: int) -> list[int] | None:
     except OSError:
         return None
     return block
+
+
+COMM_SLICE_NS = 100_000  # 0.1 ms, the kernel's shortest custom slice
+SLICE_ENV = "STAGEPLAN_COMM_SLICE_US"
+
+
+def comm_slice_ns() -> int:
+    """The slice the backend's threads get (:func:`short_comm_slices`), in ns: ``$STAGEPLAN_COMM_SLICE_US``
+    microseconds, 0 to leave the kernel's own, unset for 100 (0.1 ms)."""
+    text = os.environ.get(SLICE_ENV, "").strip()
+    if not text:
+        return COMM_SLICE_NS
+    try:
+        us = float(text)
+    except ValueError:
+        us = float("nan")
+    if not (us == 0 or 100 <= us <= 100_000):  # the kernel takes custom slices of 0.1-100 ms
+        raise StageplanError(f"{SLICE_ENV} must be 0 (the kernel's own slice) or 100-100000 microseconds, got "
+                             f"{text!r}; unset it for the default 100")
+    return round(us * 1e3)
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32), ("sched_flags", ctypes.c_uint64),
+                ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32), ("sched_runtime", ctypes.c_uint64),
+                ("sched_deadline", ctypes.c_uint64), ("sched_period", ctypes.c_uint64),
+                ("sched_util_min", ctypes.c_uint32), ("sched_util_max", ctypes.c_uint32)]
+
+
+_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # sched_getattr is the next number on both
+
+
+def short_comm_slices(slice_ns: int = COMM_SLICE_NS) -> int:
+    """Give every thread of this process but the calling one (the compute thread; the others are the backend's:
+    gloo's loop and worker threads) a short scheduler slice, and return how many threads now have it (0 where the
+    kernel or platform has no per-thread slice: Linux before 6.12 ignores it for normal tasks, and reads it back as
+    0, so nothing is claimed there).
+
+    Why: Linux's EEVDF scheduler lets a running thread finish its slice (1.4 ms on this 2-CPU VM) before a thread
+    that wakes on its CPU may run, unless the waking thread's own slice is shorter. A gloo send posted before its
+    receiver was ready waits for the receiver's "ready" message, which gloo's loop thread on the sender handles;
+    with the sender's compute thread busy on the same CPU, that took up to a slice or more. ``make bench``
+    (sender busy 10 ms after posting, receiver posting 0.5 ms later, 3 alternations of 20 crossings): at the
+    kernel's slice 38-57 of 60 crossings took over 1 ms (median 2.6-3.0 ms, worst 5.2 ms); at 0.1 ms none did
+    (median 0.11 ms, worst 0.20 ms). In a traced convnet GPipe step the receiving rank had sat idle 1.6-2.6 ms on
+    two such crossings; the bench's whole steps moved 1.004-1.013x, inside the noise (README, limitations)."""
+    import platform
+
+    number = _SYS_SCHED_SETATTR.get(platform.machine())
+    if slice_ns <= 0 or number is None or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    me = threading.get_native_id()
+    done = 0
+    for tid in _thread_ids():
+        if tid in (me, 0):
+            continue
+        attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=0, sched_runtime=int(slice_ns))
+        if libc.syscall(number, tid, ctypes.byref(attr), 0) != 0:
+            continue  # the thread ended meanwhile, or the kernel refuses the attribute
+        back = _SchedAttr()
+        if libc.syscall(number + 1, tid, ctypes.byref(back), ctypes.sizeof(_SchedAttr), 0) == 0 \
+                and back.sched_runtime == int(slice_ns):
+            done += 1
+    return done
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
@@ -332,6 +402,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
 
     device, cpus = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
+    slice_ns = int(options.get("comm_slice_ns", COMM_SLICE_NS))
+    short_comm_slices(slice_ns)  # the backend's threads exist now: let them in as soon as a message needs them
     _check_same_weights(options, world_size)
     # the links between neighbouring ranks first, while nothing else runs (well under a second on gloo localhost)
     largest_boundary_bytes = max((st.memory.get("buffers", 0.0) / 2.0 for st in plan.stages), default=0.0)
@@ -349,6 +421,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     for st in rs.stages:
         ins.wrap(st)
     _attach_layer_clock(ins.clock, rs, plan)
+    short_threads = short_comm_slices(slice_ns)  # again: threads the backend started since (none seen with gloo)
     samples = _train(plan, workload, rs, device, options, ins)
     layer_s, overhead_s = samples.layer_medians()
 
@@ -361,7 +434,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
               "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
-              "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None}
+              "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
+              "short_slice_threads": short_threads}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:
@@ -376,7 +450,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
                 "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
                 "load_average_1min": os.getloadavg()[0], "python": sys.version.split()[0],
                 "activation_measure": "saved_tensors_hooks live bytes (the profiler's tracker), warm-up steps",
-                "cpus_per_rank": [g["cpus"] for g in gathered]}
+                "cpus_per_rank": [g["cpus"] for g in gathered],
+                "comm_thread_slice_us": slice_ns / 1e3 if slice_ns else None,
+                "short_slice_threads_per_rank": [g["short_slice_threads"] for g in gathered]}
         # the step ends when the slowest rank ends: per measured step, the max over ranks
         per_step = [max(g["step_s"][i] for g in gathered) for i in range(len(gathered[0]["step_s"]))]
         step, step_iqr = median_iqr(per_step)
@@ -394,6 +470,7 @@ def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_pat
 
     device, _ = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
+    short_comm_slices(int(options.get("comm_slice_ns", COMM_SLICE_NS)))  # as a run's ranks have it
     link = ping_pong(device)
     if rank == 0 and output_path:
         save_link({**link, "num_ranks": world_size, "torch_version": torch.__version__,

@@ -33,7 +33,7 @@ import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
-from stageplan.executor import link_main, worker_main
+from stageplan.executor import comm_slice_ns, link_main, worker_main
 from stageplan.link import load_link, save_link
 from stageplan.materialize import (
     Checkpoint,
@@ -145,7 +145,8 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 60")
     the_backend = _backend(backend, num_ranks)
-    opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus)}
+    opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus),
+                            "comm_slice_ns": comm_slice_ns()}
     if output is not None:
         check_output_path(output)
     if log_dir is not None:
@@ -413,7 +414,7 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
     clock_steps = min(5, max(2, steps // 4))
     return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
             "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,
-            "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus)}
+            "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus), "comm_slice_ns": comm_slice_ns()}
 
 
 def _backend(backend: str | None, num_ranks: int) -> str:

@@ -216,7 +216,77 @@ def test_pin_rank_cpus_moves_every_thread_and_new_ones_inherit() -> None:
     assert sorted(os.sched_getaffinity(0)) == sorted(set().union(*_blocks(1)))  # this process was left alone
 
 
-def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _slice_ns(tid: int) -> int | None:
+    """The thread's scheduler slice as the kernel reports it (/proc/<pid>/task/<tid>/sched, ``se.slice``)."""
+    try:
+        text = Path(f"/proc/{os.getpid()}/task/{tid}/sched").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^se\.slice\s*:\s*(\d+)", text, re.M)
+    return int(found.group(1)) if found else None
+
+
+def _slices_in_child(queue) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from stageplan.executor import COMM_SLICE_NS, short_comm_slices
+
+    started, stop = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def wait() -> None:
+        tids.append(threading.get_native_id())
+        started.set()
+        stop.wait()
+
+    other = threading.Thread(target=wait)
+    other.start()
+    started.wait()
+    me = threading.get_native_id()
+    before = {"main": _slice_ns(me), "other": _slice_ns(tids[0])}
+    done = short_comm_slices()
+    after = {"main": _slice_ns(me), "other": _slice_ns(tids[0])}
+    stop.set()
+    other.join()
+    queue.put({"before": before, "after": after, "done": done, "want": COMM_SLICE_NS})
+
+
+def test_the_backend_threads_get_a_short_slice_and_the_compute_thread_keeps_its_own() -> None:
+    """Every thread but the caller (the compute thread) gets the short slice, as the kernel itself reports it;
+    the count returned is what the kernel took."""
+    import multiprocessing
+
+    if _slice_ns(threading_native_id()) is None:
+        pytest.skip("this kernel does not report per-thread slices (/proc/.../sched has no se.slice)")
+    ctx = multiprocessing.get_context("fork")  # a child: the test process keeps its own slices
+    queue = ctx.Queue()
+    child = ctx.Process(target=_slices_in_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert got["after"]["main"] == got["before"]["main"] != got["want"]
+    if _kernel_has_custom_slices():
+        assert got["done"] == 1 and got["after"]["other"] == got["want"] != got["before"]["other"]
+    else:  # before 6.12 a normal task's slice is the kernel's: nothing is set, so nothing may be claimed
+        assert got["done"] == 0 and got["after"]["other"] == got["before"]["other"]
+
+
+def _kernel_has_custom_slices() -> bool:
+    """Linux 6.12 and later take a per-thread slice for normal tasks (sched_attr.sched_runtime)."""
+    import platform
+
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return platform.system() == "Linux" and found is not None and (int(found[1]), int(found[2])) >= (6, 12)
+
+
+def threading_native_id() -> int:
+    import threading
+
+    return threading.get_native_id()
+
+
+def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(4)), {"batch_size": 8, "microbatch_size": 4})
     plan(prof, 2, num_microbatches=2, method="uniform").save(tmp_path / "plan.json")
     code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan", str(tmp_path / "plan.json"),
@@ -228,11 +298,22 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
     report = RunReport.load(tmp_path / "run.json")
     assert report.meta["cpus_per_rank"] == blocks and report.run_options["pin_cpus"] is True
     assert "CPUs per rank: " + "; ".join(f"rank {r} on {','.join(map(str, b))}" for r, b in enumerate(blocks)) in out
+    # gloo's threads ran with the short slice (the count is what the kernel read back), where the kernel has them
+    assert report.meta["comm_thread_slice_us"] == 100
+    if _kernel_has_custom_slices():
+        assert all(n >= 1 for n in report.meta["short_slice_threads_per_rank"])
+    monkeypatch.setenv("STAGEPLAN_COMM_SLICE_US", "0")  # the kernel's own slice: nothing set, nothing claimed
     code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan", str(tmp_path / "plan.json"),
                             "--steps", "1", "--warmup", "0", "--no-pin", "-o", str(tmp_path / "free.json")], capsys)
     assert code == 0, out
     assert "CPUs per rank: not pinned" in out
-    assert RunReport.load(tmp_path / "free.json").meta["cpus_per_rank"] == [None, None]
+    free = RunReport.load(tmp_path / "free.json")
+    assert free.meta["cpus_per_rank"] == [None, None]
+    assert free.meta["comm_thread_slice_us"] is None and free.meta["short_slice_threads_per_rank"] == [0, 0]
+    monkeypatch.setenv("STAGEPLAN_COMM_SLICE_US", "50")  # below the kernel's 0.1 ms: refused before any rank starts
+    code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json"), "--steps", "1"], capsys)
+    assert_one_line_error(code, err, r"STAGEPLAN_COMM_SLICE_US must be 0 .* or 100-100000 microseconds, got '50'")
+    monkeypatch.delenv("STAGEPLAN_COMM_SLICE_US")
     code, out, _ = run_cli(["show", str(tmp_path / "run.json")], capsys)
     assert code == 0 and "compute ms pred" in out
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json"), "--steps", "4", "--warmup", "0"], capsys)
