@@ -20,10 +20,12 @@ from stageplan.plan import StagePlan
 from stageplan.profile import Profile
 from stageplan.schedules import (
     _WEIGHT_GRAD_SHARE,
+    Action,
     ScheduleShape,
     normalize_schedule,
     one_way_delays,
     schedule_shape,
+    send_waits,
     simulate_shape,
 )
 from stageplan.solver import lower_bound
@@ -575,19 +577,29 @@ class SplitCosts:
         # one-way delay at each boundary k -> k+1 (schedules.one_way_delays), none between chunks of one rank
         hop = c[:, :-1].T / 2.0 + self.opts.boundary_latency_s
         hop = np.concatenate([hop * graph.crosses[:, None], np.zeros((1, n))])
-        end = np.zeros((graph.num_actions + 1, n))  # the last row stays 0: "no such predecessor"
+        A = graph.num_actions
+        end = np.zeros((A + 1, n))  # the last row stays 0: "no such predecessor"
+        arrived = np.zeros((A + 1, n))  # when an action's inputs are there (its receive's message, on demand)
         on_demand = shape.receives_on_demand  # a transfer starts no earlier than its receive is posted
-        for ids in graph.levels:
-            h1, h2 = hop[graph.hop1[ids]], hop[graph.hop2[ids]]
-            start = end[graph.prev[ids]] + (h1 + h2 if on_demand else 0.0)  # at most one input crosses ranks
-            start = np.maximum(start, end[graph.dep1[ids]] + h1)
-            start = np.maximum(start, end[graph.dep2[ids]] + h2)
-            end[ids] = start + duration[graph.kind_stage[ids]]
+        for posts, starts in graph.levels:
+            if len(posts):  # the receive's post (after the rank's previous action and the sends it waits first)
+                post = np.maximum(end[graph.prev[posts]], arrived[graph.pre[posts]])
+                h1, h2 = hop[graph.hop1[posts]], hop[graph.hop2[posts]]
+                if on_demand:  # at most one input crosses ranks; a local one has a 0 hop
+                    a1 = np.maximum(post, end[graph.dep1[posts]]) + h1
+                    a2 = np.maximum(post, end[graph.dep2[posts]]) + h2
+                else:
+                    a1 = np.maximum(post, end[graph.dep1[posts]] + h1)
+                    a2 = end[graph.dep2[posts]] + h2
+                arrived[posts] = np.maximum(a1, a2)
+            if len(starts):  # and the sends it waits for with that post
+                start = np.maximum(arrived[starts], arrived[graph.fused[starts]])
+                end[starts] = start + duration[graph.kind_stage[starts]]
         if o is None and t is None:
             return end[:-1].max(axis=0)
         # a rank's last action ends last on that rank; the all-reduce (a collective: every rank starts it when the
         # last one gets there) and then the rank's optimizer step follow (schedules.simulate_shape)
-        last = end[graph.last]  # (p, N)
+        last = np.maximum(end[graph.last], arrived[graph.at_end])  # (p, N): step() returns once its sends are in
         if t is not None:
             last = np.where(t > 0, last.max(axis=0) + t, last)
         finish = last if o is None else last + (o @ self.rank_of).T
@@ -596,12 +608,16 @@ class SplitCosts:
 
 @dataclass(frozen=True)
 class _StepGraph:
-    """A schedule's actions as a dependency graph, grouped into levels of mutually independent actions. Per action:
-    its rank's previous action (``prev``), its inputs (``dep1``, ``dep2``) with the boundary each crosses (``hop1``,
-    ``hop2``), and its row in the duration table (``kind_stage``). Absent entries point at a zero row."""
+    """A schedule's actions as a dependency graph. Per action: its rank's previous action (``prev``), its inputs
+    (``dep1``, ``dep2``) with the boundary each crosses (``hop1``, ``hop2``), its row in the duration table
+    (``kind_stage``), and in torch's single-stage loops the sends the rank waits for before posting the action's
+    receive (``pre``) and with it (``fused``), each named by the action consuming the last of them, whose input's
+    arrival is the send's completion (``schedules.send_waits``); ``at_end`` per rank, the same after its last action.
+    Absent entries point at a zero row. ``levels``: each action's post (its inputs' arrival) and start are two
+    nodes, grouped into levels of mutually independent nodes, as (posts, starts) action ids."""
 
     num_actions: int
-    levels: tuple[np.ndarray, ...]
+    levels: tuple[tuple[np.ndarray, np.ndarray], ...]
     prev: np.ndarray
     dep1: np.ndarray
     hop1: np.ndarray
@@ -610,6 +626,9 @@ class _StepGraph:
     kind_stage: np.ndarray
     crosses: np.ndarray  # per boundary k -> k+1: 1.0 when chunks k and k+1 run on different ranks
     last: np.ndarray  # per rank, its last action
+    pre: np.ndarray
+    fused: np.ndarray
+    at_end: np.ndarray  # per rank
 
 
 _STEP_GRAPHS: dict[tuple[str, int, int, int], _StepGraph] = {}
@@ -648,18 +667,43 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
     dep1[back] = ident[0, stage[back], mb[back]]
     nxt = back & (stage < S - 1)
     dep2[nxt], hop2[nxt] = grad[stage[nxt] + 1, mb[nxt]], stage[nxt]
-    # longest-path level of each action, by relaxation (the orders are deadlock-free, so it settles within A rounds);
-    # actions of one level do not depend on each other
-    level = np.zeros(A + 1, dtype=np.int64)
-    level[A] = -1
-    for _ in range(A + 1):
-        new = np.maximum(np.maximum(level[prev], level[dep1]), level[dep2]) + 1
-        if np.array_equal(new, level[:A]):
+    # the sends torch's single-stage loops wait for, each by the action consuming the last of them
+    pre, fused, at_end = np.full(A, A), np.full(A, A), np.full(shape.num_ranks, A)
+    waits = send_waits(shape.schedule, shape.num_ranks, m) if shape.receives_on_demand else None
+    if waits is not None:
+        def consumer(sends: tuple[Action, ...]) -> int:
+            return int(ident[kinds[sends[-1].kind], sends[-1].stage, sends[-1].microbatch]) if sends else A
+
+        first = np.cumsum([0] + [len(o) for o in shape.orders])
+        for r, w in enumerate(waits):
+            for t in range(len(shape.orders[r])):
+                pre[first[r] + t], fused[first[r] + t] = consumer(w.before_post[t]), consumer(w.with_post[t])
+            at_end[r] = consumer(w.at_end)
+    # longest-path level of each node, by relaxation (the orders are deadlock-free, so it settles within 2A + 1
+    # rounds): node a is action a's post, node A + a its start, node 2A "none"; nodes of one level are independent
+    none = 2 * A
+
+    def start_node(ids: np.ndarray) -> np.ndarray:
+        return np.where(ids < A, A + ids, none)
+
+    def post_node(ids: np.ndarray) -> np.ndarray:
+        return np.where(ids < A, ids, none)
+
+    post_deps = np.stack([start_node(prev), post_node(pre), start_node(dep1), start_node(dep2)])
+    start_deps = np.stack([np.arange(A), post_node(fused)])
+    level = np.zeros(none + 1, dtype=np.int64)
+    level[none] = -1
+    for _ in range(none + 2):
+        new = np.concatenate([level[post_deps].max(axis=0), level[start_deps].max(axis=0)]) + 1
+        if np.array_equal(new, level[:none]):
             break
-        level[:A] = new
-    order = np.argsort(level[:A], kind="stable")
-    cuts = np.flatnonzero(np.diff(level[:A][order])) + 1
+        level[:none] = new
+    else:  # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
+        raise RuntimeError(f"the step graph of {shape.schedule} (p={shape.num_ranks}, m={m}) has a cycle")
+    posts, starts = level[:A], level[A:none]
+    levels = [(np.flatnonzero(posts == lv), np.flatnonzero(starts == lv)) for lv in range(int(level[:none].max()) + 1)]
     ranks = shape.stage_ranks
     crosses = np.array([float(ranks[k] != ranks[k + 1]) for k in range(S - 1)])
     last = np.cumsum([len(o) for o in shape.orders]) - 1
-    return _StepGraph(A, tuple(np.split(order, cuts)), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses, last)
+    return _StepGraph(A, tuple(levels), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses, last,
+                      pre, fused, at_end)

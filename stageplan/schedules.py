@@ -314,6 +314,95 @@ def _zbv(p: int, m: int, rank: int) -> list[Action]:
     return [a for a in order if a.microbatch < m]
 
 
+@dataclass(frozen=True)
+class SendWaits:
+    """Where a rank of a single-stage schedule (GPipe, 1F1B) waits for its own sends, as torch 2.13's loops do.
+
+    A send is named by the action that consumes it on the neighbouring rank (``Action(s + 1, i, "F")`` for stage
+    s's activation of microbatch i, ``Action(s - 1, i, "B")`` for its input gradient): it completes once that
+    rank has posted the matching receive and the message has crossed (gloo and NCCL point-to-point sends are
+    rendezvous: measured here, a 1 KiB-4 MiB gloo send's wait() returned only after the receive was posted).
+    Per action of the rank's order: ``before_post`` (sends waited before the action's receive is posted) and
+    ``with_post`` (sends fused with that receive, waited together); ``at_end``: sends waited after the last
+    action, before ``step()`` returns (so before the tied all-reduce and the optimizer step)."""
+
+    before_post: tuple[tuple[Action, ...], ...]
+    with_post: tuple[tuple[Action, ...], ...]
+    at_end: tuple[Action, ...]
+
+
+def _f_send(p: int, stage: int, mb: int) -> list[Action]:
+    return [Action(stage + 1, mb, "F")] if stage < p - 1 else []
+
+
+def _b_send(stage: int, mb: int) -> list[Action]:
+    return [Action(stage - 1, mb, "B")] if stage > 0 else []
+
+
+def _gpipe_send_waits(p: int, m: int, rank: int) -> SendWaits:
+    # ScheduleGPipe._step_microbatches: the forward sends are waited after the last forward, before the first
+    # backward's receive; the backward sends after the last backward
+    before: list[list[Action]] = [[] for _ in range(2 * m)]
+    before[m] = _f_send(p, rank, m - 1)  # sends to one peer complete in order: the last one stands for all
+    return SendWaits(tuple(map(tuple, before)), ((),) * (2 * m), tuple(_b_send(rank, m - 1)))
+
+
+def _one_f_one_b_send_waits(p: int, m: int, rank: int) -> SendWaits:
+    # Schedule1F1B._step_microbatches, replayed: after each warm-up forward the previous forward send is waited;
+    # the B/F pairs fuse the pending send with the next receive and wait both; each cool-down backward waits the
+    # previous backward send after it; the last send is waited at the end
+    before: list[list[Action]] = []
+    fused: list[list[Action]] = []
+    pending: list[Action] = []  # waited after the last action, before the next receive is posted
+    warmup = min(m, p - rank)
+    send_work: list[Action] = []
+    fwd_sends: list[Action] = []
+    for j in range(warmup):
+        before.append(pending)
+        fused.append([])
+        pending = send_work
+        fwd_sends = _f_send(p, rank, j)
+        if j != warmup - 1:
+            send_work = fwd_sends
+    fwd, bwd = warmup, 0
+    while True:
+        before.append(pending)
+        fused.append(fwd_sends)
+        pending = []
+        bwd_sends = _b_send(rank, bwd)
+        bwd += 1
+        if fwd == m:
+            break
+        before.append([])
+        fused.append(bwd_sends)
+        fwd_sends = _f_send(p, rank, fwd)
+        fwd += 1
+    send_work = bwd_sends
+    for _ in range(bwd, m):
+        before.append(pending)
+        fused.append([])
+        pending = send_work
+        send_work = _b_send(rank, bwd)
+        bwd += 1
+    return SendWaits(tuple(map(tuple, before)), tuple(map(tuple, fused)), tuple(pending + send_work))
+
+
+def send_waits(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[SendWaits, ...] | None:
+    """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`), for the single-stage
+    schedules; None for the others (torch's multi-stage runtime, whose sends are not modelled as waits)."""
+    name = normalize_schedule(schedule)
+    if name not in _SINGLE_STAGE:
+        return None
+    check_microbatches(name, num_ranks, num_microbatches)
+    return _send_waits(name, int(num_ranks), int(num_microbatches))
+
+
+@lru_cache(maxsize=256)
+def _send_waits(name: str, p: int, m: int) -> tuple[SendWaits, ...]:
+    build = _gpipe_send_waits if name == "GPipe" else _one_f_one_b_send_waits
+    return tuple(build(p, m, r) for r in range(p))
+
+
 @lru_cache(maxsize=256)
 def _orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     orders: list[list[Action]] = []
@@ -596,7 +685,10 @@ def simulate(
     after its producer ends, or, in GPipe and 1F1B, that long after the receiving rank posts its receive, if
     that is later (``ScheduleShape.receives_on_demand``: torch posts the receive just before the action that
     needs it, and the message moves once both sides have posted). Each rank runs its torch order one action
-    at a time; an action starts when the rank is free and its inputs have arrived. Sends occupy no rank; a
+    at a time; an action starts when the rank is free and its inputs have arrived. Sends occupy no rank, but in
+    GPipe and 1F1B a rank waits for its own sends where torch's loop does (:func:`send_waits`: a send completes
+    when its receiver has posted and the message has crossed), and ``step()`` returns only once its last sends
+    have completed, so a rank's tied all-reduce and optimizer step start no earlier than that; a
     boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). In zero-bubble
     schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
     ``_WEIGHT_GRAD_SHARE``).
@@ -678,25 +770,47 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     last = num_stages - 1
 
     on_demand = shape.receives_on_demand
+    waits = send_waits(name, p, m) if on_demand else None
+    # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the moment
+    # the send feeding it completes, for the sender's own waits)
+    posted: dict[tuple[str, int, int], float] = {}
+    arrived: dict[tuple[str, int, int], float] = {}
 
-    def start_at(a: Action, free_at: float) -> float | None:
-        """When a starts on a rank free from ``free_at``, or None if a producer has not been simulated yet: once
-        its inputs have arrived, a crossing's transfer starting at its producer's end, or (``on_demand``) at
-        the later of that and the moment the rank is free to post the receive."""
+    def done(sends: Sequence[Action]) -> float | None:
+        """When the last of ``sends`` completed (0.0 for none), or None while one has not."""
+        times = [arrived.get((c.kind, c.stage, c.microbatch)) for c in sends]
+        return None if any(t is None for t in times) else max(times, default=0.0)  # type: ignore[type-var]
+
+    def start_at(a: Action, position: int, free_at: float) -> float | None:
+        """When a starts on a rank free from ``free_at``, or None if something it waits for has not been
+        simulated yet: its inputs, a crossing's transfer starting at its producer's end or (``on_demand``) at the
+        later of that and the moment the rank posts the receive; there (torch's single-stage loops) the rank
+        also waits for its own earlier sends where torch's loop does, before posting and with the post."""
         k, i = a.stage, a.microbatch
-        local = free_at  # inputs produced on this rank (its own forward, the I before a W) ended by then
+        key = (a.kind, k, i)
+        if key not in posted:
+            before = done(waits[rank_of[k]].before_post[position]) if waits is not None else 0.0
+            if before is None:
+                return None
+            posted[key] = max(free_at, before)
+        post = posted[key]
         if a.kind == "F":
             if k == 0:
-                return local
+                return post
             end, delay = forward_end[k - 1][i], hop[k - 1]
         elif a.kind == "W" or k == last:
-            return local
+            return post
         else:
             end, delay = grad_end[k + 1][i], hop[k]
         if end is None:
             return None
-        return max(local, end) + delay if on_demand else max(local, end + delay)
+        arrived[key] = max(post, end) + delay if on_demand else end + delay
+        fused = done(waits[rank_of[k]].with_post[position]) if waits is not None else 0.0
+        if fused is None:
+            return None
+        return max(post, arrived[key], fused)
 
+    rank_of = ranks
     events: list[TimelineEvent] = []
     free = [0.0] * p
     busy = [0.0] * p
@@ -708,7 +822,9 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             order = orders[rank]
             while position[rank] < len(order):
                 action = order[position[rank]]
-                start = start_at(action, free[rank])
+                had = len(posted)
+                start = start_at(action, position[rank], free[rank])
+                progressed = progressed or len(posted) > had
                 if start is None:
                     break
                 took = duration[action.kind][action.stage]
@@ -727,6 +843,11 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             raise RuntimeError(
                 f"simulation of {name} (p={p}, m={m}, v={v}) deadlocked at positions {position}"
             )
+    if waits is not None:  # step() returns once the rank's last sends have been received
+        for rank in range(p):
+            last_sends = done(waits[rank].at_end)
+            assert last_sends is not None  # every action has run, so every receive has been posted
+            free[rank] = max(free[rank], last_sends)
 
     _after_the_schedule(events, free, busy, ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)

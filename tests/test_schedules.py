@@ -637,3 +637,96 @@ def test_live_counts_give_each_ranks_exact_activation_peak(case: tuple[str, int,
         assert all(k[c] == 0 for k in vectors for c in range(p * v) if shape.stage_ranks[c] != r)
         assert not any(x != y and all(a <= b for a, b in zip(x, y)) for x in vectors for y in vectors)
         assert max(k[c] for k in vectors for c in range(p * v)) <= max(shape.peak_inflight)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Send waits: torch's own loops, run on stages whose p2p ops are markers, say which sends each rank waits for
+# before each compute action (before posting its receive, or fused with it) and after the last one.
+
+
+class _P2PStage(_RecordingStage):
+    """A recording stage whose p2p ops are markers: ("recv" | "send", the action consuming the message)."""
+
+    def get_fwd_recv_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_first else [("recv", Action(self.stage_index, mb, "F"))]
+
+    def get_bwd_recv_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_last else [("recv", Action(self.stage_index, mb, "B"))]
+
+    def get_fwd_send_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_last else [("send", Action(self.stage_index + 1, mb, "F"))]
+
+    def get_bwd_send_ops(self, mb: int) -> list[Any]:
+        return [] if self.is_first else [("send", Action(self.stage_index - 1, mb, "B"))]
+
+
+def _torch_send_waits(name: str, p: int, m: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The rank's log from torch's loop: compute actions, ("post", ops) per batch posted, ("wait", ops) per wait."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    log: list[Any] = []
+
+    def batch(ops: list[Any], desc: str | None = None) -> list[Any]:
+        if ops:
+            log.append(("post", tuple(ops)))
+        return list(ops)
+
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", batch)
+    monkeypatch.setattr(torch_schedules, "_sorted_batch_p2p", lambda ops, desc=None: {0: batch(ops)} if ops else {})
+    monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", lambda works: log.append(("wait", tuple(works))))
+    stage = _P2PStage(rank, p, p, rank, log)
+    torch_schedules.get_schedule_class(name)(stage, m)._step_microbatches()
+    return log
+
+
+def _latest(sends: list[Action]) -> Action | None:
+    """The send whose completion implies the others' (sends to one peer complete in order)."""
+    assert len({(a.kind, a.stage) for a in sends}) <= 1  # one peer, one direction
+    return max(sends, key=lambda a: a.microbatch, default=None)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+def test_send_waits_are_where_torchs_loop_waits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stageplan.schedules import send_waits
+
+    for p, m in itertools.product((1, 2, 3, 4), range(1, 9)):
+        try:
+            waits = send_waits(name, p, m)
+        except StageplanError:
+            continue
+        assert waits is not None
+        for rank in range(p):
+            log = _torch_send_waits(name, p, m, rank, monkeypatch)
+            before: list[list[Action]] = [[]]
+            fused: list[list[Action]] = [[]]
+            my_recv: set[Action] = set()  # the receive batch of the coming action, once posted
+            for entry in log:
+                if isinstance(entry, Action):
+                    before.append([])
+                    fused.append([])
+                    my_recv = set()
+                elif entry[0] == "post" and any(kind == "recv" for kind, _ in entry[1]):
+                    my_recv = {c for _, c in entry[1]}
+                elif entry[0] == "wait":
+                    sends = [c for kind, c in entry[1] if kind == "send"]
+                    (fused if sends and set(sends) <= my_recv else before)[-1].extend(sends)
+            mine = waits[rank]
+            actions = [e for e in log if isinstance(e, Action)]
+            assert len(mine.before_post) == len(actions)
+            for t in range(len(actions)):
+                assert _latest(list(mine.before_post[t])) == _latest(before[t]), (p, m, rank, t)
+                assert _latest(list(mine.with_post[t])) == _latest(fused[t]), (p, m, rank, t)
+            assert _latest(list(mine.at_end)) == _latest(before[-1] + fused[-1]), (p, m, rank)
+    assert send_waits("Interleaved1F1B", 2, 4) is None
+
+
+def test_a_rank_steps_its_optimizer_once_its_last_gradient_is_received() -> None:
+    """GPipe, 2 ranks, m = 4, no transfer time; rank 0 slower (F 2, B 3) than rank 1 (F 1, B 1), whose optimizer
+    step takes 10. Closed form: rank 1's last backward ends at 4*2 + 1 + 4*1 = 13, but its gradient is received
+    only when rank 0 posts that receive, after its third backward: 4*2 + 1 + 1 + 3*3 = 19; rank 1's step()
+    returns then, and its optimizer ends at 29 (without the wait: 23). Rank 0 ends at 4*2 + 1 + 1 + 4*3 = 22."""
+    sim = simulate("GPipe", [2.0, 1.0], [3.0, 1.0], 4, optimizer_s=[0.0, 10.0])
+    assert sim.step_s == 29.0
+    opt = next(e for e in sim.timeline if e.kind == "O")
+    assert (opt.rank, opt.start_s, opt.end_s) == (1, 19.0, 29.0)
+    assert max(e.end_s for e in sim.timeline if e.rank == 0) == 22.0
