@@ -167,6 +167,9 @@ class LayerArrays:
     # per optimizer ("sgd", "momentum", "adam", "adamw"): seconds of one optimizer step per layer; NaN where the
     # profile did not measure it (profiles written before it was measured)
     optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)
+    # per optimizer: the fixed seconds of one step (profile meta optimizer_step.floor_s), which each layer's
+    # optimizer_s carries and a rank pays once; absent in profiles written before it was measured, and estimates
+    optimizer_floor_s: dict[str, float] = field(default_factory=dict)
     # the tied parameters two or more layers share (Profile.tied): each one's layers, and its bytes
     tied_layers: tuple[tuple[int, ...], ...] = ()
     tied_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -192,7 +195,9 @@ class LayerArrays:
                                      for x in profile.layers], dtype=float)
                      for name in OPTIMIZER_STATE_FACTOR if name != "none"}
         ties = [t for t in profile.tied if len(t.layers) > 1]  # a tie inside one layer never crosses ranks
-        return cls(**arr, optimizer_s=optimizer, tied_layers=tuple(t.layers for t in ties),
+        floors = (profile.meta.get("optimizer_step") or {}).get("floor_s") or {}
+        floor = {str(k): float(v) for k, v in floors.items() if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
+        return cls(**arr, optimizer_s=optimizer, optimizer_floor_s=floor, tied_layers=tuple(t.layers for t in ties),
                    tied_bytes=np.array([t.bytes for t in ties], dtype=float))
 
 
@@ -201,11 +206,29 @@ def optimizer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     measured it (the step over the layer's parameters with gradients present; memory-bound, so it does not
     depend on the microbatch). 0 for optimizer "none", and 0 where the profile lacks it (``optimizer_measured``
     says so). Paid once per step per rank, after its last backward: it adds to the step, never to the
-    per-microbatch stage time the solver balances."""
+    per-microbatch stage time the solver balances. Each layer's figure is net of the step's fixed cost
+    (:func:`optimizer_floor`), which a rank pays once for all its layers."""
     times = arr.optimizer_s.get(opts.optimizer)
     if times is None:
         return np.zeros_like(arr.forward_s)
-    return np.nan_to_num(times, nan=0.0)
+    times = np.nan_to_num(times, nan=0.0)
+    return np.where(times > 0, np.maximum(times - optimizer_floor(arr, opts), 0.0), 0.0)
+
+
+def optimizer_floor(arr: LayerArrays, opts: CostOptions) -> float:
+    """Seconds of one optimizer step's fixed cost on the profiled device (the profiler's flushed step over one
+    tiny parameter), paid once per rank whose layers have any parameter to step; 0 where the profile lacks it."""
+    if opts.optimizer == "none":
+        return 0.0
+    return float(arr.optimizer_floor_s.get(opts.optimizer, 0.0))
+
+
+def _trained(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
+    """Per layer, 1.0 where its optimizer step was measured above 0 (it has parameters to step)."""
+    times = arr.optimizer_s.get(opts.optimizer)
+    if times is None or opts.optimizer == "none":
+        return np.zeros_like(arr.forward_s)
+    return (np.nan_to_num(times, nan=0.0) > 0).astype(float)
 
 
 def optimizer_measured(arr: LayerArrays, opts: CostOptions) -> bool:
@@ -398,6 +421,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     fl, ranks = shape.peak_inflight, shape.stage_ranks
     comm = comm_time(arr, opts)
     opt_time = optimizer_time(arr, opts)
+    floor, trained = optimizer_floor(arr, opts), _trained(arr, opts)
     terms = memory_terms(arr, opts)
     L = len(arr.forward_s)
     p = opts.num_ranks
@@ -414,7 +438,12 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
         o = float(opt_time[i:j].sum()) / dev.speed  # once per step, not per microbatch: not in time_s
-        t = tied if ranks.index(ranks[s]) == s else 0.0  # the rank's all-reduce, held by its first chunk
+        first = ranks.index(ranks[s]) == s
+        if first and floor > 0:  # the step's fixed cost, once per rank with anything to step, on its first chunk
+            mine = [k for k in range(len(boundaries) - 1) if ranks[k] == ranks[s]]
+            if any(trained[int(boundaries[k]):int(boundaries[k + 1])].any() for k in mine):
+                o += floor / dev.speed
+        t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
         stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c, fl[s], mem,
                                 dev.memory_limit_bytes, o, t))
     rank_time = [0.0] * p
@@ -493,6 +522,8 @@ class SplitCosts:
         self.fwd_prefix = np.concatenate([[0.0], np.cumsum(arr.forward_s)])
         self.bwd_prefix = np.concatenate([[0.0], np.cumsum(arr.backward_s)])
         self.opt_prefix = np.concatenate([[0.0], np.cumsum(optimizer_time(arr, opts))])
+        self.trained_prefix = np.concatenate([[0.0], np.cumsum(_trained(arr, opts))])
+        self.opt_floor = optimizer_floor(arr, opts)
         self.comm = comm_time(arr, opts)  # one way, per boundary after each layer
         self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
         by_kind = memory_terms(arr, opts)
@@ -546,7 +577,14 @@ class SplitCosts:
         counts it (the layers' optimizer times over the chunk's device speed)."""
         bounds = np.asarray(bounds)
         s = np.arange(bounds.shape[1] - 1)[None, :]
-        return (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
+        per_chunk = (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
+        if self.opt_floor > 0:  # the step's fixed cost, on each rank's first chunk where the rank steps anything
+            trained = self.trained_prefix[bounds[:, 1:]] - self.trained_prefix[bounds[:, :-1]]  # (N, S)
+            steps = (trained @ self.rank_of) > 0  # (N, p)
+            ranks = self.opts.shape.stage_ranks
+            firsts = [ranks.index(r) for r in range(self.opts.num_ranks)]
+            per_chunk[:, firsts] += steps * (self.opt_floor / self.speed[firsts])[None, :]
+        return per_chunk
 
     def tied_sync(self, bounds: np.ndarray) -> np.ndarray:
         """Seconds of the tied-gradient all-reduce (N,) for each row of ``bounds`` (N, S+1), as ``evaluate``

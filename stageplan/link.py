@@ -32,10 +32,15 @@ LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors 
 MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
 # Round trips per size before timing (connection set-up, first touch of the buffers, waking idle CPUs), and timed
 # ones (median taken). 2 and 5 once read a 2105 us latency where the same machine's next four probes read 63-80 us:
-# at least 3 of the 5 fell in one slow spell, and the bench priced every crossing of 24 plans with it. The 20 round
-# trips cost about 4 ms at 4 KiB, 0.1 s at 4 MiB and 0.35 s at 16 MiB per pair on gloo here.
-WARMUP = 5
+# at least 3 of the 5 fell in one slow spell, and the bench priced every crossing of 24 plans with it. The 25 round
+# trips at a large size cost about 0.1 s at 4 MiB and 0.35 s at 16 MiB per pair on gloo here.
+WARMUP = 10
 REPEATS = 15
+# Timed round trips of a message of at most SMALL_MAX_BYTES (the latency probe and the fused exchange): a median
+# over 60 that cost about 6 ms, where 15 of them still read 1.6-2.0 ms medians in 3 of 14 probes here (a gloo round
+# trip on this VM stalls about 2 ms now and then, most often in its first few: 3-10 of 220, 1-6 of them first)
+SMALL_REPEATS = 60
+SMALL_MAX_BYTES = 64 * 2**10
 
 
 def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
@@ -98,13 +103,14 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
                 trip = functools.partial(_round_trip, buffers[n], peer, first, group)
                 for _ in range(warmup):
                     trip()
-                med, iqr = median_iqr([timer(trip)[0] / 2.0 for _ in range(repeats)])  # one way = round trip / 2
+                timed = max(repeats, SMALL_REPEATS) if n <= SMALL_MAX_BYTES else repeats
+                med, iqr = median_iqr([timer(trip)[0] / 2.0 for _ in range(timed)])  # one way = round trip / 2
                 row["one_way_s"].append(med)
                 row["one_way_iqr_s"].append(iqr)
             small = min(sizes)
             out_buf, in_buf = buffers[small], torch.zeros_like(buffers[small])
             exchanges = []
-            for k in range(warmup + repeats):
+            for k in range(warmup + max(repeats, SMALL_REPEATS)):
                 _round_trip(out_buf, peer, first, group)  # both ranks leave it together, then post at once
                 seconds, _ = timer(functools.partial(_exchange, out_buf, in_buf, peer, group))
                 if k >= warmup:
@@ -123,7 +129,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
         "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
         "exchange_s": median_iqr([r["exchange_s"] for r in all_pairs])[0] if all_pairs else None,
         "bandwidth_bytes_per_s": median_iqr([r["bandwidth_bytes_per_s"] for r in all_pairs])[0] if all_pairs else None,
-        "sizes": sizes, "warmup": warmup, "repeats": repeats, "device": str(dev), "pairs": all_pairs,
+        "sizes": sizes, "warmup": warmup, "repeats": repeats, "small_repeats": max(repeats, SMALL_REPEATS),
+        "device": str(dev), "pairs": all_pairs,
     }
 
 

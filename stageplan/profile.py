@@ -265,6 +265,11 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     meta["whole_model_s"] = whole
     meta["sum_vs_whole"] = sum(layer.time_s for layer in layers) / whole if whole else None
     meta["load_average_1min"] = max(float(p.meta.get("load_average_1min", 0.0)) for p in profiles)
+    floors = [(p.meta.get("optimizer_step") or {}).get("floor_s") for p in profiles]
+    if all(isinstance(f, dict) for f in floors):  # each optimizer step's fixed cost, as the layers' times: median
+        keys = set.intersection(*(set(f) for f in floors))  # type: ignore[arg-type]
+        meta["optimizer_step"] = {**(meta.get("optimizer_step") or {}),
+                                  "floor_s": {k: float(statistics.median(f[k] for f in floors)) for k in sorted(keys)}}  # type: ignore[index]
     meta["processes"] = {"count": len(profiles), "digests": [p.digest() for p in profiles], "range": spread,
                          "how": "per layer, the median of each time over profiles taken in separate processes"}
     return Profile(tuple(layers), meta)

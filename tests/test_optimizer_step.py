@@ -133,6 +133,47 @@ def test_split_costs_price_the_optimizer_step_as_evaluate_does(schedule: str, p:
             assert NOTE not in ev.notes
 
 
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
+def test_the_steps_fixed_cost_is_paid_once_per_rank(schedule: str, p: int, m: int, v: int) -> None:
+    """With the profile's per-step floor, a stage's optimizer time is its layers' times less the floor each (not
+    below 0; untrained layers 0) and the floor once on the rank's first chunk, where the rank steps anything: the
+    closed form, and the vectorised replay agreeing with evaluate."""
+    rng = np.random.default_rng(5)
+    n = 13
+    raw = rng.lognormal(0, 1, n)
+    raw[[2, 3, 7]] = 0.0  # no parameters
+    raw[5] = 0.05  # below the floor: its net is 0, but its rank still steps
+    layers = tuple(LayerProfile(f"l{i}", 1.0 + i % 3, 2.0, 0, 1, 4, optimizer_s={"adam": float(o), "sgd": float(o) / 3})
+                   for i, o in enumerate(raw))
+    floor = {"adam": 0.2, "sgd": 0.1}
+    prof = Profile(layers, {"optimizer_step": {"floor_s": floor}})
+    devices = [Device(speed=1.0 + r) for r in range(p)]
+    for optimizer in ("adam", "sgd"):
+        opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer=optimizer,
+                            devices=devices)
+        arr = LayerArrays.of(prof, m)
+        costs = SplitCosts(arr, opts)
+        splits = np.array([[0, *sorted(rng.choice(np.arange(1, n), opts.num_chunks - 1, replace=False)), n]
+                           for _ in range(10)] + [[0, *range(4 - opts.num_chunks + 1, 4), n]])  # ends on 2, 3: untrained
+        f, b, c, _ = costs.split(splits)
+        steps = costs.steps(f, b, c, costs.optimizer(splits))
+        by_chunk = costs.optimizer(splits)
+        for row, cuts in enumerate(splits):
+            ev = evaluate(arr, cuts, opts)
+            assert steps[row] == pytest.approx(ev.predicted_step_s, rel=1e-12, abs=0)
+            want = []
+            for st in ev.stages:
+                own = [layers[k].optimizer_s[optimizer] for k in range(st.first_layer, st.end_layer)]  # type: ignore[index]
+                net = sum(max(x - floor[optimizer], 0.0) for x in own if x > 0)
+                mine = [t for t in ev.stages if t.rank == st.rank]
+                steps_any = any(layers[k].optimizer_s[optimizer] > 0  # type: ignore[index]
+                                for t in mine for k in range(t.first_layer, t.end_layer))
+                once = floor[optimizer] if st is mine[0] and steps_any else 0.0
+                want.append((net + once) / devices[st.rank].speed)
+            assert [st.optimizer_s for st in ev.stages] == pytest.approx(want, rel=1e-12, abs=1e-15)
+            assert by_chunk[row] == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
 def test_evaluate_adds_the_optimizer_step_to_the_step_not_to_the_stage_time() -> None:
     base = [LayerProfile(f"l{i}", 1.0, 2.0, 0, 0, 4) for i in range(4)]
     opt = [LayerProfile(x.name, 1.0, 2.0, 0, 0, 4, optimizer_s={"adam": 0.5, "sgd": 0.1}) for x in base]
@@ -210,7 +251,9 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
     assert 0 < lin.optimizer_s["sgd"] < lin.optimizer_s["adam"]  # adam reads and writes two more states
     assert relu.optimizer_s == {"sgd": 0.0, "momentum": 0.0, "adam": 0.0, "adamw": 0.0}  # no parameters
     assert all(p.grad is None and torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    assert "optimizer_step" in prof.meta
+    floors = prof.meta["optimizer_step"]["floor_s"]  # one step's fixed cost, timed on a single tiny parameter
+    assert set(floors) == {"sgd", "momentum", "adam", "adamw"}
+    assert all(0 < floors[k] < lin.optimizer_s[k] for k in floors)  # a 1M-parameter layer's step costs more
 
 
 def test_identical_layers_reuse_the_measured_optimizer_step() -> None:

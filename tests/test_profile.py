@@ -107,6 +107,13 @@ def test_merge_profiles_takes_each_times_median_over_processes() -> None:
     assert pair.layers[0].forward_s == pytest.approx(1.1) and pair.layers[0].backward_accumulate_s is None
     assert pair.layers[0].optimizer_s is None and pair.meta["whole_model_s"] is None
     assert merge_profiles(runs[:1]) is runs[0]
+    # the optimizer step's fixed cost, per optimizer, is a time like the others: its median over the processes
+    for run, floor in zip(runs, (0.03, 0.01, 0.02)):
+        run.meta["optimizer_step"] = {"floor_s": {"adam": floor, "sgd": floor / 2}, "optimizers": {"adam": "Adam"}}
+    merged = merge_profiles(runs)
+    assert merged.meta["optimizer_step"] == {"floor_s": {"adam": 0.02, "sgd": 0.01}, "optimizers": {"adam": "Adam"}}
+    runs[1].meta.pop("optimizer_step")  # one profile without it: the first's meta stands, as for any other key
+    assert merge_profiles(runs).meta["optimizer_step"]["floor_s"] == {"adam": 0.03, "sgd": 0.015}
 
 
 def test_merge_profiles_refuses_profiles_of_other_models_or_conditions() -> None:
