@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -166,34 +167,38 @@ def _blocks(world: int) -> list[list[int]]:
     return [cpus[r * k:(r + 1) * k] for r in range(world)]
 
 
-def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
-    import threading
+class _ParkedThread:
+    """A thread that records its native id and waits until stopped (as gloo's threads wait for messages)."""
 
+    def __init__(self) -> None:
+        self._started, self._stop = threading.Event(), threading.Event()
+        self.tid = 0
+        self._thread = threading.Thread(target=self._park)
+        self._thread.start()
+        self._started.wait()
+
+    def _park(self) -> None:
+        self.tid = threading.get_native_id()
+        self._started.set()
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
     from stageplan.executor import pin_rank_cpus, process_cpus
 
     before = sorted(os.sched_getaffinity(0))
     refused = pin_rank_cpus(0, len(before) + 1)  # more local ranks than CPUs: nothing changes
     unchanged = sorted(os.sched_getaffinity(0))
-    started, stop = threading.Event(), threading.Event()
-    tids: list[int] = []
-
-    def wait() -> None:
-        tids.append(threading.get_native_id())
-        started.set()
-        stop.wait()
-
-    old = threading.Thread(target=wait)
-    old.start()
-    started.wait()
+    old = _ParkedThread()
     block = pin_rank_cpus(1, 2)
-    started.clear()
-    new = threading.Thread(target=wait)
-    new.start()
-    started.wait()
-    threads = [sorted(os.sched_getaffinity(t)) for t in tids]  # one started before pinning, one after
-    stop.set()
-    old.join()
-    new.join()
+    new = _ParkedThread()
+    threads = [sorted(os.sched_getaffinity(t.tid)) for t in (old, new)]  # one started before pinning, one after
+    old.stop()
+    new.stop()
     queue.put({"refused": refused, "unchanged": unchanged == before, "block": block, "threads": threads,
                "main": sorted(os.sched_getaffinity(0)), "process": process_cpus()})
 
@@ -227,27 +232,14 @@ def _slice_ns(tid: int) -> int | None:
 
 
 def _slices_in_child(queue) -> None:  # type: ignore[no-untyped-def]
-    import threading
-
     from stageplan.executor import COMM_SLICE_NS, short_comm_slices
 
-    started, stop = threading.Event(), threading.Event()
-    tids: list[int] = []
-
-    def wait() -> None:
-        tids.append(threading.get_native_id())
-        started.set()
-        stop.wait()
-
-    other = threading.Thread(target=wait)
-    other.start()
-    started.wait()
+    other = _ParkedThread()
     me = threading.get_native_id()
-    before = {"main": _slice_ns(me), "other": _slice_ns(tids[0])}
+    before = {"main": _slice_ns(me), "other": _slice_ns(other.tid)}
     done = short_comm_slices()
-    after = {"main": _slice_ns(me), "other": _slice_ns(tids[0])}
-    stop.set()
-    other.join()
+    after = {"main": _slice_ns(me), "other": _slice_ns(other.tid)}
+    other.stop()
     queue.put({"before": before, "after": after, "done": done, "want": COMM_SLICE_NS})
 
 
@@ -256,7 +248,7 @@ def test_the_backend_threads_get_a_short_slice_and_the_compute_thread_keeps_its_
     the count returned is what the kernel took."""
     import multiprocessing
 
-    if _slice_ns(threading_native_id()) is None:
+    if _slice_ns(threading.get_native_id()) is None:
         pytest.skip("this kernel does not report per-thread slices (/proc/.../sched has no se.slice)")
     ctx = multiprocessing.get_context("fork")  # a child: the test process keeps its own slices
     queue = ctx.Queue()
@@ -277,12 +269,6 @@ def _kernel_has_custom_slices() -> bool:
 
     found = re.match(r"(\d+)\.(\d+)", platform.release())
     return platform.system() == "Linux" and found is not None and (int(found[1]), int(found[2])) >= (6, 12)
-
-
-def threading_native_id() -> int:
-    import threading
-
-    return threading.get_native_id()
 
 
 def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str],
