@@ -20,6 +20,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ScheduleShape",
+    "SendWaits",
     "Simulation",
     "TimelineEvent",
     "bubble_closed_form",
@@ -29,6 +30,7 @@ __all__ = [
     "peak_inflight",
     "rank_orders",
     "schedule_shape",
+    "send_waits",
     "simulate",
     "stage_ranks",
 ]
