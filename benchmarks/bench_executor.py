@@ -183,7 +183,9 @@ def crossings(pairs: int = 3) -> None:
 def slices_in_pipelines(pairs: int = 2) -> None:
     """The same plans run with gloo's threads at the kernel's slice and at 0.1 ms, alternating: the step and its
     error against the prediction (the plans' crossings are priced the same either way)."""
-    link = __import__("stageplan.launch", fromlist=["measure_link"]).measure_link(2)
+    from stageplan.launch import measure_link
+
+    link = measure_link(2)
     rows = []
     for model, m, schedule, method in (("convnet", 8, "GPipe", "uniform"), ("hf-gpt2", 8, "GPipe", "optimal")):
         options = dict(MODELS)[model]

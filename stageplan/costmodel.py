@@ -25,7 +25,6 @@ from stageplan.schedules import (
     normalize_schedule,
     one_way_delays,
     schedule_shape,
-    send_waits,
     simulate_shape,
 )
 from stageplan.solver import lower_bound
@@ -650,7 +649,7 @@ class _StepGraph:
     (``dep1``, ``dep2``) with the boundary each crosses (``hop1``, ``hop2``), its row in the duration table
     (``kind_stage``), and in torch's single-stage loops the sends the rank waits for before posting the action's
     receive (``pre``) and with it (``fused``), each named by the action consuming the last of them, whose input's
-    arrival is the send's completion (``schedules.send_waits``); ``at_end`` per rank, the same after its last action.
+    arrival is the send's completion (``ScheduleShape.send_waits``); ``at_end`` per rank, the same after its last action.
     Absent entries point at a zero row. ``levels``: each action's post (its inputs' arrival) and start are two
     nodes, grouped into levels of mutually independent nodes, as (posts, starts) action ids."""
 
@@ -707,7 +706,7 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
     dep2[nxt], hop2[nxt] = grad[stage[nxt] + 1, mb[nxt]], stage[nxt]
     # the sends torch's single-stage loops wait for, each by the action consuming the last of them
     pre, fused, at_end = np.full(A, A), np.full(A, A), np.full(shape.num_ranks, A)
-    waits = send_waits(shape.schedule, shape.num_ranks, m) if shape.receives_on_demand else None
+    waits = shape.send_waits
     if waits is not None:
         def consumer(sends: tuple[Action, ...]) -> int:
             return int(ident[kinds[sends[-1].kind], sends[-1].stage, sends[-1].microbatch]) if sends else A

@@ -109,10 +109,10 @@ def short_comm_slices(slice_ns: int = COMM_SLICE_NS) -> int:
     that wakes on its CPU may run, unless the waking thread's own slice is shorter. A gloo send posted before its
     receiver was ready waits for the receiver's "ready" message, which gloo's loop thread on the sender handles;
     with the sender's compute thread busy on the same CPU, that took up to a slice or more. ``make bench``
-    (sender busy 10 ms after posting, receiver posting 0.5 ms later, 3 alternations of 20 crossings): at the
-    kernel's slice 38-57 of 60 crossings took over 1 ms (median 2.6-3.0 ms, worst 5.2 ms); at 0.1 ms none did
-    (median 0.11 ms, worst 0.20 ms). In a traced convnet GPipe step the receiving rank had sat idle 1.6-2.6 ms on
-    two such crossings; the bench's whole steps moved 1.004-1.013x, inside the noise (README, limitations)."""
+    (sender busy 10 ms after posting, receiver posting 0.5 ms later, 3 alternations of 20 crossings, four
+    benches): at the kernel's slice 31-57 of 60 crossings took over 1 ms (medians 1.3-3.2 ms, worst 5.2 ms); at
+    0.1 ms 0-1 of 60 (medians 0.11-0.13 ms). In a traced convnet GPipe step the receiving rank had sat idle 1.6-2.6
+    ms on two such crossings; the bench's whole steps moved 0.92-1.03x, inside the noise (README, limitations)."""
     import platform
 
     number = _SYS_SCHED_SETATTR.get(platform.machine())
@@ -421,7 +421,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     for st in rs.stages:
         ins.wrap(st)
     _attach_layer_clock(ins.clock, rs, plan)
-    short_threads = short_comm_slices(slice_ns)  # again: threads the backend started since (none seen with gloo)
+    short_threads = short_comm_slices(slice_ns)  # again, for a backend that starts threads at its first message
     samples = _train(plan, workload, rs, device, options, ins)
     layer_s, overhead_s = samples.layer_medians()
 

@@ -468,32 +468,19 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int)
 
 
 def _optimizer_floors(device: torch.device, timer: Timer, repeats: int) -> dict[str, float]:
-    """Per optimizer, the median seconds of one ``step()`` over a single 8-element parameter, each timed from a
-    flushed cache as :func:`_optimizer_times` times a layer's: the fixed cost of a step (Python, the dispatcher,
-    the optimizer's own state, cold after the flush), which every layer's figure carries once and a rank pays
-    once, since it steps all its layers in one ``step()``. Here: 0.31 ms for SGD and 0.51 ms for Adam against
-    0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so it is per step, not per tensor; summed over
-    the convnet's 9 trained layers the per-layer figures came to 13.9 ms of Adam against 10.1 ms for one flushed
-    step over the whole model (the GPT: 22.6 against 19.8 ms). Measured once per process and device (about
+    """Per optimizer, the seconds of one ``step()`` over a single 8-element parameter, timed as
+    :func:`_optimizer_times` times a layer's (from a flushed cache): the fixed cost of a step (Python, the
+    dispatcher, the optimizer's own state, cold after the flush), which every layer's figure carries once and a
+    rank pays once, since it steps all its layers in one ``step()``. Here: 0.31 ms for SGD and 0.51 ms for Adam
+    against 0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so it is per step, not per tensor;
+    summed over the convnet's 9 trained layers the per-layer figures came to 13.9 ms of Adam against 10.1 ms for one
+    flushed step over the whole model (the GPT: 22.6 against 19.8 ms). Measured once per process and device (about
     0.7 s of flushes): it is the machine's and the process's, not the model's."""
     key = str(device)
-    if key in _FLOORS:
-        return dict(_FLOORS[key])
-    flush = CacheFlush(device)
-    out: dict[str, float] = {}
-    for name, make in _OPTIMIZERS.items():
-        q = torch.zeros(8, device=device, requires_grad=True)
-        q.grad = torch.ones_like(q)
-        opt = make([q])
-        opt.step()
-        samples = []
-        for _ in range(max(3, min(repeats, OPTIMIZER_REPEATS))):
-            flush()
-            samples.append(timer(opt.step)[0])
-        out[name] = median_iqr(samples)[0]
-    flush.release()
-    _FLOORS[key] = out
-    return dict(out)
+    if key not in _FLOORS:
+        tiny = nn.Parameter(torch.zeros(8, device=device))
+        _FLOORS[key] = _optimizer_times([tiny], timer, max(3, repeats))
+    return dict(_FLOORS[key])
 
 
 _FLOORS: dict[str, dict[str, float]] = {}
@@ -1031,7 +1018,8 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
                 f"(more than {DEDUP_SPREAD_WARN:.0%}): the machine was busy or the layers differ in a way their "
                 "signature misses; re-profile with more --repeats on a quiet machine, or with --no-dedup", stacklevel=4)
     dev = ctx.dev
-    floors = _optimizer_floors(dev, Timer(dev), ctx.repeats)
+    # a measured profile's step floor (an estimate prices its steps by bytes, and its meta says so instead)
+    floors = _optimizer_floors(dev, Timer(dev), ctx.repeats) if device is None else None
     layer_sum = sum(r.forward_s + r.backward_s for r in results)
     whole = extra.get("whole_model_s")
     meta: dict[str, Any] = {

@@ -391,18 +391,9 @@ def _one_f_one_b_send_waits(p: int, m: int, rank: int) -> SendWaits:
 
 def send_waits(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[SendWaits, ...] | None:
     """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`), for the single-stage
-    schedules; None for the others (torch's multi-stage runtime, whose sends are not modelled as waits)."""
-    name = normalize_schedule(schedule)
-    if name not in _SINGLE_STAGE:
-        return None
-    check_microbatches(name, num_ranks, num_microbatches)
-    return _send_waits(name, int(num_ranks), int(num_microbatches))
-
-
-@lru_cache(maxsize=256)
-def _send_waits(name: str, p: int, m: int) -> tuple[SendWaits, ...]:
-    build = _gpipe_send_waits if name == "GPipe" else _one_f_one_b_send_waits
-    return tuple(build(p, m, r) for r in range(p))
+    schedules; None for the others (torch's multi-stage runtime, whose sends are not modelled as waits). The same
+    as ``schedule_shape(...).send_waits``."""
+    return schedule_shape(schedule, num_ranks, num_microbatches).send_waits
 
 
 @lru_cache(maxsize=256)
@@ -480,6 +471,15 @@ class ScheduleShape:
         sides have posted, on gloo and NCCL alike). torch's multi-stage runtime posts receives ahead (its RECV_F
         and RECV_B actions), so there a transfer overlaps the receiving rank's compute."""
         return self.schedule in _SINGLE_STAGE
+
+    @cached_property
+    def send_waits(self) -> tuple[SendWaits, ...] | None:
+        """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`); None where receives
+        are not on demand (torch's multi-stage runtime, whose sends are not modelled as waits)."""
+        if not self.receives_on_demand:
+            return None
+        build = _gpipe_send_waits if self.schedule == "GPipe" else _one_f_one_b_send_waits
+        return tuple(build(self.num_ranks, self.num_microbatches, r) for r in range(self.num_ranks))
 
     @property
     def zero_bubble(self) -> bool:
@@ -772,7 +772,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     last = num_stages - 1
 
     on_demand = shape.receives_on_demand
-    waits = send_waits(name, p, m) if on_demand else None
+    waits = shape.send_waits
     # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the moment
     # the send feeding it completes, for the sender's own waits)
     posted: dict[tuple[str, int, int], float] = {}
@@ -791,7 +791,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
         k, i = a.stage, a.microbatch
         key = (a.kind, k, i)
         if key not in posted:
-            before = done(waits[rank_of[k]].before_post[position]) if waits is not None else 0.0
+            before = done(waits[ranks[k]].before_post[position]) if waits is not None else 0.0
             if before is None:
                 return None
             posted[key] = max(free_at, before)
@@ -807,12 +807,11 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
         if end is None:
             return None
         arrived[key] = max(post, end) + delay if on_demand else end + delay
-        fused = done(waits[rank_of[k]].with_post[position]) if waits is not None else 0.0
+        fused = done(waits[ranks[k]].with_post[position]) if waits is not None else 0.0
         if fused is None:
             return None
         return max(post, arrived[key], fused)
 
-    rank_of = ranks
     events: list[TimelineEvent] = []
     free = [0.0] * p
     busy = [0.0] * p

@@ -141,7 +141,7 @@ def test_the_steps_fixed_cost_is_paid_once_per_rank(schedule: str, p: int, m: in
     rng = np.random.default_rng(5)
     n = 13
     raw = rng.lognormal(0, 1, n)
-    raw[[2, 3, 7]] = 0.0  # no parameters
+    raw[[2, 3, 11, 12]] = 0.0  # no parameters
     raw[5] = 0.05  # below the floor: its net is 0, but its rank still steps
     layers = tuple(LayerProfile(f"l{i}", 1.0 + i % 3, 2.0, 0, 1, 4, optimizer_s={"adam": float(o), "sgd": float(o) / 3})
                    for i, o in enumerate(raw))
@@ -153,8 +153,10 @@ def test_the_steps_fixed_cost_is_paid_once_per_rank(schedule: str, p: int, m: in
                             devices=devices)
         arr = LayerArrays.of(prof, m)
         costs = SplitCosts(arr, opts)
+        # and one split whose rank 1 holds only layers without parameters (2-3 and 11-12): it steps nothing
+        bare = {2: [0, 11, n], 3: [0, 2, 4, n], 4: [0, 2, 4, 11, n]}[opts.num_chunks]
         splits = np.array([[0, *sorted(rng.choice(np.arange(1, n), opts.num_chunks - 1, replace=False)), n]
-                           for _ in range(10)] + [[0, *range(4 - opts.num_chunks + 1, 4), n]])  # ends on 2, 3: untrained
+                           for _ in range(10)] + [bare])
         f, b, c, _ = costs.split(splits)
         steps = costs.steps(f, b, c, costs.optimizer(splits))
         by_chunk = costs.optimizer(splits)
@@ -172,6 +174,9 @@ def test_the_steps_fixed_cost_is_paid_once_per_rank(schedule: str, p: int, m: in
                 want.append((net + once) / devices[st.rank].speed)
             assert [st.optimizer_s for st in ev.stages] == pytest.approx(want, rel=1e-12, abs=1e-15)
             assert by_chunk[row] == pytest.approx(want, rel=1e-12, abs=1e-15)
+        last = evaluate(arr, splits[-1], opts)
+        if schedule != "ZBVZeroBubble":  # its V gives rank 1 the middle chunks, one of them with parameters
+            assert [st.optimizer_s for st in last.stages if st.rank == 1] == [0.0] * (opts.num_chunks // p)
 
 
 def test_evaluate_adds_the_optimizer_step_to_the_step_not_to_the_stage_time() -> None:
