@@ -261,6 +261,39 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
     assert all(0 < floors[k] < lin.optimizer_s[k] for k in floors)  # a 1M-parameter layer's step costs more
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeypatch: pytest.MonkeyPatch,
+                                                                         streaming: bool) -> None:
+    """An embedding's gradient is zero on the rows its batch does not use, and a CPU Adam step over those zeros
+    costs twice one over ones (torch's sqrt of 0): so the profiler steps the layer's own gradient. Oracle: with the
+    output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones."""
+    from stageplan import profiler
+
+    seen: list[list[torch.Tensor]] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+            seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+            return super().step(closure)
+
+    monkeypatch.setattr(profiler, "_OPTIMIZERS", {**profiler._OPTIMIZERS, "sgd": lambda ps: Recording(ps, lr=1e-3)})
+    torch.manual_seed(0)
+    vocab, dim = 64, 4
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, 3))
+    idx = torch.randint(0, vocab // 4, (4, 6))  # rows 16..63 unused: their gradient is 0
+    profile_model(Workload(model, idx, loss_fn=_sum_loss), microbatch_size=4, warmup=0, repeats=2,
+                  streaming=streaming)
+    table = [g for grads in seen for g in grads if g.shape == (vocab, dim)]
+    assert table, "the embedding's step was not timed"
+    expected = torch.bincount(idx.flatten(), minlength=vocab).float()[:, None].expand(vocab, dim)
+    for g in table:
+        torch.testing.assert_close(g, expected)
+    head = [g for grads in seen for g in grads if g.shape == (3, dim)]  # the last layer: the loss's own gradient
+    expected_head = torch.ones(3, 1) * model[0](idx).detach().sum(dim=(0, 1))[None, :]
+    for g in head:
+        torch.testing.assert_close(g, expected_head)
+
+
 def test_identical_layers_reuse_the_measured_optimizer_step() -> None:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 1..4 alike: 3 and 4 reuse 2
     with warnings.catch_warnings():
