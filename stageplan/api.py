@@ -426,9 +426,10 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
 
 
 def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
-                   ) -> tuple[float, float, str, str, float]:
-    """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, and the one-way
-    latency (s, for collectives), from a LINK.json or its dict."""
+                   ) -> tuple[float, float, str, str, float, float]:
+    """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
+    latency (s, for collectives) and the schedule's seconds per chunk action (0 where the probe did not time it:
+    links measured before it, a single rank, CUDA), from a LINK.json or its dict."""
     from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
@@ -442,7 +443,7 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
-    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"]
+    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], float(measured.get("action_s") or 0.0)
 
 
 def _estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
@@ -548,13 +549,14 @@ def plan(
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
     link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
+    action_s = float(prof.meta.get("calibration", {}).get("action_s", 0.0))  # and its schedule probe
     latency_source = "fitted by calibrate from a run"
     link_note = None
     if link is not None:
         if bandwidth is not None:
             raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
                                  "--link LINK.json for the measured link, or --bandwidth RATE")
-        bw, latency_s, latency_source, link_note, link_latency_s = _measured_link(link, latency_s)
+        bw, latency_s, latency_source, link_note, link_latency_s, action_s = _measured_link(link, latency_s)
     elif bw is None and estimate_label(prof.meta):
         bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)
@@ -593,7 +595,7 @@ def plan(
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=latency_s, latency_source=latency_source,
-                                    link_latency_s=link_latency_s)
+                                    link_latency_s=link_latency_s, action_s=action_s)
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
                                   time_limit_s)
                 if link_note:
@@ -701,6 +703,7 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     before = prof.meta.get("calibration") or {}
     link_latency = float((rep.link or {}).get("latency_s") or 0.0)
     meta["calibration"] = {**how, "boundary_latency_s": latency, "link_latency_s": link_latency,
+                           "action_s": _run_action_s(rep),
                            "from_profile_digest": prof.digest(),
                            # a profile calibrated before raw_profile_digest existed names only what it came from
                            "raw_profile_digest": before.get("raw_profile_digest",
@@ -772,6 +775,14 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
     return fwd, bwd
 
 
+def _run_action_s(rep: RunReport) -> float:
+    """The schedule's seconds per chunk action a run paid: its plan's (priced with a measured link), else what the
+    run's own link probe timed; the latency fit and the calibrated profile's later plans use the same figure, so
+    that the fitted delay does not count it again."""
+    planned = (rep.plan.get("cost_options") or {}).get("action_s")
+    return float(planned or (rep.link or {}).get("action_s") or 0.0)
+
+
 def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times)
     equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
@@ -790,7 +801,8 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
                         optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
                         bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
                         recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"),
-                        link_latency_s=float(cost.get("link_latency_s", 0.0)))
+                        link_latency_s=float(cost.get("link_latency_s", 0.0)),
+                        action_s=_run_action_s(rep))
     bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:

@@ -456,7 +456,8 @@ def _cmd_link(a: argparse.Namespace) -> int:
     link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus)
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
-          f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)")
+          f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)"
+          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action" if link.get("action_s") else ""))
     print(f"wrote {a.output}")
     return 0
 

@@ -75,6 +75,10 @@ class CostOptions:
     # the measured link's one-way latency: the per-message latency of collectives (the tied all-reduce), where the
     # per-crossing boundary_latency_s may be calibrate's catch-all for every wait the model does not have
     link_latency_s: float = 0.0
+    # torch's schedule's own seconds per chunk action outside the chunk (its loop: record_function, building and
+    # posting the P2P ops), as the link probe measured it (link.action_overhead); every forward and every backward
+    # of every chunk pays it on its rank
+    action_s: float = 0.0
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -99,7 +103,8 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
                  recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None,
-                 latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0) -> CostOptions:
+                 latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0,
+                 action_s: float = 0.0) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -151,8 +156,11 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
     if precision is not None and precision not in PRECISIONS:
         raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if isinstance(action_s, bool) or not isinstance(action_s, (int, float)) or not (math.isfinite(action_s) and action_s >= 0):
+        raise StageplanError(f"the schedule's time per action must be >= 0 seconds, got {action_s!r}; measure the link "
+                             "again (stageplan link -o LINK.json)")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), shape)
+                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), float(action_s), shape)
 
 
 @dataclass(frozen=True)
@@ -443,8 +451,9 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
             if any(trained[int(boundaries[k]):int(boundaries[k + 1])].any() for k in mine):
                 o += floor / dev.speed
         t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
-        stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c, fl[s], mem,
-                                dev.memory_limit_bytes, o, t))
+        a = 2.0 * opts.action_s  # the schedule's loop around the chunk's forward and its backward
+        stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c + a, fl[s], mem,
+                                dev.memory_limit_bytes, o, t, a))
     rank_time = [0.0] * p
     static = [0.0] * p
     for st in stages:
@@ -454,11 +463,13 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         peaks = tuple(sum(st.memory["activations"] for st in stages if st.rank == r) for r in range(p))
     else:
         peaks = _rank_peak_activation_bytes(arr, boundaries, shape)
-    sim = simulate_shape(shape, np.array([st.forward_s for st in stages]), np.array([st.backward_s for st in stages]),
+    sim = simulate_shape(shape, np.array([st.forward_s for st in stages]) + opts.action_s,
+                         np.array([st.backward_s for st in stages]) + opts.action_s,
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
                          np.array([st.optimizer_s for st in stages]), tied)
     bottleneck = max(rank_time)
-    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices])
+    # every rank pays the schedule's loop around each of its v chunks' forward and backward, whatever the split
+    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices]) + 2.0 * opts.action_s * opts.virtual_stages
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
     notes = []
     if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
@@ -470,6 +481,9 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         notes.append(tied_note)
     if opts.boundary_latency_s > 0:
         notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, {opts.latency_source}")
+    if opts.action_s > 0:
+        notes.append(f"torch's schedule takes {opts.action_s * 1e3:.3f} ms around each chunk's forward and backward "
+                     "(its loop: record_function, building and posting the sends), measured by the link probe")
     for r, d in enumerate(opts.devices):
         if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
             notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
@@ -542,7 +556,8 @@ class SplitCosts:
 
     def stage(self, s: np.ndarray | int, i: np.ndarray | int, j: np.ndarray | int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Forward, backward, comm (both directions) seconds and memory bytes of chunk s over layers [i, j):
+        """Forward, backward (each with the schedule's loop around it, ``action_s``), comm (both directions) seconds
+        and memory bytes of chunk s over layers [i, j):
         the formulas of ``evaluate``, term by term. With :attr:`exact_peak` the memory leaves the activations out
         (a rank adds its peak over its order: :meth:`rank_peaks`)."""
         s, i, j = np.asarray(s), np.asarray(i), np.asarray(j)
@@ -550,6 +565,8 @@ class SplitCosts:
         b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
         if self.opts.recompute:
             b = b + f  # the forward runs again inside the backward
+        # each action's share of the schedule's loop, on its rank (evaluate: StagePlan.action_s)
+        f, b = f + self.opts.action_s, b + self.opts.action_s
         c = np.where(j < self.num_layers, 2.0 * self.comm[j - 1], 0.0)
         mem = self.mem_prefix[s, j] - self.mem_prefix[s, i] + self.mem_start[s, i] + self.mem_end[j - 1]
         return f, b, c, mem

@@ -12,6 +12,11 @@ posting a small send and a small receive to each other at once: ``exchange_s``, 
 schedule pays it (posting the batch and waiting for it; 0.18-0.19 ms on gloo localhost here, against a 0.11 ms
 one-way latency). A plan priced with the link uses the larger of the two per crossing.
 
+Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`action_overhead`): the gap
+between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
+the chunks (``action_s``: 0.17-0.20 ms on gloo here); a plan priced with the link adds it around every forward
+and every backward.
+
 torch is imported inside the functions that measure, so that the planner can read LINK.json without torch.
 """
 
@@ -41,6 +46,15 @@ REPEATS = 15
 # trip on this VM stalls about 2 ms now and then, most often in its first few: 3-10 of 220, 1-6 of them first)
 SMALL_REPEATS = 60
 SMALL_MAX_BYTES = 64 * 2**10
+# The schedule probe (:func:`action_overhead`): torch's GPipe over a 16-float linear layer per rank, microbatches
+# per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
+# writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
+# what the chunk evicted (median of 60-70 gaps here): 68 us after none, 117 us after 1 MiB, 142-145 us after 4-16
+# MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens of MiB. About 0.4 s a run.
+ACTION_MICROBATCHES = 8
+ACTION_WARMUP = 1
+ACTION_STEPS = 3
+ACTION_EVICT_BYTES = 64 * 2**20
 
 
 def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
@@ -124,7 +138,9 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, pairs, group=group)
     all_pairs = [row for rows in gathered for row in rows]
+    action = action_overhead(dev, group=group)
     return {
+        **({"action_s": action} if action is not None else {}),
         "backend": str(dist.get_backend(group)),
         "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
         "exchange_s": median_iqr([r["exchange_s"] for r in all_pairs])[0] if all_pairs else None,
@@ -132,6 +148,95 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
         "sizes": sizes, "warmup": warmup, "repeats": repeats, "small_repeats": max(repeats, SMALL_REPEATS),
         "device": str(dev), "pairs": all_pairs,
     }
+
+
+def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,
+                    warmup: int = ACTION_WARMUP, steps: int = ACTION_STEPS,
+                    evict_bytes: int = ACTION_EVICT_BYTES) -> float | None:
+    """Seconds torch's own schedule spends outside the chunks, per chunk action, on a rank that does not wait: the
+    median gap between one chunk call and the next over the first rank's forwards and the last rank's backwards of
+    ``ScheduleGPipe`` over a 16-float linear layer per rank whose forward and backward each write ``evict_bytes``
+    (every rank of ``group`` calls it; every rank gets the result). Between two such calls torch's loop builds the
+    P2P ops, posts the send (``_batch_p2p``), leaves one ``record_function`` and enters the next, its code and data
+    cold after the chunk. 0.2-0.4 ms between chunk calls were traced in real runs here: 54-85 us of
+    ``record_function``, 57-110 us posting a send, 12 us per list of ops built. None on a single rank (no pipeline)
+    and off the CPU, where the host's loop runs ahead of the device's queued kernels."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dev = torch.device(device)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world < 2 or dev.type != "cpu":
+        return None
+    torch.manual_seed(0)
+    stage = PipelineStage(_streaming_layer(evict_bytes).to(dev), rank, world, dev, group=group)
+    stamps: list[tuple[str, int, float, float]] = []
+
+    def timed(kind: str, call: Any) -> Any:
+        def chunk_call(chunk: int, *a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(chunk, *a, **k)
+            finally:
+                stamps.append((kind, chunk, t0, time.perf_counter()))
+        return chunk_call
+
+    stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+    stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+    schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
+    x = torch.randn(microbatches, 16, device=dev)
+    gaps: list[float] = []
+    for step in range(warmup + steps):
+        stamps.clear()
+        if rank == 0:
+            schedule.step(x, return_outputs=False)
+        elif rank == world - 1:
+            schedule.step(target=torch.zeros(microbatches, 16, device=dev), losses=[], return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        mine = "F" if rank == 0 else "B" if rank == world - 1 else None
+        calls = sorted((t0, t1) for kind, _, t0, t1 in stamps if kind == mine)
+        if step >= warmup:
+            gaps += [calls[i + 1][0] - calls[i][1] for i in range(len(calls) - 1)]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, gaps, group=group)
+    every = [g for rows in gathered for g in rows]
+    from stageplan.measure import median_iqr
+
+    return median_iqr(every)[0] if every else None
+
+
+def _streaming_layer(evict_bytes: int) -> Any:
+    """The probe's layer: a 16-float linear layer whose forward and backward each write ``evict_bytes``."""
+    import torch
+
+    class Stream(torch.autograd.Function):
+        """Identity that writes the module's buffer in its forward and in its backward."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, buf: Any) -> Any:
+            buf.fill_(1)
+            ctx.buf = buf
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            ctx.buf.fill_(2)
+            return grad.clone(), None
+
+    class Streaming(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+            self.register_buffer("stream", torch.zeros(max(int(evict_bytes), 1), dtype=torch.uint8), persistent=False)
+
+        def forward(self, x: Any) -> Any:
+            return Stream.apply(self.linear(x), self.stream)
+
+    return Streaming()
 
 
 def _round_trip(buf: Any, peer: int, first: bool, group: Any) -> None:
@@ -205,5 +310,10 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     if exchange is not None and (isinstance(exchange, bool) or not isinstance(exchange, (int, float))
                                  or not math.isfinite(exchange) or exchange < 0):
         raise StageplanError(f"{source} has exchange_s = {exchange!r}; it must be seconds >= 0, or absent; measure it "
+                             "again with stageplan link")
+    action = data.get("action_s")
+    if action is not None and (isinstance(action, bool) or not isinstance(action, (int, float))
+                               or not math.isfinite(action) or action < 0):
+        raise StageplanError(f"{source} has action_s = {action!r}; it must be seconds >= 0, or absent; measure it "
                              "again with stageplan link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

@@ -46,6 +46,10 @@ class StagePlan:
     # step before the optimizer step; held by the rank's first stage (0 on its others), so that a rank's stages sum
     # to it; 0 in plans made before it existed
     tied_sync_s: float = 0.0
+    # seconds per microbatch torch's schedule spends around the stage's forward and its backward outside them (its
+    # loop: record_function, building and posting the P2P ops; CostOptions.action_s twice); part of time_s, not of
+    # forward_s or backward_s (a run's chunk timers do not see it); 0 without a measured link
+    action_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,9 @@ class Plan:
         from stageplan.schedules import one_way_delays, simulate
 
         comm = one_way_delays([st.comm_s for st in self.stages], float(self.cost_options.get("boundary_latency_s", 0.0)))
-        return simulate(self.schedule, [st.forward_s for st in self.stages], [st.backward_s for st in self.stages],
+        # each forward and each backward with its half of the schedule's loop around the stage (StagePlan.action_s)
+        return simulate(self.schedule, [st.forward_s + st.action_s / 2 for st in self.stages],
+                        [st.backward_s + st.action_s / 2 for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
                         optimizer_s=[st.optimizer_s for st in self.stages], tied_sync_s=self.tied_sync_s)
 
@@ -132,7 +138,7 @@ class Plan:
         for st in self.stages:
             row = {"stage": st.index, "rank": st.rank, "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
                    "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s, "comm_s": st.comm_s,
-                   "time_s": st.time_s, "optimizer_s": st.optimizer_s,
+                   "action_s": st.action_s, "time_s": st.time_s, "optimizer_s": st.optimizer_s,
                    "tied_sync_s": st.tied_sync_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
             row.update({f"{k}_bytes": v for k, v in st.memory.items()})
             rows.append(row)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from stageplan.schedules import Simulation
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
-          "comm": "#55A868", "idle": "#EEEEEE"}
+          "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
@@ -63,6 +63,7 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
         f = [st.forward_s * 1e3 for st in plan.stages]
         b = [st.backward_s * 1e3 for st in plan.stages]
         c = [st.comm_s * 1e3 for st in plan.stages]
+        a = [st.action_s * 1e3 for st in plan.stages]  # the schedule's loop around the stage's chunks
         # Methods differ by hatch, not by shade: shades of one colour read as different kinds of work.
         hatch = HATCHES[k % len(HATCHES)] if n > 1 else None
         style: dict[str, Any] = {"edgecolor": "white", "linewidth": 0.6, "hatch": hatch}
@@ -70,10 +71,13 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
         ax.bar(xs, b, width, bottom=f, color=COLORS["B"], label="backward" if k == 0 else None, **style)
         ax.bar(xs, c, width, bottom=[x + y for x, y in zip(f, b)], color=COLORS["comm"],
                label="comm" if k == 0 else None, **style)
+        if any(a):
+            ax.bar(xs, a, width, bottom=[x + y + z for x, y, z in zip(f, b, c)], color=COLORS["loop"],
+                   label="schedule loop" if k == 0 else None, **style)
         if n > 1:
             method_handles.append(Patch(facecolor="#8C8C8C", edgecolor="white", hatch=hatch, label=name))
         worst = max(range(plan.num_chunks), key=lambda s: plan.stages[s].time_s)
-        top = f[worst] + b[worst] + c[worst]
+        top = f[worst] + b[worst] + c[worst] + a[worst]
         tallest = max(tallest, top)
         ax.plot([xs[worst]], [top], marker="v", color="black", markersize=7, linestyle="none",
                 label="bottleneck" if k == 0 else None)

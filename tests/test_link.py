@@ -8,13 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, run_cli
+from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
 
 import stageplan.link
 from stageplan import RunReport, StageplanError
 from stageplan.api import plan
 from stageplan.link import LINK_SCHEMA, load_link
+from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile
+from stageplan.report import plan_table
 
 OUT_BYTES = 1e6
 
@@ -172,6 +174,7 @@ def test_every_run_starts_with_a_ping_pong(tmp_path: Path) -> None:
     assert link["exchange_s"] > 0 and link["pairs"][0]["exchange_s"] == link["exchange_s"]  # one pair: its own figure
     assert link["sizes"][0] == 4096 and link["sizes"][-1] >= 4 * 2**20
     assert [p["ranks"] for p in link["pairs"]] == [[0, 1]]
+    assert 0 < link["action_s"] < 1e-2  # torch's own loop between two chunk calls, timed by the schedule probe
     assert RunReport.load(tmp_path / "run.json").link == link
 
 
@@ -186,7 +189,7 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
     pair = link["pairs"][0]
     assert pair["ranks"] == [0, 1] and len(pair["one_way_s"]) == len(link["sizes"]) == 2
     assert pair["one_way_s"][1] > pair["one_way_s"][0]  # 4 MiB takes longer than 4 KiB
-    assert "latency" in stdout and f"wrote {out}" in stdout
+    assert "latency" in stdout and f"wrote {out}" in stdout and "torch's schedule" in stdout
     # what it measured plans as a link
     pl = plan(_profile(), 2, num_microbatches=4, link=out)
     assert pl.cost_options["bandwidth_bytes_per_s"] == link["bandwidth_bytes_per_s"]
@@ -223,3 +226,116 @@ def test_a_rendezvous_port_taken_after_it_was_chosen_is_replaced(monkeypatch: py
         assert chosen == [busy] * launch.PORT_TRIES
     finally:
         taken.close()
+
+
+def _probe_in_child(rank: int, port: int, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]
+    """One rank of the schedule probe; with ``delay_s`` torch's loop sleeps that long entering each action."""
+    import contextlib
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as schedules
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if delay_s:
+        real = schedules.record_function
+
+        @contextlib.contextmanager
+        def slow(name: str):  # type: ignore[no-untyped-def]
+            time.sleep(delay_s)
+            with real(name):
+                yield
+
+        schedules.record_function = slow
+    try:
+        queue.put((rank, stageplan.link.action_overhead(torch.device("cpu"), evict_bytes=2**20)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.004])
+def test_the_schedule_probe_times_what_torchs_loop_spends_between_chunks(delay_s: float) -> None:
+    """Oracle: a known delay put into torch's own loop (a sleep entering each action) shows up in the probe's
+    figure, once per gap between two chunk calls; without it the loop takes well under a millisecond here."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_probe_in_child, args=(r, port, delay_s, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == got[1]  # every rank gets the same figure
+    if delay_s:
+        assert delay_s < got[0] < delay_s + 2e-3
+    else:
+        assert 0 < got[0] < 1e-3
+
+
+def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_path: Path) -> None:
+    """Closed form: GPipe, p = 2, m = 1, forward 1 s, backward 2 s, one layer per rank; the loop's 0.25 s per
+    action lengthens each of the four actions on the critical path, and each stage's time by 0.5 s."""
+    base = json.loads(_link_file(tmp_path, latency_s=0.5, bandwidth=1e6).read_text())
+    with pytest.warns(UserWarning, match="bubble"):
+        bare = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=base)
+        timed = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link={**base, "action_s": 0.25})
+    assert bare.predicted_step_s == pytest.approx(6 + 2 * (1.0 + 0.5))
+    assert timed.predicted_step_s == pytest.approx(bare.predicted_step_s + 4 * 0.25)
+    assert timed.simulate().step_s == pytest.approx(timed.predicted_step_s)  # the stored plan replays it
+    for st, was in zip(timed.stages, bare.stages):
+        assert (st.forward_s, st.backward_s) == (was.forward_s, was.backward_s)  # what a run's chunk timers see
+        assert st.action_s == 0.5 and st.time_s == pytest.approx(was.time_s + 0.5)
+    assert timed.bottleneck_s == pytest.approx(bare.bottleneck_s + 0.5)
+    assert timed.lower_bound_s == pytest.approx(bare.lower_bound_s + 0.5)
+    assert timed.cost_options["action_s"] == 0.25 and bare.cost_options["action_s"] == 0.0
+    assert any("250.000 ms around each chunk's forward and backward" in n for n in timed.notes)
+    assert "loop ms" in plan_table(timed) and "loop ms" not in plan_table(bare)
+    assert list(timed.to_pandas()["action_s"]) == [0.5, 0.5]
+    assert Plan.from_json(timed.to_json()) == timed
+    for bad in (True, -1.0, float("nan"), "slow"):
+        with pytest.raises(StageplanError, match="action_s"):
+            load_link({**base, "action_s": bad})
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
+def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int, v: int) -> None:
+    """Oracle: with one layer per chunk, the schedule's a seconds per action is the same plan as each layer's
+    forward and backward a seconds longer (step, rank times, bottleneck; the lower bound too with one chunk per
+    rank, where no rank runs two chunks' overhead)."""
+    import numpy as np
+
+    from stageplan.costmodel import LayerArrays, evaluate, make_options
+
+    rng = np.random.default_rng(3)
+    S, a = p * v, 0.3
+    rows = list(zip(rng.lognormal(0, 1, S), rng.lognormal(0, 1, S), rng.integers(1, 100, S)))
+    prof = Profile(tuple(LayerProfile(f"l{i}", float(f), float(b), 0, int(o), 0) for i, (f, b, o) in enumerate(rows)))
+    folded = Profile(tuple(LayerProfile(f"l{i}", float(f) + a, float(b) + a, 0, int(o), 0)
+                           for i, (f, b, o) in enumerate(rows)))
+    bounds = list(range(S + 1))
+    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
+              boundary_latency_s=0.25)
+    ev = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, action_s=a, **kw))
+    ref = evaluate(LayerArrays.of(folded, m), bounds, make_options(folded, p, **kw))
+    assert ev.predicted_step_s == pytest.approx(ref.predicted_step_s, rel=1e-12)
+    assert ev.rank_time_s == pytest.approx(ref.rank_time_s, rel=1e-12)
+    assert ev.bottleneck_s == pytest.approx(ref.bottleneck_s, rel=1e-12)
+    if v == 1:
+        assert ev.lower_bound_s == pytest.approx(ref.lower_bound_s, rel=1e-12)
+    with pytest.raises(StageplanError, match="time per action"):
+        make_options(prof, p, action_s=-1.0, **kw)
