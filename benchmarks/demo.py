@@ -1,4 +1,4 @@
-"""make demo: profile the built-in skewed GPT, plan 2 stages (optimal and uniform), run both on 2 local CPU
+"""make demo: profile the built-in skewed GPT, measure the link between 2 local ranks, plan 2 stages (optimal and uniform), run both on 2 local CPU
 processes, and print predicted vs measured plus the measured speed-up of optimal over uniform."""
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ def main() -> None:
     profile.save(OUT / "profile.json")
     print(profile_table(profile))
 
-    print("\n== 2. plan 2 stages, 1F1B, 4 microbatches: optimal vs the baselines")
-    plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m) for m in METHODS}
+    print("\n== 1b. measure the link between 2 local ranks (stageplan link --ranks 2 -o out/demo/link.json)")
+    from stageplan.launch import measure_link
+
+    link = measure_link(2, output=OUT / "link.json")
+    print(f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"fused exchange {link['exchange_s'] * 1e6:.0f} us, torch's schedule loop "
+          f"{link.get('action_s', 0.0) * 1e6:.0f} us per chunk action")
+
+    print("\n== 2. plan 2 stages, 1F1B, 4 microbatches, priced with that link: optimal vs the baselines")
+    plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m, link=link) for m in METHODS}
     print(compare_table(plans))
 
     reports = {}
