@@ -101,7 +101,9 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
                                              activation_bytes=inp["activation_bytes"] if exact else None,
                                              live_counts=opts.shape.live_counts if exact else None,
                                              time_limit_s=time_limit_s)
-        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound,
+        # the MILP balances the layers; every rank also pays the schedule's loop around its v chunks (evaluate)
+        loop = 2.0 * opts.action_s * opts.virtual_stages
+        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound + loop,
                                         "timed_out": isol.timed_out}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
@@ -442,6 +444,9 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
+    if measured.get("action_s") is None:
+        note += ("; this link has no schedule probe (action_s): torch's loop between chunk calls is not priced; "
+                 "measure it again with stageplan link")
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
     return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], float(measured.get("action_s") or 0.0)
 
@@ -519,7 +524,8 @@ def plan(
     ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
     link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
     latency where the link has no exchange, :func:`stageplan.link.crossing_s`) as the delay of every boundary
-    crossing. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
+    crossing, and its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward.
+    A profile calibrated from a run keeps that run's ``action_s`` for plans made without a link. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
     GPU's link within a node from gpus.json (NVLink or xGMI), said in a note.
 
     ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan

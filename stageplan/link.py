@@ -158,7 +158,8 @@ def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTIO
     ``ScheduleGPipe`` over a 16-float linear layer per rank whose forward and backward each write ``evict_bytes``
     (every rank of ``group`` calls it; every rank gets the result). Between two such calls torch's loop builds the
     P2P ops, posts the send (``_batch_p2p``), leaves one ``record_function`` and enters the next, its code and data
-    cold after the chunk. 0.2-0.4 ms between chunk calls were traced in real runs here: 54-85 us of
+    cold after the chunk. Measured on GPipe's loop, priced once per forward and once per backward of every schedule
+    (a zero-bubble backward's I and W share it). 0.2-0.4 ms between chunk calls were traced in real runs here: 54-85 us of
     ``record_function``, 57-110 us posting a send, 12 us per list of ops built. None on a single rank (no pipeline)
     and off the CPU, where the host's loop runs ahead of the device's queued kernels."""
     import time
@@ -171,8 +172,10 @@ def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTIO
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world < 2 or dev.type != "cpu":
         return None
-    torch.manual_seed(0)
-    stage = PipelineStage(_streaming_layer(evict_bytes).to(dev), rank, world, dev, group=group)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays where it was
+        torch.manual_seed(0)
+        stage = PipelineStage(_streaming_layer(evict_bytes).to(dev), rank, world, dev, group=group)
+        x = torch.randn(microbatches, 16, device=dev)
     stamps: list[tuple[str, int, float, float]] = []
 
     def timed(kind: str, call: Any) -> Any:
@@ -187,7 +190,6 @@ def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTIO
     stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
     stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
     schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
-    x = torch.randn(microbatches, 16, device=dev)
     gaps: list[float] = []
     for step in range(warmup + steps):
         stamps.clear()
@@ -289,7 +291,8 @@ def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
 
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
-    > 0 bytes/s.
+    > 0 bytes/s; ``exchange_s`` and ``action_s`` (the schedule loop's seconds per chunk action), where present,
+    seconds >= 0.
 
     >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})["bandwidth_bytes_per_s"]
     1000000000.0

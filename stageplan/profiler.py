@@ -458,7 +458,8 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
     add minutes to a profile. Each timed step starts from a flushed last-level cache (:class:`CacheFlush`), as a
     rank's step does after its backward.
 
-    ``grads`` (one per parameter, from :func:`_layer_grads`) are the gradients the step reads; without them,
+    ``grads`` (one per parameter, from :func:`_layer_grads`: one microbatch's, where a step reads the sum over m, so
+    an embedding has a few more zero rows here than in the step) are the gradients the step reads; without them,
     gradients of ones. The values matter: an embedding's gradient is zero on every row its batch does not use (97%
     of a 16384-token table at 512 tokens), Adam's ``exp_avg_sq`` stays zero there, and torch's CPU ``sqrt`` of a
     zero takes 8x its time on a non-zero here (2.68 against 0.32 ms over 2M floats; numpy 0.61 ms either way), so
@@ -474,7 +475,8 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
         copies = []
         for p, g in trained:
             q = p.detach().clone().requires_grad_(True)
-            q.grad = torch.ones_like(q) if g is None else g.clone()
+            # a sparse gradient (nn.Embedding(sparse=True)) as its dense equal: torch's dense optimizers refuse sparse
+            q.grad = torch.ones_like(q) if g is None else g.to_dense() if g.is_sparse else g.clone()
             copies.append(q)
         opt = make(copies)
         opt.step()

@@ -203,3 +203,25 @@ def test_calibrate_refuses_a_profile_of_another_footing(tmp_path: Path) -> None:
         other = Profile(prof.layers, {**prof.meta, **meta})
         with pytest.raises(StageplanError, match=pattern):
             calibrate(other, rep)
+
+
+def test_calibrate_keeps_the_runs_schedule_loop_and_fits_the_latency_with_it() -> None:
+    """The run's plan priced torch's loop per chunk action (its link's action_s): the calibrated profile keeps that
+    figure, and the latency it fits leaves it out (no double count), so the same split planned from the calibrated
+    profile on the run's bandwidth predicts the measured step exactly; a run whose plan had no loop figure takes its
+    own link probe's."""
+    import dataclasses
+
+    prof = _profile()
+    link = {"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}
+    kw = dict(num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    pl = plan(prof, 2, link={**link, "action_s": 1e-3}, **kw)  # type: ignore[arg-type]
+    cal = calibrate(prof, _report(pl))
+    assert cal.meta["calibration"]["action_s"] == 1e-3
+    again = plan(cal, 2, bandwidth=1e9, **kw)  # type: ignore[arg-type]
+    assert again.cost_options["action_s"] == 1e-3 and again.stages[0].action_s == 2e-3
+    assert again.predicted_step_s == pytest.approx(0.2, rel=1e-6)  # the run's measured step
+    bare = plan(prof, 2, link=link, **kw)  # type: ignore[arg-type]
+    probed = dataclasses.replace(_report(bare), link={**link, "action_s": 2e-3})
+    assert calibrate(prof, probed).meta["calibration"]["action_s"] == 2e-3
+    assert any("no schedule probe" in n for n in bare.notes)

@@ -282,9 +282,9 @@ def test_the_schedule_probe_times_what_torchs_loop_spends_between_chunks(delay_s
                 p.kill()
     assert got[0] == got[1]  # every rank gets the same figure
     if delay_s:
-        assert delay_s < got[0] < delay_s + 2e-3
+        assert delay_s < got[0] < delay_s + 3e-3
     else:
-        assert 0 < got[0] < 1e-3
+        assert 0 < got[0] < 2e-3
 
 
 def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_path: Path) -> None:
@@ -337,5 +337,8 @@ def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: 
     assert ev.bottleneck_s == pytest.approx(ref.bottleneck_s, rel=1e-12)
     if v == 1:
         assert ev.lower_bound_s == pytest.approx(ref.lower_bound_s, rel=1e-12)
+    # every rank runs v chunks, each a forward and a backward: the bound rises by 2 a v whatever the split
+    plain = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, **kw))
+    assert ev.lower_bound_s == pytest.approx(plain.lower_bound_s + 2 * a * v, rel=1e-12)
     with pytest.raises(StageplanError, match="time per action"):
         make_options(prof, p, action_s=-1.0, **kw)

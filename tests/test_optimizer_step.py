@@ -261,12 +261,26 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
     assert all(0 < floors[k] < lin.optimizer_s[k] for k in floors)  # a 1M-parameter layer's step costs more
 
 
-@pytest.mark.parametrize("streaming", [False, True])
+class _Detached(nn.Module):
+    """A linear layer plus a parameter its backward never reaches (used detached): that parameter gets no gradient."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 3)
+        self.offset = nn.Parameter(torch.zeros(1, 1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.offset.detach()
+
+
+@pytest.mark.parametrize(("streaming", "sparse"), [(False, False), (True, False), (False, True)])
 def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeypatch: pytest.MonkeyPatch,
-                                                                         streaming: bool) -> None:
+                                                                         streaming: bool, sparse: bool) -> None:
     """An embedding's gradient is zero on the rows its batch does not use, and a CPU Adam step over those zeros
     costs twice one over ones (torch's sqrt of 0): so the profiler steps the layer's own gradient. Oracle: with the
-    output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones."""
+    output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones; a sparse
+    table's gradient is stepped as its dense equal (torch's dense optimizers refuse sparse ones); a parameter the
+    backward does not reach is not stepped, as torch's optimizers skip a None gradient."""
     from stageplan import profiler
 
     seen: list[list[torch.Tensor]] = []
@@ -279,7 +293,7 @@ def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeyp
     monkeypatch.setattr(profiler, "_OPTIMIZERS", {**profiler._OPTIMIZERS, "sgd": lambda ps: Recording(ps, lr=1e-3)})
     torch.manual_seed(0)
     vocab, dim = 64, 4
-    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, 3))
+    model = nn.Sequential(nn.Embedding(vocab, dim, sparse=sparse), _Detached(dim))
     idx = torch.randint(0, vocab // 4, (4, 6))  # rows 16..63 unused: their gradient is 0
     profile_model(Workload(model, idx, loss_fn=_sum_loss), microbatch_size=4, warmup=0, repeats=2,
                   streaming=streaming)
@@ -290,8 +304,10 @@ def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeyp
         torch.testing.assert_close(g, expected)
     head = [g for grads in seen for g in grads if g.shape == (3, dim)]  # the last layer: the loss's own gradient
     expected_head = torch.ones(3, 1) * model[0](idx).detach().sum(dim=(0, 1))[None, :]
+    assert head
     for g in head:
         torch.testing.assert_close(g, expected_head)
+    assert not [g for grads in seen for g in grads if g.shape == (1, 1, 3)]  # the detached parameter: never stepped
 
 
 def test_identical_layers_reuse_the_measured_optimizer_step() -> None:

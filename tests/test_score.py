@@ -309,7 +309,7 @@ def test_split_costs_price_splits_as_evaluate_does(schedule: str, p: int, m: int
                    enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n), rng.integers(0, 100, n),
                                  rng.integers(1, 100, n), rng.integers(0, 50, n))))
     prof = Profile(layers)
-    for bandwidth, recompute, action in ((None, False, 0.0), (40.0, True, 0.0), (40.0, False, 0.3)):
+    for bandwidth, recompute, action in ((None, False, 0.0), (40.0, True, 0.0), (40.0, False, 0.3), (40.0, True, 0.3)):
         opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
                             bandwidth_bytes_per_s=bandwidth, recompute=recompute, boundary_latency_s=0.25,
                             action_s=action)
