@@ -91,7 +91,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     on an initialised process group; every rank calls it and every rank gets the result:
     ``{"backend", "latency_s", "exchange_s", "bandwidth_bytes_per_s", "sizes", "pairs"}``, where ``pairs`` holds
     each pair's one-way median seconds per size, its fused exchange and its own fit, and the overall figures are the
-    medians over pairs.
+    medians over pairs; plus ``action_s``, torch's schedule loop per chunk action (:func:`action_overhead`), on the
+    CPU with two or more ranks.
     """
     import torch
     import torch.distributed as dist
