@@ -1,5 +1,6 @@
-"""make demo: profile the built-in skewed GPT, measure the link between 2 local ranks, plan 2 stages (optimal and uniform), run both on 2 local CPU
-processes, and print predicted vs measured plus the measured speed-up of optimal over uniform."""
+"""make demo: profile the built-in skewed GPT, measure the link between 2 local ranks, plan 2 stages (optimal and
+uniform) priced with it, run both on 2 local CPU processes, and print predicted vs measured plus the measured
+speed-up of optimal over uniform."""
 
 from __future__ import annotations
 

@@ -443,10 +443,10 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
-    # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     if measured.get("action_s") is None:
         note += ("; this link has no schedule probe (action_s): torch's loop between chunk calls is not priced; "
                  "measure it again with stageplan link")
+    # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
     return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], float(measured.get("action_s") or 0.0)
 
@@ -525,8 +525,9 @@ def plan(
     link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
     latency where the link has no exchange, :func:`stageplan.link.crossing_s`) as the delay of every boundary
     crossing, and its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward.
-    A profile calibrated from a run keeps that run's ``action_s`` for plans made without a link. A profile estimated for a GPU (``--device estimate:GPU``) planned with neither gets that
-    GPU's link within a node from gpus.json (NVLink or xGMI), said in a note.
+    A profile calibrated from a run keeps that run's ``action_s`` for plans made without a link. A profile
+    estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
+    gpus.json (NVLink or xGMI), said in a note.
 
     ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan
     that hits it says how far from the proven optimum it may be, and a tight memory limit may need longer to

@@ -50,7 +50,8 @@ SMALL_MAX_BYTES = 64 * 2**10
 # per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
 # writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
 # what the chunk evicted (median of 60-70 gaps here): 68 us after none, 117 us after 1 MiB, 142-145 us after 4-16
-# MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens of MiB. About 0.4 s a run.
+# MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens of MiB. It takes 0.63-0.66 s
+# (and 0.86 s to import torch's pipelining the first time, which a run imports anyway).
 ACTION_MICROBATCHES = 8
 ACTION_WARMUP = 1
 ACTION_STEPS = 3

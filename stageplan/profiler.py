@@ -464,8 +464,8 @@ def _optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
     of a 16384-token table at 512 tokens), Adam's ``exp_avg_sq`` stays zero there, and torch's CPU ``sqrt`` of a
     zero takes 8x its time on a non-zero here (2.68 against 0.32 ms over 2M floats; numpy 0.61 ms either way), so
     that table's Adam step took 10.7 ms with its real gradient against 5.4 ms with ones."""
-    pairs = [(p, None if grads is None else grads[i]) for i, p in enumerate(params) if p.requires_grad]
-    trained = [(p, g) for p, g in pairs if grads is None or g is not None]
+    given = list(grads) if grads is not None else [None] * len(params)
+    trained = [(p, g) for p, g in zip(params, given) if p.requires_grad and (grads is None or g is not None)]
     if not trained:
         return dict.fromkeys(_OPTIMIZERS, 0.0)
     out: dict[str, float] = {}
