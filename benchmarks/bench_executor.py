@@ -56,8 +56,8 @@ def _machine_speed() -> float:
 
 def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport, link: dict) -> list[str]:
     """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers inside
-    the pipeline against their profiled times, its chunks' overhead outside the layers, its optimizer step (and tied
-    sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). Then the whole miss
+    the pipeline against their profiled times, its chunks' overhead outside the layers beyond what the plan priced
+    for it, its optimizer step (and tied sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). Then the whole miss
     split in two by replaying the split with every rank's measured layer times: compute on all ranks, and the waits and
     transfers the simulator does not see. With a tie across
     ranks, a rank that finishes its backward first waits inside the all-reduce: the simulator counts that wait as
@@ -69,7 +69,9 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
     layers = [x for x in rep.layers if x["rank"] == r]
     d_layers = m * sum(x["measured_forward_s"] - profile.layers[x["index"]].forward_s + x["measured_backward_s"]
                        - profile.layers[x["index"]].backward_per_microbatch_s(m) for x in layers)
-    overhead = m * (row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"])
+    # the chunks' overhead outside their layers (the clock's hooks included) beyond what the plan priced for it
+    overhead = m * (row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"]
+                    - sum(st.chunk_s for st in pl.stages if st.rank == r))
     predicted_other = sum(st.optimizer_s + st.tied_sync_s for st in pl.stages if st.rank == r)
     d_other = row["optimizer_s"] - predicted_other
     miss = rep.measured_step_s - pl.predicted_step_s
@@ -266,7 +268,7 @@ def main() -> None:
     print(f"the machine's fixed kernel over the bench: {min(speeds) * 1e6:.0f}-{max(speeds) * 1e6:.0f} us "
           f"(median {statistics.median(speeds) * 1e6:.0f} us; slowest / fastest {max(speeds) / min(speeds):.2f})")
     print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
-          "pipeline minus their profiled times, its chunks' overhead outside the layers, its optimizer step and tied sync "
+          "pipeline minus their profiled times, its chunks' overhead outside the layers minus the priced, its optimizer step and tied sync "
           "minus the predicted, and the rest (waiting, transfers, preemption)")
     print("then the whole miss in two: the split replayed with every rank's layers at their measured times (calibrate, "
           "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")

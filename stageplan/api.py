@@ -23,6 +23,7 @@ from stageplan.costmodel import (
     evaluate,
     layer_time,
     make_options,
+    per_chunk_s,
     solver_inputs,
 )
 from stageplan.errors import InfeasiblePlanError, StageplanError
@@ -101,8 +102,9 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
                                              activation_bytes=inp["activation_bytes"] if exact else None,
                                              live_counts=opts.shape.live_counts if exact else None,
                                              time_limit_s=time_limit_s)
-        # the MILP balances the layers; every rank also pays the schedule's loop around its v chunks (evaluate)
-        loop = 2.0 * opts.action_s * opts.virtual_stages
+        # the MILP balances the layers; every rank also pays the schedule's loop and PipelineStage's overhead
+        # around its v chunks (evaluate)
+        loop = per_chunk_s(opts) * opts.virtual_stages
         return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound + loop,
                                         "timed_out": isol.timed_out}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
@@ -427,11 +429,16 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
             "time, ratios between layers are steadier")
 
 
+# What every chunk pays whatever its layers, as the link's schedule probe measures it (link.schedule_overheads):
+# torch's loop around each forward and backward, and PipelineStage's own code inside them. CostOptions fields.
+OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
+
+
 def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
-                   ) -> tuple[float, float, str, str, float, float]:
+                   ) -> tuple[float, float, str, str, float, dict[str, float]]:
     """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
-    latency (s, for collectives) and the schedule's seconds per chunk action (0 where the probe did not time it:
-    links measured before it, a single rank, CUDA), from a LINK.json or its dict."""
+    latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the probe
+    did not time them: links measured before it, a single rank, CUDA), from a LINK.json or its dict."""
     from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
@@ -443,12 +450,14 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
-    if measured.get("action_s") is None:
-        note += ("; this link has no schedule probe (action_s): torch's loop between chunk calls is not priced; "
-                 "measure it again with stageplan link")
+    missing = [k for k in OVERHEADS if measured.get(k) is None]
+    if missing:
+        note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and PipelineStage "
+                 "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
-    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], float(measured.get("action_s") or 0.0)
+    overheads = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
+    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], overheads
 
 
 def _estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
@@ -524,8 +533,10 @@ def plan(
     ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
     link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
     latency where the link has no exchange, :func:`stageplan.link.crossing_s`) as the delay of every boundary
-    crossing, and its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward.
-    A profile calibrated from a run keeps that run's ``action_s`` for plans made without a link. A profile
+    crossing, its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward, and its
+    ``chunk_forward_s`` and ``chunk_backward_s`` (PipelineStage's own code inside each chunk call) in every chunk's
+    forward and backward. A profile calibrated from a run keeps that run's figures for plans made without a link,
+    as its layers were calibrated net of them. A profile
     estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
     gpus.json (NVLink or xGMI), said in a note.
 
@@ -556,14 +567,15 @@ def plan(
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
     link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
-    action_s = float(prof.meta.get("calibration", {}).get("action_s", 0.0))  # and its schedule probe
+    calibration = prof.meta.get("calibration", {})
+    overheads = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # and its schedule probe
     latency_source = "fitted by calibrate from a run"
     link_note = None
     if link is not None:
         if bandwidth is not None:
             raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
                                  "--link LINK.json for the measured link, or --bandwidth RATE")
-        bw, latency_s, latency_source, link_note, link_latency_s, action_s = _measured_link(link, latency_s)
+        bw, latency_s, latency_source, link_note, link_latency_s, overheads = _measured_link(link, latency_s)
     elif bw is None and estimate_label(prof.meta):
         bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)
@@ -602,7 +614,9 @@ def plan(
                                     optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
                                     memory_limit_bytes=limit, recompute=recompute, precision=precision,
                                     boundary_latency_s=latency_s, latency_source=latency_source,
-                                    link_latency_s=link_latency_s, action_s=action_s)
+                                    link_latency_s=link_latency_s, action_s=overheads["action_s"],
+                                    chunk_forward_s=overheads["chunk_forward_s"],
+                                    chunk_backward_s=overheads["chunk_backward_s"])
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
                                   time_limit_s)
                 if link_note:
@@ -710,7 +724,7 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     before = prof.meta.get("calibration") or {}
     link_latency = float((rep.link or {}).get("latency_s") or 0.0)
     meta["calibration"] = {**how, "boundary_latency_s": latency, "link_latency_s": link_latency,
-                           "action_s": _run_action_s(rep),
+                           **_run_overheads(rep),
                            "from_profile_digest": prof.digest(),
                            # a profile calibrated before raw_profile_digest existed names only what it came from
                            "raw_profile_digest": before.get("raw_profile_digest",
@@ -752,7 +766,8 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
     it) and scaled to the profile's microbatch size when the plan rescaled it (``--microbatches auto``). Each rank's
     chunk overhead is shared over its layers by their measured time, and a rank's layers are then scaled together
     so that they add up to the rank's measured compute (the clock's steps against the measured steps' median). A
-    layer the profile or the run put at zero keeps factor 1."""
+    layer the profile or the run put at zero keeps factor 1. Last, the chunk overhead that later plans price
+    (:func:`_run_overheads`) is taken off each rank's layers in proportion, as they will add it back."""
     cost = rep.plan.get("cost_options") or {}
     speeds = [float(d.get("speed", 1.0)) for d in cost.get("devices") or []]
     mb_run, mb_prof = rep.run_options.get("microbatch_size"), prof.meta.get("microbatch_size")
@@ -770,6 +785,22 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
         clocked = tf + tb + over_f + over_b
         footing = (row["measured_compute_s"] / clocked if clocked > 0 else 1.0) * size * (speeds[r] if r < len(speeds) else 1.0)
         scale[r] = ((1.0 + over_f / tf if tf > 0 else 1.0) * footing, (1.0 + over_b / tb if tb > 0 else 1.0) * footing)
+    # what later plans price per chunk (PipelineStage's overhead, :func:`_run_overheads`) comes off the rank's layers
+    # again, in proportion, so that layers and priced overhead add up to the measured compute, not more
+    over = _run_overheads(rep)
+    chunks: dict[int, int] = {}
+    for r in rep.plan.get("stage_ranks") or range(int(rep.plan["num_ranks"])):
+        chunks[int(r)] = chunks.get(int(r), 0) + 1
+    scaled: dict[int, list[float]] = {}
+    for x in rep.layers:
+        t = scaled.setdefault(int(x["rank"]), [0.0, 0.0])
+        t[0] += x["measured_forward_s"] * scale[int(x["rank"])][0]
+        t[1] += x["measured_backward_s"] * scale[int(x["rank"])][1]
+    for r, (sf, sb) in scaled.items():  # the sums are on the profile's footing: the priced seconds go there too
+        on_footing = chunks.get(r, 0) * size * (speeds[r] if r < len(speeds) else 1.0)
+        priced = over["chunk_forward_s"] * on_footing, over["chunk_backward_s"] * on_footing
+        net = [max(1.0 - p / t, NET_OF_OVERHEAD_MIN) if t > 0 else 1.0 for p, t in zip(priced, (sf, sb))]
+        scale[r] = (scale[r][0] * net[0], scale[r][1] * net[1])
     fwd, bwd = [1.0] * len(prof), [1.0] * len(prof)
     for x in rep.layers:
         i, r = int(x["index"]), int(x["rank"])
@@ -782,12 +813,18 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
     return fwd, bwd
 
 
-def _run_action_s(rep: RunReport) -> float:
-    """The schedule's seconds per chunk action a run paid: its plan's (priced with a measured link), else what the
-    run's own link probe timed; the latency fit and the calibrated profile's later plans use the same figure, so
-    that the fitted delay does not count it again."""
-    planned = (rep.plan.get("cost_options") or {}).get("action_s")
-    return float(planned or (rep.link or {}).get("action_s") or 0.0)
+# The least share of a rank's measured layer time that calibrate keeps when it takes the priced chunk overhead off
+# (a link whose probe read more overhead than the run's chunks spent in all)
+NET_OF_OVERHEAD_MIN = 0.05
+
+
+def _run_overheads(rep: RunReport) -> dict[str, float]:
+    """The schedule probe's seconds per chunk a run paid (:data:`OVERHEADS`): its plan's where the plan priced
+    them (with a measured link), else what the run's own link probe timed. The calibrated layers, the latency fit
+    and the calibrated profile's later plans use the same figures, so that neither counts them again."""
+    planned = rep.plan.get("cost_options") or {}
+    priced = any(planned.get(k) for k in OVERHEADS)
+    return {k: float((planned.get(k) if priced else (rep.link or {}).get(k)) or 0.0) for k in OVERHEADS}
 
 
 def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
@@ -803,13 +840,14 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
         profile = _rescaled(profile, int(mb_plan) / int(mb_prof))
     arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
     devices = [Device(float(d["speed"]), None, str(d.get("name", ""))) for d in cost.get("devices") or []] or None
+    over = _run_overheads(rep)
     opts = make_options(profile, int(plan_json["num_ranks"]), num_microbatches=int(plan_json["num_microbatches"]),
                         schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
                         optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
                         bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
                         recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"),
-                        link_latency_s=float(cost.get("link_latency_s", 0.0)),
-                        action_s=_run_action_s(rep))
+                        link_latency_s=float(cost.get("link_latency_s", 0.0)), action_s=over["action_s"],
+                        chunk_forward_s=over["chunk_forward_s"], chunk_backward_s=over["chunk_backward_s"])
     bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:

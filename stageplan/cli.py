@@ -457,7 +457,10 @@ def _cmd_link(a: argparse.Namespace) -> int:
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
           f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)"
-          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action" if link.get("action_s") else ""))
+          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action" if link.get("action_s") else "")
+          + (f"; PipelineStage {link['chunk_forward_s'] * 1e6:.0f} us inside each chunk's forward, "
+             f"{link['chunk_backward_s'] * 1e6:.0f} us inside its backward"
+             if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None else ""))
     print(f"wrote {a.output}")
     return 0
 

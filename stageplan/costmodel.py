@@ -79,6 +79,12 @@ class CostOptions:
     # posting the P2P ops), as the link probe measured it (link.action_overhead); every forward and every backward
     # of every chunk pays it on its rank
     action_s: float = 0.0
+    # PipelineStage's own seconds inside each chunk call, outside the chunk's layers (receiving and detaching its
+    # inputs, checking and keeping its outputs; in the backward the autograd engine's cold start and end), as the
+    # link probe measured them (link.schedule_overheads): added to every chunk's forward and backward, where a run's
+    # chunk timers see them
+    chunk_forward_s: float = 0.0
+    chunk_backward_s: float = 0.0
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -104,7 +110,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
                  recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None,
                  latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0,
-                 action_s: float = 0.0) -> CostOptions:
+                 action_s: float = 0.0, chunk_forward_s: float = 0.0, chunk_backward_s: float = 0.0) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -156,11 +162,14 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
     if precision is not None and precision not in PRECISIONS:
         raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    if isinstance(action_s, bool) or not isinstance(action_s, (int, float)) or not (math.isfinite(action_s) and action_s >= 0):
-        raise StageplanError(f"the schedule's time per action must be >= 0 seconds, got {action_s!r}; measure the link "
-                             "again (stageplan link -o LINK.json)")
+    for what, value in (("the schedule's time per action", action_s), ("a chunk's forward overhead", chunk_forward_s),
+                        ("a chunk's backward overhead", chunk_backward_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            raise StageplanError(f"{what} must be >= 0 seconds, got {value!r}; measure the link again "
+                                 "(stageplan link -o LINK.json)")
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), float(action_s), shape)
+                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), float(action_s),
+                       float(chunk_forward_s), float(chunk_backward_s), shape)
 
 
 @dataclass(frozen=True)
@@ -410,6 +419,12 @@ class Evidence:
     tied_sync_s: float  # every rank's tied-gradient all-reduce per step (tied_sync_time)
 
 
+def per_chunk_s(opts: CostOptions) -> float:
+    """Seconds per microbatch every chunk pays whatever layers it holds: torch's schedule loop around its forward
+    and backward, and PipelineStage's own code inside them."""
+    return 2.0 * opts.action_s + opts.chunk_forward_s + opts.chunk_backward_s
+
+
 def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
              layer_names: Sequence[str] | None = None) -> Evidence:
     """Evaluate any partition (any method's, or one given by the user) under the cost model: per-stage times
@@ -441,6 +456,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         b = float(arr.backward_s[i:j].sum()) / dev.speed
         if opts.recompute:
             b += f  # the forward runs again inside the backward
+        f, b = f + opts.chunk_forward_s, b + opts.chunk_backward_s  # PipelineStage's own code around the layers
         c = 2.0 * float(comm[j - 1]) if j < L else 0.0
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
@@ -453,7 +469,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
         a = 2.0 * opts.action_s  # the schedule's loop around the chunk's forward and its backward
         stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c + a, fl[s], mem,
-                                dev.memory_limit_bytes, o, t, a))
+                                dev.memory_limit_bytes, o, t, a, opts.chunk_forward_s + opts.chunk_backward_s))
     rank_time = [0.0] * p
     static = [0.0] * p
     for st in stages:
@@ -468,8 +484,8 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
                          np.array([st.optimizer_s for st in stages]), tied)
     bottleneck = max(rank_time)
-    # every rank pays the schedule's loop around each of its v chunks' forward and backward, whatever the split
-    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices]) + 2.0 * opts.action_s * opts.virtual_stages
+    # every rank pays the schedule's loop and PipelineStage's overhead around each of its v chunks, whatever the split
+    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices]) + per_chunk_s(opts) * opts.virtual_stages
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
     notes = []
     if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
@@ -484,6 +500,10 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     if opts.action_s > 0:
         notes.append(f"torch's schedule takes {opts.action_s * 1e3:.3f} ms around each chunk's forward and backward "
                      "(its loop: record_function, building and posting the sends), measured by the link probe")
+    if opts.chunk_forward_s > 0 or opts.chunk_backward_s > 0:
+        notes.append(f"PipelineStage takes {opts.chunk_forward_s * 1e3:.3f} ms inside each chunk's forward and "
+                     f"{opts.chunk_backward_s * 1e3:.3f} ms inside its backward outside the layers (its inputs, outputs "
+                     "and the autograd engine's start), measured by the link probe")
     for r, d in enumerate(opts.devices):
         if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
             notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
@@ -565,8 +585,10 @@ class SplitCosts:
         b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
         if self.opts.recompute:
             b = b + f  # the forward runs again inside the backward
-        # each action's share of the schedule's loop, on its rank (evaluate: StagePlan.action_s)
-        f, b = f + self.opts.action_s, b + self.opts.action_s
+        # PipelineStage's overhead inside the chunk, and each action's share of the schedule's loop around it, on
+        # its rank (evaluate: StagePlan.chunk_s and StagePlan.action_s)
+        f = f + self.opts.chunk_forward_s + self.opts.action_s
+        b = b + self.opts.chunk_backward_s + self.opts.action_s
         c = np.where(j < self.num_layers, 2.0 * self.comm[j - 1], 0.0)
         mem = self.mem_prefix[s, j] - self.mem_prefix[s, i] + self.mem_start[s, i] + self.mem_end[j - 1]
         return f, b, c, mem

@@ -12,10 +12,11 @@ posting a small send and a small receive to each other at once: ``exchange_s``, 
 schedule pays it (posting the batch and waiting for it; 0.18-0.19 ms on gloo localhost here, against a 0.11 ms
 one-way latency). A plan priced with the link uses the larger of the two per crossing.
 
-Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`action_overhead`): the gap
+Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`schedule_overheads`): the gap
 between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
-the chunks (``action_s``: 0.17-0.20 ms on gloo here); a plan priced with the link adds it around every forward
-and every backward.
+the chunks (``action_s``: 0.17-0.20 ms on gloo here), and each chunk call's time outside its module is what
+PipelineStage costs inside it (``chunk_forward_s``, ``chunk_backward_s``); a plan priced with the link adds the
+first around every forward and every backward, and the other two to every chunk's forward and backward.
 
 torch is imported inside the functions that measure, so that the planner can read LINK.json without torch.
 """
@@ -46,7 +47,7 @@ REPEATS = 15
 # trip on this VM stalls about 2 ms now and then, most often in its first few: 3-10 of 220, 1-6 of them first)
 SMALL_REPEATS = 60
 SMALL_MAX_BYTES = 64 * 2**10
-# The schedule probe (:func:`action_overhead`): torch's GPipe over a 16-float linear layer per rank, microbatches
+# The schedule probe (:func:`schedule_overheads`): torch's GPipe over a 16-float linear layer per rank, microbatches
 # per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
 # writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
 # what the chunk evicted (median of 60-70 gaps here): 68 us after none, 117 us after 1 MiB, 142-145 us after 4-16
@@ -92,7 +93,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     on an initialised process group; every rank calls it and every rank gets the result:
     ``{"backend", "latency_s", "exchange_s", "bandwidth_bytes_per_s", "sizes", "pairs"}``, where ``pairs`` holds
     each pair's one-way median seconds per size, its fused exchange and its own fit, and the overall figures are the
-    medians over pairs; plus ``action_s``, torch's schedule loop per chunk action (:func:`action_overhead`), on the
+    medians over pairs; plus ``action_s``, torch's schedule loop per chunk action, and ``chunk_forward_s`` and ``chunk_backward_s``,
+    PipelineStage's own time inside each chunk call (:func:`schedule_overheads`), on the
     CPU with two or more ranks.
     """
     import torch
@@ -140,9 +142,9 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, pairs, group=group)
     all_pairs = [row for rows in gathered for row in rows]
-    action = action_overhead(dev, group=group)
+    overheads = schedule_overheads(dev, group=group)
     return {
-        **({"action_s": action} if action is not None else {}),
+        **(overheads or {}),
         "backend": str(dist.get_backend(group)),
         "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
         "exchange_s": median_iqr([r["exchange_s"] for r in all_pairs])[0] if all_pairs else None,
@@ -152,18 +154,27 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     }
 
 
-def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,
-                    warmup: int = ACTION_WARMUP, steps: int = ACTION_STEPS,
-                    evict_bytes: int = ACTION_EVICT_BYTES) -> float | None:
-    """Seconds torch's own schedule spends outside the chunks, per chunk action, on a rank that does not wait: the
-    median gap between one chunk call and the next over the first rank's forwards and the last rank's backwards of
+def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,
+                       warmup: int = ACTION_WARMUP, steps: int = ACTION_STEPS,
+                       evict_bytes: int = ACTION_EVICT_BYTES) -> dict[str, float] | None:
+    """What torch's pipelining costs around a chunk's own layers, on a rank that does not wait, from
     ``ScheduleGPipe`` over a 16-float linear layer per rank whose forward and backward each write ``evict_bytes``
-    (every rank of ``group`` calls it; every rank gets the result). Between two such calls torch's loop builds the
-    P2P ops, posts the send (``_batch_p2p``), leaves one ``record_function`` and enters the next, its code and data
-    cold after the chunk. Measured on GPipe's loop, priced once per forward and once per backward of every schedule
-    (a zero-bubble backward's I and W share it). 0.2-0.4 ms between chunk calls were traced in real runs here: 54-85 us of
-    ``record_function``, 57-110 us posting a send, 12 us per list of ops built. None on a single rank (no pipeline)
-    and off the CPU, where the host's loop runs ahead of the device's queued kernels."""
+    (every rank of ``group`` calls it; every rank gets the result), medians over the timed steps:
+
+    - ``action_s``: the gap between one chunk call and the next, over the first rank's forwards and the last rank's
+      backwards. Between two such calls torch's loop builds the P2P ops, posts the send (``_batch_p2p``), leaves one
+      ``record_function`` and enters the next, its code and data cold after the chunk. 0.2-0.4 ms between chunk
+      calls were traced in real runs here: 54-85 us of ``record_function``, 57-110 us posting a send, 12 us per
+      list of ops built.
+    - ``chunk_forward_s`` and ``chunk_backward_s``: each chunk call's time outside its module, over every rank's
+      forwards and backwards: PipelineStage's own code (retrieving and detaching the received inputs, flattening
+      and checking the outputs, keeping them for the backward) and, in the backward, the autograd engine's start and
+      end around the module's gradients (cold after a chunk, where a layer profiled alone starts it hot). The chunk
+      timers of a run see these inside the chunk's forward and backward.
+
+    Measured on GPipe's loop, priced once per forward and once per backward of every schedule (a zero-bubble
+    backward's I and W share them). None on a single rank (no pipeline) and off the CPU, where the host's loop
+    runs ahead of the device's queued kernels."""
     import time
 
     import torch
@@ -174,25 +185,29 @@ def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTIO
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world < 2 or dev.type != "cpu":
         return None
+    spans: list[float] = []  # the module's own stamps, in order: forward begin/end, backward begin and ends
     with torch.random.fork_rng(devices=[]):  # the caller's random stream stays where it was
         torch.manual_seed(0)
-        stage = PipelineStage(_streaming_layer(evict_bytes).to(dev), rank, world, dev, group=group)
+        module = _streaming_layer(evict_bytes, spans).to(dev)
+        stage = PipelineStage(module, rank, world, dev, group=group)
         x = torch.randn(microbatches, 16, device=dev)
-    stamps: list[tuple[str, int, float, float]] = []
+    stamps: list[tuple[str, int, float, float, list[float]]] = []
 
     def timed(kind: str, call: Any) -> Any:
         def chunk_call(chunk: int, *a: Any, **k: Any) -> Any:
+            spans.clear()
             t0 = time.perf_counter()
             try:
                 return call(chunk, *a, **k)
             finally:
-                stamps.append((kind, chunk, t0, time.perf_counter()))
+                stamps.append((kind, chunk, t0, time.perf_counter(), list(spans)))
         return chunk_call
 
     stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
     stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
     schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
     gaps: list[float] = []
+    outside: dict[str, list[float]] = {"F": [], "B": []}
     for step in range(warmup + steps):
         stamps.clear()
         if rank == 0:
@@ -201,21 +216,41 @@ def action_overhead(device: Any, *, group: Any = None, microbatches: int = ACTIO
             schedule.step(target=torch.zeros(microbatches, 16, device=dev), losses=[], return_outputs=False)
         else:
             schedule.step(return_outputs=False)
+        if step < warmup:
+            continue
         mine = "F" if rank == 0 else "B" if rank == world - 1 else None
-        calls = sorted((t0, t1) for kind, _, t0, t1 in stamps if kind == mine)
-        if step >= warmup:
-            gaps += [calls[i + 1][0] - calls[i][1] for i in range(len(calls) - 1)]
+        calls = sorted((t0, t1) for kind, _, t0, t1, _ in stamps if kind == mine)
+        gaps += [calls[i + 1][0] - calls[i][1] for i in range(len(calls) - 1)]
+        for kind, _, t0, t1, inner in stamps:
+            if len(inner) >= 2:  # the module's first and last stamp inside this call
+                outside[kind].append(max((t1 - t0) - (max(inner) - min(inner)), 0.0))
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, gaps, group=group)
-    every = [g for rows in gathered for g in rows]
+    dist.all_gather_object(gathered, (gaps, outside), group=group)
     from stageplan.measure import median_iqr
 
-    return median_iqr(every)[0] if every else None
+    every = [g for rows, _ in gathered for g in rows]
+    out: dict[str, float] = {}
+    if every:
+        out["action_s"] = median_iqr(every)[0]
+    for kind, key in (("F", "chunk_forward_s"), ("B", "chunk_backward_s")):
+        rows = [t for _, by_kind in gathered for t in by_kind[kind]]
+        if rows:
+            out[key] = median_iqr(rows)[0]
+    return out or None
 
 
-def _streaming_layer(evict_bytes: int) -> Any:
-    """The probe's layer: a 16-float linear layer whose forward and backward each write ``evict_bytes``."""
+def _streaming_layer(evict_bytes: int, spans: list[float] | None = None) -> Any:
+    """The probe's layer: a 16-float linear layer whose forward and backward each write ``evict_bytes``. With
+    ``spans``, it appends perf_counter stamps: its forward's begin and end, its backward's begin (the last op of the
+    forward is the first of the backward) and the moment each gradient it makes is ready (its input's, where the
+    input needs one, and its parameters' once accumulated), as LayerClock stamps a layer."""
+    import time
+
     import torch
+
+    def stamp() -> None:
+        if spans is not None:
+            spans.append(time.perf_counter())
 
     class Stream(torch.autograd.Function):
         """Identity that writes the module's buffer in its forward and in its backward."""
@@ -228,6 +263,7 @@ def _streaming_layer(evict_bytes: int) -> Any:
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
+            stamp()
             ctx.buf.fill_(2)
             return grad.clone(), None
 
@@ -236,9 +272,16 @@ def _streaming_layer(evict_bytes: int) -> Any:
             super().__init__()
             self.linear = torch.nn.Linear(16, 16)
             self.register_buffer("stream", torch.zeros(max(int(evict_bytes), 1), dtype=torch.uint8), persistent=False)
+            for p in self.linear.parameters():
+                p.register_post_accumulate_grad_hook(lambda _: stamp())
 
         def forward(self, x: Any) -> Any:
-            return Stream.apply(self.linear(x), self.stream)
+            stamp()
+            if x.requires_grad:
+                x.register_hook(lambda _: stamp())
+            out = Stream.apply(self.linear(x), self.stream)
+            stamp()
+            return out
 
     return Streaming()
 
@@ -293,8 +336,8 @@ def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
 
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
-    > 0 bytes/s; ``exchange_s`` and ``action_s`` (the schedule loop's seconds per chunk action), where present,
-    seconds >= 0.
+    > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action), ``chunk_forward_s``
+    and ``chunk_backward_s`` (PipelineStage's seconds inside each chunk call), where present, seconds >= 0.
 
     >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})["bandwidth_bytes_per_s"]
     1000000000.0
@@ -311,14 +354,10 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
         raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
                              f"{bandwidth!r}; measure it again with stageplan link")
-    exchange = data.get("exchange_s")
-    if exchange is not None and (isinstance(exchange, bool) or not isinstance(exchange, (int, float))
-                                 or not math.isfinite(exchange) or exchange < 0):
-        raise StageplanError(f"{source} has exchange_s = {exchange!r}; it must be seconds >= 0, or absent; measure it "
-                             "again with stageplan link")
-    action = data.get("action_s")
-    if action is not None and (isinstance(action, bool) or not isinstance(action, (int, float))
-                               or not math.isfinite(action) or action < 0):
-        raise StageplanError(f"{source} has action_s = {action!r}; it must be seconds >= 0, or absent; measure it "
-                             "again with stageplan link")
+    for key in ("exchange_s", "action_s", "chunk_forward_s", "chunk_backward_s"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
+                                 "again with stageplan link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

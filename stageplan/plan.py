@@ -50,6 +50,10 @@ class StagePlan:
     # loop: record_function, building and posting the P2P ops; CostOptions.action_s twice); part of time_s, not of
     # forward_s or backward_s (a run's chunk timers do not see it); 0 without a measured link
     action_s: float = 0.0
+    # seconds per microbatch PipelineStage spends inside the stage's forward and backward outside its layers
+    # (CostOptions.chunk_forward_s + chunk_backward_s); part of forward_s and backward_s (a run's chunk timers see
+    # it); 0 without a measured link
+    chunk_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class Plan:
         for st in self.stages:
             row = {"stage": st.index, "rank": st.rank, "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
                    "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s, "comm_s": st.comm_s,
-                   "action_s": st.action_s, "time_s": st.time_s, "optimizer_s": st.optimizer_s,
+                   "action_s": st.action_s, "chunk_s": st.chunk_s, "time_s": st.time_s, "optimizer_s": st.optimizer_s,
                    "tied_sync_s": st.tied_sync_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
             row.update({f"{k}_bytes": v for k, v in st.memory.items()})
             rows.append(row)

@@ -96,17 +96,21 @@ def plan_table(plan: Plan) -> str:
     """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm and
     time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step; "tied sync ms" (shown
     when the plan puts a tied parameter on two or more ranks) is the rank's tied-gradient all-reduce, once per
-    step before the optimizer step, on the rank's first stage; "loop ms" (shown when the link timed it) is what
-    torch's schedule spends around the stage's forward and backward, outside them."""
+    step before the optimizer step, on the rank's first stage; "chunk ms" (shown when the link timed it) is what
+    PipelineStage spends inside the stage's forward and backward outside its layers, part of fwd and bwd; "loop ms"
+    (likewise) is what torch's schedule spends around the stage's forward and backward, outside them."""
     tied = plan.tied_sync_s > 0
     loop = any(st.action_s > 0 for st in plan.stages)
-    headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", "comm ms", *(["loop ms"] if loop else []),
+    chunk = any(st.chunk_s > 0 for st in plan.stages)
+    headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", *(["chunk ms"] if chunk else []), "comm ms",
+               *(["loop ms"] if loop else []),
                "time ms", "% of bottleneck",
                *(["tied sync ms"] if tied else []), "optimizer ms", "in flight", "mem MiB", "limit MiB"]
     rows = []
     for st in plan.stages:
         span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]} .. {st.layers[-1]}"
-        rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s), ms(st.comm_s),
+        rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s),
+                     *([ms(st.chunk_s)] if chunk else []), ms(st.comm_s),
                      *([ms(st.action_s)] if loop else []), ms(st.time_s), f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
                      *([ms(st.tied_sync_s)] if tied else []), ms(st.optimizer_s), st.inflight, mib(st.memory["total"]),
                      mib(st.memory_limit_bytes)])

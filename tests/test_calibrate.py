@@ -224,4 +224,34 @@ def test_calibrate_keeps_the_runs_schedule_loop_and_fits_the_latency_with_it() -
     bare = plan(prof, 2, link=link, **kw)  # type: ignore[arg-type]
     probed = dataclasses.replace(_report(bare), link={**link, "action_s": 2e-3})
     assert calibrate(prof, probed).meta["calibration"]["action_s"] == 2e-3
-    assert any("no schedule probe" in n for n in bare.notes)
+    assert any("schedule probe has no action_s" in n for n in bare.notes)
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_calibrate_takes_the_priced_chunk_overhead_off_the_layers_once(priced: bool) -> None:
+    """Closed form: the chunk overhead the plan prices (its link's chunk_forward_s / chunk_backward_s), or that the
+    run's own link probe measured where the plan priced none, comes off each rank's layers in proportion to their
+    measured time; planned again with it, the same split predicts each rank's measured compute exactly (it is not
+    counted twice), and the calibrated profile keeps the figures for plans made without a link."""
+    import dataclasses
+
+    prof = _profile()
+    link = {"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}
+    over = {"chunk_forward_s": 0.2e-3, "chunk_backward_s": 0.5e-3}
+    kw = dict(num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    pl = plan(prof, 2, link={**link, **over} if priced else link, **kw)  # type: ignore[arg-type]
+    rep = _report(pl) if priced else dataclasses.replace(_report(pl), link={**link, **over})
+    cal = calibrate(prof, rep)
+    assert {k: cal.meta["calibration"][k] for k in over} == over
+    for r, layers in ((0, [0, 1]), (1, [2, 3, 4])):
+        tf, tb = sum(LAYERS[i][0] for i in layers), sum(LAYERS[i][1] for i in layers)
+        for i in layers:
+            share_f, share_b = LAYERS[i][0] / tf, LAYERS[i][1] / tb
+            assert cal.layers[i].forward_s == pytest.approx(LAYERS[i][0] + share_f * (OVERHEAD[r][0] - over["chunk_forward_s"]))
+            assert cal.layers[i].backward_per_microbatch_s(M) == pytest.approx(
+                LAYERS[i][1] + share_b * (OVERHEAD[r][1] - over["chunk_backward_s"]))
+    for again in (plan(cal, 2, link={**link, **over}, **kw), plan(cal, 2, **kw)):  # type: ignore[arg-type]
+        for row in rep.ranks:
+            st = again.stages[row["rank"]]
+            assert st.chunk_s == pytest.approx(sum(over.values()))
+            assert st.forward_s + st.backward_s == pytest.approx(row["measured_compute_s"])

@@ -228,8 +228,10 @@ def test_a_rendezvous_port_taken_after_it_was_chosen_is_replaced(monkeypatch: py
         taken.close()
 
 
-def _probe_in_child(rank: int, port: int, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]
-    """One rank of the schedule probe; with ``delay_s`` torch's loop sleeps that long entering each action."""
+def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]
+    """One rank of the schedule probe; with ``delay_s``, a sleep of that long put into torch's code at ``where``:
+    "loop", entering each action of the schedule's loop (outside the chunk calls); "forward" or "backward", inside
+    each chunk's forward or backward call, just before PipelineStage runs the module (or its gradients)."""
     import contextlib
     import os
     import time
@@ -237,11 +239,12 @@ def _probe_in_child(rank: int, port: int, delay_s: float, queue) -> None:  # typ
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
+    from torch.distributed.pipelining import PipelineStage
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    if delay_s:
+    if delay_s and where == "loop":
         real = schedules.record_function
 
         @contextlib.contextmanager
@@ -251,17 +254,28 @@ def _probe_in_child(rank: int, port: int, delay_s: float, queue) -> None:  # typ
                 yield
 
         schedules.record_function = slow
+    elif delay_s:
+        name = f"{where}_maybe_with_nosync"
+        inner = getattr(PipelineStage, name)
+
+        def slow_chunk(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(delay_s)
+            return inner(self, *args, **kwargs)
+
+        setattr(PipelineStage, name, slow_chunk)
     try:
-        queue.put((rank, stageplan.link.action_overhead(torch.device("cpu"), evict_bytes=2**20)))
+        queue.put((rank, stageplan.link.schedule_overheads(torch.device("cpu"), evict_bytes=2**20)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay_s", [0.0, 0.004])
-def test_the_schedule_probe_times_what_torchs_loop_spends_between_chunks(delay_s: float) -> None:
-    """Oracle: a known delay put into torch's own loop (a sleep entering each action) shows up in the probe's
-    figure, once per gap between two chunk calls; without it the loop takes well under a millisecond here."""
+@pytest.mark.parametrize(("where", "delay_s"), [("loop", 0.0), ("loop", 0.004), ("forward", 0.004), ("backward", 0.004)])
+def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(where: str, delay_s: float) -> None:
+    """Oracle: a known delay put into torch's own code shows up in the probe's figure for that place, and only
+    there: in its loop between two chunk calls (``action_s``), or in PipelineStage inside each chunk's forward or
+    backward call outside the module (``chunk_forward_s``, ``chunk_backward_s``); without it each stays well under
+    a millisecond here."""
     import multiprocessing
     import socket
 
@@ -270,7 +284,7 @@ def test_the_schedule_probe_times_what_torchs_loop_spends_between_chunks(delay_s
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_probe_in_child, args=(r, port, delay_s, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_probe_in_child, args=(r, port, where, delay_s, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -280,11 +294,15 @@ def test_the_schedule_probe_times_what_torchs_loop_spends_between_chunks(delay_s
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    assert got[0] == got[1]  # every rank gets the same figure
-    if delay_s:
-        assert delay_s < got[0] < delay_s + 3e-3
-    else:
-        assert 0 < got[0] < 2e-3
+    assert got[0] == got[1]  # every rank gets the same figures
+    figures = got[0]
+    assert set(figures) == {"action_s", "chunk_forward_s", "chunk_backward_s"}
+    delayed = {"loop": "action_s", "forward": "chunk_forward_s", "backward": "chunk_backward_s"}[where] if delay_s else None
+    for key, value in figures.items():
+        if key == delayed:
+            assert delay_s < value < delay_s + 3e-3, (key, value)
+        else:
+            assert 0 < value < 2e-3, (key, value)
 
 
 def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_path: Path) -> None:
@@ -342,3 +360,79 @@ def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: 
     assert ev.lower_bound_s == pytest.approx(plain.lower_bound_s + 2 * a * v, rel=1e-12)
     with pytest.raises(StageplanError, match="time per action"):
         make_options(prof, p, action_s=-1.0, **kw)
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
+def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int, v: int) -> None:
+    """Oracle: with one layer per chunk, PipelineStage's cF and cB seconds inside each chunk's forward and backward
+    are the same plan as each layer's forward cF and backward cB seconds longer: the stages' forward and backward
+    (what a run's chunk timers see), step, rank times, bottleneck; every rank's lower bound rises by (cF + cB) v.
+    The split-search's prefix sums (SplitCosts) agree with evaluate, with the loop's action_s on top."""
+    import numpy as np
+
+    from stageplan.costmodel import LayerArrays, SplitCosts, evaluate, make_options
+
+    rng = np.random.default_rng(5)
+    S, cf, cb, a = p * v, 0.15, 0.35, 0.05
+    rows = list(zip(rng.lognormal(0, 1, S), rng.lognormal(0, 1, S), rng.integers(1, 100, S)))
+    prof = Profile(tuple(LayerProfile(f"l{i}", float(f), float(b), 0, int(o), 0) for i, (f, b, o) in enumerate(rows)))
+    folded = Profile(tuple(LayerProfile(f"l{i}", float(f) + cf, float(b) + cb, 0, int(o), 0)
+                           for i, (f, b, o) in enumerate(rows)))
+    bounds = list(range(S + 1))
+    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
+              boundary_latency_s=0.25, action_s=a)
+    opts = make_options(prof, p, chunk_forward_s=cf, chunk_backward_s=cb, **kw)
+    ev = evaluate(LayerArrays.of(prof, m), bounds, opts)
+    ref = evaluate(LayerArrays.of(folded, m), bounds, make_options(folded, p, **kw))
+    for st, want in zip(ev.stages, ref.stages):
+        assert (st.forward_s, st.backward_s) == pytest.approx((want.forward_s, want.backward_s), rel=1e-12)
+        assert st.chunk_s == pytest.approx(cf + cb) and want.chunk_s == 0.0
+    assert ev.predicted_step_s == pytest.approx(ref.predicted_step_s, rel=1e-12)
+    assert ev.rank_time_s == pytest.approx(ref.rank_time_s, rel=1e-12)
+    assert ev.bottleneck_s == pytest.approx(ref.bottleneck_s, rel=1e-12)
+    plain = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, **kw))
+    assert ev.lower_bound_s == pytest.approx(plain.lower_bound_s + (cf + cb) * v, rel=1e-12)
+    f, b, _, _ = SplitCosts(LayerArrays.of(prof, m), opts).split(np.array([bounds]))
+    assert list(f[0]) == pytest.approx([st.forward_s + a for st in ev.stages], rel=1e-12)
+    assert list(b[0]) == pytest.approx([st.backward_s + a for st in ev.stages], rel=1e-12)
+    # recomputation runs the layers' forward again inside the backward, not PipelineStage's code around them
+    rec = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, chunk_forward_s=cf, chunk_backward_s=cb,
+                                                                 recompute=True, **kw))
+    for st, (fl, bl, _) in zip(rec.stages, rows):
+        assert st.backward_s == pytest.approx(float(fl) + float(bl) + cb, rel=1e-12)
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(StageplanError, match="chunk's forward overhead"):
+            make_options(prof, p, chunk_forward_s=bad, **kw)
+        with pytest.raises(StageplanError, match="chunk's backward overhead"):
+            make_options(prof, p, chunk_backward_s=bad, **kw)
+
+
+def test_a_link_with_the_chunks_overhead_prices_it_inside_every_chunk(tmp_path: Path) -> None:
+    """Closed form: GPipe, p = 2, m = 1, forward 1 s, backward 2 s, one layer per rank; PipelineStage's 0.1 s in
+    each forward and 0.2 s in each backward lengthen the four actions on the critical path (F0, F1, B1, B0) by
+    0.6 s, and each stage's forward, backward and time by 0.1, 0.2 and 0.3 s; a link without the figures says so."""
+    base = json.loads(_link_file(tmp_path, latency_s=0.5, bandwidth=1e6).read_text())
+    with pytest.warns(UserWarning, match="bubble"):
+        bare = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=base)
+        timed = plan(_profile(), 2, num_microbatches=1, schedule="GPipe",
+                     link={**base, "chunk_forward_s": 0.1, "chunk_backward_s": 0.2})
+    assert timed.predicted_step_s == pytest.approx(bare.predicted_step_s + 2 * 0.1 + 2 * 0.2)
+    assert timed.simulate().step_s == pytest.approx(timed.predicted_step_s)  # the stored plan replays it
+    for st, was in zip(timed.stages, bare.stages):
+        assert (st.forward_s, st.backward_s) == pytest.approx((was.forward_s + 0.1, was.backward_s + 0.2))
+        assert st.chunk_s == pytest.approx(0.3) and st.time_s == pytest.approx(was.time_s + 0.3)
+    assert timed.bottleneck_s == pytest.approx(bare.bottleneck_s + 0.3)
+    assert timed.lower_bound_s == pytest.approx(bare.lower_bound_s + 0.3)
+    assert (timed.cost_options["chunk_forward_s"], timed.cost_options["chunk_backward_s"]) == (0.1, 0.2)
+    assert any("100.000 ms inside each chunk's forward and 200.000 ms inside its backward" in n for n in timed.notes)
+    assert any("has no action_s, chunk_forward_s, chunk_backward_s" in n for n in bare.notes)
+    assert not any("schedule probe has no" in n for n in plan(
+        _profile(), 2, num_microbatches=2, link={**base, "action_s": 0.0, "chunk_forward_s": 0.1,
+                                                 "chunk_backward_s": 0.2}).notes)
+    assert "chunk ms" in plan_table(timed) and "chunk ms" not in plan_table(bare)
+    assert list(timed.to_pandas()["chunk_s"]) == pytest.approx([0.3, 0.3])
+    assert Plan.from_json(timed.to_json()) == timed
+    for key in ("chunk_forward_s", "chunk_backward_s"):
+        for bad in (True, -1.0, float("nan"), "slow"):
+            with pytest.raises(StageplanError, match=key):
+                load_link({**base, key: bad})
