@@ -330,21 +330,30 @@ def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_
             load_link({**base, "action_s": bad})
 
 
+def _one_layer_per_chunk(seed: int, count: int, extra_f: float, extra_b: float
+                         ) -> tuple[Profile, Profile, list[tuple[float, float, int]]]:
+    """``count`` random layers (forward, backward, output bytes), and the same layers with ``extra_f`` seconds
+    added to each forward and ``extra_b`` to each backward: the fold-into-layers oracles' pair."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = [(float(f), float(b), int(o))
+            for f, b, o in zip(rng.lognormal(0, 1, count), rng.lognormal(0, 1, count), rng.integers(1, 100, count))]
+    prof = Profile(tuple(LayerProfile(f"l{i}", f, b, 0, o, 0) for i, (f, b, o) in enumerate(rows)))
+    folded = Profile(tuple(LayerProfile(f"l{i}", f + extra_f, b + extra_b, 0, o, 0) for i, (f, b, o) in enumerate(rows)))
+    return prof, folded, rows
+
+
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int, v: int) -> None:
     """Oracle: with one layer per chunk, the schedule's a seconds per action is the same plan as each layer's
     forward and backward a seconds longer (step, rank times, bottleneck; the lower bound too with one chunk per
     rank, where no rank runs two chunks' overhead)."""
-    import numpy as np
 
     from stageplan.costmodel import LayerArrays, evaluate, make_options
 
-    rng = np.random.default_rng(3)
     S, a = p * v, 0.3
-    rows = list(zip(rng.lognormal(0, 1, S), rng.lognormal(0, 1, S), rng.integers(1, 100, S)))
-    prof = Profile(tuple(LayerProfile(f"l{i}", float(f), float(b), 0, int(o), 0) for i, (f, b, o) in enumerate(rows)))
-    folded = Profile(tuple(LayerProfile(f"l{i}", float(f) + a, float(b) + a, 0, int(o), 0)
-                           for i, (f, b, o) in enumerate(rows)))
+    prof, folded, _ = _one_layer_per_chunk(3, S, a, a)
     bounds = list(range(S + 1))
     kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
               boundary_latency_s=0.25)
@@ -372,12 +381,8 @@ def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(sched
 
     from stageplan.costmodel import LayerArrays, SplitCosts, evaluate, make_options
 
-    rng = np.random.default_rng(5)
     S, cf, cb, a = p * v, 0.15, 0.35, 0.05
-    rows = list(zip(rng.lognormal(0, 1, S), rng.lognormal(0, 1, S), rng.integers(1, 100, S)))
-    prof = Profile(tuple(LayerProfile(f"l{i}", float(f), float(b), 0, int(o), 0) for i, (f, b, o) in enumerate(rows)))
-    folded = Profile(tuple(LayerProfile(f"l{i}", float(f) + cf, float(b) + cb, 0, int(o), 0)
-                           for i, (f, b, o) in enumerate(rows)))
+    prof, folded, rows = _one_layer_per_chunk(5, S, cf, cb)
     bounds = list(range(S + 1))
     kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
               boundary_latency_s=0.25, action_s=a)
