@@ -1,19 +1,25 @@
 """Executor benchmark: how well a plan predicts its run on this machine, before any calibration, and after tune.
 
 Three models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 16384-token vocabulary (its LM head
-costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration is profiled once,
-planned optimal and uniform, and each distinct split run. Printed per run: predicted and measured step, and per
+costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration (model, m, schedule) is
+profiled just before its runs, with its rounds spread over PROFILE_S seconds, planned optimal and uniform, and each
+distinct split run for at least RUN_S seconds of steps: this shared host's speed drifts by the second (two windows
+of the same work differed by up to 33% over 1.7 s windows and 9% over 20 s, 98th percentile) and over minutes (two
+10 s profiles of one model two minutes apart, 15% on every layer alike). Printed per run: predicted and measured step, and per
 rank measured / predicted compute by wall clock and by thread CPU time side by side (wall above CPU is time the
 rank was preempted), with the 1-minute load average at the run's start and the machine's own drift (a fixed kernel
 timed just before the run against just after the profile). Then the medians and worst cases against the
 goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%), the optimal-over-uniform gains
-predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on a fresh run
-and its measured gain over uniform against the predicted one. Last, the GPT's plan with ranks pinned to their own
-CPUs against placed by the OS, alternating.
+predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on fresh runs
+(TUNE_RUNS of them, the final plan and uniform in turns, medians) and its measured gain over uniform (the median of
+the gains of runs side by side) against the predicted one, with the spread of the final plan's own runs (the same
+plan run again: what no prediction can beat). Last, the GPT's plan with ranks pinned to their own CPUs against
+placed by the OS, alternating.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -23,11 +29,19 @@ from stageplan.api import build_workload
 from stageplan.report import format_table
 
 STEPS, WARMUP = 20, 3  # the same plan's step varied 7-14% between runs of 8 steps here, 3% at 20
+RUN_S = 8.0  # at least this many seconds of measured steps per run (more steps than STEPS where a step is short)
+PROFILE_S = 10.0  # each profile's timed rounds span at least this (stageplan profile --min-time)
+TUNE_RUNS = 3  # tune's final plan and uniform, run in turns (stageplan tune --runs)
 MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {}), ("hf-gpt2", {})]
 
 
 def _pct(x: float) -> str:
     return f"{x:+.1%}"
+
+
+def _steps(pl: stageplan.Plan) -> int:
+    """Measured steps for a run of ``pl``: STEPS, or enough to fill RUN_S seconds at its predicted step."""
+    return max(STEPS, math.ceil(RUN_S / pl.predicted_step_s))
 
 
 def _machine_speed() -> float:
@@ -220,15 +234,18 @@ def main() -> None:
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
     runs, gains, parts, speeds = [], [], [], []
     err_wall, err_cpu, err_step = [], [], []
+    tune_steps: dict[int, int] = {}
     for model, options in MODELS:
         workload = build_workload(model, options)
         for m in (4, 8):
-            profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
-            at_profile = _machine_speed()
-            speeds.append(at_profile)
             for schedule in ("GPipe", "1F1B"):
+                profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m, min_time_s=PROFILE_S)
+                at_profile = _machine_speed()
+                speeds.append(at_profile)
                 plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k, link=link)
                          for k in ("optimal", "uniform")}
+                if model == MODELS[0][0] and schedule == "1F1B":
+                    tune_steps[m] = _steps(plans["optimal"])
                 reports = {}
                 for name, pl in plans.items():
                     same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
@@ -237,7 +254,7 @@ def main() -> None:
                         continue
                     at_run = _machine_speed()
                     speeds.append(at_run)
-                    reports[name] = stageplan.run(model, pl, steps=STEPS, warmup=WARMUP, factory_options=options)
+                    reports[name] = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options)
                     rep = reports[name]
                     err_step.append(abs(rep.step_ratio - 1))
                     walls, cpus = [], []
@@ -254,7 +271,8 @@ def main() -> None:
                 opt, uni = reports["optimal"], reports["uniform"]
                 gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
-    print(f"2 ranks, {STEPS} measured steps after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
+    print(f"2 ranks, each configuration profiled just before its runs (rounds over >= {PROFILE_S:g} s), runs of >= {STEPS} "
+          f"measured steps and >= {RUN_S:g} s after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
           f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); load = 1-minute load average at the run's start; "
           "machine = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
     print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
@@ -280,18 +298,22 @@ def main() -> None:
     tuned = []
     for m in (4, 8):
         result = stageplan.tune("gpt", 2, factory_options=MODELS[0][1], num_microbatches=m, schedule="1F1B",
-                                steps=STEPS, warmup=WARMUP)
+                                steps=tune_steps[m], warmup=WARMUP, runs=TUNE_RUNS, min_time_s=PROFILE_S)
         first, final, uni = result["rounds"][0], result["final"], result["uniform"]
         predicted_gain = uni["predicted_step_s"] / final["predicted_step_s"]
         measured_gain = result["final_over_uniform_measured"]
-        tuned.append([m, len(result["rounds"]), " ".join(map(str, first["boundaries"])), _pct(first["error"]),
+        again = final.get("measured_steps_s") or [final["measured_step_s"]]
+        tuned.append([m, tune_steps[m], len(result["rounds"]), " ".join(map(str, first["boundaries"])), _pct(first["error"]),
                       " ".join(map(str, final["boundaries"])), f"{final['predicted_step_s'] * 1e3:.1f}",
-                      f"{final['measured_step_s'] * 1e3:.1f}", _pct(final["error"]), f"{predicted_gain:.3f}",
+                      " ".join(f"{x * 1e3:.1f}" for x in again), _pct(final["error"]),
+                      f"{max(again) / min(again) - 1:.1%}", f"{predicted_gain:.3f}",
                       f"{measured_gain:.3f}", f"{(measured_gain - 1) / (predicted_gain - 1):.0%}" if predicted_gain > 1 else "-"])
-    print(f"\nstageplan tune gpt {MODELS[0][1]} --stages 2 --schedule 1F1B: the final plan measured on a fresh run "
-          "(goal: |error| <= 5%; measured gain >= 90% of predicted where the prediction is >= 1.2x)")
-    print(format_table(["m", "rounds", "first split", "first error", "final split", "final predicted ms",
-                        "final measured ms", "final error", "predicted gain", "measured gain", "gain realised"], tuned))
+    print(f"\nstageplan tune gpt {MODELS[0][1]} --stages 2 --schedule 1F1B --runs {TUNE_RUNS} --min-time {PROFILE_S:g}: "
+          f"the final plan measured on {TUNE_RUNS} fresh runs in turns with uniform (goal: |error| <= 5%, the median run's; "
+          "measured gain >= 90% of predicted where the prediction is >= 1.2x; same plan: its fresh runs' slowest / fastest - 1)")
+    print(format_table(["m", "steps", "rounds", "first split", "first error", "final split", "final predicted ms",
+                        "final measured ms", "final error", "same plan", "predicted gain", "measured gain",
+                        "gain realised"], tuned))
     placement(link)
     crossings()
     slices_in_pipelines()

@@ -8,6 +8,7 @@ import math
 import numbers
 import os
 import pathlib
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -868,15 +869,19 @@ COMPARE_SCHEMA = "stageplan.compare/1"
 
 def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
                       profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str,
-                      processes: int = 1, timeout_s: float = 1800.0) -> Profile:
+                      processes: int = 1, timeout_s: float = 1800.0, min_time_s: float = 0.0) -> Profile:
     """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches`` (with ``processes``
-    > 1, the per-layer median of that many fresh processes: :func:`stageplan.launch.profile_in_processes`); never an
-    analytic estimate, since the commands that call this measure runs on this machine."""
+    > 1, the per-layer median of that many fresh processes: :func:`stageplan.launch.profile_in_processes`; its
+    rounds spread over ``min_time_s``); never an analytic estimate, since the commands that call this measure runs on
+    this machine."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise StageplanError(f"processes must be an integer >= 1, got {processes!r}; e.g. --processes 3")
     if processes > 1 and profile is not None:
         raise StageplanError(f"--processes {processes} profiles the model in fresh processes, and --profile gives the "
                              "profile to start from; drop one of them")
+    if profile is not None and min_time_s:
+        raise StageplanError(f"--min-time {min_time_s:g} spreads the rounds of the profile {command} takes, and --profile "
+                             "gives the profile to start from; drop one of them")
     if profile is None:
         workload = build_workload(model, factory_options)
         from stageplan.measure import microbatch_size_for
@@ -887,16 +892,19 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
             raise StageplanError(f"--microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 4")
         # refused here, before the profile, as the run would refuse it after
         mb = microbatch_size_for(batch, num_microbatches) if num_microbatches else default_microbatch_size(batch)
+        from stageplan.profiler import check_min_time
+
+        check_min_time(min_time_s)
         if processes > 1:
             from stageplan.launch import profile_in_processes
 
             del workload
             prof = profile_in_processes(model, factory_options, processes=processes, microbatch_size=mb, progress=progress,
-                                        timeout_s=timeout_s)
+                                        timeout_s=timeout_s, min_time_s=min_time_s)
         else:
             from stageplan.profiler import profile_model
 
-            prof = profile_model(workload, microbatch_size=mb, progress=progress)
+            prof = profile_model(workload, microbatch_size=mb, progress=progress, min_time_s=min_time_s)
     else:
         prof = _as_profile(profile)
     if estimate_label(prof.meta):
@@ -920,30 +928,38 @@ def compare(
     progress: bool = False,
     pin_cpus: bool = True,
     processes: int = 1,
+    runs: int = 1,
+    min_time_s: float = 0.0,
 ) -> dict[str, Any]:
     """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
     plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
     also write compare.json (schema ``stageplan.compare/1``), the plans, the run reports and the figures there.
     When every method gives the same boundaries nothing is run: ``result["identical"]`` says so. ``processes`` > 1
     profiles in that many fresh processes and keeps each layer's median (:func:`stageplan.profile_in_processes`);
-    ``pin_cpus`` places the ranks as :func:`stageplan.run` does."""
+    ``pin_cpus`` places the ranks as :func:`stageplan.run` does; ``min_time_s`` spreads the profile's rounds as
+    :func:`stageplan.profile_model` does. ``runs`` > 1 runs every distinct plan that many
+    times in turns (:func:`_in_turns`): each method's step is the median of its runs (``measured_steps_s`` lists
+    them; run_NAME.json is the run of that median) and its speed-up the median of the speed-ups of runs side by
+    side."""
     from pathlib import Path
 
     from stageplan._io import check_output_dir
 
+    _check_runs(runs)
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
         _refuse_input_among_outputs(out, profile, _is_compare_output)
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s)
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s,
+                             min_time_s)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
         "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
-        "profile_digest": prof.digest(), "identical": identical, "methods": {}}
+        "profile_digest": prof.digest(), "identical": identical, "runs": runs, "methods": {}}
     if out is None:
-        _compare_runs(result, plans, None, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress)
+        _compare_runs(result, plans, None, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress, runs)
         return result
     # everything is written to a staging folder inside DIR and moved in at the end: a failed compare leaves DIR as
     # it was (it had replaced plan_optimal.json beside an old compare.json), and a finished one leaves no file of
@@ -954,7 +970,7 @@ def compare(
     out.mkdir(exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".stageplan-compare-", dir=out))
     try:
-        _compare_runs(result, plans, stage, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress)
+        _compare_runs(result, plans, stage, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress, runs)
         written = {f.name for f in stage.iterdir()}
         for old in out.iterdir():
             if old.is_file() and old.name not in written and _is_compare_output(old.name):
@@ -983,42 +999,23 @@ def _is_compare_output(name: str) -> bool:
 
 def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.Path | None, model: str,
                   factory_options: dict[str, Any] | None, steps: int, warmup: int, timeout_s: float, pin_cpus: bool,
-                  progress: bool) -> None:
-    """Run each distinct plan of ``plans`` into ``result``; with ``out``, write the plans, the run reports,
-    compare.json and the figures there."""
-    from stageplan._progress import Progress
+                  progress: bool, runs: int = 1) -> None:
+    """Run each distinct plan of ``plans`` ``runs`` times, in turns, into ``result``; with ``out``, write the plans,
+    the run reports (each method's median run), compare.json and the figures there."""
+    from stageplan.launch import run
 
     identical = bool(result["identical"])
-    reports: dict[str, RunReport] = {}
     rows: dict[str, dict[str, Any]] = result["methods"]
-    bar = Progress(len(plans), "compare", enabled=progress, interval_s=0.0)
-    for k, (name, pl) in enumerate(plans.items()):
+    same: dict[str, str | None] = {}
+    for name, pl in plans.items():
         if out is not None:
             pl.save(out / f"plan_{name}.json")
-        row = {"predicted_step_s": pl.predicted_step_s, "balance_efficiency": pl.balance_efficiency,
-               "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes)}
-        rows[name] = row
-        if identical:
-            continue
-        same = next((other for other in reports if plans[other].boundaries == pl.boundaries), None)
-        if same is not None:  # an identical split is the same run: measure it once
-            reports[name] = reports[same]
-        else:
-            from stageplan.launch import run
-
-            bar.update(k, f"running {name}")
-            reports[name] = run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup,
-                                timeout_s=timeout_s, pin_cpus=pin_cpus, output=None if out is None else out / f"run_{name}.json")
-        rep = reports[name]
-        row.update({"measured_step_s": rep.measured_step_s, "measured_step_iqr_s": rep.measured_step_iqr_s,
-                    "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in rep.ranks],
-                    "same_run_as": same})
-        bar.update(k + 1, f"{name} done")
-    bar.close()
-    if not identical:
-        base = rows["uniform"]["measured_step_s"]
-        for row in rows.values():
-            row["speedup_over_uniform"] = base / row["measured_step_s"] if row["measured_step_s"] else None
+        rows[name] = {"predicted_step_s": pl.predicted_step_s, "balance_efficiency": pl.balance_efficiency,
+                      "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes)}
+        # an identical split is the same run: measure it once
+        same[name] = next((other for other in same if same[other] is None and plans[other].boundaries == pl.boundaries), None)
+    reports = {} if identical else _measured_in_turns(rows, plans, same, out, runs, progress, lambda pl: run(
+        model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s, pin_cpus=pin_cpus))
     if out is not None:
         from stageplan._io import write_json_atomic
         from stageplan.plots import plot_stage_balance, plot_timeline, save
@@ -1034,7 +1031,83 @@ def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.P
         plt.close("all")
 
 
+def _measured_in_turns(rows: dict[str, dict[str, Any]], plans: dict[str, Plan], same: dict[str, str | None],
+                       out: pathlib.Path | None, runs: int, progress: bool,
+                       measure: Callable[[Plan], RunReport]) -> dict[str, RunReport]:
+    """Compare's runs: every distinct plan ``runs`` times in turns; each method's row gets its median step, every
+    run's step and its speed-up over uniform; returns each method's median run (written to ``out`` as
+    run_NAME.json, once per distinct split)."""
+    from stageplan._progress import Progress
+
+    distinct = [name for name in plans if same[name] is None]
+    bar = Progress(len(distinct) * runs, "compare", enabled=progress, interval_s=0.0)
+    done = [0]
+
+    def one(name: str) -> RunReport:
+        bar.update(done[0], f"running {name}" + (f" ({done[0] // len(distinct) + 1} of {runs})" if runs > 1 else ""))
+        rep = measure(plans[name])
+        done[0] += 1
+        return rep
+
+    measured = dict(zip(distinct, _in_turns(distinct, runs, one)))
+    bar.close()
+    reports: dict[str, RunReport] = {}
+    for name in plans:
+        reps = measured[same[name] or name]
+        reports[name] = _median_run(reps)
+        if out is not None and same[name] is None:
+            reports[name].save(out / f"run_{name}.json")
+        rows[name].update({"measured_step_s": statistics.median(r.measured_step_s for r in reps),
+                           "measured_steps_s": [r.measured_step_s for r in reps],
+                           "measured_step_iqr_s": reports[name].measured_step_iqr_s,
+                           "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"] for r in reports[name].ranks],
+                           "same_run_as": same[name]})
+    base = measured[same["uniform"] or "uniform"]
+    for name, row in rows.items():
+        row["speedup_over_uniform"] = _paired_speedup(base, measured[same[name] or name])
+    return reports
+
+
 TUNE_SCHEMA = "stageplan.tune/1"
+
+
+def _check_runs(runs: object) -> None:
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise StageplanError(f"runs must be an integer >= 1, got {runs!r}; e.g. --runs 3")
+
+
+def _in_turns(items: Sequence[Any], runs: int, measure: Callable[[Any], RunReport]) -> list[list[RunReport]]:
+    """Each of ``items`` measured ``runs`` times in turns (A B A B ...), one list of reports per item: a shared
+    machine's speed drifts over the minutes this takes (here two profiles of one model minutes apart differed by
+    10-19% on every layer alike), and in turns the drift falls on every item alike instead of on whichever ran
+    last."""
+    out: list[list[RunReport]] = [[] for _ in items]
+    for _ in range(runs):
+        for reps, item in zip(out, items):
+            reps.append(measure(item))
+    return out
+
+
+def _median_run(reports: Sequence[RunReport]) -> RunReport:
+    """The run whose step is the median of ``reports``' (the lower of the two middle ones for an even count).
+
+    >>> from types import SimpleNamespace as R
+    >>> _median_run([R(measured_step_s=3.0), R(measured_step_s=1.0), R(measured_step_s=2.0)]).measured_step_s
+    2.0
+    """
+    ordered = sorted(reports, key=lambda r: r.measured_step_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _paired_speedup(base: Sequence[RunReport], other: Sequence[RunReport]) -> float | None:
+    """The median over turns of base step / other step, each pair run side by side (a single run each: their ratio).
+
+    >>> from types import SimpleNamespace as R
+    >>> _paired_speedup([R(measured_step_s=2.0), R(measured_step_s=3.0)], [R(measured_step_s=1.0), R(measured_step_s=3.0)])
+    1.5
+    """
+    ratios = [b.measured_step_s / o.measured_step_s for b, o in zip(base, other) if o.measured_step_s]
+    return statistics.median(ratios) if ratios else None
 
 
 def tune(
@@ -1053,16 +1126,21 @@ def tune(
     progress: bool = False,
     pin_cpus: bool = True,
     processes: int = 1,
+    runs: int = 1,
+    min_time_s: float = 0.0,
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
-    the run it was calibrated on) and the uniform split once, for reference.
+    the run it was calibrated on) and the uniform split once, for reference. ``runs`` > 1 runs those two that many
+    times in turns (:func:`_in_turns`): the final error is its median run's, and the final-over-uniform gain the
+    median of the gains of runs side by side; ``measured_steps_s`` lists every run.
 
     Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between runs of
     one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that spread.
 
-    ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``pin_cpus`` places the ranks as
-    :func:`stageplan.run` does.
+    ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``min_time_s`` spreads the
+    profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as :func:`stageplan.run`
+    does.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.
@@ -1074,19 +1152,23 @@ def tune(
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
+    _check_runs(runs)
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
         _refuse_input_among_outputs(out, profile, lambda name: name in ("plan.json", "tune.json"))
-    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s)
+    prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s,
+                             min_time_s)
 
     def measure(pl: Plan) -> RunReport:
         return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,
                    pin_cpus=pin_cpus)
 
-    def row(pl: Plan, rep: RunReport) -> dict[str, Any]:
-        return {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s,
-                "measured_step_s": rep.measured_step_s, "error": rep.step_ratio - 1.0}
+    def row(pl: Plan, *reps: RunReport) -> dict[str, Any]:
+        step = statistics.median(r.measured_step_s for r in reps)
+        out = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s, "measured_step_s": step,
+               "error": step / pl.predicted_step_s - 1.0}
+        return out if len(reps) == 1 else {**out, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []
     current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
@@ -1102,13 +1184,13 @@ def tune(
         current = following
         if not changed:
             break
-    final = row(current, measure(current))
     uniform_plan = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method="uniform")
-    uniform = row(uniform_plan, measure(uniform_plan))
+    final_runs, uniform_runs = _in_turns([current, uniform_plan], runs, measure)
+    final, uniform = row(current, *final_runs), row(uniform_plan, *uniform_runs)
     result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
               "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,
-              "final": final, "uniform": uniform,
-              "final_over_uniform_measured": uniform["measured_step_s"] / final["measured_step_s"],
+              "final": final, "uniform": uniform, "runs": runs,
+              "final_over_uniform_measured": _paired_speedup(uniform_runs, final_runs),
               "final_prediction_error": final["error"]}
     if out is not None:
         out.mkdir(exist_ok=True)

@@ -81,9 +81,14 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--schedule", default="1F1B", help="schedule of every run")
     p.add_argument("--steps", type=int, default=steps, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=warmup, help="steps before measuring")
+    p.add_argument("--runs", type=int, default=1, metavar="K", help="run the plans measured side by side (compare: "
+                   "every method's; tune: the final and the uniform) K times each, in turns (A B A B ...), and take "
+                   "medians: a shared machine drifts over minutes, and in turns it drifts on every plan alike")
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
     p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
                    "(as stageplan profile --processes)")
+    p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
+                   help="spread the profile's timed rounds over SECONDS (as stageplan profile --min-time)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks (or, with --processes, a profiling process) are ended")
     _add_pin_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -106,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and input dtype: the model is built under it as torch's default (default: the model's own)")
     p.add_argument("--warmup", type=int, default=5, help="rounds run before timing")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (medians are taken)")
+    p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
+                   help="time more rounds than --repeats until they span SECONDS, so that the medians average out a "
+                   "shared machine's drift (here up to 33%% between 1.7 s windows of the same work, 9%% between 20 s ones)")
     p.add_argument("--streaming", action="store_true", default=None,
                    help="profile one layer at a time from a model on meta, never holding the whole model "
                    "(default: chosen when the whole model would not fit in free memory)")
@@ -231,7 +239,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     options = parse_set(a.factory_options)
     measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
                "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
-               "memory_efficiency": a.memory_efficiency}
+               "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time}
     if a.processes != 1:
         from stageplan.launch import profile_in_processes
 
@@ -494,7 +502,8 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
-                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes)
+                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes, runs=a.runs,
+                     min_time_s=a.min_time)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")
@@ -507,14 +516,15 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
-                  processes=a.processes)
+                  processes=a.processes, runs=a.runs, min_time_s=a.min_time)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms")
+    how = "a fresh run" if a.runs == 1 else f"the median of {a.runs} fresh runs, the two plans in turns"
     for name in ("final", "uniform"):
         r = result[name]
         print(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms (a fresh run)")
+              f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
     print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction error "
           f"{result['final_prediction_error']:+.1%}")
     print(f"wrote {a.output}/plan.json and {a.output}/tune.json")

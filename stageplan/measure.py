@@ -115,6 +115,23 @@ def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.median(xs), q[2] - q[0]
 
 
+def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator[int]:
+    """Round numbers 0, 1, 2, ...: ``warmup`` rounds, then timed rounds, at least ``repeats`` of them and more until
+    the timed ones have spanned ``min_time_s`` seconds of wall clock (what ``profile --min-time`` asks for: a shared
+    machine's speed drifts by the second, and medians over rounds spread further apart average more of it out).
+
+    >>> list(timed_rounds(2, 3))
+    [0, 1, 2, 3, 4]
+    """
+    started = float("inf")
+    rnd = 0
+    while rnd < warmup + repeats or time.perf_counter() - started < min_time_s:
+        if rnd == warmup:
+            started = time.perf_counter()
+        yield rnd
+        rnd += 1
+
+
 class Timer:
     """Seconds of a callable's work on ``device``.
 

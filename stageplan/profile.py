@@ -265,6 +265,9 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     meta["whole_model_s"] = whole
     meta["sum_vs_whole"] = sum(layer.time_s for layer in layers) / whole if whole else None
     meta["load_average_1min"] = max(float(p.meta.get("load_average_1min", 0.0)) for p in profiles)
+    rounds = [p.meta["timed_rounds"] for p in profiles if isinstance(p.meta.get("timed_rounds"), int)]
+    if rounds:  # the fewest timed rounds a layer got in any of them
+        meta["timed_rounds"] = min(rounds)
     floors = [(p.meta.get("optimizer_step") or {}).get("floor_s") for p in profiles]
     if all(isinstance(f, dict) for f in floors):  # each optimizer step's fixed cost, as the layers' times: median
         keys = set.intersection(*(set(f) for f in floors))  # type: ignore[arg-type]

@@ -8,13 +8,14 @@ import contextlib
 import copy
 import datetime as _dt
 import gc
+import math
 import os
 import platform
 import re
 import resource
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from stageplan.measure import (
     saved_bytes,
     steady_allocator,
     storage_identity,
+    timed_rounds,
 )
 from stageplan.profile import LayerProfile, Profile
 from stageplan.workload import Workload
@@ -561,13 +563,16 @@ def _fwd_bwd_time(timer: Timer, run: _Run) -> tuple[float, float, float]:
 
 def _time_rounds(runs: Sequence[_Run], timer: Timer, warmup: int, repeats: int,
                  whole: Callable[[], float] | None = None,
-                 on_round: Callable[[int], None] | None = None) -> tuple[list[list[list[float]]], list[float]]:
+                 on_round: Callable[[int], None] | None = None,
+                 min_time_s: float = 0.0) -> tuple[list[list[list[float]]], list[float]]:
     """Rounds: each round times every run's forward and backward (and the whole model once), so that a load
-    change on the machine hits all of them alike (medians are taken across rounds). Returns, per run,
-    [forward, backward, accumulating backward] samples, and the whole-model samples."""
+    change on the machine hits all of them alike (medians are taken across rounds). Timed rounds go on past
+    ``repeats`` until they span ``min_time_s`` seconds, so that the medians average over the machine's own
+    drift rather than catch one moment of it. Returns, per run, [forward, backward, accumulating backward]
+    samples, and the whole-model samples."""
     samples: list[list[list[float]]] = [[[], [], []] for _ in runs]
     whole_times: list[float] = []
-    for rnd in range(warmup + repeats):
+    for rnd in timed_rounds(warmup, repeats, min_time_s):
         for i, run in enumerate(runs):
             times = _fwd_bwd_time(timer, run)
             if rnd >= warmup:
@@ -745,6 +750,7 @@ def profile_model(
     dedup: bool = True,
     compute_efficiency: float | None = None,
     memory_efficiency: float | None = None,
+    min_time_s: float = 0.0,
 ) -> Profile:
     """Profile every layer of ``workload`` at ``microbatch_size``; the user's model is untouched.
 
@@ -760,9 +766,14 @@ def profile_model(
       the second recorded in ``meta["dedup_spread"]`` (None without such a group; a pair is simply measured twice).
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
+    - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one layer at
+      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second:
+      two windows of the same work here differed by up to 33% (98th percentile) over 1.7 s windows and 9% over 20 s
+      (README, Limitations); the medians of rounds spread over longer average more of it out.
     """
     if warmup < 0 or repeats < 1:
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
+    check_min_time(min_time_s)
     estimate = is_estimate_device(device)
     gpu: Any = None
     if estimate:
@@ -773,6 +784,9 @@ def profile_model(
         )
 
         gpu = parse_estimate_device(str(device))
+        if min_time_s:
+            raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate measures "
+                                 "nothing; drop --min-time, or measure on a device you have")
         dev = torch.device("cpu")  # fake CPU tensors stand in for the target's (see stageplan.estimate)
         for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
                                      ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
@@ -808,7 +822,8 @@ def profile_model(
     if dev.type == "cpu":
         torch.set_num_threads(1)  # one intra-op thread, as each pipeline rank will run
     try:
-        ctx = _Context(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup)
+        ctx = _Context(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup,
+                       float(min_time_s))
         if estimate:
             return _profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
         memory: dict[str, Any] = {}
@@ -828,6 +843,12 @@ def profile_model(
             torch.cuda.set_rng_state_all(rng_cuda)
 
 
+def check_min_time(min_time_s: object) -> None:
+    """Refuse a ``min_time_s`` that is not a finite number of seconds >= 0."""
+    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) or not 0 <= min_time_s < math.inf:
+        raise StageplanError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}; e.g. --min-time 20")
+
+
 @dataclass
 class _Context:
     workload: Workload
@@ -840,6 +861,8 @@ class _Context:
     progress: bool
     mb_args_cpu: tuple[Any, ...]
     dedup: bool
+    min_time_s: float = 0.0
+    timed_rounds: list[int] = field(default_factory=list)  # per _time_rounds call: the rounds it timed
 
     def target(self) -> Any:
         t = self.workload.target[: self.mb] if isinstance(self.workload.target, torch.Tensor) else self.workload.target
@@ -886,7 +909,9 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     doing = f"{len(measured)} of them, the others identical" if len(measured) < n else ""
     samples, whole_times = _time_rounds(
         runs, timer, ctx.warmup, ctx.repeats, whole,
-        lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))))
+        lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))),
+        ctx.min_time_s)
+    ctx.timed_rounds.append(len(whole_times))
     bar.close()
     figures: dict[int, _Figures] = {}
     for k, run, s in zip(measured, runs, samples):
@@ -938,7 +963,8 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
         values = [resolve(r, args, env) for r in piece.inputs]
         if k in measured:
             run = _make_run(piece, k, n, values, ctx.workload, target)
-            (s,), _ = _time_rounds([run], timer, ctx.warmup, ctx.repeats)
+            (s,), _ = _time_rounds([run], timer, ctx.warmup, ctx.repeats, min_time_s=ctx.min_time_s / len(measured))
+            ctx.timed_rounds.append(len(s[0]))
             act, peak = _bytes_and_peak(run, ctx.dev, peaks)
             figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats, _layer_grads(run)))
             del run
@@ -1063,6 +1089,9 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "threads": torch.get_num_threads(),
         "warmup": ctx.warmup,
         "repeats": ctx.repeats,
+        # min_time_s can make more rounds than repeats: the fewest a measured layer got (None for an estimate)
+        "min_time_s": ctx.min_time_s,
+        "timed_rounds": min(ctx.timed_rounds) if ctx.timed_rounds else None,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "

@@ -247,6 +247,10 @@ def compare_run_table(result: dict[str, Any]) -> str:
                      ratio(r["speedup_over_uniform"]) if r.get("speedup_over_uniform") is not None else "-",
                      ratio(r["balance_efficiency"]), " / ".join(mib(x) for x in r["peak_memory_bytes"])])
     table = format_table(headers, rows, right=[False, False, True, True, True, True, True])
+    runs = int(result.get("runs") or 1)
+    if runs > 1 and not result.get("identical"):
+        table += (f"\nmeasured: each plan's median over {runs} runs, the plans in turns; speed-up: the median of the "
+                  "speed-ups of runs side by side")
     if result.get("identical"):
         table += ("\nall methods give the same boundaries: nothing to compare, so nothing was run "
                   "(try more --stages, another schedule, or a model whose layers differ in cost)")

@@ -75,6 +75,18 @@ def test_profile_in_processes_merges_fresh_processes(tmp_path: Path, capsys: pyt
         (["plan", str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json"), "--stages", "2", "--bandwidth", "0GB/s"], r"bandwidth must be a positive rate, got "
                                                                              r"'0GB/s'; use .* such as 25GB/s"),
         (["profile", "gpt"], r"required: -o/--output"),
+        (["profile", "gpt", "--min-time", "-1", "-o", "{tmp}/x.json"],
+         r"min_time_s must be a finite number of seconds >= 0, got -1.0; e\.g\. --min-time 20"),
+        (["profile", "gpt", "--min-time", "5", "--device", "estimate:h100-sxm", "-o", "{tmp}/x.json"],
+         r"min_time_s \(5.0\) spreads measured rounds over time, and an estimate measures nothing"),
+        (["compare", "gpt", "--stages", "2", "--runs", "0"], r"runs must be an integer >= 1, got 0; e\.g\. --runs 3"),
+        (["tune", "gpt", "--stages", "2", "--runs", "0", "-o", "{tmp}/t"], r"runs must be an integer >= 1, got 0"),
+        (["compare", "gpt", "--stages", "2", "--min-time", "5", "--profile",
+          str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")],
+         r"--min-time 5 spreads the rounds of the profile compare takes, and --profile gives the profile to start "
+         r"from; drop one of them"),
+        (["tune", "gpt", "--stages", "2", "--min-time", "-2", "-o", "{tmp}/t"],
+         r"min_time_s must be a finite number of seconds >= 0, got -2.0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],

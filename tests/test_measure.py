@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -96,3 +98,19 @@ def test_the_cache_flush_writes_twice_the_cache_up_to_its_cap(monkeypatch: pytes
         assert bool((flush._buffer == 1).all())
         flush.release()
         assert flush._buffer is None
+
+
+def test_timed_rounds_go_on_until_they_span_min_time() -> None:
+    from stageplan.measure import timed_rounds
+
+    assert list(timed_rounds(1, 2)) == [0, 1, 2]
+    # 20 ms rounds after a 50 ms warm-up, 2 repeats, 0.1 s: a round starts only while the timed ones span less than
+    # 0.1 s, and the last one takes them past it (at most 5 rounds of >= 20 ms; the warm-up is not counted)
+    starts: list[float] = []
+    for rnd in timed_rounds(1, 2, 0.1):
+        starts.append(time.perf_counter())
+        assert rnd == len(starts) - 1
+        time.sleep(0.05 if rnd == 0 else 0.02)
+    end = time.perf_counter()
+    assert 3 <= len(starts) <= 6
+    assert starts[-1] - starts[1] < 0.101 and end - starts[1] > 0.099  # (1 ms for the loop's own steps)

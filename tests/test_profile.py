@@ -98,6 +98,10 @@ def test_merge_profiles_takes_each_times_median_over_processes() -> None:
     assert (row.activation_bytes, row.output_bytes, row.param_bytes) == (128, 64, 4096)
     assert merged.meta["whole_model_s"] == 3.0 and merged.sum_vs_whole == pytest.approx(3.1 / 3.0)
     assert merged.meta["load_average_1min"] == 1.5  # the highest any process started under
+    assert "timed_rounds" not in merged.meta  # none of them says
+    for run, rounds in zip(runs, (20, 31, 24)):  # --min-time: each process timed as many rounds as filled it
+        run.meta["timed_rounds"] = rounds
+    assert merge_profiles(runs).meta["timed_rounds"] == 20  # the fewest any of them timed
     procs = merged.meta["processes"]
     assert procs["count"] == 3 and procs["digests"] == [p.digest() for p in runs]
     # range = (max - min) / median: forward (1.3 - 1.0) / 1.1, backward (2.6 - 1.8) / 2.0

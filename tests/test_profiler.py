@@ -228,3 +228,32 @@ def test_a_tie_inside_a_layer_streams_and_estimates_and_buffers_are_state() -> N
         assert p.layers[2].activation_bytes == 0  # x * g saves only the buffer g: module state
     assert [x.activation_bytes for x in whole.layers] == [x.activation_bytes for x in streamed.layers] \
         == [x.activation_bytes for x in est.layers]
+
+
+def test_min_time_times_rounds_until_they_span_it() -> None:
+    """Rounds of sleep layers of known cost: each round sleeps 30 ms per layer (a forward, then two forward-backward
+    pairs) and 20 ms for the whole model, 80 ms in all, so 0.5 s takes at most ceil(0.5 / 0.08) = 7 rounds, and at
+    least 5 unless a round overran its sleeps by half (0.12 s); without min_time_s, exactly the repeats."""
+    model = nn.Sequential(Sleep(0.01), Sleep(0.01))
+    wl = Workload(model, torch.randn(4, 8), loss_fn=_sum_loss)
+    plain = profile_model(wl, microbatch_size=4, warmup=0, repeats=2)
+    assert plain.meta["timed_rounds"] == 2 and plain.meta["min_time_s"] == 0.0
+    t0 = time.perf_counter()
+    spread = profile_model(wl, microbatch_size=4, warmup=1, repeats=2, min_time_s=0.5)
+    assert time.perf_counter() - t0 >= 0.5
+    assert 5 <= spread.meta["timed_rounds"] <= 7
+    assert spread.meta["min_time_s"] == 0.5
+    assert [x.forward_s for x in spread.layers] == pytest.approx([0.01, 0.01], rel=0.10)
+    # one layer at a time: each of the two measured layers gets half of it, 0.25 s of 30-45 ms rounds
+    streamed = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, min_time_s=0.5, streaming=True)
+    assert 6 <= streamed.meta["timed_rounds"] <= 9
+
+
+def test_min_time_refusals() -> None:
+    wl = Workload(nn.Sequential(Sleep(0.0)), torch.randn(4, 8), loss_fn=_sum_loss)
+    for bad in (-1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(StageplanError, match=r"min_time_s must be a finite number of seconds >= 0, got .*; e\.g\. --min-time 20"):
+            profile_model(wl, microbatch_size=4, min_time_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(StageplanError, match=r"min_time_s \(5\) spreads measured rounds over time, and an estimate "
+                                             r"measures nothing; drop --min-time"):
+        profile_model(wl, microbatch_size=4, device="estimate:h100-sxm", min_time_s=5)

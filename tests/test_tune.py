@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--se
 def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(["tune", "gpt", *SMALL, "--stages", "2", "--microbatches", "4", "--rounds", "2",
-                              "--steps", "2", "--warmup", "1", "--processes", "2", "-o", str(tmp_path / "new")], capsys)
+                              "--steps", "2", "--warmup", "1", "--processes", "2", "--runs", "2",
+                              "-o", str(tmp_path / "new")], capsys)
     assert code == 0, err
     tmp_path = tmp_path / "new"  # a folder tune creates
     result = json.loads((tmp_path / "tune.json").read_text())
@@ -35,9 +37,14 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
     # a round stops the loop when re-planning keeps the split: only the last round may keep it
     bounds = [r["boundaries"] for r in result["rounds"]]
     assert all(a != b for a, b in zip(bounds, bounds[1:]))
+    # --runs 2: the final plan and uniform twice each, in turns; medians, and the median of the paired gains
+    final_steps, uniform_steps = result["final"]["measured_steps_s"], result["uniform"]["measured_steps_s"]
+    assert len(final_steps) == len(uniform_steps) == 2 and result["runs"] == 2
+    assert result["final"]["measured_step_s"] == pytest.approx(statistics.median(final_steps))
     assert result["final_over_uniform_measured"] == pytest.approx(
-        result["uniform"]["measured_step_s"] / result["final"]["measured_step_s"])
+        statistics.median(u / f for u, f in zip(uniform_steps, final_steps)))
     assert "round 1:" in out and "final / uniform measured" in out and "tune round 1" in err
+    assert "the median of 2 fresh runs, the two plans in turns" in out
 
 
 def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
