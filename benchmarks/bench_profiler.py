@@ -1,8 +1,9 @@
 """Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512`, the per-layer
 spread (IQR/median) and the sum-of-layers / whole-model ratio; then repeatability: the skewed gpt (16384-token head,
 microbatch 2) profiled twice, each in its own process, one after the other, and each layer's two figures compared
-(goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --processes 3, each
-profile the median of three fresh processes (a process's memory layout offsets all its timings alike)."""
+(goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each
+profile's rounds spread over 20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile
+the median of three fresh processes (a process's memory layout offsets all its timings alike)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,15 @@ def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float]:
 def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
     headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "layer diff", "counts"]
-    for processes in (1, 3):
-        more = [] if processes == 1 else ["--processes", str(processes)]
-        a_path, b_path = tmp / f"a{processes}.json", tmp / f"b{processes}.json"
+    for processes, spread in ((1, 0), (1, 20), (3, 0)):
+        more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else [])
+        a_path, b_path = tmp / f"a{processes}-{spread}.json", tmp / f"b{processes}-{spread}.json"
         wall = _profile(args + more, a_path)
         _profile(args + more, b_path)
         a, b = Profile.load(a_path), Profile.load(b_path)
         rows, worst, worst_part = _compare(a, b)
         how = "each in its own process" if processes == 1 else f"each the median of {processes} fresh processes"
+        how += f", rounds over >= {spread} s" if spread else ""
         print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; ms)")
         print(format_table(headers, rows))
         print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or backward "

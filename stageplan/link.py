@@ -10,7 +10,9 @@ A pipeline schedule does not send alone: torch's schedules post a send fused wit
 (``batch_isend_irecv``) and wait for both, at every crossing. So each pair also times that exchange, both ranks
 posting a small send and a small receive to each other at once: ``exchange_s``, the cost of one crossing as the
 schedule pays it (posting the batch and waiting for it; 0.18-0.19 ms on gloo localhost here, against a 0.11 ms
-one-way latency). A plan priced with the link uses the larger of the two per crossing.
+one-way latency). A plan priced with the link uses the larger of the two per crossing. Every timed message follows
+about 1 ms of the rank's own work, as a chunk computes between receiving and sending (:data:`GAP_MATMULS`): sent
+back to back, one VM's exchanges stalled 3.7-4.0 ms each, where its pipelines' crossings did not.
 
 Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`schedule_overheads`): the gap
 between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
@@ -47,6 +49,13 @@ REPEATS = 15
 # trip on this VM stalls about 2 ms now and then, most often in its first few: 3-10 of 220, 1-6 of them first)
 SMALL_REPEATS = 60
 SMALL_MAX_BYTES = 64 * 2**10
+# Work before each timed message, as a rank computes its chunk between receiving and sending: 16 matmuls of
+# 128 x 128 floats on the CPU, about 1 ms here (60 us each). Back to back with the message before, a fused exchange
+# between two pinned gloo ranks took 3.7-4.0 ms (median of 40-50, five probes on one VM, whose scheduler tick is
+# 4 ms) where the same exchange after a barrier took 0.09-0.10 ms and after 0.3-2 ms of compute 0.16-0.33 ms; priced
+# at 3.9 ms a crossing, that VM's plans over-predicted every run's step by 12-49 ms against a replay with the run's
+# own layer times. Round trips back to back there read a 1.4-1.9 ms latency in 2 of 6 probes (46 us in the others).
+GAP_MATMULS = 16
 # The schedule probe (:func:`schedule_overheads`): torch's GPipe over a 16-float linear layer per rank, microbatches
 # per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
 # writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
@@ -108,6 +117,7 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     timer = Timer("cpu")  # wall clock of the whole round trip; on CUDA the round trip synchronises itself
     sizes = [int(n) for n in sizes_bytes]
     buffers = {n: torch.zeros(max(n // 4, 1), dtype=torch.float32, device=dev) for n in sizes}
+    gap = torch.ones(128, 128)  # on the CPU: the host thread's own work between messages (GAP_MATMULS)
     pairs: list[dict[str, Any]] = []
     # every rank joins one collective first: NCCL wants all ranks in the first batch_isend_irecv of a group, and a
     # barrier makes the first (communicator-creating) call a collective that every rank makes
@@ -122,15 +132,20 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
                 for _ in range(warmup):
                     trip()
                 timed = max(repeats, SMALL_REPEATS) if n <= SMALL_MAX_BYTES else repeats
-                med, iqr = median_iqr([timer(trip)[0] / 2.0 for _ in range(timed)])  # one way = round trip / 2
+                one_way = []
+                for _ in range(timed):
+                    _compute_gap(gap)
+                    one_way.append(timer(trip)[0] / 2.0)  # one way = round trip / 2
+                med, iqr = median_iqr(one_way)
                 row["one_way_s"].append(med)
                 row["one_way_iqr_s"].append(iqr)
             small = min(sizes)
             out_buf, in_buf = buffers[small], torch.zeros_like(buffers[small])
             exchanges = []
             for k in range(warmup + max(repeats, SMALL_REPEATS)):
-                _round_trip(out_buf, peer, first, group)  # both ranks leave it together, then post at once
-                seconds, _ = timer(functools.partial(_exchange, out_buf, in_buf, peer, group))
+                _round_trip(out_buf, peer, first, group)  # both ranks leave it together,
+                _compute_gap(gap)  # compute as a chunk would,
+                seconds, _ = timer(functools.partial(_exchange, out_buf, in_buf, peer, group))  # then post at once
                 if k >= warmup:
                     exchanges.append(seconds)
             row["exchange_s"] = median_iqr(exchanges)[0]
@@ -299,6 +314,14 @@ def _round_trip(buf: Any, peer: int, first: bool, group: Any) -> None:
         dist.send(buf, peer, group=group)
     if buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
+
+
+def _compute_gap(matrix: Any) -> None:
+    """The rank's own work before a timed message (:data:`GAP_MATMULS`)."""
+    import torch
+
+    for _ in range(GAP_MATMULS):
+        torch.mm(matrix, matrix)
 
 
 def _exchange(out_buf: Any, in_buf: Any, peer: int, group: Any) -> None:

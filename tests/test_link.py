@@ -305,6 +305,62 @@ def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(whe
             assert 0 < value < 2e-3, (key, value)
 
 
+def _ping_pong_in_child(rank: int, port: int, gap_s: float, queue) -> None:  # type: ignore[no-untyped-def]
+    """One rank of the ping-pong, its work before each timed message (link._compute_gap) replaced by a sleep of
+    ``gap_s`` that counts its calls."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    calls = [0]
+
+    def gap(_: object) -> None:
+        calls[0] += 1
+        time.sleep(gap_s)
+
+    stageplan.link._compute_gap = gap
+    try:
+        link = stageplan.link.ping_pong(torch.device("cpu"), sizes_bytes=(4096, 2**20), warmup=2, repeats=5)
+        queue.put((rank, calls[0], link["latency_s"], link["exchange_s"]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_timed_message_follows_the_ranks_own_work_outside_the_timer() -> None:
+    """Back to back with the message before, a fused exchange between two pinned gloo ranks stalled 3.7-4.0 ms on
+    one VM (0.16-0.33 ms after compute, as a chunk computes between receiving and sending), so the probe works
+    before every timed message: once before each of the 60 small and 5 large round trips and each of the 2 + 60
+    exchanges, on both ranks, and never inside the timer (a 5 ms gap would show in every figure)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ping_pong_in_child, args=(r, port, 0.005, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    small = stageplan.link.SMALL_REPEATS
+    assert [got[r][0] for r in (0, 1)] == [small + 5 + 2 + small] * 2
+    for _, latency, exchange in got.values():
+        assert 0 < latency < 2e-3 and 0 < exchange < 2e-3, (latency, exchange)
+
+
 def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_path: Path) -> None:
     """Closed form: GPipe, p = 2, m = 1, forward 1 s, backward 2 s, one layer per rank; the loop's 0.25 s per
     action lengthens each of the four actions on the critical path, and each stage's time by 0.5 s."""
