@@ -13,8 +13,9 @@ goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%),
 predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on fresh runs
 (TUNE_RUNS of them, the final plan and uniform in turns, medians) and its measured gain over uniform (the median of
 the gains of runs side by side) against the predicted one, with the spread of the final plan's own runs (the same
-plan run again: what no prediction can beat). Last, the GPT's plan with ranks pinned to their own CPUs against
-placed by the OS, alternating.
+plan run again: what no prediction can beat). Then the noise floor: one GPT split profiled, priced and run five
+times over, and the least worst-case error the pairs' spread leaves any fixed correction of the model. Last, the
+GPT's plan with ranks pinned to their own CPUs against placed by the OS, alternating.
 """
 
 from __future__ import annotations
@@ -96,6 +97,44 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
                               boundaries=pl.boundaries, link=link).predicted_step_s
     return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, replayed - pl.predicted_step_s,
                                         rep.measured_step_s - replayed)] + [str(r)]
+
+
+def _floor(values: list[float]) -> float:
+    """The least worst-case error any one correction can leave over ``values`` (measured / predicted ratios of the
+    same procedure repeated): scaling every prediction by c, the worst |v/c - 1| is least at c = the midpoint of
+    the smallest and largest ratio, which leaves (max - min) / (max + min). A goal's worst-case line below this
+    cannot hold on these pairs, whatever fixed term the model adds or multiplies in."""
+    return (max(values) - min(values)) / (max(values) + min(values))
+
+
+def noise_floor(link: dict, pairs: int = 5) -> None:
+    """The bench's own procedure repeated on one split: ``pairs`` times, profile the gpt (vocab 16384, microbatch
+    for m = 4, rounds over PROFILE_S), price the same split (GPipe m = 4, the first pair's optimal) from that
+    profile, and run it at once. Each rank's compute and the step as measured / predicted per pair, the fixed
+    kernel at each run, and the floor (:func:`_floor`) that the pairs' spread puts under any model's worst case."""
+    model, options = MODELS[0]
+    workload = build_workload(model, options)
+    rows, per_rank, steps, split = [], {}, [], None
+    for i in range(pairs):
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // 4, min_time_s=PROFILE_S)
+        pl = stageplan.plan(profile, 2, num_microbatches=4, schedule="GPipe", link=link, boundaries=split)
+        split = pl.boundaries
+        kernel = _machine_speed()
+        rep = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options)
+        for r in rep.ranks:
+            per_rank.setdefault(r["rank"], []).append(r["compute_ratio"])
+        steps.append(rep.step_ratio)
+        rows.append([i + 1, f"{kernel * 1e6:.0f}", f"{pl.predicted_step_s * 1e3:.1f}", f"{rep.measured_step_s * 1e3:.1f}",
+                     _pct(rep.step_ratio - 1), " ".join(_pct(r["compute_ratio"] - 1) for r in rep.ranks)])
+    print(f"\nnoise floor: {model} {options} GPipe m = 4, split {' '.join(map(str, split or ()))}: {pairs} times, profiled "
+          f"(rounds over >= {PROFILE_S:g} s), priced and run at once, as each configuration above")
+    print(format_table(["pair", "fixed kernel us", "predicted ms", "measured ms", "step error",
+                        "compute error per rank (wall)"], rows))
+    for rank, ratios in sorted(per_rank.items()):
+        print(f"  rank {rank} compute: measured / predicted {min(ratios):.3f}-{max(ratios):.3f}; the least worst error "
+              f"any fixed correction leaves over these pairs: {_floor(ratios):.1%} (goal line: worst <= 20%)")
+    print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; least worst error after any fixed "
+          f"correction {_floor(steps):.1%} (goal line: worst <= 25%)")
 
 
 def placement(link: dict, pairs: int = 2) -> None:
@@ -314,6 +353,7 @@ def main() -> None:
     print(format_table(["m", "steps", "rounds", "first split", "first error", "final split", "final predicted ms",
                         "final measured ms", "final error", "same plan", "predicted gain", "measured gain",
                         "gain realised"], tuned))
+    noise_floor(link)
     placement(link)
     crossings()
     slices_in_pipelines()
