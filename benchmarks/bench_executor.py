@@ -14,7 +14,7 @@ predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan
 (TUNE_RUNS of them, the final plan and uniform in turns, medians) and its measured gain over uniform (the median of
 the gains of runs side by side) against the predicted one, with the spread of the final plan's own runs (the same
 plan run again: what no prediction can beat). Then the noise floor: one GPT split profiled, priced and run five
-times over, and the least worst-case error the pairs' spread leaves any fixed correction of the model. Last, the
+times over, and the least worst-case error the pairs' spread leaves any one factor on the model's predictions. Last, the
 GPT's plan with ranks pinned to their own CPUs against placed by the OS, alternating.
 """
 
@@ -103,7 +103,7 @@ def _floor(values: list[float]) -> float:
     """The least worst-case error any one correction can leave over ``values`` (measured / predicted ratios of the
     same procedure repeated): scaling every prediction by c, the worst |v/c - 1| is least at c = the midpoint of
     the smallest and largest ratio, which leaves (max - min) / (max + min). A goal's worst-case line below this
-    cannot hold on these pairs, whatever fixed term the model adds or multiplies in."""
+    cannot hold on these pairs for any one factor applied to the model's predictions."""
     return (max(values) - min(values)) / (max(values) + min(values))
 
 
@@ -133,8 +133,8 @@ def noise_floor(link: dict, pairs: int = 5) -> None:
     for rank, ratios in sorted(per_rank.items()):
         print(f"  rank {rank} compute: measured / predicted {min(ratios):.3f}-{max(ratios):.3f}; the least worst error "
               f"any fixed correction leaves over these pairs: {_floor(ratios):.1%} (goal line: worst <= 20%)")
-    print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; least worst error after any fixed "
-          f"correction {_floor(steps):.1%} (goal line: worst <= 25%)")
+    print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; the least worst error any fixed correction "
+          f"leaves: {_floor(steps):.1%} (goal line: worst <= 25%)")
 
 
 def placement(link: dict, pairs: int = 2) -> None:
