@@ -1166,9 +1166,9 @@ def tune(
 
     def row(pl: Plan, *reps: RunReport) -> dict[str, Any]:
         step = statistics.median(r.measured_step_s for r in reps)
-        out = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s, "measured_step_s": step,
-               "error": step / pl.predicted_step_s - 1.0}
-        return out if len(reps) == 1 else {**out, "measured_steps_s": [r.measured_step_s for r in reps]}
+        entry = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s, "measured_step_s": step,
+                 "error": step / pl.predicted_step_s - 1.0}
+        return entry if len(reps) == 1 else {**entry, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []
     current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -100,17 +98,26 @@ def test_the_cache_flush_writes_twice_the_cache_up_to_its_cap(monkeypatch: pytes
         assert flush._buffer is None
 
 
-def test_timed_rounds_go_on_until_they_span_min_time() -> None:
-    from stageplan.measure import timed_rounds
+def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock the test moves: a 0.5 s warm-up round, then 0.25 s rounds. Timing starts with round 1 (t = 0.5);
+    rounds 2-4 start at 0.75, 1.0 and 1.25 while the timed ones span less than 1 s, and the check at 1.5 finds 1 s
+    spanned. Where the repeats take longer than min_time, the repeats decide."""
+    import types
 
-    assert list(timed_rounds(1, 2)) == [0, 1, 2]
-    # 20 ms rounds after a 50 ms warm-up, 2 repeats, 0.1 s: a round starts only while the timed ones span less than
-    # 0.1 s, and the last one takes them past it (at most 5 rounds of >= 20 ms; the warm-up is not counted)
-    starts: list[float] = []
-    for rnd in timed_rounds(1, 2, 0.1):
-        starts.append(time.perf_counter())
-        assert rnd == len(starts) - 1
-        time.sleep(0.05 if rnd == 0 else 0.02)
-    end = time.perf_counter()
-    assert 3 <= len(starts) <= 6
-    assert starts[-1] - starts[1] < 0.101 and end - starts[1] > 0.099  # (1 ms for the loop's own steps)
+    from stageplan import measure
+
+    assert list(measure.timed_rounds(1, 2)) == [0, 1, 2]
+    now = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def rounds(warmup: int, repeats: int, min_time_s: float) -> list[int]:
+        now[0] = 0.0
+        seen = []
+        for rnd in measure.timed_rounds(warmup, repeats, min_time_s):
+            seen.append(rnd)
+            now[0] += 0.5 if rnd < warmup else 0.25
+        return seen
+
+    assert rounds(1, 2, 1.0) == [0, 1, 2, 3, 4]  # 4 timed rounds, 1 s
+    assert rounds(1, 6, 1.0) == [0, 1, 2, 3, 4, 5, 6]  # 6 repeats outlast 1 s
+    assert rounds(0, 1, 0.6) == [0, 1, 2]  # no warm-up: timing starts with round 0
