@@ -1,9 +1,11 @@
 """Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512`, the per-layer
 spread (IQR/median) and the sum-of-layers / whole-model ratio; then repeatability: the skewed gpt (16384-token head,
 microbatch 2) profiled twice, each in its own process, one after the other, and each layer's two figures compared
-(goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each
+(its forward and mean backward per microbatch at the profile's m, what the planner adds up; goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each
 profile's rounds spread over 20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile
-the median of three fresh processes (a process's memory layout offsets all its timings alike)."""
+the median of three fresh processes (a process's memory layout offsets all its timings alike). Each pair is also split
+into what moved every layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer
+against the others (its share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import stageplan
 from stageplan import Profile
 from stageplan.report import format_table
 
@@ -25,27 +29,59 @@ def _profile(args: list[str], out: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _planned_s(layer: Any, m: int) -> float:
+    """What the planner adds up for a layer per microbatch: its forward and its mean backward over m microbatches
+    (one into empty grads, m - 1 accumulating)."""
+    return float(layer.forward_s + layer.backward_per_microbatch_s(m))
+
+
+def _microbatches(prof: Profile) -> int:
+    return max(1, int(prof.meta["batch_size"]) // int(prof.meta["microbatch_size"]))
+
+
 def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float]:
-    """Each layer's two figures side by side; the worst difference of a layer's time (forward + backward, what the
-    planner adds up) over the layers that count (above 1 ms, or above 2% of the model's time), and the worst of its
-    forward and backward taken apart (stricter: a 0.4 ms forward counts with its layer)."""
-    total = sum(x.time_s for x in a.layers)
+    """Each layer's figures side by side; the worst difference of a layer's time as the planner adds it up (forward
+    and mean backward per microbatch at the profile's m) over the layers that count (above 1 ms, or above 2% of the
+    model's time), and the worst of its forward, backward and accumulating backward taken apart (stricter: a 0.4 ms
+    forward counts with its layer)."""
+    m = _microbatches(a)
+    total = sum(_planned_s(x, m) for x in a.layers)
     rows, worst, worst_part = [], 0.0, 0.0
+
+    def diff(x: float | None, y: float | None) -> float:
+        return y / x - 1 if x and y is not None else 0.0
+
     for x, y in zip(a.layers, b.layers):
-        counts = x.time_s > 1e-3 or x.time_s > 0.02 * total
-        f = y.forward_s / x.forward_s - 1 if x.forward_s > 0 else 0.0
-        bw = y.backward_s / x.backward_s - 1 if x.backward_s > 0 else 0.0
-        t = y.time_s / x.time_s - 1 if x.time_s > 0 else 0.0
+        t_x, t_y = _planned_s(x, m), _planned_s(y, m)
+        counts = t_x > 1e-3 or t_x > 0.02 * total
+        f, bw = diff(x.forward_s, y.forward_s), diff(x.backward_s, y.backward_s)
+        acc, t = diff(x.backward_accumulate_s, y.backward_accumulate_s), diff(t_x, t_y)
         if counts:
-            worst, worst_part = max(worst, abs(t)), max(worst_part, abs(f), abs(bw))
+            worst, worst_part = max(worst, abs(t)), max(worst_part, abs(f), abs(bw), abs(acc))
         rows.append([x.name, f"{x.forward_s * 1e3:.2f}", f"{y.forward_s * 1e3:.2f}", f"{f:+.1%}", f"{x.backward_s * 1e3:.2f}",
-                     f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", f"{t:+.1%}", "yes" if counts else "no"])
+                     f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", f"{acc:+.1%}", f"{t:+.1%}", "yes" if counts else "no"])
     return rows, worst, worst_part
+
+
+def _shares(a: Profile, b: Profile) -> tuple[float, float]:
+    """A profile's rounds time every layer in turn, so a change in the machine's speed between two profiles moves all
+    their layers alike: the ratio of the two sums of layer times (as the planner adds them up). What is left, each
+    counted layer's share of its profile's sum, is what moves a plan's boundaries. Returns the ratio - 1 and the
+    worst relative change of a counted layer's share."""
+    m = _microbatches(a)
+    total_a, total_b = sum(_planned_s(x, m) for x in a.layers), sum(_planned_s(y, m) for y in b.layers)
+    worst = 0.0
+    for x, y in zip(a.layers, b.layers):
+        t_x = _planned_s(x, m)
+        if t_x > 1e-3 or t_x > 0.02 * total_a:
+            worst = max(worst, abs((_planned_s(y, m) / total_b) / (t_x / total_a) - 1))
+    return total_b / total_a - 1, worst
 
 
 def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
-    headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "layer diff", "counts"]
+    headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "accumulating diff",
+               "layer diff", "counts"]
     for processes, spread in ((1, 0), (1, 20), (3, 0)):
         more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else [])
         a_path, b_path = tmp / f"a{processes}-{spread}.json", tmp / f"b{processes}-{spread}.json"
@@ -57,9 +93,17 @@ def repeatability(tmp: Path) -> None:
         how += f", rounds over >= {spread} s" if spread else ""
         print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; ms)")
         print(format_table(headers, rows))
-        print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or backward "
+        print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or backwards "
               f"apart: {worst_part:.1%}; load average at the starts "
               f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
+        host, worst_share = _shares(a, b)
+        print(f"  split into what moved every layer alike and what moved one layer: the second profile's sum of layers "
+              f"{host:+.1%} on the first's; a counted layer's share of the sum moved by at most {worst_share:.1%}")
+        for ranks in (2, 4):
+            pa, pb = stageplan.plan(a, ranks), stageplan.plan(b, ranks)
+            same = "the same" if pa.boundaries == pb.boundaries else "different"
+            print(f"  plan, {ranks} ranks 1F1B: {list(pa.boundaries)} and {list(pb.boundaries)} ({same}); predicted "
+                  f"step {pa.predicted_step_s * 1e3:.1f} and {pb.predicted_step_s * 1e3:.1f} ms")
 
 
 def main() -> None:
