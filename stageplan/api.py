@@ -1131,9 +1131,11 @@ def tune(
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
-    the run it was calibrated on) and the uniform split once, for reference. ``runs`` > 1 runs those two that many
-    times in turns (:func:`_in_turns`): the final error is its median run's, and the final-over-uniform gain the
-    median of the gains of runs side by side; ``measured_steps_s`` lists every run.
+    the runs it was calibrated on) and the uniform split once, for reference. ``runs`` > 1 runs each round's plan
+    that many times and calibrates from its median run (:func:`_median_run`: one run's window catches one moment of
+    a drifting machine), and runs the final and uniform plans that many times in turns (:func:`_in_turns`): the final
+    error is its median run's, and the final-over-uniform gain the median of the gains of runs side by side;
+    ``measured_steps_s`` lists every run.
 
     Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between runs of
     one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that spread.
@@ -1173,11 +1175,12 @@ def tune(
     rows: list[dict[str, Any]] = []
     current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
     for k in range(rounds):
-        rep = measure(current)
-        rows.append(row(current, rep))
+        reps = [measure(current) for _ in range(runs)]
+        rep = _median_run(reps)
+        rows.append(row(current, *reps))
         if progress:  # a line per round on stderr; the caller prints the result
             print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted {current.predicted_step_s * 1e3:.1f} ms, "
-                  f"measured {rep.measured_step_s * 1e3:.1f} ms ({rep.step_ratio - 1:+.1%})", file=sys.stderr, flush=True)
+                  f"measured {rows[-1]['measured_step_s'] * 1e3:.1f} ms ({rows[-1]['error']:+.1%})", file=sys.stderr, flush=True)
         prof = calibrate(prof, rep)
         following = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
         changed = following.boundaries != current.boundaries

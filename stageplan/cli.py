@@ -83,7 +83,8 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     p.add_argument("--warmup", type=int, default=warmup, help="steps before measuring")
     p.add_argument("--runs", type=int, default=1, metavar="K", help="run the plans measured side by side (compare: "
                    "every method's; tune: the final and the uniform) K times each, in turns (A B A B ...), and take "
-                   "medians: a shared machine drifts over minutes, and in turns it drifts on every plan alike")
+                   "medians: a shared machine drifts over minutes, and in turns it drifts on every plan alike; tune "
+                   "also runs each round's plan K times and calibrates from its median run")
     p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
     p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
                    "(as stageplan profile --processes)")
@@ -519,7 +520,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
                   processes=a.processes, runs=a.runs, min_time_s=a.min_time)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms")
+              f"measured {r['measured_step_s'] * 1e3:.1f} ms" + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))
     how = "a fresh run" if a.runs == 1 else f"the median of {a.runs} fresh runs, the two plans in turns"
     for name in ("final", "uniform"):
         r = result[name]

@@ -44,6 +44,8 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
     assert result["final_over_uniform_measured"] == pytest.approx(
         statistics.median(u / f for u, f in zip(uniform_steps, final_steps)))
     assert "round 1:" in out and "final / uniform measured" in out and "tune round 1" in err
+    # each round's plan ran twice too, its median run calibrated
+    assert all(len(r["measured_steps_s"]) == 2 for r in result["rounds"]) and "(the median of 2 runs)" in out
     assert "the median of 2 fresh runs, the two plans in turns" in out
 
 
@@ -72,3 +74,39 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
             assert_one_line_error(code, err, r"the batch of 8 does not divide into the plan's 3 microbatches.* or plan "
                                              r"with one of \[1, 2, 4, 8\] microbatches")
     assert not (tmp_path / "t").exists()
+
+
+def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--runs K: a round's plan runs K times back to back and calibrate gets the run whose step is the median; the
+    final and uniform plans then run K times each in turns (fake runs of known step, the calibration recorded)."""
+    from types import SimpleNamespace
+
+    import stageplan.api
+    import stageplan.launch
+
+    steps = iter([0.30, 0.10, 0.20, 0.21, 0.25, 0.22, 0.26, 0.19, 0.24])
+    ran: list[tuple[tuple[int, ...], object]] = []
+    calibrated: list[object] = []
+
+    def fake_run(model: str, pl: Plan, **_: object) -> object:
+        rep = SimpleNamespace(measured_step_s=next(steps))
+        ran.append((pl.boundaries, rep))
+        return rep
+
+    def fake_calibrate(prof: object, rep: object) -> object:
+        calibrated.append(rep)
+        return prof  # the plan does not move: the loop stops after one round
+
+    monkeypatch.setattr(stageplan.launch, "run", fake_run)
+    monkeypatch.setattr(stageplan.api, "calibrate", fake_calibrate)
+    prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    result = stageplan.api.tune("gpt", 2, profile=prof, rounds=3, runs=3)
+    assert len(ran) == 3 + 2 * 3
+    first, final, uniform = result["rounds"][0], result["final"], result["uniform"]
+    assert len(result["rounds"]) == 1 and first["measured_steps_s"] == [0.30, 0.10, 0.20]
+    assert first["measured_step_s"] == 0.20 and calibrated == [ran[2][1]]  # the median run, not the last or the first
+    assert {b for b, _ in ran[:3]} == {tuple(first["boundaries"])}
+    # then in turns: final, uniform, final, ...
+    assert [b for b, _ in ran[3:]] == [tuple(final["boundaries"]), tuple(uniform["boundaries"])] * 3
+    assert final["measured_steps_s"] == [0.21, 0.22, 0.19] and uniform["measured_steps_s"] == [0.25, 0.26, 0.24]
+    assert result["final_over_uniform_measured"] == pytest.approx(statistics.median([0.25 / 0.21, 0.26 / 0.22, 0.24 / 0.19]))
