@@ -1069,6 +1069,9 @@ def _measured_in_turns(rows: dict[str, dict[str, Any]], plans: dict[str, Plan], 
 
 
 TUNE_SCHEMA = "stageplan.tune/1"
+# what tune -o DIR writes: the final plan, the calibrated profile it was planned from, the median runs of the final
+# and the uniform plans, and the record of the rounds
+TUNE_OUTPUTS = ("plan.json", "profile.json", "run_final.json", "run_uniform.json", "tune.json")
 
 
 def _check_runs(runs: object) -> None:
@@ -1145,7 +1148,9 @@ def tune(
     does.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
-    "uniform": {...}}``; with ``output_dir``, writes ``plan.json`` (the final plan) and ``tune.json`` there.
+    "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json`` (the
+    calibrated profile it and the uniform reference were priced from), ``run_final.json`` and ``run_uniform.json``
+    (each plan's median fresh run: ``stageplan show``/``calibrate`` read them) and ``tune.json``.
     """
     from pathlib import Path
 
@@ -1158,7 +1163,7 @@ def tune(
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
         check_output_dir(out)
-        _refuse_input_among_outputs(out, profile, lambda name: name in ("plan.json", "tune.json"))
+        _refuse_input_among_outputs(out, profile, lambda name: name in TUNE_OUTPUTS)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s,
                              min_time_s)
 
@@ -1198,5 +1203,8 @@ def tune(
     if out is not None:
         out.mkdir(exist_ok=True)
         current.save(out / "plan.json")
+        prof.save(out / "profile.json")  # what the final plan and the uniform reference were priced from
+        _median_run(final_runs).save(out / "run_final.json")
+        _median_run(uniform_runs).save(out / "run_uniform.json")
         write_json_atomic(out / "tune.json", result)
     return result

@@ -219,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     # 20 steps: the same plan's step varied 7-14% between runs of 8 steps here, 3% between runs of 20
     _add_loop_args(p, steps=20, warmup=3)
     p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan) and tune.json here")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan), profile.json (the "
+                   "calibrated profile it was planned from), run_final.json and run_uniform.json (the median fresh runs) "
+                   "and tune.json here")
 
     p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
                        description="Print the table of a stageplan file; --plot writes the figure that fits it.")
@@ -512,7 +514,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
-    from stageplan.api import tune
+    from stageplan.api import TUNE_OUTPUTS, tune
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
@@ -528,7 +530,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
               f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
     print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction error "
           f"{result['final_prediction_error']:+.1%}")
-    print(f"wrote {a.output}/plan.json and {a.output}/tune.json")
+    print(f"wrote {', '.join(f'{a.output}/{name}' for name in TUNE_OUTPUTS)}")
     return 0
 
 

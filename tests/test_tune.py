@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_one_line_error, run_cli
 
+import stageplan
+from stageplan import Profile, RunReport
 from stageplan.plan import Plan
 
 SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--set", "seq_len=16",
@@ -28,6 +30,15 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
     assert 1 <= len(result["rounds"]) <= 2
     final = Plan.load(tmp_path / "plan.json")
     assert list(final.boundaries) == result["final"]["boundaries"]
+    # the calibrated profile the final plan came from (re-planning it gives that plan) and the median fresh runs
+    calibrated = Profile.load(tmp_path / "profile.json")
+    assert calibrated.digest() == final.profile_digest and "calibration" in calibrated.meta
+    assert stageplan.plan(calibrated, 2, num_microbatches=4).boundaries == final.boundaries
+    for name in ("final", "uniform"):
+        rep = RunReport.load(tmp_path / f"run_{name}.json")
+        assert list(rep.plan["boundaries"]) == result[name]["boundaries"]
+        assert rep.measured_step_s in result[name]["measured_steps_s"]
+    assert f"{tmp_path}/run_uniform.json" in out
     # the first profile was the median of two fresh processes, and the plan says so
     assert final.profile_meta["processes"]["count"] == 2 and len(final.profile_meta["processes"]["digests"]) == 2
     for row in [*result["rounds"], result["final"], result["uniform"]]:
@@ -57,6 +68,12 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--processes", "0", "-o", str(tmp_path / "t")], capsys)
     assert_one_line_error(code, err, r"processes must be an integer >= 1, got 0; e\.g\. --processes 3")
     prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    # tuning again from the calibrated profile a tune wrote, into the same folder, would overwrite it
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "profile.json").write_bytes(Path(prof).read_bytes())
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--profile", str(tmp_path / "again" / "profile.json"),
+                            "-o", str(tmp_path / "again")], capsys)
+    assert_one_line_error(code, err, r"is one of the files this command writes into")
     code, _, err = run_cli(["compare", "gpt", "--stages", "2", "--processes", "2", "--profile", prof], capsys)
     assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile gives the "
                                      r"profile to start from; drop one of them")
