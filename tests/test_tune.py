@@ -101,7 +101,7 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(m
     import stageplan.api
     import stageplan.launch
 
-    steps = iter([0.30, 0.10, 0.20, 0.21, 0.25, 0.22, 0.26, 0.19, 0.24])
+    steps = iter([0.30, 0.20, 0.10, 0.21, 0.25, 0.22, 0.26, 0.19, 0.24])
     ran: list[tuple[tuple[int, ...], object]] = []
     calibrated: list[object] = []
 
@@ -120,8 +120,8 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(m
     result = stageplan.api.tune("gpt", 2, profile=prof, rounds=3, runs=3)
     assert len(ran) == 3 + 2 * 3
     first, final, uniform = result["rounds"][0], result["final"], result["uniform"]
-    assert len(result["rounds"]) == 1 and first["measured_steps_s"] == [0.30, 0.10, 0.20]
-    assert first["measured_step_s"] == 0.20 and calibrated == [ran[2][1]]  # the median run, not the last or the first
+    assert len(result["rounds"]) == 1 and first["measured_steps_s"] == [0.30, 0.20, 0.10]
+    assert first["measured_step_s"] == 0.20 and calibrated == [ran[1][1]]  # the median run, neither the first nor the last
     assert {b for b, _ in ran[:3]} == {tuple(first["boundaries"])}
     # then in turns: final, uniform, final, ...
     assert [b for b, _ in ran[3:]] == [tuple(final["boundaries"]), tuple(uniform["boundaries"])] * 3
