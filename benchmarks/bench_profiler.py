@@ -1,11 +1,12 @@
 """Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512`, the per-layer
 spread (IQR/median) and the sum-of-layers / whole-model ratio; then repeatability: the skewed gpt (16384-token head,
 microbatch 2) profiled twice, each in its own process, one after the other, and each layer's two figures compared
-(its forward and mean backward per microbatch at the profile's m, what the planner adds up; goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each
-profile's rounds spread over 20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile
-the median of three fresh processes (a process's memory layout offsets all its timings alike). Each pair is also split
-into what moved every layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer
-against the others (its share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
+(its forward and mean backward per microbatch at the profile's m, what the planner adds up; goal: within 5% for every
+layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each profile's rounds spread over
+20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile the median of three fresh
+processes (a process's memory layout offsets all its timings alike). Each pair is also split into what moved every
+layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer against the others (its
+share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import stageplan
 from stageplan import Profile
+from stageplan.profile import LayerProfile
 from stageplan.report import format_table
 
 
@@ -29,53 +30,37 @@ def _profile(args: list[str], out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _planned_s(layer: Any, m: int) -> float:
+def _planned_s(layer: LayerProfile, m: int) -> float:
     """What the planner adds up for a layer per microbatch: its forward and its mean backward over m microbatches
     (one into empty grads, m - 1 accumulating)."""
-    return float(layer.forward_s + layer.backward_per_microbatch_s(m))
+    return layer.forward_s + layer.backward_per_microbatch_s(m)
 
 
-def _microbatches(prof: Profile) -> int:
-    return max(1, int(prof.meta["batch_size"]) // int(prof.meta["microbatch_size"]))
-
-
-def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float]:
-    """Each layer's figures side by side; the worst difference of a layer's time as the planner adds it up (forward
-    and mean backward per microbatch at the profile's m) over the layers that count (above 1 ms, or above 2% of the
-    model's time), and the worst of its forward, backward and accumulating backward taken apart (stricter: a 0.4 ms
-    forward counts with its layer)."""
-    m = _microbatches(a)
-    total = sum(_planned_s(x, m) for x in a.layers)
-    rows, worst, worst_part = [], 0.0, 0.0
+def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float, float, float]:
+    """Each layer's figures side by side, over the layers that count (above 1 ms, or above 2% of the model's time):
+    the worst difference of a layer's time as the planner adds it up (forward and mean backward per microbatch at
+    the profile's m); the worst of its forward, backward and accumulating backward taken apart (stricter: a 0.4 ms
+    forward counts with its layer); and the pair split in two. A profile's rounds time every layer in turn, so a
+    change in the machine's speed moves all its layers alike: the ratio of the two sums - 1. What is left, the worst
+    relative change of a layer's share of its profile's sum, is what moves a plan's boundaries."""
+    m = max(1, int(a.meta["batch_size"]) // int(a.meta["microbatch_size"]))  # the plan's default
+    total_a, total_b = sum(_planned_s(x, m) for x in a.layers), sum(_planned_s(y, m) for y in b.layers)
+    rows, worst, worst_part, worst_share = [], 0.0, 0.0, 0.0
 
     def diff(x: float | None, y: float | None) -> float:
         return y / x - 1 if x and y is not None else 0.0
 
     for x, y in zip(a.layers, b.layers):
         t_x, t_y = _planned_s(x, m), _planned_s(y, m)
-        counts = t_x > 1e-3 or t_x > 0.02 * total
+        counts = t_x > 1e-3 or t_x > 0.02 * total_a
         f, bw = diff(x.forward_s, y.forward_s), diff(x.backward_s, y.backward_s)
         acc, t = diff(x.backward_accumulate_s, y.backward_accumulate_s), diff(t_x, t_y)
         if counts:
             worst, worst_part = max(worst, abs(t)), max(worst_part, abs(f), abs(bw), abs(acc))
+            worst_share = max(worst_share, abs((t_y / total_b) / (t_x / total_a) - 1))
         rows.append([x.name, f"{x.forward_s * 1e3:.2f}", f"{y.forward_s * 1e3:.2f}", f"{f:+.1%}", f"{x.backward_s * 1e3:.2f}",
                      f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", f"{acc:+.1%}", f"{t:+.1%}", "yes" if counts else "no"])
-    return rows, worst, worst_part
-
-
-def _shares(a: Profile, b: Profile) -> tuple[float, float]:
-    """A profile's rounds time every layer in turn, so a change in the machine's speed between two profiles moves all
-    their layers alike: the ratio of the two sums of layer times (as the planner adds them up). What is left, each
-    counted layer's share of its profile's sum, is what moves a plan's boundaries. Returns the ratio - 1 and the
-    worst relative change of a counted layer's share."""
-    m = _microbatches(a)
-    total_a, total_b = sum(_planned_s(x, m) for x in a.layers), sum(_planned_s(y, m) for y in b.layers)
-    worst = 0.0
-    for x, y in zip(a.layers, b.layers):
-        t_x = _planned_s(x, m)
-        if t_x > 1e-3 or t_x > 0.02 * total_a:
-            worst = max(worst, abs((_planned_s(y, m) / total_b) / (t_x / total_a) - 1))
-    return total_b / total_a - 1, worst
+    return rows, worst, worst_part, total_b / total_a - 1, worst_share
 
 
 def repeatability(tmp: Path) -> None:
@@ -88,7 +73,7 @@ def repeatability(tmp: Path) -> None:
         wall = _profile(args + more, a_path)
         _profile(args + more, b_path)
         a, b = Profile.load(a_path), Profile.load(b_path)
-        rows, worst, worst_part = _compare(a, b)
+        rows, worst, worst_part, host, worst_share = _compare(a, b)
         how = "each in its own process" if processes == 1 else f"each the median of {processes} fresh processes"
         how += f", rounds over >= {spread} s" if spread else ""
         print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; ms)")
@@ -96,7 +81,6 @@ def repeatability(tmp: Path) -> None:
         print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or backwards "
               f"apart: {worst_part:.1%}; load average at the starts "
               f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
-        host, worst_share = _shares(a, b)
         print(f"  split into what moved every layer alike and what moved one layer: the second profile's sum of layers "
               f"{host:+.1%} on the first's; a counted layer's share of the sum moved by at most {worst_share:.1%}")
         for ranks in (2, 4):
