@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,6 +20,24 @@ def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temp_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Temporary folders (and the rank processes' TMPDIR) go under pytest's own base, which it rotates: a run whose
+    ranks fail keeps its logs for the user on purpose, and the tests that make ranks fail would otherwise leave those
+    folders in the system's /tmp on every run."""
+    import tempfile
+
+    base = str(tmp_path_factory.mktemp("tmp"))
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = base, base
+    yield
+    tempfile.tempdir = old_dir
+    if old_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old_env
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
