@@ -720,6 +720,40 @@ def _step_graph(shape: ScheduleShape) -> _StepGraph:
     return _STEP_GRAPHS[key]
 
 
+def _longest_path_levels(deps: np.ndarray) -> np.ndarray | None:
+    """Each node's longest-path level in a DAG: 0 for a node whose dependencies are all "none", else one more than
+    its deepest dependency. ``deps[:, n]`` are node n's dependencies, N (the number of nodes) standing for none.
+    One pass in topological order (Kahn's), linear in the edges; None where the graph has a cycle."""
+    n = deps.shape[1]
+    rows, child = np.nonzero(deps < n)  # an edge parent -> child for each real dependency
+    parent = deps[rows, child]
+    indegree = np.bincount(child, minlength=n)
+    order = np.argsort(parent, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(parent, minlength=n))])
+    children = child[order].tolist()
+    first, left = starts.tolist(), indegree.tolist()
+    level = [0] * n
+    ready = [v for v in range(n) if left[v] == 0]
+    done = 0
+    while ready:
+        v = ready.pop()
+        done += 1
+        lv = level[v] + 1
+        for c in children[first[v]:first[v + 1]]:
+            if level[c] < lv:
+                level[c] = lv
+            left[c] -= 1
+            if left[c] == 0:
+                ready.append(c)
+    return np.array(level, dtype=np.int64) if done == n else None
+
+
+def _group_by(values: np.ndarray, n: int) -> list[np.ndarray]:
+    """``[np.flatnonzero(values == k) for k in range(n)]``, in one sort rather than n scans."""
+    order = np.argsort(values, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(values, minlength=n))[:-1])
+
+
 def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
     m = shape.num_microbatches
     S = shape.num_chunks
@@ -755,8 +789,8 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
             for t in range(len(shape.orders[r])):
                 pre[first[r] + t], fused[first[r] + t] = consumer(w.before_post[t]), consumer(w.with_post[t])
             at_end[r] = consumer(w.at_end)
-    # longest-path level of each node, by relaxation (the orders are deadlock-free, so it settles within 2A + 1
-    # rounds): node a is action a's post, node A + a its start, node 2A "none"; nodes of one level are independent
+    # longest-path level of each node (the orders are deadlock-free, so the graph is acyclic): node a is action a's
+    # post, node A + a its start, node 2A "none"; nodes of one level are independent
     none = 2 * A
 
     def start_node(ids: np.ndarray) -> np.ndarray:
@@ -767,17 +801,11 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
 
     post_deps = np.stack([start_node(prev), post_node(pre), start_node(dep1), start_node(dep2)])
     start_deps = np.stack([np.arange(A), post_node(fused)])
-    level = np.zeros(none + 1, dtype=np.int64)
-    level[none] = -1
-    for _ in range(none + 2):
-        new = np.concatenate([level[post_deps].max(axis=0), level[start_deps].max(axis=0)]) + 1
-        if np.array_equal(new, level[:none]):
-            break
-        level[:none] = new
-    else:  # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
+    level = _longest_path_levels(np.concatenate([post_deps, np.vstack([start_deps, np.full((2, A), none)])], axis=1))
+    if level is None:  # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
         raise RuntimeError(f"the step graph of {shape.schedule} (p={shape.num_ranks}, m={m}) has a cycle")
-    posts, starts = level[:A], level[A:none]
-    levels = [(np.flatnonzero(posts == lv), np.flatnonzero(starts == lv)) for lv in range(int(level[:none].max()) + 1)]
+    depth = int(level.max()) + 1
+    levels = list(zip(_group_by(level[:A], depth), _group_by(level[A:], depth)))
     ranks = shape.stage_ranks
     crosses = np.array([float(ranks[k] != ranks[k + 1]) for k in range(S - 1)])
     last = np.cumsum([len(o) for o in shape.orders]) - 1

@@ -730,3 +730,45 @@ def test_a_rank_steps_its_optimizer_once_its_last_gradient_is_received() -> None
     opt = next(e for e in sim.timeline if e.kind == "O")
     assert (opt.rank, opt.start_s, opt.end_s) == (1, 19.0, 29.0)
     assert max(e.end_s for e in sim.timeline if e.rank == 0) == 22.0
+
+
+def _levels_by_relaxation(deps: np.ndarray) -> np.ndarray | None:
+    """The oracle: every node's level raised to one past its deepest dependency's until nothing moves (at most
+    N + 1 rounds in a DAG), as the step graph computed it before its single topological pass."""
+    n = deps.shape[1]
+    level = np.zeros(n + 1, dtype=np.int64)
+    level[n] = -1
+    for _ in range(n + 2):
+        new = level[deps].max(axis=0) + 1
+        if np.array_equal(new, level[:n]):
+            return level[:n]
+        level[:n] = new
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.randoms(use_true_random=False), st.booleans())
+def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: bool) -> None:
+    """Random DAGs (each node's dependencies drawn from the nodes before it in a shuffled order, "none" = n mixed
+    in, repeats allowed) get the levels of the relaxation; with one edge turned back into a cycle, both say so."""
+    from stageplan.costmodel import _group_by, _longest_path_levels
+
+    order = list(range(n))
+    rnd.shuffle(order)
+    deps = np.full((k, n), n)
+    for pos, node in enumerate(order):
+        for row in range(k):
+            if pos and rnd.random() < 0.7:
+                deps[row, node] = order[rnd.randrange(pos)]
+    if cycle and n > 1:
+        first, last = order[0], order[-1]
+        deps[0, first] = last  # last depends, through some chain or directly, on nothing that reaches first...
+        deps[0, last] = first  # ...and now first and last depend on each other
+    want, got = _levels_by_relaxation(deps), _longest_path_levels(deps)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got.tolist() == want.tolist()
+    depth = int(want.max()) + 1
+    assert [g.tolist() for g in _group_by(got, depth)] == [np.flatnonzero(want == lv).tolist() for lv in range(depth)]
+
