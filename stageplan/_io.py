@@ -99,14 +99,18 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
-        raise StageplanError(f"{what} {str(p)!r} is a folder, not a file; give the file inside it "
-                             f"(e.g. {str(p / 'compare.json')!r} from stageplan compare -o)")
+        inside = sorted(q.name for q in p.glob("*.json"))[:4]
+        raise StageplanError(f"{what} {str(p)!r} is a folder, not a file; give the file inside it"
+                             + (f" (it holds {', '.join(inside)})" if inside else " (it holds no .json file)"))
     if not p.is_file():
         raise StageplanError(f"{what} file {str(p)!r} does not exist; check the path")
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SchemaError(f"{what} file {str(p)!r} is not valid JSON ({exc}); regenerate it with stageplan") from exc
+    except RecursionError as exc:  # json's decoder recurses once per nesting level
+        raise SchemaError(f"{what} file {str(p)!r} nests its JSON deeper than Python reads; no stageplan file nests "
+                          "more than a few levels: regenerate it with stageplan") from exc
     if not isinstance(data, dict):
         raise SchemaError(f"{what} file {str(p)!r} holds a {type(data).__name__}, not a JSON object; regenerate it with stageplan")
     return data

@@ -79,6 +79,13 @@ def _boundaries(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[i
             raise StageplanError(
                 f"{GIVEN_AS[given_as]} gives {n} stage{'s' if n != 1 else ''} but {opts.num_ranks} ranks x "
                 f"{opts.virtual_stages} chunks need {S}; give {S} stages, or plan {n} (--stages {n}, one chunk per rank)")
+        ranks = list(opts.shape.stage_ranks)
+        if given_as == "megatron_layout" and ranks != [s % opts.num_ranks for s in range(S)]:
+            raise StageplanError(
+                f"Megatron places virtual stages round-robin (stage s on rank s mod {opts.num_ranks}), and "
+                f"{opts.shape.schedule} places them otherwise (ranks {ranks}), so the layout would be scored on a "
+                "placement Megatron never runs; score it with --schedule Interleaved1F1B, or give this schedule's "
+                "split with --boundaries or --fqns")
         if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in zip(b, b[1:])):
             raise StageplanError(
                 f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) for "
@@ -408,14 +415,18 @@ def _read_fqns(path: str | os.PathLike[str]) -> Any:
     from pathlib import Path
 
     p = Path(path)
+    if not str(path).strip() or p.is_dir():
+        raise StageplanError(f"--fqns {str(path)!r} is {'a folder' if str(path).strip() else 'empty'}; give the JSON "
+                             "file of the parts, e.g. from stageplan plan PROFILE.json --stages N --export torchtitan "
+                             "> FQNS.json")
     if not p.is_file():
         raise StageplanError(f"FQN file {str(p)!r} does not exist; write the parts there, e.g. with "
                              "stageplan plan PROFILE.json --stages N --export torchtitan > FQNS.json")
     try:
         data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StageplanError(f"FQN file {str(p)!r} is not valid JSON ({exc}); write a JSON list of lists of module "
-                             "FQNs") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nests deeper than Python reads" if isinstance(exc, RecursionError) else f"is not valid JSON ({exc})"
+        raise StageplanError(f"FQN file {str(p)!r} {why}; write a JSON list of lists of module FQNs") from None
     if isinstance(data, dict) and "module_fqns_per_model_part" in data:
         data = data["module_fqns_per_model_part"]
     return data
@@ -690,7 +701,7 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     prof = _as_profile(profile)
     rep = report if isinstance(report, RunReport) else RunReport.load(report)
     names = rep.plan.get("layer_names")
-    if names is not None and list(names) != prof.names:
+    if (names is not None and list(names) != prof.names) or rep.plan["boundaries"][-1] != len(prof):
         raise StageplanError(
             "the run report was made from a plan over other layers than this profile's; "
             "calibrate the profile that the run's plan was made from"

@@ -239,6 +239,9 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     check_output_path(a.output)
     if a.csv:
         check_output_path(a.csv)
+        if os.path.realpath(a.csv) == os.path.realpath(a.output):
+            raise StageplanError(f"-o and --csv both name {a.output!r}, and the CSV would replace the profile; give "
+                                 "the CSV its own path, e.g. --csv profile.csv")
     options = parse_set(a.factory_options)
     measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
                "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
@@ -320,8 +323,8 @@ def _plot(kind: str, obj: Any, path: str) -> None:
 
     check_figure_path(path)
     if kind == "compare":
-        raise StageplanError(f"show --plot draws profiles, plans and run reports; {path!r} would come from a compare "
-                             "result: its figures are written by stageplan compare -o DIR")
+        raise StageplanError("show --plot draws profiles, plans and run reports, and this file is a compare result: "
+                             f"stageplan compare -o DIR writes its figures; drop --plot {path}")
     if kind == "profile":
         ax = plot_layer_costs(obj)
     elif kind == "plan":
@@ -565,7 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except _Terminated as exc:
-        print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; every rank was ended", file=sys.stderr)
+        print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; any rank processes it started were ended",
+              file=sys.stderr)
         return 128 + exc.signum
     finally:
         for sig, handler in previous.items():

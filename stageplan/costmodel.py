@@ -105,6 +105,11 @@ class CostOptions:
         return d
 
 
+# A device's speed relative to the profiled one lies in [MIN_SPEED, 1 / MIN_SPEED]: beyond that it is a typo, and
+# the times it divides overflow to inf
+MIN_SPEED = 1e-6
+
+
 def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, schedule: str = "1F1B",
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
@@ -151,8 +156,9 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                 f"(e.g. --device-speeds {','.join(['1'] * num_ranks)})"
             )
         for i, d in enumerate(devs):
-            if not (math.isfinite(d.speed) and d.speed > 0):
-                raise StageplanError(f"device {i} speed must be > 0, got {d.speed!r}; speeds are relative to the profiled device")
+            if not (math.isfinite(d.speed) and MIN_SPEED <= d.speed <= 1 / MIN_SPEED):
+                raise StageplanError(f"device {i} speed must be between {MIN_SPEED:g} and {1 / MIN_SPEED:g}, got "
+                                     f"{d.speed!r}; speeds are relative to the profiled device (2 = twice as fast)")
         if memory_limit_bytes is not None:
             devs = tuple(Device(d.speed, d.memory_limit_bytes if d.memory_limit_bytes is not None else memory_limit_bytes, d.name)
                          for d in devs)

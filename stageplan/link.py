@@ -368,9 +368,11 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     if isinstance(link, Mapping):
         data, source = dict(link), "link"
     else:
-        data, source = read_json(link, "link file"), f"link file {str(link)!r}"
+        data, source = read_json(link, "link"), f"link file {str(link)!r}"
     check_schema(data, LINK_SCHEMA, source)
     try:
+        if any(isinstance(data[k], bool) for k in ("latency_s", "bandwidth_bytes_per_s")):
+            raise TypeError("latency_s or bandwidth_bytes_per_s is true/false, not a number")
         latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(f"{source} is missing or mangles field {exc}; measure it again with stageplan link") from None
@@ -383,4 +385,7 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
                                   or not math.isfinite(value) or value < 0):
             raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
                                  "again with stageplan link")
+    if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
+        raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = {data.get('backend')!r}; pairs "
+                          "must be a list and backend a name such as 'gloo'; measure it again with stageplan link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

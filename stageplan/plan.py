@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -229,6 +230,7 @@ class Plan:
             plan = cls(**kwargs)
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"{source} is missing or mangles field {exc}; regenerate it with stageplan plan") from exc
+        _check_plan_fields(plan, source)
         validate_boundaries(plan.boundaries, len(plan.layer_names))
         stored = [(st.first_layer, st.end_layer) for st in plan.stages]
         if stored != list(itertools.pairwise(plan.boundaries)):
@@ -246,6 +248,45 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         return cls.from_json(read_json(path, "plan"), source=f"plan {str(path)!r}")
+
+
+_PLAN_NUMBERS = ("bottleneck_s", "lower_bound_s", "balance_efficiency", "predicted_step_s", "bubble_fraction",
+                 "throughput_samples_s")
+_STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s", "chunk_s")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_plan_fields(plan: Plan, source: str) -> None:
+    """Refuse (SchemaError, one line) a plan file whose figures show and run read are of the wrong kind: its
+    predictions, its per-rank lists, its options, its layer names and its stages' evidence."""
+    def bad(what: str, value: Any) -> SchemaError:
+        return SchemaError(f"{source}: {what}, got {value!r}; regenerate it with stageplan plan")
+
+    for name in ("cost_options", "profile_meta", "tie_break", "versus_optimal"):
+        if not isinstance(getattr(plan, name), dict):
+            raise bad(f"{name} must be an object", getattr(plan, name))
+    p = plan.cost_options.get("num_ranks")
+    if not (isinstance(p, int) and not isinstance(p, bool) and p >= 1):
+        raise bad("cost_options' num_ranks must be an integer >= 1", p)
+    for name in _PLAN_NUMBERS:
+        if not _finite(getattr(plan, name)):
+            raise bad(f"{name} must be a finite number", getattr(plan, name))
+    for name in ("rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes"):
+        values = getattr(plan, name)
+        if len(values) != p or not all(_finite(v) for v in values):
+            raise bad(f"{name} must hold a finite number for each of its {p} ranks", list(values))
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in plan.boundaries):
+        raise bad("boundaries must be integers", list(plan.boundaries))
+    odd = [n for n in plan.layer_names if not isinstance(n, str)]
+    if odd:
+        raise bad("layer_names must be names", odd[0])
+    for st in plan.stages:
+        if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(_finite(getattr(st, k)) for k in _STAGE_NUMBERS):
+            raise bad(f"stage {st.index} must run on a rank 0..{p - 1} with finite times",
+                      {k: getattr(st, k) for k in ("rank", *_STAGE_NUMBERS)})
 
 
 def validate_boundaries(boundaries: Sequence[int], num_layers: int) -> None:
@@ -347,6 +388,8 @@ def boundaries_from_module_fqns(parts: Sequence[Sequence[str]], layer_names: Seq
 
 # Megatron's --pipeline-model-parallel-layout symbols (megatron/core/transformer/pipeline_parallel_layer_layout.py)
 MEGATRON_SYMBOLS = {"E": "embedding", "t": "decoder layer", "L": "loss/head", "m": "multi-token-prediction (MTP) layer"}
+# The longest layout read: a count beyond it is a typo, and writing it out would exhaust memory first
+MEGATRON_MAX_SYMBOLS = 1_000_000
 
 
 def expand_megatron_layout(layout: str) -> list[list[str]]:
@@ -407,7 +450,14 @@ def expand_megatron_layout(layout: str) -> list[list[str]]:
                 fail(f"unknown symbol {ch!r}")
             if pos < len(text) and text[pos] == "*":
                 pos += 1
-                item = item * count()
+                n = count()
+                if len(out) + len(item) * n > MEGATRON_MAX_SYMBOLS:
+                    fail(f"it repeats to more than {MEGATRON_MAX_SYMBOLS:,} symbols ({len(item):,} x {n:,}), more "
+                         "layers than any model has; check the counts")
+                item = item * n
+            if len(out) + len(item) > MEGATRON_MAX_SYMBOLS:
+                fail(f"it writes out to more than {MEGATRON_MAX_SYMBOLS:,} symbols, more layers than any model has; "
+                     "check the counts")
             out.extend(item)
         if depth:
             fail("'(' without ')'")
@@ -452,6 +502,9 @@ def boundaries_from_megatron(layout: str, layer_names: Sequence[str] | None = No
             f"Megatron layout {layout!r} holds 'm', a multi-token-prediction (MTP) layer; a stageplan profile has no "
             "MTP layer to map it onto (E is the first layer, t each named block, L the last layer): score the "
             "layout without its m symbols (and without a stage that holds only m)")
+    if not flat:
+        raise StageplanError(f"Megatron layout {layout!r} holds no layers; write one symbol per layer and '|' between "
+                             "stages, e.g. 'E,t*4|t*4,L'")
     empty = [k for k, stage in enumerate(stages) if not stage]
     if empty:
         raise StageplanError(

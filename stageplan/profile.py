@@ -70,6 +70,37 @@ class LayerProfile:
         return (self.backward_s + (m - 1) * acc) / m
 
 
+# a layer's cost fields beyond the required ones: numbers >= 0 where present, and these may be null
+_OPTIONAL_COSTS = ("param_count", "forward_iqr_s", "backward_iqr_s", "peak_bytes", "backward_accumulate_s")
+_NULLABLE = ("peak_bytes", "backward_accumulate_s")
+
+
+def _cost(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _check_meta(meta: dict[str, Any], source: str) -> None:
+    """Refuse (SchemaError) the meta fields that planning reads when they are of the wrong kind: the batch and
+    microbatch sizes, the named blocks, the optimizer step's fixed cost, the calibration record."""
+    for key in ("batch_size", "microbatch_size"):
+        v = meta.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise SchemaError(f"{source}: meta {key} = {v!r}; it must be an integer >= 1; re-profile the model")
+    named = meta.get("named_layers")
+    if named is not None and not (isinstance(named, list) and all(isinstance(n, str) for n in named)):
+        raise SchemaError(f"{source}: meta named_layers = {named!r}; it must be a list of layer names; re-profile "
+                          "the model")
+    step = meta.get("optimizer_step")
+    floors = step.get("floor_s") if isinstance(step, dict) else None
+    if step is not None and not (isinstance(step, dict) and (floors is None or (isinstance(floors, dict) and all(
+            _cost(v) for v in floors.values())))):
+        raise SchemaError(f"{source}: meta optimizer_step = {step!r}; its floor_s must map optimizer names to seconds "
+                          ">= 0; re-profile the model")
+    for key in ("calibration", "factory_options"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise SchemaError(f"{source}: meta {key} = {meta[key]!r}; it must be an object; re-profile the model")
+
+
 @dataclass(frozen=True)
 class TiedParameter:
     """One parameter the model shares under several FQNs (an embedding tied to the LM head), as the profiler
@@ -158,6 +189,7 @@ class Profile:
         known = {f.name for f in fields(LayerProfile)}
         required = ["name", "forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes"]
         layers = []
+        seen: dict[str, int] = {}
         for i, item in enumerate(raw):
             if not isinstance(item, dict):
                 raise SchemaError(f"{source}: layer {i} is not an object; regenerate the profile")
@@ -180,10 +212,23 @@ class Profile:
             if item.get("measured_as") is not None and not isinstance(item["measured_as"], str):
                 raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has measured_as = {item['measured_as']!r}; "
                                   "it must be a layer name or null; re-profile the model")
+            name = item["name"]
+            twice = isinstance(name, str) and name in seen
+            if not isinstance(name, str) or not name or twice:
+                raise SchemaError(f"{source}: layer {i} has name {name!r}"
+                                  f"{f', as layer {seen[name]} has' if twice else ''}; each layer needs its own "
+                                  "non-empty name; re-profile the model")
+            seen[name] = i
+            for k in _OPTIONAL_COSTS:
+                v = item.get(k)
+                if (v is not None or k not in _NULLABLE) and k in item and not _cost(v):
+                    raise SchemaError(f"{source}: layer {i} ({name!r}) has {k} = {v!r}; it must be a finite number "
+                                      f">= 0{' or null' if k in _NULLABLE else ''}; re-profile the model")
             layers.append(LayerProfile(**{k: v for k, v in item.items() if k in known}))
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
             raise SchemaError(f"{source}: 'meta' must be an object")
+        _check_meta(meta, source)
         _tied(meta.get("tied"), len(layers), source)
         return cls(tuple(layers), meta)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -23,17 +24,116 @@ _LAYER_FIELDS = {"index": int, "name": str, "stage": int, "rank": int, "measured
                  "measured_backward_s": float}
 
 
-def _checked_layers(rows: Any, source: str) -> list[dict[str, Any]]:
-    """The per-layer rows of a run report, each with its fields of the right kinds (SchemaError otherwise)."""
+def _checked_layers(rows: Any, source: str, num_layers: int | None = None,
+                    ranks: set[int] | None = None) -> list[dict[str, Any]]:
+    """The per-layer rows of a run report, each with its fields of the right kinds, its times seconds >= 0, each
+    layer once, within the plan's layers and on one of the report's ranks (SchemaError otherwise)."""
     if not isinstance(rows, (list, tuple)):
         raise SchemaError(f"{source}: 'layers' must be a list of per-layer rows; rerun stageplan run")
+    seen: set[int] = set()
     for i, row in enumerate(rows):
         bad = [k for k, kind in _LAYER_FIELDS.items() if not isinstance(row, dict) or isinstance(row.get(k), bool)
                or not isinstance(row.get(k), (int, float) if kind is float else kind)]
         if bad:
             raise SchemaError(f"{source}: layer row {i} lacks or mangles {', '.join(bad)}; every row needs "
                               f"{', '.join(_LAYER_FIELDS)}; rerun stageplan run")
+        times = [row[k] for k in ("measured_forward_s", "measured_backward_s")]
+        if not all(math.isfinite(t) and t >= 0 for t in times):
+            raise SchemaError(f"{source}: layer row {i} has forward and backward {times}; they must be seconds >= 0; "
+                              "rerun stageplan run")
+        index = row["index"]
+        if index in seen or index < 0 or (num_layers is not None and index >= num_layers):
+            raise SchemaError(f"{source}: layer row {i} has index {index}, "
+                              + ("listed twice" if index in seen else f"outside the plan's layers 0..{num_layers - 1}"
+                                 if num_layers is not None else "below 0")
+                              + "; each layer has one row; rerun stageplan run")
+        seen.add(index)
+        if ranks is not None and row["rank"] not in ranks:
+            raise SchemaError(f"{source}: layer row {i} ran on rank {row['rank']}, and the report's ranks are "
+                              f"{sorted(ranks)}; rerun stageplan run")
     return list(rows)
+
+
+def _number(value: Any, *, finite: bool = True) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and (not finite or math.isfinite(value)))
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+# what show and calibrate read from each rank row: numbers, and these may be None (nothing to compare)
+_RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s", "measured_idle_s",
+                 "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
+_RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
+                  "measured_overhead_backward_s", "measured_clock_compute_s")
+
+
+def _check_report(data: dict[str, Any], source: str) -> None:
+    """Refuse (SchemaError, one line naming the field and value) a run report whose parts show and calibrate read
+    are missing or of the wrong kind: the step figures, the plan's split, the per-rank rows, the link, the options."""
+    def bad(what: str, value: Any) -> SchemaError:
+        return SchemaError(f"{source}: {what}, got {value!r}; rerun stageplan run to write it again")
+
+    for key in ("measured_step_s", "predicted_step_s", "measured_step_iqr_s", "samples_per_s"):
+        if not (_number(data.get(key)) and data[key] >= 0):
+            raise bad(f"{key} must be seconds (or samples/s) >= 0", data.get(key))
+    for key in ("measured_bubble_fraction", "predicted_bubble_fraction"):
+        if not _number(data.get(key), finite=False):
+            raise bad(f"{key} must be a number", data.get(key))
+    plan = data.get("plan")
+    if not isinstance(plan, dict):
+        raise bad("'plan' must be the executed plan's object", plan)
+    bounds: Any = plan.get("boundaries")
+    p: Any = plan.get("num_ranks")
+    if not (_ints(bounds) and len(bounds) >= 2 and bounds[0] == 0 and all(a < b for a, b in zip(bounds, bounds[1:]))):
+        raise bad("the plan's boundaries must be increasing cut points from 0", bounds)
+    if not (_ints([p]) and p >= 1) or not (_ints([plan.get("num_microbatches")]) and plan["num_microbatches"] >= 1):
+        raise bad("the plan's num_ranks and num_microbatches must be integers >= 1",
+                  (p, plan.get("num_microbatches")))
+    if not isinstance(plan.get("schedule"), str):
+        raise bad("the plan's schedule must be a name such as '1F1B'", plan.get("schedule"))
+    stage_ranks = plan.get("stage_ranks")
+    if stage_ranks is not None and not (_ints(stage_ranks) and len(stage_ranks) == len(bounds) - 1
+                                        and all(0 <= r < p for r in stage_ranks)):
+        raise bad(f"the plan's stage_ranks must give a rank 0..{p - 1} for each of its {len(bounds) - 1} stages",
+                  stage_ranks)
+    names = plan.get("layer_names")
+    if names is not None and not (isinstance(names, list) and len(names) == bounds[-1]
+                                  and all(isinstance(n, str) for n in names)):
+        raise bad(f"the plan's layer_names must name its {bounds[-1]} layers", names)
+    for key in ("cost_options", "profile_meta"):
+        if plan.get(key) is not None and not isinstance(plan[key], dict):
+            raise bad(f"the plan's {key} must be an object", plan[key])
+    rows = data.get("ranks")
+    if not isinstance(rows, (list, tuple)) or len(rows) != p:
+        raise bad(f"'ranks' must hold one row for each of the plan's {p} ranks", rows)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise bad(f"rank row {i} must be an object", row)
+    got = [row.get("rank") for row in rows]
+    if not (_ints(got) and sorted(got) == list(range(p))):
+        raise bad(f"the rank rows must be ranks 0..{p - 1}, each once", got)
+    for i, row in enumerate(rows):
+        if not _ints(row.get("stages")):
+            raise bad(f"rank row {i}'s stages must be a list of stage indices", row.get("stages"))
+        for key in _RANK_NUMBERS:
+            if not _number(row.get(key)):
+                raise bad(f"rank row {i}'s {key} must be a finite number", row.get(key))
+        for key in _RANK_OPTIONAL:
+            if row.get(key) is not None and not _number(row[key], finite=False):
+                raise bad(f"rank row {i}'s {key} must be a number or null", row[key])
+    link = data.get("link")
+    if link is not None and not (isinstance(link, dict) and all(
+            _number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
+        raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null", link)
+    for key in ("run_options", "meta"):
+        if not isinstance(data.get(key, {}), dict):
+            raise bad(f"'{key}' must be an object", data.get(key))
+    mb = (data.get("run_options") or {}).get("microbatch_size")
+    if mb is not None and not (_ints([mb]) and mb >= 1):
+        raise bad("run_options' microbatch_size must be an integer >= 1 or null", mb)
 
 
 @dataclass(frozen=True)
@@ -95,12 +195,14 @@ class RunReport:
             data["run_options"] = data.pop("options", {})
         else:
             check_schema(data, RUN_SCHEMA, source)
+        _check_report(data, source)
         try:
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
-            kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source))
+            kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source, data["plan"]["boundaries"][-1],
+                                                     {int(r["rank"]) for r in data["ranks"]}))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"{source} is missing or mangles field {exc}; rerun stageplan run") from exc

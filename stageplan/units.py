@@ -36,10 +36,17 @@ def parse_bandwidth(text: str | float | int) -> float:
     if isinstance(t, str) and t.lower().endswith("/s"):
         t = t[:-2]
     try:
-        return parse_bytes(t if t != "" else text, "bandwidth")
+        rate = parse_bytes(t if t != "" else text, "bandwidth")
     except StageplanError:  # say it in bandwidth's words: the text as given, a rate as the example
         raise StageplanError(f"bandwidth must be a positive rate, got {text!r}; use a number with a unit such as "
                              "25GB/s, 400MiB/s or 1e9 (bytes/s)") from None
+    if rate < MIN_BANDWIDTH:  # a unit slip: a link slower than a modem prices every crossing in hours
+        raise StageplanError(f"bandwidth must be at least 1 kB/s, got {text!r} ({rate:g} bytes/s); use a number with "
+                             "a unit such as 25GB/s, 400MiB/s or 1e9 (bytes/s)")
+    return rate
+
+
+MIN_BANDWIDTH = 1e3  # bytes/s: the least bandwidth a plan accepts from the user
 
 
 _BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))

@@ -162,6 +162,84 @@ def test_a_mangled_layer_table_is_one_line_and_exit_2(tmp_path: Path, capsys: py
     assert_one_line_error(code, err, r"layer row 0 lacks or mangles name, stage, rank")
 
 
+def _set(*path_then_value: object):  # type: ignore[no-untyped-def]
+    *path, value = path_then_value
+
+    def edit(d: dict) -> None:  # type: ignore[type-arg]
+        for key in path[:-1]:
+            d = d[key]  # type: ignore[index]
+        d[path[-1]] = value  # type: ignore[index]
+    return edit
+
+
+def _drop(*path: object):  # type: ignore[no-untyped-def]
+    def edit(d: dict) -> None:  # type: ignore[type-arg]
+        for key in path[:-1]:
+            d = d[key]  # type: ignore[index]
+        del d[path[-1]]  # type: ignore[arg-type]
+    return edit
+
+
+# each edit of a run report that show and calibrate read, and the words of the one line that refuses it; before,
+# each went through as a traceback (KeyError, TypeError, IndexError, AttributeError) or, the last four, as a
+# calibrated profile silently wrong (a NaN layer left at factor 1, a layer counted twice, an infinite prediction)
+MANGLED_RUNS = [
+    (_set("ranks", []), r"'ranks' must hold one row for each of the plan's 2 ranks, got \[\]"),
+    (_set("ranks", [1, 2]), r"rank row 0 must be an object, got 1"),
+    (_drop("ranks", 0, "predicted_compute_s"), r"rank row 0's predicted_compute_s must be a finite number, got None"),
+    (_set("ranks", 0, "measured_compute_s", "1"), r"rank row 0's measured_compute_s must be a finite number, got '1'"),
+    (_set("ranks", 1, "rank", 0), r"the rank rows must be ranks 0..1, each once, got \[0, 0\]"),
+    (_set("plan", None), r"'plan' must be the executed plan's object, got None"),
+    (_drop("plan", "num_microbatches"), r"num_ranks and num_microbatches must be integers >= 1, got \(2, None\)"),
+    (_set("plan", "boundaries", [0, 9, 5]), r"boundaries must be increasing cut points from 0, got \[0, 9, 5\]"),
+    (_set("plan", "stage_ranks", [0, 3]), r"stage_ranks must give a rank 0..1 for each of its 2 stages"),
+    (_set("layers", 4, "index", 99), r"layer row 4 has index 99, outside the plan's layers 0..4"),
+    (_set("layers", 4, "rank", 5), r"layer row 4 ran on rank 5, and the report's ranks are \[0, 1\]"),
+    (_set("link", "x"), r"'link' must be the run's link probe"),
+    (_set("measured_step_s", "0.2"), r"measured_step_s must be seconds .* got '0.2'"),
+    (_set("run_options", "microbatch_size", "x"), r"microbatch_size must be an integer >= 1 or null, got 'x'"),
+    (_set("layers", 2, "measured_forward_s", float("nan")), r"layer row 2 has forward and backward \[nan, "),
+    (_set("layers", 2, "measured_backward_s", -1.0), r"layer row 2 has forward and backward .*-1.0\]"),
+    (lambda d: d["layers"].__setitem__(4, dict(d["layers"][3])), r"layer row 4 has index 3, listed twice"),
+    (_set("ranks", 0, "predicted_compute_s", float("inf")), r"predicted_compute_s must be a finite number, got inf"),
+]
+
+
+@pytest.mark.parametrize("edit,words", MANGLED_RUNS)
+def test_a_mangled_run_report_is_refused_in_one_line_by_show_and_calibrate(
+        edit, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from stageplan.errors import SchemaError
+
+    prof = _profile()
+    prof.save(tmp_path / "prof.json")
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    data = json.loads(json.dumps(_report(pl).to_json()))
+    RunReport.from_json(data)  # the unedited report loads
+    edit(data)
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=words):
+        RunReport.from_json(data)
+    code, _out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert_one_line_error(code, err, words)
+    code, _out, err = run_cli(["calibrate", str(tmp_path / "prof.json"), str(tmp_path / "run.json"), "-o",
+                               str(tmp_path / "cal.json")], capsys)
+    assert_one_line_error(code, err, words)
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_calibrate_refuses_a_report_whose_plan_covers_other_layers_than_the_profile() -> None:
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    data = _report(pl).to_json()
+    data["plan"].pop("layer_names")  # a report written before the names were kept
+    data["plan"]["boundaries"] = [0, 2, 4]
+    data["layers"] = data["layers"][:4]
+    with pytest.raises(StageplanError, match="other layers than this profile's"):
+        calibrate(prof, RunReport.from_json(data))
+
+
 def test_a_run_at_a_rescaled_microbatch_calibrates_to_a_profile_that_reproduces_it() -> None:
     """A plan of --microbatches auto prices the profile rescaled to its own microbatch size (here 1, profiled at 2):
     the per-crossing delay calibrate fits must be fitted at that size too, so that the calibrated profile, priced

@@ -110,6 +110,28 @@ def test_bad_input_is_one_line_exit_2(argv: list[str], pattern: str, tmp_path: P
     assert_one_line_error(code, err, pattern)
 
 
+def test_profile_refuses_one_path_for_the_profile_and_its_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-o X --csv X wrote the profile, then replaced it with the CSV, and exited 0 (show then called X invalid JSON):
+    refused before any work, naming the path, and whatever X held stays as it was (also spelled another way)."""
+    (tmp_path / "same.json").write_text("what the user had")
+    for csv in (str(tmp_path / "same.json"), str(tmp_path / "." / "same.json")):
+        code, _, err = run_cli(["profile", "gpt", "-o", str(tmp_path / "same.json"), "--csv", csv], capsys)
+        assert_one_line_error(code, err, r"-o and --csv both name '.*same.json', and the CSV would replace the profile")
+        assert (tmp_path / "same.json").read_text() == "what the user had"
+
+
+def test_a_json_file_nested_past_pythons_depth_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """json.loads recurses once per level: a file nested 100,000 deep raised RecursionError through every input."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    gpt = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    for argv in (["show", str(deep)], ["plan", str(deep), "--stages", "2"], ["plan", gpt, "--stages", "2", "--link", str(deep)]):
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, r"'.*deep.json' nests its JSON deeper than Python reads")
+    code, _, err = run_cli(["plan", gpt, "--stages", "2", "--fqns", str(deep)], capsys)
+    assert_one_line_error(code, err, r"FQN file '.*deep.json' nests deeper than Python reads")
+
+
 @pytest.mark.skipif("torch" in sys.modules and __import__("torch").cuda.is_available(), reason="no-GPU message")
 def test_cuda_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(["profile", "gpt", "--device", "cuda", "-o", str(tmp_path / "x.json")], capsys)

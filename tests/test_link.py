@@ -13,6 +13,7 @@ from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
 import stageplan.link
 from stageplan import RunReport, StageplanError
 from stageplan.api import plan
+from stageplan.errors import SchemaError
 from stageplan.link import LINK_SCHEMA, load_link
 from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile
@@ -123,6 +124,12 @@ def test_load_link_checks_the_figures() -> None:
         load_link({"schema": LINK_SCHEMA, "bandwidth_bytes_per_s": 5})
     with pytest.raises(Exception, match=r"latency_s >= 0"):
         load_link({"schema": LINK_SCHEMA, "latency_s": -1, "bandwidth_bytes_per_s": 5})
+    # true read as 1 s of latency, and a number where the pairs go broke the plan's note (len of an int)
+    with pytest.raises(SchemaError, match=r"mangles field .*true/false, not a number"):
+        load_link({"schema": LINK_SCHEMA, "latency_s": True, "bandwidth_bytes_per_s": 5})
+    for field, value in (("pairs", 5), ("backend", 3)):
+        with pytest.raises(SchemaError, match=rf"{field} = {value}\b.*; pairs must be a list and backend a name"):
+            load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": 5, field: value})
 
 
 @pytest.mark.parametrize(("gpu", "bandwidth", "name"), [("h100-sxm", 450e9, "NVLink"), ("mi300x", None, "xGMI")])
@@ -147,8 +154,12 @@ def test_estimated_profile_gets_its_gpus_link_within_a_node(gpu: str, bandwidth:
 
 def test_run_report_without_link_still_loads() -> None:
     data = {"schema": "stageplan.run/2", "measured_step_s": 1.0, "predicted_step_s": 1.0, "measured_step_iqr_s": 0.0,
-            "samples_per_s": 1.0, "measured_bubble_fraction": 0.0, "predicted_bubble_fraction": 0.0, "ranks": [],
-            "losses": [], "plan": {}, "run_options": {}}
+            "samples_per_s": 1.0, "measured_bubble_fraction": 0.0, "predicted_bubble_fraction": 0.0,
+            "ranks": [{"rank": 0, "stages": [0], "predicted_compute_s": 1.0, "measured_compute_s": 1.0,
+                       "predicted_idle_s": 0.0, "measured_idle_s": 0.0, "predicted_peak_activation_bytes": 8,
+                       "measured_peak_activation_bytes": 8}],
+            "losses": [], "plan": {"boundaries": [0, 1], "num_ranks": 1, "num_microbatches": 1, "schedule": "GPipe"},
+            "run_options": {}}
     old = RunReport.from_json(data)
     assert old.link is None
     linked = RunReport.from_json({**data, "link": {"latency_s": 1e-5}})

@@ -243,6 +243,16 @@ def test_cli_plan_bad_input(args: list[str], pattern: str, tmp_path: Path, capsy
         (lambda d: d["layers"][1].update(backward_s=-1), r"has backward_s = -1; costs must be finite numbers >= 0"),
         (lambda d: d.update(layers=[]), r"the profile has no layers"),
         (lambda d: d.update(schema="stageplan.profile/2"), r"schema 'stageplan.profile/2' but this stageplan reads"),
+        # beyond the required costs: each of these went through as a traceback or a wrong reading before
+        (lambda d: d["layers"][1].update(backward_accumulate_s="x"), r"layer 1 \('blocks.0'\) has backward_accumulate_s = 'x'; "
+                                                                    r"it must be a finite number >= 0 or null"),
+        (lambda d: d["layers"][1].update(forward_iqr_s=-1), r"has forward_iqr_s = -1; it must be a finite number >= 0;"),
+        (lambda d: d["layers"][2].update(name="blocks.0"), r"layer 2 has name 'blocks.0', as layer 1 has; each layer needs"),
+        (lambda d: d["layers"][2].update(name=5), r"layer 2 has name 5; each layer needs its own non-empty name"),
+        (lambda d: d["meta"].update(batch_size="x"), r"meta batch_size = 'x'; it must be an integer >= 1"),
+        (lambda d: d["meta"].update(microbatch_size=-8), r"meta microbatch_size = -8; it must be an integer >= 1"),
+        (lambda d: d["meta"].update(named_layers="blocks.0"), r"meta named_layers = 'blocks.0'; it must be a list of"),
+        (lambda d: d["meta"].update(optimizer_step={"floor_s": "x"}), r"meta optimizer_step = .*its floor_s must map"),
     ],
 )
 def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -317,3 +327,70 @@ def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tr
     prof = make_profile([1.0, 1.0, 1.0], act=[1 << 20] * 3, params=[1 << 20] * 3)
     with pytest.raises(InfeasiblePlanError, match=r"alone needs .* more than the memory limit of 1\.00 MiB"):
         plan(prof, 2, memory_limit="1MiB", schedule="auto")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        (lambda d: d.update(cost_options=None), r"cost_options must be an object, got None"),
+        (lambda d: d.update(bottleneck_s=float("nan")), r"bottleneck_s must be a finite number, got nan"),
+        (lambda d: d.update(rank_time_s=[1.0]), r"rank_time_s must hold a finite number for each of its 2 ranks"),
+        (lambda d: d.update(boundaries=["0", "2", "4"]), r"boundaries must be integers, got \['0', '2', '4'\]"),
+        (lambda d: d["stages"][1].update(rank=7), r"stage 1 must run on a rank 0..1 with finite times"),
+        (lambda d: d["stages"][0].update(comm_s="x"), r"stage 0 must run on a rank 0..1 with finite times"),
+    ],
+)
+def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan file whose figures are of the wrong kind: one line naming the field, for show (which crashed on a
+    null cost_options) and for the API's loader (which printed a NaN bottleneck as 'nan')."""
+    data = plan(make_profile([1, 2, 3, 4]), 2, num_microbatches=2).to_json()
+    Plan.from_json(json.loads(json.dumps(data)))  # the unedited plan loads
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=pattern):
+        Plan.load(path)
+    code, _, err = run_cli(["show", str(path)], capsys)
+    assert_one_line_error(code, err, pattern)
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--bandwidth", "1e-300"], r"bandwidth must be at least 1 kB/s, got '1e-300'"),
+        (["--device-speeds", "1e-320,1"], r"device 0 speed must be between 1e-06 and 1e\+06, got 1e-320"),
+        (["--megatron-layout", ""], r"Megatron layout '' holds no layers"),
+        (["--megatron-layout", "E,t*99999999999999|t,L"], r"repeats to more than 1,000,000 symbols"),
+        (["--megatron-layout", "E" + "(t*999999)" * 3 + "|tL"], r"writes out to more than 1,000,000 symbols"),
+        (["--fqns", ""], r"--fqns '' is empty; give the JSON file of the parts"),
+        (["--fqns", "{tmp}"], r"--fqns '.*' is a folder; give the JSON file of the parts"),
+        (["--link", "{tmp}/none.json"], r"^stageplan: error: link file '.*none.json' does not exist; check the path"),
+        (["--link", "{tmp}"], r"link '.*' is a folder, not a file; give the file inside it \(it holds bad.json, prof.json\)"),
+    ],
+)
+def test_cli_plan_refuses_out_of_range_and_empty_inputs(args: list[str], pattern: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, make_profile([1, 2, 3, 4, 5, 6]))
+    (tmp_path / "bad.json").write_text("{}")
+    code, _, err = run_cli(["plan", path, "--stages", "2", *[a.replace("{tmp}", str(tmp_path)) for a in args]], capsys)
+    assert_one_line_error(code, err, pattern)
+
+
+def test_a_megatron_layout_is_scored_only_where_the_schedule_places_stages_as_megatron_does() -> None:
+    """Megatron runs virtual stage s on rank s mod p. ZBVZeroBubble places them V-shaped (0, 1, 1, 0), so the layout
+    scored there (it was, silently, at 0.97x the bottleneck of the round-robin placement) is a split Megatron never
+    runs; the same layout under Interleaved1F1B scores on Megatron's own placement, and --boundaries still scores
+    the V split."""
+    from stageplan.schedules import stage_ranks
+
+    prof = make_profile([1, 2, 3, 4, 5, 6, 7, 8])
+    layout = "E,t|t*2|t*2|t,L"
+    with pytest.raises(StageplanError, match=r"Megatron places virtual stages round-robin .* ZBVZeroBubble places "
+                                             r"them otherwise \(ranks \[0, 1, 1, 0\]\)"):
+        plan(prof, 2, num_microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2, megatron_layout=layout)
+    assert list(stage_ranks("Interleaved1F1B", 2, 2)) == [0, 1, 0, 1]
+    given = plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, megatron_layout=layout)
+    assert given.boundaries == (0, 2, 4, 6, 8) and [st.rank for st in given.stages] == [0, 1, 0, 1]
+    v = plan(prof, 2, num_microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2, boundaries=[0, 2, 4, 6, 8])
+    assert [st.rank for st in v.stages] == [0, 1, 1, 0]
