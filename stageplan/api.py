@@ -444,13 +444,17 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
 # What every chunk pays whatever its layers, as the link's schedule probe measures it (link.schedule_overheads):
 # torch's loop around each forward and backward, and PipelineStage's own code inside them. CostOptions fields.
 OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
+# The all-reduce the link probe timed (link.allreduce_probe), as the ring model's constants: CostOptions fields,
+# None where the link did not time it (then the tied sync is priced from the point-to-point link)
+COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
 
 
 def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
-                   ) -> tuple[float, float, str, str, float, dict[str, float]]:
+                   ) -> tuple[float, float, str, str, float, dict[str, Any]]:
     """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
     latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the probe
-    did not time them: links measured before it, a single rank, CUDA), from a LINK.json or its dict."""
+    did not time them: links measured before it, a single rank, CUDA) with the all-reduce's constants
+    (:data:`COLLECTIVE`, None where the probe did not time it), from a LINK.json or its dict."""
     from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
@@ -468,7 +472,14 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
                  "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
-    overheads = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
+    overheads: dict[str, Any] = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
+    overheads.update({k: measured.get(k) for k in COLLECTIVE})
+    if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
+        p = int(measured.get("allreduce_ranks") or 2)
+        fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)
+        rate = overheads["allreduce_bandwidth_bytes_per_s"] * p / (2 * (p - 1))
+        note += (f"; a tied gradient's all-reduce is priced from the link's own all-reduce ({fixed * 1e3:.3f} ms + "
+                 f"bytes / {rate / 1e9:.3g} GB/s at {p} ranks, scaled as a ring to other rank counts)")
     return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], overheads
 
 
@@ -580,7 +591,8 @@ def plan(
     latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
     link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
     calibration = prof.meta.get("calibration", {})
-    overheads = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # and its schedule probe
+    overheads: dict[str, Any] = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # and its schedule probe
+    overheads.update({k: calibration.get(k) for k in COLLECTIVE})  # and its all-reduce
     latency_source = "fitted by calibrate from a run"
     link_note = None
     if link is not None:
@@ -628,7 +640,9 @@ def plan(
                                     boundary_latency_s=latency_s, latency_source=latency_source,
                                     link_latency_s=link_latency_s, action_s=overheads["action_s"],
                                     chunk_forward_s=overheads["chunk_forward_s"],
-                                    chunk_backward_s=overheads["chunk_backward_s"])
+                                    chunk_backward_s=overheads["chunk_backward_s"],
+                                    allreduce_latency_s=overheads["allreduce_latency_s"],
+                                    allreduce_bandwidth_bytes_per_s=overheads["allreduce_bandwidth_bytes_per_s"])
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
                                   time_limit_s)
                 if link_note:
@@ -736,7 +750,7 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     before = prof.meta.get("calibration") or {}
     link_latency = float((rep.link or {}).get("latency_s") or 0.0)
     meta["calibration"] = {**how, "boundary_latency_s": latency, "link_latency_s": link_latency,
-                           **_run_overheads(rep),
+                           **_run_overheads(rep), **_run_collective(rep),
                            "from_profile_digest": prof.digest(),
                            # a profile calibrated before raw_profile_digest existed names only what it came from
                            "raw_profile_digest": before.get("raw_profile_digest",
@@ -839,6 +853,16 @@ def _run_overheads(rep: RunReport) -> dict[str, float]:
     return {k: float((planned.get(k) if priced else (rep.link or {}).get(k)) or 0.0) for k in OVERHEADS}
 
 
+def _run_collective(rep: RunReport) -> dict[str, float | None]:
+    """The all-reduce's constants (:data:`COLLECTIVE`) a run's tied sync was priced with: its plan's where the plan
+    had them (from a measured link), else what the run's own link probe timed, else None (the point-to-point link)."""
+    planned = rep.plan.get("cost_options") or {}
+    source = planned if planned.get("allreduce_bandwidth_bytes_per_s") is not None else (rep.link or {})
+    if source.get("allreduce_bandwidth_bytes_per_s") is None:
+        return {k: None for k in COLLECTIVE}
+    return {k: float(source[k]) for k in COLLECTIVE}
+
+
 def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
     """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times)
     equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
@@ -852,14 +876,16 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
         profile = _rescaled(profile, int(mb_plan) / int(mb_prof))
     arr = LayerArrays.of(profile, int(plan_json["num_microbatches"]))
     devices = [Device(float(d["speed"]), None, str(d.get("name", ""))) for d in cost.get("devices") or []] or None
-    over = _run_overheads(rep)
+    over, collective = _run_overheads(rep), _run_collective(rep)
     opts = make_options(profile, int(plan_json["num_ranks"]), num_microbatches=int(plan_json["num_microbatches"]),
                         schedule=plan_json["schedule"], virtual_stages=int(plan_json.get("virtual_stages", 1)),
                         optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
                         bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
                         recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"),
                         link_latency_s=float(cost.get("link_latency_s", 0.0)), action_s=over["action_s"],
-                        chunk_forward_s=over["chunk_forward_s"], chunk_backward_s=over["chunk_backward_s"])
+                        chunk_forward_s=over["chunk_forward_s"], chunk_backward_s=over["chunk_backward_s"],
+                        allreduce_latency_s=collective["allreduce_latency_s"],
+                        allreduce_bandwidth_bytes_per_s=collective["allreduce_bandwidth_bytes_per_s"])
     bounds = plan_json["boundaries"]
 
     def step(latency: float) -> float:

@@ -474,7 +474,10 @@ def _cmd_link(a: argparse.Namespace) -> int:
           + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action" if link.get("action_s") else "")
           + (f"; PipelineStage {link['chunk_forward_s'] * 1e6:.0f} us inside each chunk's forward, "
              f"{link['chunk_backward_s'] * 1e6:.0f} us inside its backward"
-             if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None else ""))
+             if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None else "")
+          + ("; all-reduce " + ", ".join(f"{t * 1e3:.2f} ms at {n / 2**10:.0f} KiB" for n, t in
+                                        zip(link["allreduce_sizes"], link["allreduce_s"]))
+             if link.get("allreduce_s") else ""))
     print(f"wrote {a.output}")
     return 0
 

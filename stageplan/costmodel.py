@@ -85,6 +85,10 @@ class CostOptions:
     # chunk timers see them
     chunk_forward_s: float = 0.0
     chunk_backward_s: float = 0.0
+    # the ring model's constants for the all-reduce, where the link probe timed the collective itself
+    # (link.allreduce_probe): per-step latency and per-link bandwidth; None prices it from the point-to-point link
+    allreduce_latency_s: float | None = None
+    allreduce_bandwidth_bytes_per_s: float | None = None
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -115,7 +119,9 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
                  recompute: bool = False, boundary_latency_s: float = 0.0, precision: str | None = None,
                  latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0,
-                 action_s: float = 0.0, chunk_forward_s: float = 0.0, chunk_backward_s: float = 0.0) -> CostOptions:
+                 action_s: float = 0.0, chunk_forward_s: float = 0.0, chunk_backward_s: float = 0.0,
+                 allreduce_latency_s: float | None = None,
+                 allreduce_bandwidth_bytes_per_s: float | None = None) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -173,9 +179,18 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
             raise StageplanError(f"{what} must be >= 0 seconds, got {value!r}; measure the link again "
                                  "(stageplan link -o LINK.json)")
+    if (allreduce_latency_s is None) != (allreduce_bandwidth_bytes_per_s is None) or (
+            allreduce_latency_s is not None and not (math.isfinite(allreduce_latency_s) and allreduce_latency_s >= 0
+                                                     and math.isfinite(allreduce_bandwidth_bytes_per_s)  # type: ignore[arg-type]
+                                                     and allreduce_bandwidth_bytes_per_s > 0)):  # type: ignore[operator]
+        raise StageplanError(f"the all-reduce's latency and bandwidth must both be given (seconds >= 0, bytes/s > 0) or "
+                             f"both None, got {allreduce_latency_s!r} and {allreduce_bandwidth_bytes_per_s!r}; measure "
+                             "the link again (stageplan link -o LINK.json)")
+    ar = (None, None) if allreduce_latency_s is None else (float(allreduce_latency_s),
+                                                            float(allreduce_bandwidth_bytes_per_s))  # type: ignore[arg-type]
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
                        float(boundary_latency_s), precision, latency_source, float(link_latency_s), float(action_s),
-                       float(chunk_forward_s), float(chunk_backward_s), shape)
+                       float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1], shape)
 
 
 @dataclass(frozen=True)
@@ -283,12 +298,17 @@ def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
     and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
     per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way latency,
-    ``link_latency_s``). 0 with no bandwidth."""
+    ``link_latency_s``). 0 with no bandwidth. Where the link probe timed the all-reduce itself, its constants
+    (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones: at the probe's
+    rank count this gives back the probe's own fit."""
     nbytes = np.asarray(nbytes, dtype=float)
     if opts.bandwidth_bytes_per_s is None:
         return np.zeros_like(nbytes)
     p = opts.num_ranks
-    return 2.0 * (p - 1) / p * nbytes / opts.bandwidth_bytes_per_s + 2.0 * (p - 1) * opts.link_latency_s
+    bandwidth, latency = opts.bandwidth_bytes_per_s, opts.link_latency_s
+    if opts.allreduce_bandwidth_bytes_per_s is not None:
+        bandwidth, latency = opts.allreduce_bandwidth_bytes_per_s, float(opts.allreduce_latency_s or 0.0)
+    return 2.0 * (p - 1) / p * nbytes / bandwidth + 2.0 * (p - 1) * latency
 
 
 def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:

@@ -14,6 +14,9 @@ one-way latency). A plan priced with the link uses the larger of the two per cro
 about 1 ms of the rank's own work, as a chunk computes between receiving and sending (:data:`GAP_MATMULS`): sent
 back to back, one VM's exchanges stalled 3.7-4.0 ms each, where its pipelines' crossings did not.
 
+The ranks also time the all-reduce that syncs a tied parameter's gradient (:func:`allreduce_probe`), at 4 KiB and
+4 MiB after a barrier: on gloo here it took 2-5x what the point-to-point fit gives a ring, so a plan priced with
+the link prices that sync from the collective's own times.
 Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`schedule_overheads`): the gap
 between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
 the chunks (``action_s``: 0.17-0.20 ms on gloo here), and each chunk call's time outside its module is what
@@ -66,6 +69,12 @@ ACTION_MICROBATCHES = 8
 ACTION_WARMUP = 1
 ACTION_STEPS = 3
 ACTION_EVICT_BYTES = 64 * 2**20
+# The all-reduce probe (:func:`allreduce_probe`): every rank all-reduces a buffer of each size after a barrier, as
+# the tied gradient's sync starts once every rank is there. Priced from the point-to-point fit, gloo's all-reduce
+# of 1, 4 and 16 MiB between two pinned CPU ranks here took 2.1-4.7x the ring model (3.9-5.4 ms against 1.49 ms
+# at 4 MiB, two tries; the half-buffer add each rank does in it, 0.05 ms): the collective itself is timed.
+ALLREDUCE_SIZES = (SMALL_BYTES, LARGE_BYTES)
+ALLREDUCE_REPEATS = 15
 
 
 def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
@@ -158,8 +167,10 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     dist.all_gather_object(gathered, pairs, group=group)
     all_pairs = [row for rows in gathered for row in rows]
     overheads = schedule_overheads(dev, group=group)
+    collective = allreduce_probe(dev, group=group, warmup=min(warmup, 3), repeats=repeats)
     return {
         **(overheads or {}),
+        **(collective or {}),
         "backend": str(dist.get_backend(group)),
         "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
         "exchange_s": median_iqr([r["exchange_s"] for r in all_pairs])[0] if all_pairs else None,
@@ -167,6 +178,50 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
         "sizes": sizes, "warmup": warmup, "repeats": repeats, "small_repeats": max(repeats, SMALL_REPEATS),
         "device": str(dev), "pairs": all_pairs,
     }
+
+
+def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int] = ALLREDUCE_SIZES,
+                    warmup: int = 3, repeats: int = ALLREDUCE_REPEATS) -> dict[str, Any] | None:
+    """Time the all-reduce that syncs a tied parameter's gradient across ranks, at each size, on every rank of
+    ``group`` (each calls it; each gets the result): a barrier, then one ``all_reduce`` of a float buffer, timed
+    until its result is there; the median per size, the slowest rank's (the sync ends for the step when it ends
+    for every rank). The Hockney fit a + n / B of those times is stored as the ring model's constants at this
+    rank count p, so that :func:`stageplan.costmodel.ring_allreduce_time` gives back a + n / B here and scales it
+    to another p: ``allreduce_latency_s`` = a / (2(p - 1)) per ring step and ``allreduce_bandwidth_bytes_per_s`` =
+    B x 2(p - 1) / p. Also ``allreduce_ranks`` (p), ``allreduce_sizes`` and ``allreduce_s`` (the medians). None
+    on a single rank."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.measure import median_iqr
+
+    world = dist.get_world_size(group)
+    if world < 2:
+        return None
+    dev = torch.device(device)
+    sizes = [int(n) for n in sizes_bytes]
+    medians = []
+    for n in sizes:
+        buf = torch.ones(max(n // 4, 1), dtype=torch.float32, device=dev)
+        times = []
+        for k in range(warmup + repeats):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if k >= warmup:
+                times.append(time.perf_counter() - start)
+        medians.append(median_iqr(times)[0])
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, medians, group=group)
+    slowest = [max(row[i] for row in gathered) for i in range(len(sizes))]
+    fixed_s, bandwidth = fit(sizes, slowest)
+    steps, share = 2.0 * (world - 1), 2.0 * (world - 1) / world
+    return {"allreduce_latency_s": fixed_s / steps, "allreduce_bandwidth_bytes_per_s": bandwidth * share,
+            "allreduce_ranks": world, "allreduce_sizes": sizes, "allreduce_s": slowest}
 
 
 def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,
@@ -357,6 +412,10 @@ def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     write_json_atomic(path, {"schema": LINK_SCHEMA, **{k: v for k, v in link.items() if k != "schema"}})
 
 
+def _seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
     > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action), ``chunk_forward_s``
@@ -385,6 +444,13 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
                                   or not math.isfinite(value) or value < 0):
             raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
                                  "again with stageplan link")
+    ar_latency: Any = data.get("allreduce_latency_s")
+    ar_bandwidth: Any = data.get("allreduce_bandwidth_bytes_per_s")
+    if (ar_latency is None) != (ar_bandwidth is None) or (ar_latency is not None and not (
+            _seconds(ar_latency) and _seconds(ar_bandwidth) and ar_bandwidth > 0)):
+        raise StageplanError(f"{source} has allreduce_latency_s = {ar_latency!r} and allreduce_bandwidth_bytes_per_s = "
+                             f"{ar_bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; "
+                             "measure it again with stageplan link")
     if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
         raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = {data.get('backend')!r}; pairs "
                           "must be a list and backend a name such as 'gloo'; measure it again with stageplan link")

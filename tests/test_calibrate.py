@@ -333,3 +333,24 @@ def test_calibrate_takes_the_priced_chunk_overhead_off_the_layers_once(priced: b
             st = again.stages[row["rank"]]
             assert st.chunk_s == pytest.approx(sum(over.values()))
             assert st.forward_s + st.backward_s == pytest.approx(row["measured_compute_s"])
+
+
+def test_calibrate_keeps_the_all_reduce_the_run_timed_for_the_next_plan() -> None:
+    """A run's link probe times the tied gradient's all-reduce; the calibrated profile keeps those constants (as it
+    keeps the link's latency), so the next plan prices the sync as that run's collective ran, and the latency fit
+    replays the run with them; a run whose plan priced its own keeps the plan's."""
+    prof = _profile()
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    data = _report(pl).to_json()
+    data["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "allreduce_latency_s": 2e-4,
+                    "allreduce_bandwidth_bytes_per_s": 5e8}
+    cal = calibrate(prof, RunReport.from_json(data))
+    assert cal.meta["calibration"]["allreduce_latency_s"] == 2e-4
+    assert cal.meta["calibration"]["allreduce_bandwidth_bytes_per_s"] == 5e8
+    again = plan(cal, 2, num_microbatches=M, optimizer="none")
+    assert again.cost_options["allreduce_latency_s"] == 2e-4 and again.cost_options["allreduce_bandwidth_bytes_per_s"] == 5e8
+    data["plan"]["cost_options"].update(allreduce_latency_s=3e-4, allreduce_bandwidth_bytes_per_s=7e8)
+    assert calibrate(prof, RunReport.from_json(data)).meta["calibration"]["allreduce_bandwidth_bytes_per_s"] == 7e8
+    del data["link"]["allreduce_latency_s"], data["link"]["allreduce_bandwidth_bytes_per_s"]
+    data["plan"]["cost_options"].update(allreduce_latency_s=None, allreduce_bandwidth_bytes_per_s=None)
+    assert calibrate(prof, RunReport.from_json(data)).meta["calibration"]["allreduce_latency_s"] is None

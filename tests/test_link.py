@@ -186,6 +186,12 @@ def test_every_run_starts_with_a_ping_pong(tmp_path: Path) -> None:
     assert link["sizes"][0] == 4096 and link["sizes"][-1] >= 4 * 2**20
     assert [p["ranks"] for p in link["pairs"]] == [[0, 1]]
     assert 0 < link["action_s"] < 1e-2  # torch's own loop between two chunk calls, timed by the schedule probe
+    # the tied gradient's all-reduce, timed itself: 4 MiB takes longer than 4 KiB, and the ring constants give back
+    # the fit through both sizes at the probe's 2 ranks
+    small, large = link["allreduce_s"]
+    assert link["allreduce_ranks"] == 2 and link["allreduce_sizes"] == [4096, 4 * 2**20] and 0 < small < large
+    fixed, rate = 2 * link["allreduce_latency_s"], link["allreduce_bandwidth_bytes_per_s"]
+    assert fixed == pytest.approx(small, rel=1e-12) and fixed + 4 * 2**20 / rate == pytest.approx(large, rel=1e-12)
     assert RunReport.load(tmp_path / "run.json").link == link
 
 
@@ -201,9 +207,11 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
     assert pair["ranks"] == [0, 1] and len(pair["one_way_s"]) == len(link["sizes"]) == 2
     assert pair["one_way_s"][1] > pair["one_way_s"][0]  # 4 MiB takes longer than 4 KiB
     assert "latency" in stdout and f"wrote {out}" in stdout and "torch's schedule" in stdout
+    assert "all-reduce" in stdout and " ms at 4096 KiB" in stdout
     # what it measured plans as a link
     pl = plan(_profile(), 2, num_microbatches=4, link=out)
     assert pl.cost_options["bandwidth_bytes_per_s"] == link["bandwidth_bytes_per_s"]
+    assert pl.cost_options["allreduce_bandwidth_bytes_per_s"] == link["allreduce_bandwidth_bytes_per_s"]
 
 
 @pytest.mark.slow

@@ -59,6 +59,38 @@ def test_the_all_reduce_pays_the_links_latency_not_the_calibrated_crossing_delay
     assert ev.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES, latency=0.0), rel=1e-12)
 
 
+@pytest.mark.parametrize(("p", "bounds"), [(2, (0, 2, 4)), (3, (0, 1, 3, 4)), (4, (0, 1, 2, 3, 4))])
+def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds: tuple[int, ...]) -> None:
+    """The link probe times the collective itself (gloo's took 2-5x the ring model's point-to-point figure here):
+    its fit a + n / B at 2 ranks, stored as the ring's constants, gives back a + n / B for 2 ranks and the ring at
+    those constants for 3 and 4; the point-to-point bandwidth and latency still price the boundary bytes."""
+    fixed, rate = 4e-4, 0.8e9  # the probe's fit at 2 ranks: 0.4 ms + bytes / 0.8 GB/s
+    link = {"schema": "stageplan.link/1", "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH,
+            "allreduce_latency_s": fixed / 2, "allreduce_bandwidth_bytes_per_s": rate, "allreduce_ranks": 2}
+    prof = _profile(4, [_tie(0, 3)])
+    pl = plan(prof, p, num_microbatches=4, optimizer="none", boundaries=list(bounds), link=link)
+    want = fixed + TIE_BYTES / rate if p == 2 else _ring(p, TIE_BYTES, bandwidth=rate, latency=fixed / 2)
+    assert [st.tied_sync_s for st in pl.stages] == pytest.approx([want] * p, rel=1e-12)
+    assert pl.cost_options["allreduce_bandwidth_bytes_per_s"] == rate
+    assert any("priced from the link's own all-reduce (0.400 ms + bytes / 0.8 GB/s at 2 ranks" in n for n in pl.notes)
+    plain = plan(prof, p, num_microbatches=4, optimizer="none", boundaries=list(bounds),
+                 link={k: v for k, v in link.items() if not k.startswith("allreduce")})
+    assert [st.tied_sync_s for st in plain.stages] == pytest.approx([_ring(p, TIE_BYTES)] * p, rel=1e-12)
+    assert [st.comm_s for st in plain.stages] == [st.comm_s for st in pl.stages]  # boundaries priced alike
+
+
+def test_a_link_with_half_an_all_reduce_fit_is_refused() -> None:
+    from stageplan.errors import StageplanError
+    from stageplan.link import load_link
+
+    base = {"schema": "stageplan.link/1", "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH}
+    for extra in ({"allreduce_latency_s": 1e-4}, {"allreduce_bandwidth_bytes_per_s": 1e9},
+                  {"allreduce_latency_s": -1.0, "allreduce_bandwidth_bytes_per_s": 1e9},
+                  {"allreduce_latency_s": 1e-4, "allreduce_bandwidth_bytes_per_s": 0.0}):
+        with pytest.raises(StageplanError, match=r"allreduce_latency_s = .* both must be numbers"):
+            load_link({**base, **extra})
+
+
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 @pytest.mark.parametrize(("p", "bounds"), [(2, (0, 2, 4)), (3, (0, 1, 3, 4)), (4, (0, 1, 2, 3, 4))])
 def test_a_tie_across_ranks_adds_one_ring_all_reduce_to_the_step(schedule: str, p: int, bounds: tuple[int, ...]) -> None:
