@@ -241,6 +241,8 @@ class _Samples:
     backward_s: list[float] = field(default_factory=list)
     compute_cpu_s: list[float] = field(default_factory=list)
     other_s: list[float] = field(default_factory=list)
+    # of other_s, the tied gradients' sum (the all-reduce, and on a rank that gets there first its wait for the others)
+    tied_sync_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -334,6 +336,9 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         schedule.step(*(inputs if has_first else ()), **kwargs)
         t_other = time.perf_counter()
         sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across)
+        if device.type == "cuda" and any(rs.ties_across or ()):  # the all-reduce's own end, to time it apart
+            torch.cuda.synchronize(device)
+        t_sync = time.perf_counter()
         if optimizer is not None:
             optimizer.step()
         if device.type == "cuda":
@@ -352,6 +357,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
             out.compute_cpu_s.append(sum(cpu for *_, cpu in intervals))
             out.other_s.append(t1 - t_other)
+            out.tied_sync_s.append(t_sync - t_other)
             if step == warmup + steps - 1:
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
@@ -429,6 +435,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     b, b_iqr = median_iqr(samples.backward_s)
     result = {"rank": rank, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f, "forward_iqr_s": f_iqr,
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
+              "tied_sync_s": median_iqr(samples.tied_sync_s)[0],
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},

@@ -226,6 +226,11 @@ def run_table(report: RunReport) -> str:
         lines.append("chunk overhead outside the layers (ms per microbatch, forward + backward): " + ", ".join(
             f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + {ms(r.get('measured_overhead_backward_s'))}"
             for r in report.ranks))
+    if any(r.get("predicted_tied_sync_s") for r in report.ranks):
+        lines.append("tied gradients' all-reduce (ms per step; a rank that gets there before the last one waits in it "
+                     "for that rank's last backward, which the prediction counts as idle): " + ", ".join(
+                         f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
+                         f"{ms(r.get('measured_tied_sync_s'))}" for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

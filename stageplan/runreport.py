@@ -67,7 +67,8 @@ def _ints(value: Any) -> bool:
 _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s", "measured_idle_s",
                  "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
 _RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
-                  "measured_overhead_backward_s", "measured_clock_compute_s")
+                  "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
+                  "measured_tied_sync_s")
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:
@@ -252,6 +253,9 @@ class RunReport:
                 "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
                 "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
                 "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
+                # of it, the tied gradients' sum: the all-reduce, and a rank's wait in it for the last rank to arrive
+                "predicted_tied_sync_s": sum(st.tied_sync_s for st in plan.stages if st.rank == r),
+                "measured_tied_sync_s": g.get("tied_sync_s"),
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,

@@ -334,3 +334,12 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie
     report = run("workloads:tied_blocks", _plan_for_tied_blocks(tie_with), factory_options={"tie_with": tie_with}, steps=2,
                  warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")
     assert report.check is not None and report.check["passed"], report.check
+    # the sum is timed apart from the optimizer step (within what follows the schedule) and set beside its price
+    from stageplan.report import run_table
+
+    pl = _plan_for_tied_blocks(tie_with)
+    for row in report.ranks:
+        assert 0 < row["measured_tied_sync_s"] <= row["optimizer_s"]
+        priced = sum(st.tied_sync_s for st in pl.stages if st.rank == row["rank"])
+        assert row["predicted_tied_sync_s"] == pytest.approx(priced, rel=1e-9) and (priced > 0) == (tie_with == 4)
+    assert ("tied gradients' all-reduce" in run_table(report)) == (tie_with == 4)  # shown where one is priced
