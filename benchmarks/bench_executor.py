@@ -100,6 +100,17 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
                                         rep.measured_step_s - replayed)] + [str(r)]
 
 
+def _tied_sync(rep: stageplan.RunReport) -> list[str] | None:
+    """The tied gradients' sum where the plan priced one: its price, each rank's measured time, and the least of them
+    (the rank that reached the all-reduce last, so its time is the collective's own) over the price; None where no
+    sync was priced."""
+    predicted = max((r.get("predicted_tied_sync_s") or 0.0) for r in rep.ranks)
+    measured = [r.get("measured_tied_sync_s") for r in rep.ranks]
+    if predicted <= 0 or any(x is None for x in measured):
+        return None
+    return [f"{predicted * 1e3:.2f}", " ".join(f"{x * 1e3:.2f}" for x in measured), f"{min(measured) / predicted:.3f}"]
+
+
 def _floor(values: list[float]) -> float:
     """The least worst-case error any one correction can leave over ``values`` (measured / predicted ratios of the
     same procedure repeated): scaling every prediction by c, the worst |v/c - 1| is least at c = the midpoint of
@@ -272,7 +283,7 @@ def main() -> None:
     from stageplan.launch import measure_link
 
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
-    runs, gains, parts, speeds = [], [], [], []
+    runs, gains, parts, speeds, syncs = [], [], [], [], []
     err_wall, err_cpu, err_step = [], [], []
     tune_steps: dict[int, int] = {}
     for model, options in MODELS:
@@ -308,6 +319,9 @@ def main() -> None:
                                  " ".join(map(_pct, cpus)), _pct(at_run / at_profile - 1),
                                  f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
                     parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
+                    tied = _tied_sync(rep)
+                    if tied is not None:
+                        syncs.append([model, schedule, m, name, *tied])
                 opt, uni = reports["optimal"], reports["uniform"]
                 gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
@@ -332,6 +346,14 @@ def main() -> None:
           "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
     print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "compute, all ranks", "waits", "rank"], parts))
+    if syncs:
+        ratios = [float(row[-1]) for row in syncs]
+        print("\nthe tied gradients' all-reduce per step, priced from the link's all-reduce probe: measured on the rank "
+              "that reaches it last (it waits for no one), and on each rank (the others' include their wait for it)")
+        print(format_table(["model", "schedule", "m", "method", "predicted ms", "measured ms per rank", "last rank's / predicted"],
+                           syncs))
+        print(f"  last rank's / predicted: median {statistics.median(ratios):.3f}, {min(ratios):.3f}-{max(ratios):.3f} over "
+              f"{len(ratios)} runs")
     print("\noptimal over uniform: predicted and measured step ratio")
     print(format_table(["model", "schedule", "m", "predicted", "measured"], gains))
 
