@@ -96,12 +96,22 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
+def short_repr(value: Any) -> str:
+    """repr() cut to about 120 characters, so that a refusal naming a whole object stays a readable line."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxdict, r.maxtuple, r.maxlevel = 60, 60, 6, 4, 6, 2
+    return r.repr(value)
+
+
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
-        inside = sorted(q.name for q in p.glob("*.json"))[:4]
+        inside = sorted(q.name for q in p.glob("*.json"))
+        more = f" and {len(inside) - 4} more" if len(inside) > 4 else ""
         raise StageplanError(f"{what} {str(p)!r} is a folder, not a file; give the file inside it"
-                             + (f" (it holds {', '.join(inside)})" if inside else " (it holds no .json file)"))
+                             + (f" (it holds {', '.join(inside[:4])}{more})" if inside else " (it holds no .json file)"))
     if not p.is_file():
         raise StageplanError(f"{what} file {str(p)!r} does not exist; check the path")
     try:

@@ -179,13 +179,11 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
             raise StageplanError(f"{what} must be >= 0 seconds, got {value!r}; measure the link again "
                                  "(stageplan link -o LINK.json)")
-    if (allreduce_latency_s is None) != (allreduce_bandwidth_bytes_per_s is None) or (
-            allreduce_latency_s is not None and not (math.isfinite(allreduce_latency_s) and allreduce_latency_s >= 0
-                                                     and math.isfinite(allreduce_bandwidth_bytes_per_s)  # type: ignore[arg-type]
-                                                     and allreduce_bandwidth_bytes_per_s > 0)):  # type: ignore[operator]
-        raise StageplanError(f"the all-reduce's latency and bandwidth must both be given (seconds >= 0, bytes/s > 0) or "
-                             f"both None, got {allreduce_latency_s!r} and {allreduce_bandwidth_bytes_per_s!r}; measure "
-                             "the link again (stageplan link -o LINK.json)")
+    from stageplan.link import check_allreduce
+
+    check_allreduce({"allreduce_latency_s": allreduce_latency_s,
+                     "allreduce_bandwidth_bytes_per_s": allreduce_bandwidth_bytes_per_s}, "the cost options",
+                    "give both from a measured link (stageplan link -o LINK.json), or neither")
     ar = (None, None) if allreduce_latency_s is None else (float(allreduce_latency_s),
                                                             float(allreduce_bandwidth_bytes_per_s))  # type: ignore[arg-type]
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),

@@ -334,6 +334,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if has_last:
             kwargs.update(target=target, losses=losses)
         schedule.step(*(inputs if has_first else ()), **kwargs)
+        if device.type == "cuda" and any(rs.ties_across or ()):  # the backward's queued kernels end before the sum
+            torch.cuda.synchronize(device)
         t_other = time.perf_counter()
         sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across)
         if device.type == "cuda" and any(rs.ties_across or ()):  # the all-reduce's own end, to time it apart

@@ -167,7 +167,7 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     dist.all_gather_object(gathered, pairs, group=group)
     all_pairs = [row for rows in gathered for row in rows]
     overheads = schedule_overheads(dev, group=group)
-    collective = allreduce_probe(dev, group=group, warmup=min(warmup, 3), repeats=repeats)
+    collective = allreduce_probe(dev, group=group, warmup=min(warmup, 3))
     return {
         **(overheads or {}),
         **(collective or {}),
@@ -416,6 +416,19 @@ def _seconds(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
+def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
+    """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
+    ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds >= 0
+    and the bandwidth bytes/s > 0: wherever they are read (a LINK.json, a run report's link or plan, a calibrated
+    profile, the cost model's options)."""
+    latency: Any = fields.get("allreduce_latency_s")
+    bandwidth: Any = fields.get("allreduce_bandwidth_bytes_per_s")
+    if (latency is None) != (bandwidth is None) or (latency is not None and not (
+            _seconds(latency) and _seconds(bandwidth) and bandwidth > 0)):
+        raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and allreduce_bandwidth_bytes_per_s = "
+                          f"{bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; {remedy}")
+
+
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
     > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action), ``chunk_forward_s``
@@ -444,13 +457,7 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
                                   or not math.isfinite(value) or value < 0):
             raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
                                  "again with stageplan link")
-    ar_latency: Any = data.get("allreduce_latency_s")
-    ar_bandwidth: Any = data.get("allreduce_bandwidth_bytes_per_s")
-    if (ar_latency is None) != (ar_bandwidth is None) or (ar_latency is not None and not (
-            _seconds(ar_latency) and _seconds(ar_bandwidth) and ar_bandwidth > 0)):
-        raise StageplanError(f"{source} has allreduce_latency_s = {ar_latency!r} and allreduce_bandwidth_bytes_per_s = "
-                             f"{ar_bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; "
-                             "measure it again with stageplan link")
+    check_allreduce(data, source, "measure it again with stageplan link")
     if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
         raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = {data.get('backend')!r}; pairs "
                           "must be a list and backend a name such as 'gloo'; measure it again with stageplan link")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan._io import check_schema, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError, StageplanError
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     """Refuse (SchemaError, one line) a plan file whose figures show and run read are of the wrong kind: its
     predictions, its per-rank lists, its options, its layer names and its stages' evidence."""
     def bad(what: str, value: Any) -> SchemaError:
-        return SchemaError(f"{source}: {what}, got {value!r}; regenerate it with stageplan plan")
+        return SchemaError(f"{source}: {what}, got {short_repr(value)}; regenerate it with stageplan plan")
 
     for name in ("cost_options", "profile_meta", "tie_break", "versus_optimal"):
         if not isinstance(getattr(plan, name), dict):
@@ -272,6 +272,8 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     if not (isinstance(p, int) and not isinstance(p, bool) and p >= 1):
         raise bad("cost_options' num_ranks must be an integer >= 1", p)
     for name in _PLAN_NUMBERS:
+        if name == "throughput_samples_s" and getattr(plan, name) in (None, math.inf):
+            continue  # a step predicted at 0 s (a profile of zero costs): written as null
         if not _finite(getattr(plan, name)):
             raise bad(f"{name} must be a finite number", getattr(plan, name))
     for name in ("rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes"):
@@ -390,6 +392,7 @@ def boundaries_from_module_fqns(parts: Sequence[Sequence[str]], layer_names: Seq
 MEGATRON_SYMBOLS = {"E": "embedding", "t": "decoder layer", "L": "loss/head", "m": "multi-token-prediction (MTP) layer"}
 # The longest layout read: a count beyond it is a typo, and writing it out would exhaust memory first
 MEGATRON_MAX_SYMBOLS = 1_000_000
+MEGATRON_MAX_DEPTH = 64  # groups inside groups (Megatron itself does not nest them); the reader recurses per level
 
 
 def expand_megatron_layout(layout: str) -> list[list[str]]:
@@ -406,7 +409,8 @@ def expand_megatron_layout(layout: str) -> list[list[str]]:
     pos = 0
 
     def fail(why: str) -> NoReturn:
-        raise StageplanError(f"cannot read Megatron layout {layout!r}: {why} (at character {pos} of {text!r}); "
+        raise StageplanError(f"cannot read Megatron layout {short_repr(layout)}: {why} (at character {pos} of "
+                             f"{short_repr(text)}); "
                              "write symbols E, t, m, L, '|' between stages, X*n or (group)*n to repeat, e.g. "
                              "'Et*3|(tt|)*2,tL'")
 
@@ -434,6 +438,8 @@ def expand_megatron_layout(layout: str) -> list[list[str]]:
                 out.append("|")
                 continue
             if ch == "(":
+                if depth >= MEGATRON_MAX_DEPTH:
+                    fail(f"groups nest deeper than {MEGATRON_MAX_DEPTH} levels; write the layout with fewer '('")
                 item = sequence(depth + 1)
                 if pos >= len(text):
                     fail("'(' without ')'")

@@ -199,9 +199,9 @@ def run_table(report: RunReport) -> str:
     rows = []
     for r in report.ranks:
         rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]), ms(r["measured_compute_s"]),
-                     ratio(r["compute_ratio"]), ms(r.get("measured_compute_cpu_s")), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
+                     ratio(r.get("compute_ratio")), ms(r.get("measured_compute_cpu_s")), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
                      mib(r["predicted_peak_activation_bytes"]), mib(r["measured_peak_activation_bytes"]),
-                     ratio(r["activation_ratio"])])
+                     ratio(r.get("activation_ratio"))])
     lines = [format_table(headers, rows)]
     lines.append(
         f"step: predicted {ms(report.predicted_step_s)} ms, measured {ms(report.measured_step_s)} ms "

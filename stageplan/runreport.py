@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan._io import check_schema, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     """Refuse (SchemaError, one line naming the field and value) a run report whose parts show and calibrate read
     are missing or of the wrong kind: the step figures, the plan's split, the per-rank rows, the link, the options."""
     def bad(what: str, value: Any) -> SchemaError:
-        return SchemaError(f"{source}: {what}, got {value!r}; rerun stageplan run to write it again")
+        return SchemaError(f"{source}: {what}, got {short_repr(value)}; rerun stageplan run to write it again")
 
     for key in ("measured_step_s", "predicted_step_s", "measured_step_iqr_s", "samples_per_s"):
         if not (_number(data.get(key)) and data[key] >= 0):
@@ -129,6 +129,11 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     if link is not None and not (isinstance(link, dict) and all(
             _number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
         raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null", link)
+    from stageplan.link import check_allreduce
+
+    for part, fields_ in (("its link", link), ("its plan's cost_options", plan.get("cost_options"))):
+        if isinstance(fields_, dict):
+            check_allreduce(fields_, f"{source}: {part}", "rerun stageplan run to write it again")
     for key in ("run_options", "meta"):
         if not isinstance(data.get(key, {}), dict):
             raise bad(f"'{key}' must be an object", data.get(key))

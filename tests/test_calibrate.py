@@ -196,6 +196,8 @@ MANGLED_RUNS = [
     (_set("layers", 4, "index", 99), r"layer row 4 has index 99, outside the plan's layers 0..4"),
     (_set("layers", 4, "rank", 5), r"layer row 4 ran on rank 5, and the report's ranks are \[0, 1\]"),
     (_set("link", "x"), r"'link' must be the run's link probe"),
+    (_set("link", {"allreduce_latency_s": 1e-4}), r"its link has allreduce_latency_s = 0.0001 and "
+                                                  r"allreduce_bandwidth_bytes_per_s = None; both must be numbers"),
     (_set("measured_step_s", "0.2"), r"measured_step_s must be seconds .* got '0.2'"),
     (_set("run_options", "microbatch_size", "x"), r"microbatch_size must be an integer >= 1 or null, got 'x'"),
     (_set("layers", 2, "measured_forward_s", float("nan")), r"layer row 2 has forward and backward \[nan, "),

@@ -253,6 +253,8 @@ def test_cli_plan_bad_input(args: list[str], pattern: str, tmp_path: Path, capsy
         (lambda d: d["meta"].update(microbatch_size=-8), r"meta microbatch_size = -8; it must be an integer >= 1"),
         (lambda d: d["meta"].update(named_layers="blocks.0"), r"meta named_layers = 'blocks.0'; it must be a list of"),
         (lambda d: d["meta"].update(optimizer_step={"floor_s": "x"}), r"meta optimizer_step = .*its floor_s must map"),
+        (lambda d: d["meta"].update(calibration={"allreduce_latency_s": "x", "allreduce_bandwidth_bytes_per_s": 1e9}),
+         r"meta calibration has allreduce_latency_s = 'x' and allreduce_bandwidth_bytes_per_s = 1000000000.0"),
     ],
 )
 def test_cli_plan_bad_profiles(mutate, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -361,6 +363,7 @@ def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path:
         (["--bandwidth", "1e-300"], r"bandwidth must be at least 1 kB/s, got '1e-300'"),
         (["--device-speeds", "1e-320,1"], r"device 0 speed must be between 1e-06 and 1e\+06, got 1e-320"),
         (["--megatron-layout", ""], r"Megatron layout '' holds no layers"),
+        (["--megatron-layout", "(" * 100_000], r"groups nest deeper than 64 levels"),  # was a RecursionError
         (["--megatron-layout", "E,t*99999999999999|t,L"], r"repeats to more than 1,000,000 symbols"),
         (["--megatron-layout", "E" + "(t*999999)" * 3 + "|tL"], r"writes out to more than 1,000,000 symbols"),
         (["--fqns", ""], r"--fqns '' is empty; give the JSON file of the parts"),
@@ -394,3 +397,11 @@ def test_a_megatron_layout_is_scored_only_where_the_schedule_places_stages_as_me
     assert given.boundaries == (0, 2, 4, 6, 8) and [st.rank for st in given.stages] == [0, 1, 0, 1]
     v = plan(prof, 2, num_microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2, boundaries=[0, 2, 4, 6, 8])
     assert [st.rank for st in v.stages] == [0, 1, 1, 0]
+
+
+def test_a_plan_of_zero_cost_layers_saves_and_loads(tmp_path: Path) -> None:
+    """A step predicted at 0 s has an infinite throughput, written as null: the file stageplan writes loads back."""
+    prof = Profile(tuple(LayerProfile(f"l{i}", 0.0, 0.0, 0, 0, 0) for i in range(4)))
+    pl = plan(prof, 2, num_microbatches=2)
+    pl.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").boundaries == pl.boundaries
