@@ -96,6 +96,13 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
+def is_number(value: Any, *, finite: bool = True) -> bool:
+    """A JSON number (int or float, not true/false), and finite unless ``finite`` is False: what every loader's
+    field checks start from."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (not finite or math.isfinite(value)))
+
+
 def short_repr(value: Any) -> str:
     """repr() cut to about 120 characters, so that a refusal naming a whole object stays a readable line."""
     import reprlib

@@ -318,6 +318,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     rank = dist.get_rank()
     out = _Samples()
     bounds = plan.boundaries
+    # on CUDA, where a tie spans ranks, the tied sum is timed apart between two synchronisations
+    sync_apart = device.type == "cuda" and any(rs.ties_across or ())
     for step in range(warmup + steps + clocked):
         ins.tracking = step < warmup or warmup == 0
         ins.clock.enabled = step >= warmup + steps  # the clock's own steps come last, outside the measured ones
@@ -334,11 +336,11 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if has_last:
             kwargs.update(target=target, losses=losses)
         schedule.step(*(inputs if has_first else ()), **kwargs)
-        if device.type == "cuda" and any(rs.ties_across or ()):  # the backward's queued kernels end before the sum
+        if sync_apart:  # the backward's queued kernels end before the sum
             torch.cuda.synchronize(device)
         t_other = time.perf_counter()
         sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across)
-        if device.type == "cuda" and any(rs.ties_across or ()):  # the all-reduce's own end, to time it apart
+        if sync_apart:  # the all-reduce's own end
             torch.cuda.synchronize(device)
         t_sync = time.perf_counter()
         if optimizer is not None:

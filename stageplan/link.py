@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan._io import check_schema, is_number, read_json, write_json_atomic
 from stageplan.errors import SchemaError, StageplanError
 
 LINK_SCHEMA = "stageplan.link/1"
@@ -413,7 +413,7 @@ def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
 
 
 def _seconds(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    return is_number(value) and value >= 0
 
 
 def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
@@ -453,8 +453,7 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
                              f"{bandwidth!r}; measure it again with stageplan link")
     for key in ("exchange_s", "action_s", "chunk_forward_s", "chunk_backward_s"):
         value = data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
+        if value is not None and not _seconds(value):
             raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
                                  "again with stageplan link")
     check_allreduce(data, source, "measure it again with stageplan link")

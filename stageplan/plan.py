@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from stageplan._io import check_schema, read_json, short_repr, write_json_atomic
+from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError, StageplanError
 
 if TYPE_CHECKING:
@@ -255,10 +255,6 @@ _PLAN_NUMBERS = ("bottleneck_s", "lower_bound_s", "balance_efficiency", "predict
 _STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s", "chunk_s")
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _check_plan_fields(plan: Plan, source: str) -> None:
     """Refuse (SchemaError, one line) a plan file whose figures show and run read are of the wrong kind: its
     predictions, its per-rank lists, its options, its layer names and its stages' evidence."""
@@ -274,11 +270,11 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     for name in _PLAN_NUMBERS:
         if name == "throughput_samples_s" and getattr(plan, name) in (None, math.inf):
             continue  # a step predicted at 0 s (a profile of zero costs): written as null
-        if not _finite(getattr(plan, name)):
+        if not is_number(getattr(plan, name)):
             raise bad(f"{name} must be a finite number", getattr(plan, name))
     for name in ("rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes"):
         values = getattr(plan, name)
-        if len(values) != p or not all(_finite(v) for v in values):
+        if len(values) != p or not all(is_number(v) for v in values):
             raise bad(f"{name} must hold a finite number for each of its {p} ranks", list(values))
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in plan.boundaries):
         raise bad("boundaries must be integers", list(plan.boundaries))
@@ -286,7 +282,7 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     if odd:
         raise bad("layer_names must be names", odd[0])
     for st in plan.stages:
-        if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(_finite(getattr(st, k)) for k in _STAGE_NUMBERS):
+        if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(is_number(getattr(st, k)) for k in _STAGE_NUMBERS):
             raise bad(f"stage {st.index} must run on a rank 0..{p - 1} with finite times",
                       {k: getattr(st, k) for k in ("rank", *_STAGE_NUMBERS)})
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from stageplan._io import check_schema, read_json, write_json_atomic
+from stageplan._io import check_schema, is_number, read_json, write_json_atomic
 from stageplan.errors import SchemaError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ _NULLABLE = ("peak_bytes", "backward_accumulate_s")
 
 
 def _cost(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return is_number(v) and v >= 0
 
 
 def _check_meta(meta: dict[str, Any], source: str) -> None:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from stageplan._io import check_schema, read_json, short_repr, write_json_atomic
+from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
 
 if TYPE_CHECKING:
@@ -54,11 +54,6 @@ def _checked_layers(rows: Any, source: str, num_layers: int | None = None,
     return list(rows)
 
 
-def _number(value: Any, *, finite: bool = True) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and (not finite or math.isfinite(value)))
-
-
 def _ints(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
 
@@ -78,10 +73,10 @@ def _check_report(data: dict[str, Any], source: str) -> None:
         return SchemaError(f"{source}: {what}, got {short_repr(value)}; rerun stageplan run to write it again")
 
     for key in ("measured_step_s", "predicted_step_s", "measured_step_iqr_s", "samples_per_s"):
-        if not (_number(data.get(key)) and data[key] >= 0):
+        if not (is_number(data.get(key)) and data[key] >= 0):
             raise bad(f"{key} must be seconds (or samples/s) >= 0", data.get(key))
     for key in ("measured_bubble_fraction", "predicted_bubble_fraction"):
-        if not _number(data.get(key), finite=False):
+        if not is_number(data.get(key), finite=False):
             raise bad(f"{key} must be a number", data.get(key))
     plan = data.get("plan")
     if not isinstance(plan, dict):
@@ -120,14 +115,14 @@ def _check_report(data: dict[str, Any], source: str) -> None:
         if not _ints(row.get("stages")):
             raise bad(f"rank row {i}'s stages must be a list of stage indices", row.get("stages"))
         for key in _RANK_NUMBERS:
-            if not _number(row.get(key)):
+            if not is_number(row.get(key)):
                 raise bad(f"rank row {i}'s {key} must be a finite number", row.get(key))
         for key in _RANK_OPTIONAL:
-            if row.get(key) is not None and not _number(row[key], finite=False):
+            if row.get(key) is not None and not is_number(row[key], finite=False):
                 raise bad(f"rank row {i}'s {key} must be a number or null", row[key])
     link = data.get("link")
     if link is not None and not (isinstance(link, dict) and all(
-            _number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
+            is_number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
         raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null", link)
     from stageplan.link import check_allreduce
 
