@@ -579,9 +579,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--boundaries -1,4,8`` -> ``--boundaries=-1,4,8``: argparse reads a value that starts with a minus and is not
+    a plain number as another option, and would refuse the flag as missing its value instead of letting the value's own
+    check name the rule it breaks. Only options that take one value are joined."""
+    takes_one: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                takes_one.update(s for a in sub._actions if a.nargs is None and a.option_strings for s in a.option_strings)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in takes_one and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     try:
-        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        parser = build_parser()
+        args = parser.parse_args(_join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
         return COMMANDS[args.command](args)
     except StageplanError as exc:
         print(f"stageplan: error: {exc}", file=sys.stderr)

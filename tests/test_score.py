@@ -270,6 +270,11 @@ def test_cli_round_trips_each_export(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--fqns", "UNKNOWN"], r"part 0 names 'layers.0', which is no layer of this profile"),
         (["--boundaries", "0,7,14", "--megatron-layout", "Et*6|t*6L"], r"got boundaries and megatron_layout"),
         (["--boundaries", "0,7,14", "--method", "optimal"], r"method 'optimal' chooses a split but boundaries gives one"),
+        # a value that starts with a minus is the flag's value, refused by its own rule (argparse alone: 'expected one
+        # argument')
+        (["--boundaries", "-1,7,14"], r"boundaries \[-1, 7, 14\] must be 3 increasing cut points from 0 to 14"),
+        (["--device-speeds", "-1,1"], r"device 0 speed must be between 1e-06 and 1e\+06, got -1.0"),
+        (["--boundaries", "-x"], r"argument --boundaries: expected one argument"),
     ],
 )
 def test_cli_refuses_bad_splits_in_one_line(args: list[str], pattern: str, tmp_path: Path,
