@@ -582,16 +582,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``--boundaries -1,4,8`` -> ``--boundaries=-1,4,8``: argparse reads a value that starts with a minus and is not
     a plain number as another option, and would refuse the flag as missing its value instead of letting the value's own
-    check name the rule it breaks. Only options that take one value are joined."""
-    takes_one: set[str] = set()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                takes_one.update(s for a in sub._actions if a.nargs is None and a.option_strings for s in a.option_strings)
-    out: list[str] = []
-    i = 0
+    check name the rule it breaks. Only the subcommand's options that take one value are joined, named in full or by
+    a prefix that names one of its options alone (as argparse reads ``--bound`` for ``--boundaries``)."""
+    subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+    command = next((i for i, arg in enumerate(argv) if arg in subs), None)
+    if command is None:
+        return argv
+    options: dict[str, bool] = {}  # each option string of the subcommand: whether it takes one value
+    for action in subs[argv[command]]._actions:
+        options.update({s: action.nargs is None for s in action.option_strings})
+
+    def takes_one(arg: str) -> bool:
+        if arg in options:
+            return options[arg]
+        named = [s for s in options if arg.startswith("--") and s.startswith(arg)]
+        return len(named) == 1 and options[named[0]]
+
+    out = argv[:command + 1]
+    i = command + 1
     while i < len(argv):
-        if argv[i] in takes_one and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+        if argv[i] == "--":  # what follows is positional
+            return out + argv[i:]
+        if takes_one(argv[i]) and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:

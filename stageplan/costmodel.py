@@ -296,16 +296,18 @@ def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
     and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
     per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way latency,
-    ``link_latency_s``). 0 with no bandwidth. Where the link probe timed the all-reduce itself, its constants
-    (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones: at the probe's
-    rank count this gives back the probe's own fit."""
+    ``link_latency_s``). Where the link probe timed the all-reduce itself, its constants
+    (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones, with or
+    without a point-to-point bandwidth: at the probe's rank count this gives back the probe's own fit. 0 with
+    neither."""
     nbytes = np.asarray(nbytes, dtype=float)
-    if opts.bandwidth_bytes_per_s is None:
-        return np.zeros_like(nbytes)
     p = opts.num_ranks
-    bandwidth, latency = opts.bandwidth_bytes_per_s, opts.link_latency_s
     if opts.allreduce_bandwidth_bytes_per_s is not None:
         bandwidth, latency = opts.allreduce_bandwidth_bytes_per_s, float(opts.allreduce_latency_s or 0.0)
+    elif opts.bandwidth_bytes_per_s is not None:
+        bandwidth, latency = opts.bandwidth_bytes_per_s, opts.link_latency_s
+    else:
+        return np.zeros_like(nbytes)
     return 2.0 * (p - 1) / p * nbytes / bandwidth + 2.0 * (p - 1) * latency
 
 
@@ -327,7 +329,7 @@ def tied_sync_time(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> n
     """Seconds per step (N,) of the gradient all-reduce of the tied parameters each split (row of ``bounds``)
     puts on two or more ranks: one ring all-reduce per parameter over all p ranks, as ``stages.sync_tied_grads``
     runs it after the schedule and before the optimizer step; every rank waits for it. A tie kept on one rank
-    costs nothing; without a bandwidth nothing is priced (``evaluate`` notes it)."""
+    costs nothing; without a bandwidth or the all-reduce's constants nothing is priced (``evaluate`` notes it)."""
     return tied_across(arr, bounds, opts) @ ring_allreduce_time(arr.tied_bytes, opts)
 
 
@@ -543,9 +545,11 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
 
 
 def _tied_note(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> str | None:
-    """Without a bandwidth, say that the tied parameters this split puts on two or more ranks are synced unpriced."""
+    """Without a bandwidth or the all-reduce's constants (``ring_allreduce_time``), say that the tied parameters
+    this split puts on two or more ranks are synced unpriced."""
     across = tied_across(arr, np.array([boundaries]), opts)[0]
-    if opts.bandwidth_bytes_per_s is not None or not across.any():
+    priced = opts.bandwidth_bytes_per_s is not None or opts.allreduce_bandwidth_bytes_per_s is not None
+    if priced or not across.any():
         return None
     return (f"no bandwidth given: the gradient all-reduce of the {int(across.sum())} tied parameter(s) this split puts "
             f"on two or more ranks ({format_bytes(float(arr.tied_bytes[across].sum()))}) is not modelled "

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stageplan._io import check_schema, is_number, read_json, write_json_atomic
+from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError, StageplanError
 
 LINK_SCHEMA = "stageplan.link/1"
@@ -419,14 +419,19 @@ def _seconds(value: Any) -> bool:
 def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
     """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
     ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds >= 0
-    and the bandwidth bytes/s > 0: wherever they are read (a LINK.json, a run report's link or plan, a calibrated
-    profile, the cost model's options)."""
+    and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where given, a
+    integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated profile, the
+    cost model's options)."""
     latency: Any = fields.get("allreduce_latency_s")
     bandwidth: Any = fields.get("allreduce_bandwidth_bytes_per_s")
     if (latency is None) != (bandwidth is None) or (latency is not None and not (
             _seconds(latency) and _seconds(bandwidth) and bandwidth > 0)):
         raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and allreduce_bandwidth_bytes_per_s = "
                           f"{bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; {remedy}")
+    ranks: Any = fields.get("allreduce_ranks")
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2):
+        raise SchemaError(f"{source} has allreduce_ranks = {short_repr(ranks)}; the all-reduce is timed over 2 or "
+                          f"more ranks, so it must be an integer >= 2, or absent; {remedy}")
 
 
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:

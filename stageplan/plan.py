@@ -416,7 +416,10 @@ def expand_megatron_layout(layout: str) -> list[list[str]]:
         if digits is None:
             fail("'*' must be followed by a count")
         pos += len(digits.group())
-        return int(digits.group())
+        if len(digits.group().lstrip("0")) > len(str(MEGATRON_MAX_SYMBOLS)):  # int() refuses past 4300 digits
+            fail(f"the count {short_repr(digits.group())} repeats to more than {MEGATRON_MAX_SYMBOLS:,} symbols, more "
+                 "layers than any model has; check the counts")
+        return int(digits.group().lstrip("0") or "0")
 
     def sequence(depth: int) -> list[str]:
         nonlocal pos

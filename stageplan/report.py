@@ -39,6 +39,11 @@ def ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.3f}"
 
 
+def figure(x: float | None, spec: str = ".3g") -> str:
+    """A number as ``spec``, or '-' where a report holds null (a NaN or infinity written to JSON, a field not read)."""
+    return "-" if x is None else format(x, spec)
+
+
 def profile_table(profile: Profile) -> str:
     """Per-layer table in ms and MiB, with totals, where each row's figures came from, and the sum-vs-whole
     ratio (or why the whole model was not timed)."""
@@ -207,7 +212,7 @@ def run_table(report: RunReport) -> str:
         f"step: predicted {ms(report.predicted_step_s)} ms, measured {ms(report.measured_step_s)} ms "
         f"(IQR {ms(report.measured_step_iqr_s)}), ratio {ratio(report.step_ratio)}; "
         f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured {100 * report.measured_bubble_fraction:.1f}%; "
-        f"{report.samples_per_s:.1f} samples/s; load average {report.meta.get('load_average_1min', float('nan')):.2f}"
+        f"{report.samples_per_s:.1f} samples/s; load average {figure(report.meta.get('load_average_1min'), '.2f')}"
     )
     if "cpus_per_rank" in report.meta:
         placed = report.meta["cpus_per_rank"]
@@ -234,8 +239,9 @@ def run_table(report: RunReport) -> str:
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"
-        lines.append(f"check: {verdict} (max loss diff {c['max_loss_diff']:.3g}, max param diff {c['max_param_diff']:.3g} "
-                     f"at {c['worst_param'] or '-'}, {c['params_compared']} parameters compared)")
+        lines.append(f"check: {verdict} (max loss diff {figure(c.get('max_loss_diff'))}, max param diff "
+                     f"{figure(c.get('max_param_diff'))} "
+                     f"at {c.get('worst_param') or '-'}, {c['params_compared']} parameters compared)")
         if c.get("hint"):
             lines.append(f"hint: {c['hint']}")
     return "\n".join(lines)

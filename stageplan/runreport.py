@@ -135,6 +135,21 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     mb = (data.get("run_options") or {}).get("microbatch_size")
     if mb is not None and not (_ints([mb]) and mb >= 1):
         raise bad("run_options' microbatch_size must be an integer >= 1 or null", mb)
+    load = data.get("meta", {}).get("load_average_1min")
+    if load is not None and not is_number(load):
+        raise bad("meta's load_average_1min must be a number or null", load)
+    check = data.get("check")
+    if check is not None:
+        if not (isinstance(check, dict) and isinstance(check.get("passed"), bool)):
+            raise bad("'check' must be the --check verdict (an object with passed true/false) or null", check)
+        for key in ("max_loss_diff", "max_param_diff"):  # a diverged run's NaN is written as null
+            if check.get(key) is not None and not is_number(check[key], finite=False):
+                raise bad(f"check's {key} must be a number or null", check[key])
+        if not (_ints([check.get("params_compared")]) and check["params_compared"] >= 0):
+            raise bad("check's params_compared must be an integer >= 0", check.get("params_compared"))
+        for key in ("worst_param", "hint"):
+            if check.get(key) is not None and not isinstance(check[key], str):
+                raise bad(f"check's {key} must be text or null", check[key])
 
 
 @dataclass(frozen=True)

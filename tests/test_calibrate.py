@@ -204,6 +204,12 @@ MANGLED_RUNS = [
     (_set("layers", 2, "measured_backward_s", -1.0), r"layer row 2 has forward and backward .*-1.0\]"),
     (lambda d: d["layers"].__setitem__(4, dict(d["layers"][3])), r"layer row 4 has index 3, listed twice"),
     (_set("ranks", 0, "predicted_compute_s", float("inf")), r"predicted_compute_s must be a finite number, got inf"),
+    (_set("check", "yes"), r"'check' must be the --check verdict \(an object with passed true/false\) or null, got 'yes'"),
+    (_set("check", {"passed": True, "max_loss_diff": "0", "max_param_diff": 0.0, "params_compared": 3}),
+     r"check's max_loss_diff must be a number or null, got '0'"),
+    (_set("check", {"passed": False, "max_loss_diff": None, "max_param_diff": None}),
+     r"check's params_compared must be an integer >= 0, got None"),
+    (_set("meta", "load_average_1min", "high"), r"meta's load_average_1min must be a number or null, got 'high'"),
 ]
 
 
@@ -356,3 +362,55 @@ def test_calibrate_keeps_the_all_reduce_the_run_timed_for_the_next_plan() -> Non
     del data["link"]["allreduce_latency_s"], data["link"]["allreduce_bandwidth_bytes_per_s"]
     data["plan"]["cost_options"].update(allreduce_latency_s=None, allreduce_bandwidth_bytes_per_s=None)
     assert calibrate(prof, RunReport.from_json(data)).meta["calibration"]["allreduce_latency_s"] is None
+
+
+def test_a_tie_priced_from_the_runs_all_reduce_is_not_also_fitted_into_the_latency() -> None:
+    """A run planned without a bandwidth (its tied sync unpriced) whose link probe timed the all-reduce: the latency
+    fit replays the run with the tie priced from the probe's constants, so the fitted delay is only what the ranks
+    waited beyond it, and the next plan, without a link or with a bandwidth, prices the tie once, as the ring's closed
+    form of those constants."""
+    import dataclasses
+
+    from stageplan.costmodel import LayerArrays, evaluate, make_options
+
+    tie_bytes, ar_latency, ar_bandwidth, delay = 2_000_000, 2e-4, 5e8, 1.5e-3
+    prof = dataclasses.replace(_profile(), meta={**_profile().meta, "tied": [
+        {"names": ["emb.weight", "head.weight"], "layers": [0, 4], "bytes": tie_bytes}]})
+    pl = plan(prof, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    assert pl.tied_sync_s == 0.0 and any("tied parameter(s)" in n for n in pl.notes)  # unpriced, and said so
+    data = _report(pl).to_json()
+    data["link"] = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "allreduce_latency_s": ar_latency,
+                    "allreduce_bandwidth_bytes_per_s": ar_bandwidth}
+    first = calibrate(prof, RunReport.from_json(data))  # the layers as the run measured them
+    ring = 2 * (2 - 1) / 2 * tie_bytes / ar_bandwidth + 2 * (2 - 1) * ar_latency  # the oracle: 4.4 ms
+    opts = make_options(first, 2, num_microbatches=M, optimizer="none", allreduce_latency_s=ar_latency,
+                        allreduce_bandwidth_bytes_per_s=ar_bandwidth, boundary_latency_s=delay)
+    ev = evaluate(LayerArrays.of(first, M), (0, 2, 5), opts)
+    assert ev.tied_sync_s == pytest.approx(ring, rel=1e-12)
+    assert not any("tied parameter(s)" in n for n in ev.notes)  # priced from the all-reduce alone: no note
+    data["measured_step_s"] = ev.predicted_step_s  # the run took the layers, the tie at its price, and the delay
+    cal = calibrate(prof, RunReport.from_json(data))
+    assert cal.meta["calibration"]["boundary_latency_s"] == pytest.approx(delay, rel=1e-6)
+    for again in (plan(cal, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none"),
+                  plan(cal, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none", bandwidth="1GB/s")):
+        assert again.tied_sync_s == pytest.approx(ring, rel=1e-12)
+    assert plan(cal, 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none").predicted_step_s == pytest.approx(
+        ev.predicted_step_s, rel=1e-6)
+
+
+def test_show_prints_a_dash_where_a_run_report_holds_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose loss diverged writes its NaN loss difference as null (JSON has no NaN), and a report from a
+    machine without os.getloadavg has no load average: show prints '-' for each (it raised TypeError on None)."""
+    import json
+
+    pl = plan(_profile(), 2, num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    data = json.loads(json.dumps(_report(pl).to_json()))
+    data["check"] = {"passed": False, "hint": None, "max_loss_diff": float("nan"), "max_param_diff": None,
+                     "worst_param": None, "params_compared": 7}
+    data["meta"]["load_average_1min"] = None
+    RunReport.from_json(data).save(tmp_path / "run.json")
+    assert json.loads((tmp_path / "run.json").read_text())["check"]["max_loss_diff"] is None  # NaN written as null
+    code, out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert code == 0, err
+    assert "load average -" in out
+    assert "check: FAIL (max loss diff -, max param diff - at -, 7 parameters compared)" in out

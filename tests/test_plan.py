@@ -366,6 +366,7 @@ def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path:
         (["--megatron-layout", "(" * 100_000], r"groups nest deeper than 64 levels"),  # was a RecursionError
         (["--megatron-layout", "E,t*99999999999999|t,L"], r"repeats to more than 1,000,000 symbols"),
         (["--megatron-layout", "E" + "(t*999999)" * 3 + "|tL"], r"writes out to more than 1,000,000 symbols"),
+        (["--megatron-layout", "t*" + "9" * 5000 + "|tL"], r"the count '9{20}.*repeats to more than 1,000,000"),  # was int()'s ValueError
         (["--fqns", ""], r"--fqns '' is empty; give the JSON file of the parts"),
         (["--fqns", "{tmp}"], r"--fqns '.*' is a folder; give the JSON file of the parts"),
         (["--link", "{tmp}/none.json"], r"^stageplan: error: link file '.*none.json' does not exist; check the path"),

@@ -65,6 +65,8 @@ def test_megatron_boundaries_count_repeats() -> None:
     assert boundaries_from_megatron("E,t*4|t*4,L") == (0, 5, 10)
     assert boundaries_from_megatron("Et*3|(tt|)*2,tL") == (0, 4, 6, 8, 10)
     assert boundaries_from_megatron("(Et|)t*3|(t|)*2L") == (0, 2, 5, 6, 7, 8)
+    # a count is read as a number, leading zeros and all (int() alone refuses past 4300 digits)
+    assert boundaries_from_megatron("E,t*" + "0" * 5000 + "4|t*04,L") == (0, 5, 10)
 
 
 @pytest.mark.parametrize(
@@ -275,6 +277,8 @@ def test_cli_round_trips_each_export(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--boundaries", "-1,7,14"], r"boundaries \[-1, 7, 14\] must be 3 increasing cut points from 0 to 14"),
         (["--device-speeds", "-1,1"], r"device 0 speed must be between 1e-06 and 1e\+06, got -1.0"),
         (["--boundaries", "-x"], r"argument --boundaries: expected one argument"),
+        (["--bound", "-1,7,14"], r"boundaries \[-1, 7, 14\] must be 3 increasing cut points from 0 to 14"),  # abbreviated
+        (["--device-s", "-1,1"], r"device 0 speed must be between 1e-06 and 1e\+06, got -1.0"),
     ],
 )
 def test_cli_refuses_bad_splits_in_one_line(args: list[str], pattern: str, tmp_path: Path,
