@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from stageplan._io import is_number
 from stageplan.costmodel import (
     CostOptions,
     Device,
@@ -26,6 +27,7 @@ from stageplan.costmodel import (
     make_options,
     per_chunk_s,
     solver_inputs,
+    tied_sync_time,
 )
 from stageplan.errors import InfeasiblePlanError, StageplanError
 from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, named_layers
@@ -711,7 +713,8 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
     without per-layer figures (written before the clock existed), a run with recomputation and a zero-bubble run
     are calibrated per rank: every layer of a rank by that rank's measured / predicted compute. The result's
     ``meta["calibration"]`` says which, gives the factors, and keeps the raw (never calibrated) profile's digest
-    through repeated calibrations."""
+    through repeated calibrations. Where the run timed a priced tied-gradient sum, the all-reduce's constants are
+    scaled to what it took on the rank that reached it last (``tied_sync_ratio``; :func:`_tied_sync_as_run`)."""
     prof = _as_profile(profile)
     rep = report if isinstance(report, RunReport) else RunReport.load(report)
     names = rep.plan.get("layer_names")
@@ -745,12 +748,14 @@ def calibrate(profile: Profile | str | os.PathLike[str], report: RunReport | str
         how = {"per": "rank", "why": why_not, "rank_factors": [row["measured_compute_s"] / row["predicted_compute_s"]
                                                                for row in sorted(rep.ranks, key=lambda r: r["rank"])]}
     out = prof.scaled(fwd, bwd)
-    latency = _fit_boundary_latency(out, rep)
+    arr, opts = _replay_options(out, rep)
+    opts, collective = _tied_sync_as_run(arr, opts, rep)
+    latency = _fit_boundary_latency(arr, opts, rep)
     meta = dict(out.meta)
     before = prof.meta.get("calibration") or {}
     link_latency = float((rep.link or {}).get("latency_s") or 0.0)
     meta["calibration"] = {**how, "boundary_latency_s": latency, "link_latency_s": link_latency,
-                           **_run_overheads(rep), **_run_collective(rep),
+                           **_run_overheads(rep), **collective,
                            "from_profile_digest": prof.digest(),
                            # a profile calibrated before raw_profile_digest existed names only what it came from
                            "raw_profile_digest": before.get("raw_profile_digest",
@@ -863,13 +868,12 @@ def _run_collective(rep: RunReport) -> dict[str, float | None]:
     return {k: float(source[k]) for k in COLLECTIVE}
 
 
-def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
-    """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times)
-    equal the measured step: what the ranks waited beyond compute (send/recv rendezvous, the optimizer step).
-    Bisection: the simulated step does not decrease as the delay grows."""
+def _replay_options(profile: Profile, rep: RunReport) -> tuple[LayerArrays, CostOptions]:
+    """The run's own conditions, to replay its plan on ``profile``: its optimizer (its step is in the measured
+    step), the plan's cost options, the schedule probe's overheads and the all-reduce's constants it ran with
+    (:func:`_run_overheads`, :func:`_run_collective`), at its microbatch size (a plan of --microbatches auto
+    rescaled the profile to it)."""
     plan_json = rep.plan
-    # the run's own conditions: its optimizer (its step is in the measured step), the plan's cost options, and its
-    # microbatch size (a plan of --microbatches auto rescaled the profile to it)
     cost = plan_json.get("cost_options") or {}
     mb_plan, mb_prof = cost.get("microbatch_size"), profile.meta.get("microbatch_size")
     if mb_plan and mb_prof and int(mb_plan) != int(mb_prof):
@@ -886,7 +890,41 @@ def _fit_boundary_latency(profile: Profile, rep: RunReport) -> float:
                         chunk_forward_s=over["chunk_forward_s"], chunk_backward_s=over["chunk_backward_s"],
                         allreduce_latency_s=collective["allreduce_latency_s"],
                         allreduce_bandwidth_bytes_per_s=collective["allreduce_bandwidth_bytes_per_s"])
-    bounds = plan_json["boundaries"]
+    return arr, opts
+
+
+def _tied_sync_as_run(arr: LayerArrays, opts: CostOptions, rep: RunReport) -> tuple[CostOptions, dict[str, Any]]:
+    """The run's options with the all-reduce's constants scaled to what its tied sum took, and what calibrate records
+    of it. The rank that reaches the sum last waits for no one, so its ``measured_tied_sync_s`` (the least over the
+    ranks; the others' add their wait for it) is the collective's own time; both constants are scaled by it over the
+    price (the ring's time scales alike at every size). The price comes from the constants the run had, else from
+    the point-to-point link its plan priced (its latency and bandwidth as the ring's). Nothing changes where the
+    run's split kept every tie on one rank, where nothing priced the sum (no bandwidth, no probe) or where the
+    report did not time it (written before it did)."""
+    bounds = np.array([rep.plan["boundaries"]])
+    base = opts
+    if opts.allreduce_bandwidth_bytes_per_s is None and opts.bandwidth_bytes_per_s is not None:
+        base = dataclasses.replace(opts, allreduce_latency_s=opts.link_latency_s,
+                                   allreduce_bandwidth_bytes_per_s=opts.bandwidth_bytes_per_s)
+    price = float(tied_sync_time(arr, bounds, base)[0])
+    times = [row.get("measured_tied_sync_s") for row in rep.ranks]
+    timed = [float(x) for x in times if x is not None and is_number(x) and float(x) > 0]
+    bandwidth = base.allreduce_bandwidth_bytes_per_s  # set wherever the price is above 0
+    if not (price > 0 and bandwidth is not None and len(timed) == len(times)):
+        return opts, {k: getattr(opts, k) for k in COLLECTIVE}
+    last = min(timed)
+    ratio = last / price
+    scaled = dataclasses.replace(base, allreduce_latency_s=float(base.allreduce_latency_s or 0.0) * ratio,
+                                 allreduce_bandwidth_bytes_per_s=bandwidth / ratio)
+    return scaled, {**{k: getattr(scaled, k) for k in COLLECTIVE}, "tied_sync_ratio": ratio,
+                    "tied_sync_measured_s": last}
+
+
+def _fit_boundary_latency(arr: LayerArrays, opts: CostOptions, rep: RunReport) -> float:
+    """The per-crossing delay that makes the simulated step of the run's plan (with calibrated layer times, under
+    the run's options: :func:`_replay_options`) equal the measured step: what the ranks waited beyond compute
+    (send/recv rendezvous, the optimizer step). Bisection: the simulated step does not decrease as the delay grows."""
+    bounds = rep.plan["boundaries"]
 
     def step(latency: float) -> float:
         return evaluate(arr, bounds, dataclasses.replace(opts, boundary_latency_s=latency)).predicted_step_s

@@ -501,6 +501,9 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     else:
         how = (f"layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} (measured / predicted; "
                f"not per layer: {cal.get('why', 'the run report has no per-layer times')})")
+    if cal.get("tied_sync_ratio") is not None:
+        how += (f"; the tied gradients' all-reduce at {cal['tied_sync_ratio']:.3f}x its price, as the run's last rank "
+                f"to reach it took it ({cal['tied_sync_measured_s'] * 1e3:.3f} ms)")
     print(f"wrote {a.output}: {how}; boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 

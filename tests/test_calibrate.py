@@ -414,3 +414,60 @@ def test_show_prints_a_dash_where_a_run_report_holds_null(tmp_path: Path, capsys
     assert code == 0, err
     assert "load average -" in out
     assert "check: FAIL (max loss diff -, max param diff - at -, 7 parameters compared)" in out
+
+
+@pytest.mark.parametrize("priced_by", ["all-reduce probe", "point-to-point link"])
+def test_calibrate_scales_the_all_reduce_to_the_tied_sum_the_run_measured(
+        priced_by: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rank that reaches the tied sum last waits for no one: its measured_tied_sync_s (the least over the ranks)
+    is the collective's own time. calibrate scales the all-reduce's constants by it over the run's price, so the
+    next plan prices the sum as the run took it (the oracle: that rank's figure), and the latency fit replays the
+    run with it (the oracle: the delay the measured step was built with)."""
+    import dataclasses
+
+    from stageplan.costmodel import LayerArrays, evaluate, make_options
+
+    tie_bytes, delay = 2_000_000, 1.5e-3
+    prof = dataclasses.replace(_profile(), meta={**_profile().meta, "tied": [
+        {"names": ["emb.weight", "head.weight"], "layers": [0, 4], "bytes": tie_bytes}]})
+    link = {"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}
+    if priced_by == "all-reduce probe":
+        link.update(allreduce_latency_s=2e-4, allreduce_bandwidth_bytes_per_s=5e8)
+        price = 2 * (2 - 1) / 2 * tie_bytes / 5e8 + 2 * (2 - 1) * 2e-4  # 4.4 ms
+    else:
+        price = 2 * (2 - 1) / 2 * tie_bytes / 1e9 + 2 * (2 - 1) * 1e-4  # 2.2 ms
+    kw = dict(num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    pl = plan(prof, 2, link=link, **kw)  # type: ignore[arg-type]
+    assert pl.tied_sync_s == pytest.approx(price, rel=1e-12)
+    last, waiting = 1.6 * price, 1.6 * price + 9e-3  # rank 1 gets there first and waits 9 ms for rank 0
+    rows = _report(pl).to_json()
+    for row, took in zip(rows["ranks"], (last, waiting)):
+        row["measured_tied_sync_s"] = took
+    first = calibrate(prof, RunReport.from_json(rows))
+    c = first.meta["calibration"]
+    prof.save(tmp_path / "prof.json")
+    RunReport.from_json(rows).save(tmp_path / "run.json")
+    code, out, err = run_cli(["calibrate", str(tmp_path / "prof.json"), str(tmp_path / "run.json"), "-o",
+                              str(tmp_path / "cal.json")], capsys)
+    assert code == 0, err
+    assert f"the tied gradients' all-reduce at 1.600x its price, as the run's last rank to reach it took it " \
+           f"({last * 1e3:.3f} ms)" in out
+    assert c["tied_sync_ratio"] == pytest.approx(1.6) and c["tied_sync_measured_s"] == pytest.approx(last)
+    again = plan(first, 2, **kw)  # type: ignore[arg-type]
+    assert again.tied_sync_s == pytest.approx(last, rel=1e-9)
+    assert plan(first, 2, bandwidth="1GB/s", **kw).tied_sync_s == pytest.approx(last, rel=1e-9)  # type: ignore[arg-type]
+    # the step the run measured: its layers, the sum as it took it, and the delay; the fit gives back the delay
+    opts = make_options(first, 2, num_microbatches=M, optimizer="none", bandwidth_bytes_per_s=1e9, link_latency_s=1e-4,
+                        allreduce_latency_s=c["allreduce_latency_s"], boundary_latency_s=delay,
+                        allreduce_bandwidth_bytes_per_s=c["allreduce_bandwidth_bytes_per_s"])
+    ev = evaluate(LayerArrays.of(first, M), (0, 2, 5), opts)
+    assert ev.tied_sync_s == pytest.approx(last, rel=1e-9)
+    rows["measured_step_s"] = ev.predicted_step_s
+    cal = calibrate(prof, RunReport.from_json(rows))
+    assert cal.meta["calibration"]["boundary_latency_s"] == pytest.approx(delay, rel=1e-6)
+    # a report that did not time the sum keeps the constants the run had, unscaled
+    for row in rows["ranks"]:
+        row["measured_tied_sync_s"] = None
+    plain = calibrate(prof, RunReport.from_json(rows)).meta["calibration"]
+    assert "tied_sync_ratio" not in plain
+    assert plain["allreduce_bandwidth_bytes_per_s"] == link.get("allreduce_bandwidth_bytes_per_s")
