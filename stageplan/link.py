@@ -419,7 +419,7 @@ def _seconds(value: Any) -> bool:
 def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
     """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
     ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds >= 0
-    and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where given, a
+    and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where given, an
     integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated profile, the
     cost model's options)."""
     latency: Any = fields.get("allreduce_latency_s")
