@@ -451,12 +451,18 @@ OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
 COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
 
 
-def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_latency_s: float
+def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration: Mapping[str, Any]
                    ) -> tuple[float, float, str, str, float, dict[str, Any]]:
     """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
     latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the probe
     did not time them: links measured before it, a single rank, CUDA) with the all-reduce's constants
-    (:data:`COLLECTIVE`, None where the probe did not time it), from a LINK.json or its dict."""
+    (:data:`COLLECTIVE`, None where the probe did not time it), from a LINK.json or its dict.
+
+    For a profile calibrated from a run (``calibration``, its ``meta["calibration"]``), the link prices the
+    boundaries (its bandwidth and crossing delay replace the fitted one), but the chunk overheads stay the run's,
+    since its layers were calibrated net of them (another probe's would move every rank's compute off what the run
+    measured), and so does the tied all-reduce where calibrate scaled it to the sum the run took
+    (``tied_sync_ratio``): the sum inside the pipeline held steadier than the probe's (README, Limitations)."""
     from stageplan.link import crossing_s, load_link
 
     measured = load_link(link)
@@ -466,21 +472,32 @@ def _measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibrated_
     how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
            f"pair{'' if pairs == 1 else 's'}){where}")
     note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
+    calibrated_latency_s = float(calibration.get("boundary_latency_s", 0.0))
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
-    missing = [k for k in OVERHEADS if measured.get(k) is None]
-    if missing:
-        note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and PipelineStage "
-                 "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
     # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
     overheads: dict[str, Any] = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
-    overheads.update({k: measured.get(k) for k in COLLECTIVE})
+    if calibration:
+        overheads = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}
+        note += (f"; the chunk overheads stay the calibrating run's, which the calibrated layers are net of (torch's "
+                 f"loop {overheads['action_s'] * 1e3:.3f} ms per action, PipelineStage "
+                 f"{overheads['chunk_forward_s'] * 1e3:.3f} + {overheads['chunk_backward_s'] * 1e3:.3f} ms per chunk)")
+    else:
+        missing = [k for k in OVERHEADS if measured.get(k) is None]
+        if missing:
+            note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and PipelineStage "
+                     "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
+    kept = calibration.get("tied_sync_ratio") is not None and calibration.get("allreduce_bandwidth_bytes_per_s") is not None
+    source = calibration if kept else measured
+    overheads.update({k: source.get(k) for k in COLLECTIVE})
     if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
-        p = int(measured.get("allreduce_ranks") or 2)
+        p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
         fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)
         rate = overheads["allreduce_bandwidth_bytes_per_s"] * p / (2 * (p - 1))
-        note += (f"; a tied gradient's all-reduce is priced from the link's own all-reduce ({fixed * 1e3:.3f} ms + "
+        whose = (f"as the calibrating run's last rank to reach the sum took it ({float(calibration['tied_sync_ratio']):.3f}x "
+                 "its price then), not from this link's probe" if kept else "from the link's own all-reduce")
+        note += (f"; a tied gradient's all-reduce is priced {whose} ({fixed * 1e3:.3f} ms + "
                  f"bytes / {rate / 1e9:.3g} GB/s at {p} ranks, scaled as a ring to other rank counts)")
     return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], overheads
 
@@ -560,8 +577,9 @@ def plan(
     latency where the link has no exchange, :func:`stageplan.link.crossing_s`) as the delay of every boundary
     crossing, its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward, and its
     ``chunk_forward_s`` and ``chunk_backward_s`` (PipelineStage's own code inside each chunk call) in every chunk's
-    forward and backward. A profile calibrated from a run keeps that run's figures for plans made without a link,
-    as its layers were calibrated net of them. A profile
+    forward and backward. A profile calibrated from a run keeps that run's chunk overheads with a link or without
+    (its layers were calibrated net of them), and its tied all-reduce where calibrate scaled it to the sum the run
+    took; without a link it keeps the run's crossing delay too, and with one the link's replaces it. A profile
     estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
     gpus.json (NVLink or xGMI), said in a note.
 
@@ -601,7 +619,7 @@ def plan(
         if bandwidth is not None:
             raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
                                  "--link LINK.json for the measured link, or --bandwidth RATE")
-        bw, latency_s, latency_source, link_note, link_latency_s, overheads = _measured_link(link, latency_s)
+        bw, latency_s, latency_source, link_note, link_latency_s, overheads = _measured_link(link, calibration)
     elif bw is None and estimate_label(prof.meta):
         bw, link_note = _estimated_link(prof.meta)
     devs = _devices(devices)

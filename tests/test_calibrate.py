@@ -471,3 +471,60 @@ def test_calibrate_scales_the_all_reduce_to_the_tied_sum_the_run_measured(
     plain = calibrate(prof, RunReport.from_json(rows)).meta["calibration"]
     assert "tied_sync_ratio" not in plain
     assert plain["allreduce_bandwidth_bytes_per_s"] == link.get("allreduce_bandwidth_bytes_per_s")
+
+
+def test_a_new_link_prices_a_calibrated_profiles_boundaries_and_keeps_what_its_layers_were_calibrated_with(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A calibrated profile planned with another link (stageplan plan cal.json --link LINK.json): the link's bandwidth
+    and crossing delay price the boundaries, but each rank's compute stays what the run measured (the oracle: the
+    run's chunk overheads, not the new probe's, on top of layers calibrated net of them), and the tied sum stays
+    what the run's last-arriving rank took (the oracle), not the new probe's price; a sum calibrate did not scale
+    is priced from the new probe."""
+    import dataclasses
+    import json
+
+    tie_bytes = 2_000_000
+    prof = dataclasses.replace(_profile(), meta={**_profile().meta, "tied": [
+        {"names": ["emb.weight", "head.weight"], "layers": [0, 4], "bytes": tie_bytes}]})
+    run_link = {"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9,
+                "chunk_forward_s": 0.2e-3, "chunk_backward_s": 0.5e-3, "action_s": 0.1e-3,
+                "allreduce_latency_s": 2e-4, "allreduce_bandwidth_bytes_per_s": 5e8}
+    new_link = {**run_link, "latency_s": 3e-4, "bandwidth_bytes_per_s": 2e9, "chunk_forward_s": 0.05e-3,
+                "chunk_backward_s": 0.1e-3, "action_s": 0.3e-3, "allreduce_latency_s": 1e-4,
+                "allreduce_bandwidth_bytes_per_s": 2e9}
+    kw = dict(num_microbatches=M, boundaries=[0, 2, 5], optimizer="none")
+    pl = plan(prof, 2, link=run_link, **kw)  # type: ignore[arg-type]
+    last = 1.6 * pl.tied_sync_s
+    rows = _report(pl).to_json()
+    for row, took in zip(rows["ranks"], (last, last + 9e-3)):
+        row["measured_tied_sync_s"] = took
+    rep = RunReport.from_json(rows)
+    cal = calibrate(prof, rep)
+    again = plan(cal, 2, link=new_link, **kw)  # type: ignore[arg-type]
+    assert again.tied_sync_s == pytest.approx(last, rel=1e-9)
+    assert again.cost_options["bandwidth_bytes_per_s"] == 2e9
+    assert again.cost_options["action_s"] == run_link["action_s"]
+    for row in rep.ranks:
+        st = again.stages[row["rank"]]
+        assert st.chunk_s == pytest.approx(run_link["chunk_forward_s"] + run_link["chunk_backward_s"])
+        assert st.forward_s + st.backward_s == pytest.approx(row["measured_compute_s"])
+    note = next(n for n in again.notes if n.startswith("link bandwidth"))
+    assert "the chunk overheads stay the calibrating run's" in note
+    assert "as the calibrating run's last rank to reach the sum took it (1.600x its price then)" in note
+    # the boundaries are the new link's: the same profile with the run's link differs only in comm
+    assert [st.comm_s for st in again.stages] != [st.comm_s for st in plan(cal, 2, link=run_link, **kw).stages]  # type: ignore[arg-type]
+    # a run that did not time the sum: calibrate kept the probe's constants unscaled, and the new probe prices it
+    for row in rows["ranks"]:
+        row["measured_tied_sync_s"] = None
+    unscaled = calibrate(prof, RunReport.from_json(rows))
+    fresh = plan(unscaled, 2, link=new_link, **kw)  # type: ignore[arg-type]
+    assert fresh.tied_sync_s == pytest.approx(2 * (2 - 1) / 2 * tie_bytes / 2e9 + 2 * (2 - 1) * 1e-4, rel=1e-12)  # the new probe's ring
+    assert any("from the link's own all-reduce" in n for n in fresh.notes)
+    # and the CLI says so in its plan notes
+    cal.save(tmp_path / "cal.json")
+    (tmp_path / "link.json").write_text(json.dumps(new_link))
+    code, out, err = run_cli(["plan", str(tmp_path / "cal.json"), "--stages", "2", "--microbatches", str(M),
+                              "--boundaries", "0,2,5", "--optimizer", "none", "--link", str(tmp_path / "link.json")],
+                             capsys)
+    assert code == 0, err
+    assert "the chunk overheads stay the calibrating run's" in out
