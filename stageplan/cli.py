@@ -504,6 +504,10 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     if cal.get("tied_sync_ratio") is not None:
         how += (f"; the tied gradients' all-reduce at {cal['tied_sync_ratio']:.3f}x its price, as the run's last rank "
                 f"to reach it took it ({cal['tied_sync_measured_s'] * 1e3:.3f} ms)")
+    if cal.get("optimizer_factors") is not None:
+        how += (f"; the {cal['optimizer']} step per rank at "
+                f"{', '.join('-' if f is None else f'{f:.3f}x' for f in cal['optimizer_factors'])} its profile above the fixed "
+                f"cost, as the run's ranks took it ({', '.join(f'{t * 1e3:.3f}' for t in cal['optimizer_measured_s'])} ms)")
     print(f"wrote {a.output}: {how}; boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 

@@ -243,6 +243,8 @@ class _Samples:
     other_s: list[float] = field(default_factory=list)
     # of other_s, the tied gradients' sum (the all-reduce, and on a rank that gets there first its wait for the others)
     tied_sync_s: list[float] = field(default_factory=list)
+    # of other_s, optimizer.step() alone (after the tied sum)
+    optimizer_step_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -362,6 +364,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.compute_cpu_s.append(sum(cpu for *_, cpu in intervals))
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
+            out.optimizer_step_s.append(t1 - t_sync)
             if step == warmup + steps - 1:
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
@@ -440,6 +443,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     result = {"rank": rank, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f, "forward_iqr_s": f_iqr,
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
               "tied_sync_s": median_iqr(samples.tied_sync_s)[0],
+              "optimizer_step_s": median_iqr(samples.optimizer_step_s)[0],
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},

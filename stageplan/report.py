@@ -236,6 +236,11 @@ def run_table(report: RunReport) -> str:
                      "for that rank's last backward, which the prediction counts as idle): " + ", ".join(
                          f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
                          f"{ms(r.get('measured_tied_sync_s'))}" for r in report.ranks))
+    if any(r.get("measured_optimizer_step_s") is not None for r in report.ranks):
+        lines.append("optimizer step (ms per step, after the tied sum; what stageplan calibrate scales each rank's "
+                     "layers' figures to): " + ", ".join(
+                         f"rank {r['rank']} predicted {ms(r.get('predicted_optimizer_step_s'))}, measured "
+                         f"{ms(r.get('measured_optimizer_step_s'))}" for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

@@ -63,7 +63,7 @@ _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s"
                  "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
 _RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
-                  "measured_tied_sync_s")
+                  "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s")
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:
@@ -166,7 +166,9 @@ class RunReport:
     ``layers`` holds one entry per layer: its forward and backward seconds per microbatch inside the real schedule
     (executor's per-layer clock, median over the clock's steps after the measured ones), the stage and rank that ran
     it; each rank row adds the overhead its chunks spent outside their layers (``measured_overhead_forward_s`` and
-    ``measured_overhead_backward_s``, per microbatch). Empty in reports written before it existed.
+    ``measured_overhead_backward_s``, per microbatch). Empty in reports written before it existed. Each rank row
+    also times, once per step, the tied gradients' sum (``measured_tied_sync_s``) and ``optimizer.step()`` after
+    it (``measured_optimizer_step_s``; None in reports written before it), beside the plan's prices.
     """
 
     measured_step_s: float
@@ -271,6 +273,9 @@ class RunReport:
                 # of it, the tied gradients' sum: the all-reduce, and a rank's wait in it for the last rank to arrive
                 "predicted_tied_sync_s": sum(st.tied_sync_s for st in plan.stages if st.rank == r),
                 "measured_tied_sync_s": g.get("tied_sync_s"),
+                # and the optimizer's step() alone, after the sum (the plan's: the rank's layers' figures)
+                "predicted_optimizer_step_s": sum(st.optimizer_s for st in plan.stages if st.rank == r),
+                "measured_optimizer_step_s": g.get("optimizer_step_s"),
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,

@@ -528,3 +528,66 @@ def test_a_new_link_prices_a_calibrated_profiles_boundaries_and_keeps_what_its_l
                              capsys)
     assert code == 0, err
     assert "the chunk overheads stay the calibrating run's" in out
+
+
+def test_calibrate_scales_each_ranks_optimizer_step_to_what_the_run_took(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank steps all its layers in one optimizer.step(), which the run times apart (measured_optimizer_step_s):
+    calibrate scales the rank's layers' figures above the fixed cost so that the next plan prices each rank's step
+    as the run took it (the oracle: the measured figures), keeps the floor once per rank and a layer without
+    parameters at 0, leaves the other optimizers' figures alone, and fits the latency with the scaled step (the
+    oracle: the delay the measured step was built with). An older report gives the step as its time after the
+    schedule less its timed tied sum; one without either is left unscaled."""
+    import dataclasses
+
+    from stageplan.costmodel import LayerArrays, evaluate, make_options
+
+    floor, opt = 0.3e-3, [2e-3, 1e-3, 0.0, 1.5e-3, 4e-3]  # layer 2 has nothing to step
+    base = _profile()
+    prof = Profile(tuple(dataclasses.replace(x, optimizer_s={"adam": o, "sgd": o / 2}) for x, o in zip(base.layers, opt)),
+                   {**base.meta, "optimizer_step": {"floor_s": {"adam": floor, "sgd": floor}}})
+    kw = dict(num_microbatches=M, boundaries=[0, 2, 5], optimizer="adam")
+    pl = plan(prof, 2, **kw)  # type: ignore[arg-type]
+    assert [st.optimizer_s for st in pl.stages] == pytest.approx([2.7e-3, 5.2e-3])  # sum above the floor, plus it once
+    took = [1.8e-3, 7.0e-3]
+    rows = _report(pl).to_json()
+    rows["run_options"]["optimizer"] = "adam"
+    for row, t in zip(rows["ranks"], took):
+        row["measured_optimizer_step_s"] = t
+    cal = calibrate(prof, RunReport.from_json(rows))
+    c = cal.meta["calibration"]
+    assert c["optimizer"] == "adam" and c["optimizer_measured_s"] == took
+    assert c["optimizer_factors"] == pytest.approx([(1.8e-3 - floor) / 2.4e-3, (7.0e-3 - floor) / 4.9e-3])
+    again = plan(cal, 2, **kw)  # type: ignore[arg-type]
+    assert [st.optimizer_s for st in again.stages] == pytest.approx(took)
+    assert cal.layers[2].optimizer_s["adam"] == 0.0  # type: ignore[index]
+    assert [x.optimizer_s["sgd"] for x in cal.layers] == [o / 2 for o in opt]  # type: ignore[index]
+    # the measured step: the calibrated layers, the step as the run took it, and a delay; the fit gives back the delay
+    delay = 1.2e-3
+    ev = evaluate(LayerArrays.of(cal, M), (0, 2, 5), make_options(cal, 2, num_microbatches=M, optimizer="adam",
+                                                                  boundary_latency_s=delay))
+    rows["measured_step_s"] = ev.predicted_step_s
+    assert calibrate(prof, RunReport.from_json(rows)).meta["calibration"]["boundary_latency_s"] == pytest.approx(delay, rel=1e-6)
+    # an older report: the rank's time after the schedule less its timed tied sum
+    for row, t in zip(rows["ranks"], took):
+        row.update(measured_optimizer_step_s=None, measured_tied_sync_s=2e-3, optimizer_s=t + 2e-3)
+    older = calibrate(prof, RunReport.from_json(rows))
+    assert [st.optimizer_s for st in plan(older, 2, **kw).stages] == pytest.approx(took)  # type: ignore[arg-type]
+    for row in rows["ranks"]:
+        row["measured_tied_sync_s"] = None
+    unscaled = calibrate(prof, RunReport.from_json(rows))
+    assert "optimizer_factors" not in unscaled.meta["calibration"]
+    assert [x.optimizer_s for x in unscaled.layers] == [x.optimizer_s for x in prof.layers]
+    # the CLI's line says it, and show prints both figures
+    rows["ranks"][0].update(measured_optimizer_step_s=took[0])
+    rows["ranks"][1].update(measured_optimizer_step_s=took[1])
+    prof.save(tmp_path / "prof.json")
+    RunReport.from_json(rows).save(tmp_path / "run.json")
+    code, out, err = run_cli(["calibrate", str(tmp_path / "prof.json"), str(tmp_path / "run.json"), "-o",
+                              str(tmp_path / "cal.json")], capsys)
+    assert code == 0, err
+    assert "the adam step per rank at 0.625x, 1.367x its profile above the fixed cost, as the run's ranks took it " \
+           "(1.800, 7.000 ms)" in out
+    code, out, err = run_cli(["show", str(tmp_path / "run.json")], capsys)
+    assert code == 0, err
+    assert "rank 0 predicted 2.700, measured 1.800, rank 1 predicted 5.200, measured 7.000" in out

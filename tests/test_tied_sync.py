@@ -361,6 +361,9 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie
     link_latency = report.link["latency_s"]
     for row in report.ranks:
         assert 0 < row["measured_tied_sync_s"] < row["optimizer_s"]  # adamw's own step follows the sum
+        # and is timed on its own: what follows the schedule, less the sum (each a median over the steps)
+        assert 0 < row["measured_optimizer_step_s"] < row["optimizer_s"]
+        assert row["predicted_optimizer_step_s"] > 0  # the run's plan priced adamw from its profile
         if tie_with == 4:
             assert row["measured_tied_sync_s"] >= 2 * link_latency, (row, link_latency)
         priced = sum(st.tied_sync_s for st in pl.stages if st.rank == row["rank"])
@@ -369,3 +372,4 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie
         rank1 = next(row for row in report.ranks if row["rank"] == 1)
         assert rank1["measured_tied_sync_s"] < link_latency, (rank1, link_latency)
     assert ("tied gradients' all-reduce" in run_table(report)) == (tie_with == 4)  # shown where one is priced
+    assert "optimizer step (ms per step, after the tied sum" in run_table(report)
