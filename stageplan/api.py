@@ -809,12 +809,10 @@ def _optimizer_as_run(prof: Profile, rep: RunReport) -> tuple[Profile, dict[str,
     cost = rep.plan.get("cost_options") or {}
     speeds = [float(d.get("speed", 1.0)) for d in cost.get("devices") or []]
     floor = float(LayerArrays.of(prof).optimizer_floor_s.get(opt, 0.0))  # as costmodel.optimizer_floor reads it
-    bounds = rep.plan["boundaries"]
     p = int(rep.plan["num_ranks"])
-    stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
     mine: dict[int, list[int]] = {}
-    for s in range(len(bounds) - 1):
-        mine.setdefault(stage_rank[s], []).extend(range(bounds[s], bounds[s + 1]))
+    for layer, r in enumerate(_layer_ranks(rep)):
+        mine.setdefault(r, []).append(layer)
     raw = [float(x.optimizer_s[opt]) for x in prof.layers]  # type: ignore[index]
     new = list(raw)
     factors: dict[int, float] = {}
@@ -835,17 +833,18 @@ def _optimizer_as_run(prof: Profile, rep: RunReport) -> tuple[Profile, dict[str,
         "optimizer_measured_s": [measured[r] for r in range(p)]}
 
 
-def _rank_factors(prof: Profile, rep: RunReport) -> list[float]:
-    """Per layer: the measured / predicted compute of the rank that ran it."""
+def _layer_ranks(rep: RunReport) -> list[int]:
+    """Per layer of the run's plan: the rank that ran it (its stage's; stage s on rank s mod p in older plans)."""
     bounds = rep.plan["boundaries"]
     p = int(rep.plan["num_ranks"])
     stage_rank = [int(r) for r in rep.plan.get("stage_ranks") or [s % p for s in range(len(bounds) - 1)]]
+    return [stage_rank[s] for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+
+
+def _rank_factors(prof: Profile, rep: RunReport) -> list[float]:
+    """Per layer: the measured / predicted compute of the rank that ran it."""
     by_rank = {int(row["rank"]): row["measured_compute_s"] / row["predicted_compute_s"] for row in rep.ranks}
-    factors = [1.0] * len(prof)
-    for s in range(len(bounds) - 1):
-        for layer in range(bounds[s], bounds[s + 1]):
-            factors[layer] = by_rank[stage_rank[s]]
-    return factors
+    return [by_rank[r] for r in _layer_ranks(rep)]
 
 
 def _why_not_per_layer(prof: Profile, rep: RunReport) -> str | None:
