@@ -36,7 +36,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "df = profile.to_pandas()\n"
                  "df['time_ms'] = (df.forward_s + df.backward_s) * 1e3\n"
                  "df[['name', 'time_ms', 'param_bytes', 'activation_bytes']].round(3)"),
-        ("md", "The LM head (with the loss over the vocabulary) costs about eight blocks' time, and the embedding holds "
+        ("md", "The LM head (with the loss over the vocabulary) costs about nine blocks' time, and the embedding holds "
                "several blocks' parameters while costing almost no time. Equal layer counts (Megatron's default, "
                "DeepSpeed `uniform`) and equal parameters (DeepSpeed's default) both misplace them."),
         ("code", "rows = []\n"
@@ -70,12 +70,16 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "02_schedules_and_bubbles": [
         ("md", "# Schedules and bubbles\nThe simulator executes, on each rank, the action order that "
                "`torch.distributed.pipelining` executes (GPipe, 1F1B, Interleaved1F1B, ...). Here: its timelines, "
-               "the bubble against the number of microbatches, and the activations each stage keeps in flight."),
+               "the bubble against the number of microbatches, and the activations each stage keeps in flight. The "
+               "timelines are priced with the link measured on this project's CPU (`profiles/cpu/links/gloo-2ranks.json`, "
+               "`stageplan link --ranks 2`): each crossing's transfer is the thin green bar under the rank that receives it, "
+               "and each rank's Adam step, measured per layer by the profiler, the purple bar at the end."),
         ("code", SETUP + "\nfrom stageplan.schedules import bubble_closed_form, peak_inflight"),
         ("code", "profile = stageplan.Profile.load(PROFILES / 'gpt.json')\n"
                  "fig, axes = plt.subplots(3, 1, figsize=(11, 7))\n"
                  "for ax, (schedule, v) in zip(axes, [('GPipe', 1), ('1F1B', 1), ('Interleaved1F1B', 2)]):\n"
-                 "    pl = stageplan.plan(profile, 2, num_microbatches=4, schedule=schedule, virtual_stages=v)\n"
+                 "    pl = stageplan.plan(profile, 2, num_microbatches=4, schedule=schedule, virtual_stages=v,\n"
+                 "                        link=str(PROFILES / 'links' / 'gloo-2ranks.json'))\n"
                  "    sim = pl.simulate()\n"
                  "    plots.plot_timeline(sim, ax=ax, title=f'{schedule}: step {sim.step_s * 1e3:.1f} ms, bubble {sim.bubble_fraction:.1%}')\n"
                  "plt.tight_layout(); plt.show()"),

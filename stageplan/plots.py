@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
           "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
+TRANSFER_KINDS = ("A", "G")  # a simulated activation or gradient crossing between ranks (schedules.TimelineEvent)
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
@@ -170,7 +171,9 @@ def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
     """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync and the optimizer step
-    coloured, idle in grey, microbatches labelled.
+    coloured, idle in grey, microbatches labelled. A simulated crossing's transfer (kinds "A" and "G", an
+    activation or a gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the
+    link, and the rank may compute meanwhile.
     ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage, microbatch,
     kind, start_s, end_s.
 
@@ -189,6 +192,10 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
         ax.broken_barh([(0.0, end * 1e3)], (rank - 0.4, 0.8), facecolors=COLORS["idle"])
     for r in rows:
         start, stop = float(r["start_s"]) * 1e3, float(r["end_s"]) * 1e3
+        if str(r["kind"]) in TRANSFER_KINDS:  # on the link: below the receiver's row, not over its compute
+            ax.broken_barh([(start, stop - start)], (int(r["rank"]) + 0.42, 0.12), facecolors=COLORS["comm"],
+                           edgecolors="white", linewidth=0.3)
+            continue
         ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8), facecolors=COLORS.get(str(r["kind"]), "grey"),
                        edgecolors="white", linewidth=0.5)
         label = "" if str(r["kind"]) in ("O", "T") else str(r["microbatch"])  # the step's tail has no microbatch
@@ -201,9 +208,10 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
     ax.set_xlim(0, end * 1e3)
     from matplotlib.patches import Patch
 
-    kinds = sorted({str(r["kind"]) for r in rows}, key="FBIWTO".find)
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "T": "tied sync", "O": "optimizer"}
-    handles = [Patch(color=COLORS.get(k, "grey"), label=names.get(k, k)) for k in kinds]
+    kinds = sorted({"X" if str(r["kind"]) in TRANSFER_KINDS else str(r["kind"]) for r in rows}, key="FBIWXTO".find)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "X": "transfer", "T": "tied sync",
+             "O": "optimizer"}
+    handles = [Patch(color=COLORS["comm"] if k == "X" else COLORS.get(k, "grey"), label=names.get(k, k)) for k in kinds]
     handles.append(Patch(color=COLORS["idle"], label="idle"))
     # Outside the axes: inside, any corner covers some rank's work (rank 0's last backwards, top right).
     ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)

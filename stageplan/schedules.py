@@ -582,7 +582,11 @@ class TimelineEvent:
 
     Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
     backward or W), and kind "T" its part in the all-reduce of the tied parameters' gradients (before the
-    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have none)."""
+    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have none).
+    Kinds "A" and "G" are a crossing's transfer, an activation (to the receiver's forward) or a gradient (to its
+    backward) moving between ranks: ``rank``, ``stage`` and ``microbatch`` are the receiving action's, from when
+    the message starts to move to when it arrives. It occupies the link, not the rank, so it is not busy time
+    and a rank may compute meanwhile; a plan without a link or bandwidth has none."""
 
     rank: int
     stage: int
@@ -691,7 +695,8 @@ def simulate(
     GPipe and 1F1B a rank waits for its own sends where torch's loop does (:func:`send_waits`: a send completes
     when its receiver has posted and the message has crossed), and ``step()`` returns only once its last sends
     have completed, so a rank's tied all-reduce and optimizer step start no earlier than that; a
-    boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). In zero-bubble
+    boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). Each transfer
+    with a cost is a timeline event of its own (kind "A" or "G", on the receiving rank; not busy time). In zero-bubble
     schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
     ``_WEIGHT_GRAD_SHARE``).
 
@@ -777,6 +782,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     # the send feeding it completes, for the sender's own waits)
     posted: dict[tuple[str, int, int], float] = {}
     arrived: dict[tuple[str, int, int], float] = {}
+    transfers: dict[tuple[str, int, int], TimelineEvent] = {}  # per receiving action: its message's crossing
 
     def done(sends: Sequence[Action]) -> float | None:
         """When the last of ``sends`` completed (0.0 for none), or None while one has not."""
@@ -806,7 +812,10 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             end, delay = grad_end[k + 1][i], hop[k]
         if end is None:
             return None
-        arrived[key] = max(post, end) + delay if on_demand else end + delay
+        moves = max(post, end) if on_demand else end
+        arrived[key] = moves + delay
+        if delay > 0:
+            transfers[key] = TimelineEvent(ranks[k], k, i, "A" if a.kind == "F" else "G", moves, arrived[key])
         fused = done(waits[ranks[k]].with_post[position]) if waits is not None else 0.0
         if fused is None:
             return None
@@ -850,6 +859,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             assert last_sends is not None  # every action has run, so every receive has been posted
             free[rank] = max(free[rank], last_sends)
 
+    events += transfers.values()
     _after_the_schedule(events, free, busy, ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)

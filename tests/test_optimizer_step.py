@@ -23,7 +23,7 @@ from stageplan.report import plan_table
 from stageplan.schedules import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = ROOT / "profiles" / "cpu" / "gpt-12l-v16k.json"
+GPT = ROOT / "tests" / "data" / "old-format" / "gpt-12l-v16k.json"  # written before optimizer records existed
 NOTE = "optimizer step not measured in this profile: re-profile to include it"
 
 

@@ -87,6 +87,27 @@ def test_timeline_from_simulation_and_rows(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_timeline_draws_each_transfer_below_its_receiving_rank() -> None:
+    from matplotlib.colors import to_hex
+
+    from stageplan.plots import COLORS
+
+    sim = plan(_profile(), 2, num_microbatches=4, schedule="1F1B", bandwidth="1GB/s").simulate()
+    moves = [e for e in sim.timeline if e.kind in ("A", "G")]
+    assert len(moves) == 2 * 4  # each microbatch's activation to rank 1 and its gradient back to rank 0
+    ax = plot_timeline(sim)
+    assert len(ax.collections) == 2 + len(sim.timeline)  # the idle rows, then one bar per event
+    green = [c for c in ax.collections if to_hex(c.get_facecolor()[0]) == to_hex(COLORS["comm"])]
+    assert len(green) == len(moves)
+    for c, e in zip(green, sorted(moves, key=lambda e: (e.start_s, e.rank))):
+        (x0, y0), (x1, y1) = c.get_paths()[0].get_extents().get_points()
+        assert (x0, x1) == pytest.approx((e.start_s * 1e3, e.end_s * 1e3))
+        assert e.rank + 0.4 < y0 < y1 < e.rank + 0.6  # in the gap below the rank's row, over no compute bar
+    assert "transfer" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plain = plot_timeline(plan(_profile(), 2, num_microbatches=4, schedule="1F1B").simulate())
+    assert "transfer" not in [t.get_text() for t in plain.get_legend().get_texts()]  # no link: none drawn
+
+
 def test_predicted_vs_measured(tmp_path: Path) -> None:
     rep = RunReport(measured_step_s=0.1, predicted_step_s=0.08, measured_step_iqr_s=0.0, samples_per_s=80,
                     measured_bubble_fraction=0.2, predicted_bubble_fraction=0.2,

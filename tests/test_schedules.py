@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import SCHEDULE_CASES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -295,9 +296,47 @@ def test_gpipe_two_stages_by_hand() -> None:
     # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5, B(1,0) 5.5-9.5, B(1,1) 9.5-13.5
     # rank 0: B(0,0) 9.5+0.5=10-12, B(0,1) 13.5+0.5=14-16  -> step 16
     ahead = simulate("LoopedBFS", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
-    assert sorted((e.rank, e.stage, e.microbatch, e.kind) for e in ahead.timeline) == sorted(
+    assert sorted((e.rank, e.stage, e.microbatch, e.kind) for e in ahead.timeline if e.kind not in "AG") == sorted(
         (e.rank, e.stage, e.microbatch, e.kind) for e in sim.timeline)
     assert ahead.step_s == 16.0
+    # Each crossing is an event of its own on the receiving rank, from when the message moves to its arrival:
+    # activations "A" to rank 1's forwards, gradients "G" to rank 0's backwards (hand-computed above; LoopedBFS
+    # runs its backwards last microbatch first, so the gradient at 9.5 is microbatch 1's).
+    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in ahead.timeline if e.kind in "AG"}
+    assert moves == {(1, 1, 0, "A"): (1.0, 1.5), (1, 1, 1, "A"): (2.0, 2.5), (0, 0, 1, "G"): (9.5, 10.0),
+                     (0, 0, 0, "G"): (13.5, 14.0)}
+    on_demand = simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
+    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in on_demand.timeline if e.kind in "AG"}
+    assert moves == {(1, 1, 0, "A"): (1.0, 1.5), (1, 1, 1, "A"): (3.5, 4.0), (0, 0, 0, "G"): (10.0, 10.5),
+                     (0, 0, 1, "G"): (14.0, 14.5)}
+    assert on_demand.busy_s == sim.busy_s  # a transfer occupies the link, not the rank
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
+def test_every_crossing_is_one_transfer_event_that_feeds_its_action(schedule: str, p: int, m: int, v: int) -> None:
+    n = p * v
+    rng = np.random.default_rng(7)
+    fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
+    sim = simulate(schedule, fwd, bwd, m, comm_s=comm, virtual_stages=v)
+    shape = schedules.schedule_shape(schedule, p, m, v)
+    owner = shape.stage_ranks
+    compute = {(e.stage, e.microbatch, e.kind): e for e in sim.timeline if e.kind not in "AG"}
+    moves = [e for e in sim.timeline if e.kind in "AG"]
+    # oracle: one per receiving action whose producer sits on another rank (a hand-over on one rank is free)
+    expected = {(k, i, "A") for k in range(1, n) for i in range(m) if owner[k] != owner[k - 1]}
+    expected |= {(k, i, "G") for k in range(n - 1) for i in range(m) if owner[k] != owner[k + 1]}
+    assert {(e.stage, e.microbatch, e.kind) for e in moves} == expected and len(moves) == len(expected)
+    grads = "I" if "ZeroBubble" in schedule else "B"
+    for e in moves:
+        k, i = e.stage, e.microbatch
+        producer = compute[(k - 1, i, "F")] if e.kind == "A" else compute[(k + 1, i, grads)]
+        took = comm[k - 1] if e.kind == "A" else comm[k]
+        assert e.rank == owner[k]
+        assert e.end_s - e.start_s == pytest.approx(took, rel=1e-12)
+        assert e.start_s >= producer.end_s - 1e-12  # it moves once produced...
+        assert compute[(k, i, "F" if e.kind == "A" else grads)].start_s >= e.end_s - 1e-12  # ...and feeds its action
+    assert sim.step_s == max(e.end_s for e in compute.values())
+    assert not [e for e in simulate(schedule, fwd, bwd, m, virtual_stages=v).timeline if e.kind in "AG"]
 
 
 def test_1f1b_two_stages_by_hand() -> None:
@@ -384,9 +423,10 @@ def test_simulation_invariants(case: tuple[str, int, int, int], data: st.DataObj
     ranks = stage_ranks(name, p, v)
     orders = rank_orders(name, p, m, v)
 
-    # Every rank runs exactly torch's order, one action at a time.
-    events = {(e.stage, e.microbatch, e.kind): e for e in sim.timeline}
-    assert len(events) == len(sim.timeline) == sum(len(o) for o in orders)
+    # Every rank runs exactly torch's order, one action at a time (transfers, "A" and "G", are on the link).
+    actions = [e for e in sim.timeline if e.kind not in "AG"]
+    events = {(e.stage, e.microbatch, e.kind): e for e in actions}
+    assert len(events) == len(actions) == sum(len(o) for o in orders)
     for rank, order in enumerate(orders):
         mine = [events[(a.stage, a.microbatch, a.kind)] for a in order]
         assert all(e.rank == rank == ranks[e.stage] for e in mine)

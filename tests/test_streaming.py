@@ -95,7 +95,7 @@ def test_sequential_chain_groups_by_module_input_and_loss() -> None:
 
 
 def test_measured_as_loads_from_old_files_and_leaves_the_digest_alone() -> None:
-    old = Profile.load(ROOT / "profiles" / "cpu" / "gpt.json")  # written before measured_as existed
+    old = Profile.load(ROOT / "tests" / "data" / "old-format" / "gpt.json")  # written before measured_as existed
     assert all(x.measured_as is None for x in old.layers)
     tagged = Profile(tuple(replace(x, measured_as="blocks.0") for x in old.layers), old.meta)
     assert tagged.digest() == old.digest()

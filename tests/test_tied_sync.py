@@ -24,6 +24,7 @@ from stageplan.schedules import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "profiles" / "cpu" / "gpt.json"
+OLD_GPT = ROOT / "tests" / "data" / "old-format" / "gpt.json"  # written before tie records existed
 BANDWIDTH = 1e9  # bytes/s
 LATENCY = 2.5e-4  # s per message
 TIE_BYTES = 3_000_000
@@ -234,7 +235,7 @@ def test_a_bad_sync_time_is_refused() -> None:
 
 
 def test_an_old_profile_without_ties_still_plans_as_a_model_without_ties() -> None:
-    data = json.loads(GPT.read_text())
+    data = json.loads(OLD_GPT.read_text())
     assert "tied" not in data["meta"]
     old = Profile.from_json(data)
     assert old.tied == ()
