@@ -327,7 +327,10 @@ def main() -> None:
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
     print(f"2 ranks, each configuration profiled just before its runs (rounds over >= {PROFILE_S:g} s), runs of >= {STEPS} "
           f"measured steps and >= {RUN_S:g} s after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
-          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); load = 1-minute load average at the run's start; "
+          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; a crossing priced at the larger of that latency and the fused exchange's "
+          f"{link.get('exchange_s', 0.0) * 1e6:.0f} us; torch's loop {link.get('action_s', 0.0) * 1e6:.0f} us a chunk action, PipelineStage "
+          f"{link.get('chunk_forward_s', 0.0) * 1e6:.0f} / {link.get('chunk_backward_s', 0.0) * 1e6:.0f} us a forward / backward: the "
+          "replays below price crossings and loop with these); load = 1-minute load average at the run's start; "
           "machine = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
     print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
                         "compute error per rank (wall)", "(thread CPU)", "machine", "load"], runs))
