@@ -368,6 +368,13 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             if step == warmup + steps - 1:
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
+                # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans ranks) and
+                # the optimizer step ("O"), on the rank's first stage, with no microbatch
+                tail = [("T", t_other, t_sync)] if any(rs.ties_across or ()) else []
+                tail += [("O", t_sync, t1)] if optimizer is not None else []
+                out.timeline += [{"rank": rank, "stage": min(rs.indices), "microbatch": -1, "kind": kind,
+                                  "start_wall": wall0 + (begin - t0), "duration_s": end - begin, "step_wall": wall0}
+                                 for kind, begin, end in tail]
             if rank == 0:  # the launcher forwards these lines of rank 0's log to the user
                 print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms", flush=True)
         if has_last:

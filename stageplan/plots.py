@@ -179,7 +179,9 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
 
     For a RunReport the title always ends with the plotted step's span and the median step, e.g.
     ``measured timeline (last step): 87.0 ms (median step 99.0 ms)``: one step is shown, the report's figures are
-    medians, and the span covers the schedule's forward and backward work, not the optimizer step.
+    medians, and the span runs from the first forward to the end of the last rank's optimizer step (a run
+    records its step's tail, the tied all-reduce and the optimizer step, as "T" and "O" events; reports written
+    before that end at the last backward).
     """
     ax = _axes(ax, (9.0, 3.0))
     rows = _timeline_rows(source)

@@ -373,4 +373,16 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie
         rank1 = next(row for row in report.ranks if row["rank"] == 1)
         assert rank1["measured_tied_sync_s"] < link_latency, (rank1, link_latency)
     assert ("tied gradients' all-reduce" in run_table(report)) == (tie_with == 4)  # shown where one is priced
+    # the measured timeline (last step) holds the step's tail as the simulator draws it: per rank, after its last
+    # forward or backward, the tied all-reduce ("T", only where the tie spans ranks) and then the optimizer step ("O")
+    slack = 1e-3  # the tail is placed from perf_counter offsets, the chunk calls from their own time.time() starts
+    for rank in range(2):
+        mine = [e for e in report.timeline if e["rank"] == rank]
+        work_end = max(e["end_s"] for e in mine if e["kind"] in ("F", "B", "W"))
+        tail = {e["kind"]: e for e in mine if e["kind"] in ("T", "O")}
+        assert set(tail) == ({"T", "O"} if tie_with == 4 else {"O"}), (rank, tail)
+        assert all(e["microbatch"] == -1 and e["end_s"] > e["start_s"] >= work_end - slack for e in tail.values())
+        if "T" in tail:
+            assert tail["T"]["end_s"] <= tail["O"]["start_s"] + slack
+    assert max(e["end_s"] for e in report.timeline) == max(e["end_s"] for e in report.timeline if e["kind"] == "O")
     assert "optimizer step (ms per step, after the tied sum" in run_table(report)
