@@ -96,7 +96,9 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
     # (calibrate, per layer), simulated with the same link; what stays is waiting and transfers
     replayed = stageplan.plan(stageplan.calibrate(profile, rep), 2, num_microbatches=m, schedule=pl.schedule,
                               boundaries=pl.boundaries, link=link).predicted_step_s
-    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, replayed - pl.predicted_step_s,
+    # of the rest, the rank's loop blocked on its receives beyond what the simulator has it wait (timed in the run)
+    d_waits = (row.get("measured_receive_wait_s") or 0.0) - (row.get("predicted_receive_wait_s") or 0.0)
+    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, d_waits, replayed - pl.predicted_step_s,
                                         rep.measured_step_s - replayed)] + [str(r)]
 
 
@@ -344,11 +346,12 @@ def main() -> None:
           f"(median {statistics.median(speeds) * 1e6:.0f} us; slowest / fastest {max(speeds) / min(speeds):.2f})")
     print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
           "pipeline minus their profiled times, its chunks' overhead outside the layers minus the priced, its optimizer step and tied sync "
-          "minus the predicted, and the rest (waiting, transfers, preemption)")
+          "minus the predicted, and the rest (waiting, transfers, preemption), of which its loop's timed waits on receives "
+          "minus the simulator's")
     print("then the whole miss in two: the split replayed with every rank's layers at their measured times (calibrate, "
           "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
     print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
-                        "compute, all ranks", "waits", "rank"], parts))
+                        "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
     if syncs:
         ratios = [float(row[-1]) for row in syncs]
         print("\nthe tied gradients' all-reduce per step, priced from the link's all-reduce probe: measured on the rank "
@@ -391,8 +394,8 @@ def main() -> None:
                         "gain realised"], tuned))
     print("\nwhere tune's gain went: each plan's median fresh run against tune's calibrated prediction (ms per step, as "
           "the decomposition above; measured / predicted gain is about (1 + uniform error) / (1 + final error))")
-    print(format_table(["m", "plan", "error", "miss", "layers", "chunk overhead", "optimizer", "rest", "compute, all ranks",
-                        "waits", "rank"], tune_parts))
+    print(format_table(["m", "plan", "error", "miss", "layers", "chunk overhead", "optimizer", "rest",
+                        "of it, receive waits", "compute, all ranks", "waits", "rank"], tune_parts))
     noise_floor(link)
     placement(link)
     crossings()

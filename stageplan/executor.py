@@ -195,24 +195,92 @@ def _check_same_weights(options: dict[str, Any], world_size: int) -> None:
         )
 
 
+_RECEIVE_TAG = "_stageplan_receive"  # on a receive's P2POp: (kind, stage, microbatch) of the chunk call it feeds
+RECEIVE_KINDS = ("A", "G")  # a wait on an activation (for a forward) or a gradient (for a backward)
+
+
+class _Works(list[Any]):
+    """The works torch's ``_batch_p2p`` returned for one batch of P2P ops, and the receives among them:
+    (kind, stage, microbatch, wall time of the post)."""
+
+    receives: tuple[tuple[str, int, int, float], ...] = ()
+
+
 @dataclass
 class _Instruments:
     """The rank's timer, per-layer clock and saved-bytes tracker, wrapped around its stages' forward/backward/loss
-    calls."""
+    calls, and the waits of its loop on receives."""
 
     timer: Timer
     tracker: SavedTensorTracker
     clock: LayerClock
     tracking: bool = True  # the hooks run in warm-up steps only (they cost ~6% of a small stage, seen here)
+    # per receive waited on, the wall time torch posted it: (kind, stage, microbatch) -> time.time()
+    posted: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
     def saving(self) -> Any:
         return self.tracker.hooks() if self.tracking else contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def receive_waits(self) -> Any:
+        """Time each wait of torch's schedule loop on a receive, as an interval of kind "A" (an activation, for
+        the stage's forward) or "G" (a gradient, for its backward), labelled with the receiving chunk call's stage
+        and microbatch: the receive's P2POps carry the label from :meth:`wrap`, ``_batch_p2p`` (every batch of
+        P2P ops goes through it) keeps the labels and the post's wall time with its works, and
+        ``_wait_batch_p2p`` is timed where they have one. On CUDA the timer's events bracket the wait on the
+        stream, so the interval is how long the stream waited for the message. Within the block only; torch's
+        module is restored after."""
+        from torch.distributed.pipelining import schedules as sched
+
+        batch, wait = sched._batch_p2p, sched._wait_batch_p2p
+
+        def _batch_p2p(p2p_ops: Any, *a: Any, **k: Any) -> Any:
+            tags = list(dict.fromkeys(getattr(op, _RECEIVE_TAG) for op in p2p_ops if hasattr(op, _RECEIVE_TAG)))
+            posted = time.time()
+            works = _Works(batch(p2p_ops, *a, **k))
+            works.receives = tuple((*t, posted) for t in tags)
+            return works
+
+        def _wait_batch_p2p(work: Any, *a: Any, **k: Any) -> Any:
+            receives = getattr(work, "receives", ())
+            if not receives:
+                return wait(work, *a, **k)
+            (kind, s, mb, posted), *more = receives
+            self.posted[(kind, s, mb)] = posted
+            out = self.timer.record(kind, s, mb, lambda: wait(work, *a, **k))
+            for kind, s, mb, posted in more:  # one wait for several chunks' inputs: the others arrived with it
+                self.posted[(kind, s, mb)] = posted
+                self.timer.record(kind, s, mb, lambda: None)
+            return out
+
+        sched._batch_p2p, sched._wait_batch_p2p = _batch_p2p, _wait_batch_p2p
+        try:
+            yield
+        finally:
+            sched._batch_p2p, sched._wait_batch_p2p = batch, wait
+
     def wrap(self, st: Any) -> None:
-        """Time each chunk's forward (F), backward (B) and weight-gradient (W) call on this PipelineStage."""
+        """Time each chunk's forward (F), backward (B) and weight-gradient (W) call on this PipelineStage, and
+        label its receives' P2POps for :meth:`receive_waits`."""
         fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
         bwd_w = getattr(st, "backward_weight_one_chunk", None)
         s = st.stage_index
+        fwd_recv, bwd_recv = st.get_fwd_recv_ops, st.get_bwd_recv_ops
+
+        def get_fwd_recv_ops(chunk: int, *a: Any, **k: Any) -> Any:
+            ops = fwd_recv(chunk, *a, **k)
+            for op in ops:
+                setattr(op, _RECEIVE_TAG, ("A", s, chunk))
+            return ops
+
+        def get_bwd_recv_ops(chunk: int, *a: Any, **k: Any) -> Any:
+            ops = bwd_recv(chunk, *a, **k)
+            for op in ops:
+                setattr(op, _RECEIVE_TAG, ("G", s, chunk))
+            return ops
+
+        st.get_fwd_recv_ops = get_fwd_recv_ops
+        st.get_bwd_recv_ops = get_bwd_recv_ops
 
         def forward_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
             with self.saving(), self.clock.phase("F", s):
@@ -245,6 +313,8 @@ class _Samples:
     tied_sync_s: list[float] = field(default_factory=list)
     # of other_s, optimizer.step() alone (after the tied sum)
     optimizer_step_s: list[float] = field(default_factory=list)
+    # the loop's waits on receives (inside step(), outside the chunk calls)
+    receive_wait_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -293,16 +363,35 @@ def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments)
     by_loss = "scale_grads" in inspect.signature(cls.__init__).parameters
     divisor = float(m) if by_loss else 1.0
 
+    initializing = [False]
+
     def loss_fn(output: Any, target: Any) -> Any:
+        tgt = target if workload.target is not None else None
+        if initializing[0]:  # torch's shape inference on the first step, not a microbatch's loss: not counted
+            return workload.compute_loss(output, tgt) / divisor
         mb = calls[0] % m
         calls[0] += 1
-        tgt = target if workload.target is not None else None
         with ins.saving(), ins.clock.phase("L", last_stage):
             return ins.timer.record("F", last_stage, mb, lambda: workload.compute_loss(output, tgt) / divisor)
 
     single = issubclass(cls, PipelineScheduleSingle)
     extra = {"scale_grads": False} if by_loss else {}
-    return cls(rs.stages[0] if single else rs.stages, n_microbatches=m, loss_fn=loss_fn, **extra), divisor
+    schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=m, loss_fn=loss_fn, **extra)
+    # torch 2.13 infers the stages' gradient shapes on the first step by computing one loss on the last stage
+    # (_initialize_stage(s) -> _prepare_backward_infra): counted, it would shift every later loss's microbatch
+    # label by one
+    for name in ("_initialize_stage", "_initialize_stages"):
+        initialize = getattr(schedule, name, None)
+        if initialize is not None:
+            def flagged(*a: Any, _initialize: Any = initialize, **k: Any) -> Any:
+                initializing[0] = True
+                try:
+                    return _initialize(*a, **k)
+                finally:
+                    initializing[0] = False
+
+            setattr(schedule, name, flagged)
+    return schedule, divisor
 
 
 def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device, options: dict[str, Any],
@@ -337,7 +426,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         kwargs: dict[str, Any] = {"return_outputs": False}
         if has_last:
             kwargs.update(target=target, losses=losses)
-        schedule.step(*(inputs if has_first else ()), **kwargs)
+        with ins.receive_waits():
+            schedule.step(*(inputs if has_first else ()), **kwargs)
         if sync_apart:  # the backward's queued kernels end before the sum
             torch.cuda.synchronize(device)
         t_other = time.perf_counter()
@@ -361,13 +451,17 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.step_s.append(t1 - t0)
             out.forward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
             out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
-            out.compute_cpu_s.append(sum(cpu for *_, cpu in intervals))
+            out.compute_cpu_s.append(sum(cpu for kind, *_, cpu in intervals if kind in ("F", "B", "W")))
+            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in RECEIVE_KINDS))
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
             if step == warmup + steps - 1:
+                # a receive's wait also keeps when torch posted it, which the report's transfer bar starts from
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
-                                 "duration_s": sec, "step_wall": wall0} for kind, s, mb, w, sec, _ in intervals]
+                                 "duration_s": sec, "step_wall": wall0,
+                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in RECEIVE_KINDS else {})}
+                                for kind, s, mb, w, sec, _ in intervals]
                 # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans ranks) and
                 # the optimizer step ("O"), on the rank's first stage, with no microbatch
                 tail = [("T", t_other, t_sync)] if any(rs.ties_across or ()) else []
@@ -451,6 +545,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
               "tied_sync_s": median_iqr(samples.tied_sync_s)[0],
               "optimizer_step_s": median_iqr(samples.optimizer_step_s)[0],
+              "receive_wait_s": median_iqr(samples.receive_wait_s)[0],
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},

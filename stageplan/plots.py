@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
           "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
-TRANSFER_KINDS = ("A", "G")  # a simulated activation or gradient crossing between ranks (schedules.TimelineEvent)
+# an activation or gradient crossing between ranks: simulated (schedules.TimelineEvent) or a run's (its receive's
+# wait, from the message's earliest move to the wait's end; runreport)
+TRANSFER_KINDS = ("A", "G")
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
@@ -171,9 +173,10 @@ def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
     """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync and the optimizer step
-    coloured, idle in grey, microbatches labelled. A simulated crossing's transfer (kinds "A" and "G", an
-    activation or a gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the
-    link, and the rank may compute meanwhile.
+    coloured, idle in grey, microbatches labelled. A crossing's transfer (kinds "A" and "G", an activation or a
+    gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the link, and the rank
+    may compute meanwhile. A run's bar runs from when the message could start to move (the later of the
+    receive's post and the producing call's end) to when the receiving rank's wait for it returned.
     ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage, microbatch,
     kind, start_s, end_s.
 

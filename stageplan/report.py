@@ -241,6 +241,11 @@ def run_table(report: RunReport) -> str:
                      "layers' figures to): " + ", ".join(
                          f"rank {r['rank']} predicted {ms(r.get('predicted_optimizer_step_s'))}, measured "
                          f"{ms(r.get('measured_optimizer_step_s'))}" for r in report.ranks))
+    if any(r.get("measured_receive_wait_s") is not None for r in report.ranks):
+        lines.append("waits on receives (ms per step; the loop blocked on an activation or gradient from another rank, "
+                     "part of the idle time): " + ", ".join(
+                         f"rank {r['rank']} predicted {ms(r.get('predicted_receive_wait_s'))}, measured "
+                         f"{ms(r.get('measured_receive_wait_s'))}" for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

@@ -152,6 +152,25 @@ def _check_report(data: dict[str, Any], source: str) -> None:
                 raise bad(f"check's {key} must be text or null", check[key])
 
 
+def _transfer_starts(events: list[dict[str, Any]]) -> list[float]:
+    """Each event's start (wall seconds): a compute event's own; a receive's wait ("A", "G") becomes the crossing
+    as the simulator draws it, from when the message could start to move, the later of its post and the end of
+    the chunk call that produced it (the forward of the stage before, or the backward of the stage after, on the
+    sending rank: torch posts the send right after it), to the wait's end. The ranks' wall clocks are one clock on
+    one host; across hosts, a start past the wait's end is clamped to it."""
+    ends = {(e["kind"], e["stage"], e["microbatch"]): e["start_wall"] + e["duration_s"] for e in events
+            if e["kind"] in ("F", "B")}
+    starts = []
+    for e in events:
+        if e["kind"] not in ("A", "G") or "post_wall" not in e:
+            starts.append(e["start_wall"])
+            continue
+        producer = ("F", e["stage"] - 1, e["microbatch"]) if e["kind"] == "A" else ("B", e["stage"] + 1, e["microbatch"])
+        moves = max(e["post_wall"], ends.get(producer, e["post_wall"]))
+        starts.append(min(moves, e["start_wall"] + e["duration_s"]))
+    return starts
+
+
 @dataclass(frozen=True)
 class RunReport:
     """Medians over the measured steps (after warm-up), with IQR spreads.
@@ -243,6 +262,7 @@ class RunReport:
         rows = []
         layers = []
         busy_total = 0.0
+        predicted_waits = plan.simulate().receive_wait_s
         for g in sorted(ranks, key=lambda g: g["rank"]):
             r = g["rank"]
             for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
@@ -276,6 +296,10 @@ class RunReport:
                 # and the optimizer's step() alone, after the sum (the plan's: the rank's layers' figures)
                 "predicted_optimizer_step_s": sum(st.optimizer_s for st in plan.stages if st.rank == r),
                 "measured_optimizer_step_s": g.get("optimizer_step_s"),
+                # the loop's waits on its receives (activations and gradients from other ranks), per step: the
+                # simulator's from each post to the input's arrival, the run's timed around torch's wait
+                "predicted_receive_wait_s": predicted_waits[r] if r < len(predicted_waits) else None,
+                "measured_receive_wait_s": g.get("receive_wait_s"),
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,
@@ -288,11 +312,12 @@ class RunReport:
                 "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
                                  if g.get("peak_memory_bytes") and plan.rank_memory_bytes[r] else None),
             })
-        t0 = min((e["start_wall"] for g in ranks for e in g["timeline"]), default=0.0)
+        events = [e for g in ranks for e in g["timeline"]]
+        t0 = min((e["start_wall"] for e in events), default=0.0)
         timeline = tuple(
             {"rank": e["rank"], "stage": e["stage"], "microbatch": e["microbatch"], "kind": e["kind"],
-             "start_s": e["start_wall"] - t0, "end_s": e["start_wall"] - t0 + e["duration_s"]}
-            for g in ranks for e in g["timeline"]
+             "start_s": start - t0, "end_s": e["start_wall"] - t0 + e["duration_s"]}
+            for e, start in zip(events, _transfer_starts(events))
         )
         losses: list[float] = next((g["losses"] for g in ranks if g["losses"]), [])
         batch = m * int(run_options.get("microbatch_size") or 1)

@@ -610,6 +610,10 @@ class Simulation:
     bubble_fraction: float
     peak_inflight: tuple[int, ...]
     timeline: tuple[TimelineEvent, ...]
+    # per rank, seconds its loop waits on receives: for each action fed across ranks, from the moment the rank
+    # posts (GPipe, 1F1B) or reaches (the looped schedules) that receive to the action's start (the input's
+    # arrival, and in torch's fused 1F1B batches the rank's own sends posted with it); part of its idle time
+    receive_wait_s: tuple[float, ...] = ()
 
     def to_pandas(self) -> pandas.DataFrame:
         """One row per timeline event, columns rank, stage, microbatch, kind, start_s, end_s."""
@@ -824,6 +828,7 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     events: list[TimelineEvent] = []
     free = [0.0] * p
     busy = [0.0] * p
+    waited = [0.0] * p
     position = [0] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -839,6 +844,10 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
                     break
                 took = duration[action.kind][action.stage]
                 end = start + took
+                k = action.stage
+                if (action.kind == "F" and k > 0 and ranks[k - 1] != rank) or \
+                        (action.kind in ("B", "I") and k < last and ranks[k + 1] != rank):
+                    waited[rank] += start - posted[(action.kind, k, action.microbatch)]
                 if action.kind == "F":
                     forward_end[action.stage][action.microbatch] = end
                 elif action.kind in ("B", "I"):
@@ -876,4 +885,5 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
         bubble_fraction=bubble,
         peak_inflight=shape.peak_inflight,
         timeline=tuple(events),
+        receive_wait_s=tuple(waited),
     )

@@ -9,32 +9,9 @@ import time
 import pytest
 import torch
 from torch import nn
+from workloads import Sleeper, _SleepGrad
 
 from stageplan.measure import LayerClock, _fill_gaps
-
-
-class _SleepGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):  # type: ignore[no-untyped-def, override]
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
-        time.sleep(ctx.seconds)
-        return g, None
-
-
-class Sleeper(nn.Module):
-    def __init__(self, forward_s: float, backward_s: float) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(4))
-        self.forward_s, self.backward_s = forward_s, backward_s
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.forward_s)
-        return _SleepGrad.apply(x * self.w, self.backward_s)
-
 
 FWD = [0.02, 0.05, 0.03]
 BWD = [0.04, 0.02, 0.06]

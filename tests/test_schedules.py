@@ -339,6 +339,45 @@ def test_every_crossing_is_one_transfer_event_that_feeds_its_action(schedule: st
     assert not [e for e in simulate(schedule, fwd, bwd, m, virtual_stages=v).timeline if e.kind in "AG"]
 
 
+def test_receive_waits_by_hand() -> None:
+    # GPipe, f = (1, 2), b = (2, 4), m = 2, comm 0.5 (the transfers hand-computed above). Rank 1 posts F(1,0)'s
+    # receive at 0, the activation arrives at 1.5 (wait 1.5), F(1,0) 1.5-3.5; F(1,1) posted at 3.5, arrives
+    # 4.0 (0.5). Rank 0 waits for its forward sends (received at 1.5 and 4.0) before posting B(0,0)'s receive at
+    # 4.0; the gradient leaves at 10 and arrives at 10.5 (6.5), B(0,0) 10.5-12.5; B(0,1) posted at 12.5, its
+    # gradient leaves at 14 and arrives at 14.5 (2.0).
+    on_demand = simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
+    assert on_demand.receive_wait_s == pytest.approx((8.5, 2.0), abs=1e-12)
+    # 1F1B, m = 3, no comm (the step by hand below): rank 1 waits 1 for F(1,0) and nothing else (F(1,1) and
+    # F(1,2) find their activations there); rank 0 waits 2->7 for B(0,0), 10->13 for B(0,1), 15->19 for B(0,2)
+    assert simulate("1F1B", [1.0, 2.0], [2.0, 4.0], 3).receive_wait_s == pytest.approx((12.0, 1.0), abs=1e-12)
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
+def test_receive_waits_are_the_gaps_before_the_actions_fed_across_ranks(schedule: str, p: int, m: int, v: int) -> None:
+    n = p * v
+    rng = np.random.default_rng(11)
+    fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
+    sim = simulate(schedule, fwd, bwd, m, comm_s=comm, virtual_stages=v)
+    shape = schedules.schedule_shape(schedule, p, m, v)
+    owner, last = shape.stage_ranks, n - 1
+    gaps = [0.0] * p  # oracle: per rank, the idle gap just before each action whose input comes from another rank
+    for rank in range(p):
+        free = 0.0
+        for e in sorted((e for e in sim.timeline if e.rank == rank and e.kind in "FBIW"), key=lambda e: e.start_s):
+            fed = (e.kind == "F" and e.stage > 0 and owner[e.stage - 1] != rank) or \
+                (e.kind in "BI" and e.stage < last and owner[e.stage + 1] != rank)
+            if fed:
+                gaps[rank] += e.start_s - free
+            free = e.end_s
+    for rank in range(p):
+        assert 0.0 <= sim.receive_wait_s[rank] <= sim.idle_s[rank] + 1e-9
+        if shape.send_waits is None:  # the rank reaches a receive the moment its previous action ends
+            assert sim.receive_wait_s[rank] == pytest.approx(gaps[rank], abs=1e-9)
+        else:  # torch's single-stage loops may first wait for the rank's own sends, before posting
+            assert sim.receive_wait_s[rank] <= gaps[rank] + 1e-9
+    assert any(w > 0 for w in sim.receive_wait_s)
+
+
 def test_1f1b_two_stages_by_hand() -> None:
     # f = (1, 2), b = (2, 4), m = 3. Orders: rank 0 F0 F1 B0 F2 B1 B2; rank 1 F0 B0 F1 B1 F2 B2.
     # rank 0: F(0,0) 0-1, F(0,1) 1-2

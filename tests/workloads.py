@@ -101,3 +101,42 @@ def sleepy(seconds: float = 60.0) -> stageplan.Workload:
 
     time.sleep(seconds)
     return mlp()
+
+
+class _SleepGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):  # type: ignore[no-untyped-def, override]
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        import time
+
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class Sleeper(nn.Module):
+    """A layer of known cost: it sleeps ``forward_s`` in its forward and ``backward_s`` in its backward."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.forward_s)
+        return _SleepGrad.apply(x * self.w, self.backward_s)
+
+
+def sleepers(forward_ms: str = "20,2", backward_ms: str = "20,2", batch_size: int = 4) -> stageplan.Workload:
+    """Layers of known cost (comma-separated milliseconds, one per layer): sleeping, so the two ranks' times do not
+    depend on the machine's speed or on sharing its cores."""
+    fwd = [float(x) / 1e3 for x in forward_ms.split(",")]
+    bwd = [float(x) / 1e3 for x in backward_ms.split(",")]
+    model = nn.Sequential(*[Sleeper(f, b) for f, b in zip(fwd, bwd)])
+    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4), nn.functional.mse_loss,
+                              name="sleepers")
