@@ -300,7 +300,10 @@ class RunReport:
                 # simulator's from each post to the input's arrival, the run's timed around torch's wait
                 "predicted_receive_wait_s": predicted_waits[r] if r < len(predicted_waits) else None,
                 "measured_receive_wait_s": g.get("receive_wait_s"),
-                "predicted_idle_s": plan.predicted_step_s - m * (pf + pb),
+                # the step less the rank's chunk calls and its tied sum and optimizer step, as measured_idle_s counts
+                # it: waits for messages and torch's loop between the calls
+                "predicted_idle_s": plan.predicted_step_s - m * (pf + pb)
+                - sum(st.optimizer_s + st.tied_sync_s for st in plan.stages if st.rank == r),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,
                 # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and

@@ -31,10 +31,10 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     fwd_ms, bwd_ms, bounds = CASES[schedule]
     options = {"forward_ms": fwd_ms, "backward_ms": bwd_ms}
     wl = build_workload("workloads:sleepers", options)
-    prof = profile_model(wl, microbatch_size=2, warmup=0, repeats=2, dedup=False)
+    prof = profile_model(wl, microbatch_size=2, warmup=1, repeats=5, dedup=False)  # medians: a sleep can overshoot
     v = (len(bounds) - 1) // 2
     pl = plan(prof, 2, num_microbatches=2, schedule=schedule, boundaries=bounds, virtual_stages=v)
-    report = run("workloads:sleepers", pl, factory_options=options, steps=2, warmup=1, timeout_s=180,
+    report = run("workloads:sleepers", pl, factory_options=options, steps=3, warmup=1, timeout_s=180,
                  output=tmp_path / "run.json")
 
     # the waits per rank and step against the sleeps' own simulation (no link: the crossings cost what gloo takes)
@@ -49,6 +49,14 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
         assert known[r["rank"]] - 0.004 <= measured <= known[r["rank"]] + 0.012, (r["rank"], measured, known)
         # the plan's own prediction, from the profiled sleeps, says the same
         assert r["predicted_receive_wait_s"] == pytest.approx(known[r["rank"]], abs=0.004)
+        # idle is the step less the chunk calls, the tied sum and the optimizer step on both sides, and the
+        # waits on receives are part of it
+        assert r["predicted_idle_s"] + 2 * r["predicted_compute_s"] + r["predicted_optimizer_step_s"] \
+            + r["predicted_tied_sync_s"] == pytest.approx(report.predicted_step_s, rel=1e-9)
+        assert r["measured_idle_s"] + 2 * r["measured_compute_s"] + r["optimizer_s"] == pytest.approx(
+            report.measured_step_s, rel=1e-9)
+        assert r["predicted_receive_wait_s"] <= r["predicted_idle_s"] + 1e-9
+        assert measured <= r["measured_idle_s"] + 0.002
 
     # one transfer event per crossing, on the receiving rank, between its producer's end and its consumer's start
     ranks = [st.rank for st in pl.stages]
