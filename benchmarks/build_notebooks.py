@@ -117,7 +117,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "print(f'step: predicted {report.predicted_step_s*1e3:.1f} ms, measured {report.measured_step_s*1e3:.1f} ms, ratio {report.step_ratio:.3f}')"),
         ("code", "fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={'width_ratios': [2.5, 1]})\n"
                  "plots.plot_timeline(report, ax=axes[0])\n"
-                 "plots.plot_predicted_vs_measured(report, ax=axes[1]); plt.show()"),
+                 "plots.plot_predicted_vs_measured(report, ax=axes[1])\n"
+                 "fig.tight_layout(); plt.show()  # room for the legends outside each panel"),
         ("md", "Calibrate: each layer's time becomes what the run measured of it inside the schedule (the per-layer "
                "clock; its rank's overhead outside the layers shared out by time); plan again."),
         ("code", "calibrated = stageplan.calibrate(profile, report)\n"
