@@ -63,7 +63,8 @@ _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s"
                  "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
 _RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
-                  "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s")
+                  "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s",
+                  "predicted_receive_wait_s", "measured_receive_wait_s")
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:

@@ -210,6 +210,8 @@ MANGLED_RUNS = [
     (_set("check", {"passed": False, "max_loss_diff": None, "max_param_diff": None}),
      r"check's params_compared must be an integer >= 0, got None"),
     (_set("meta", "load_average_1min", "high"), r"meta's load_average_1min must be a number or null, got 'high'"),
+    (_set("ranks", 1, "measured_receive_wait_s", "3 ms"),
+     r"rank row 1's measured_receive_wait_s must be a number or null, got '3 ms'"),
 ]
 
 

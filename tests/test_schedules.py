@@ -312,13 +312,19 @@ def test_gpipe_two_stages_by_hand() -> None:
     assert on_demand.busy_s == sim.busy_s  # a transfer occupies the link, not the rank
 
 
+def _random_step(schedule: str, p: int, m: int, v: int, seed: int
+                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, schedules.Simulation, schedules.ScheduleShape]:
+    """Seeded per-stage forward (1-2), backward (2-4) and comm (0.1-0.5) times, their simulated step and the shape."""
+    n = p * v
+    rng = np.random.default_rng(seed)
+    fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
+    return n, fwd, bwd, comm, simulate(schedule, fwd, bwd, m, comm_s=comm, virtual_stages=v), \
+        schedules.schedule_shape(schedule, p, m, v)
+
+
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_every_crossing_is_one_transfer_event_that_feeds_its_action(schedule: str, p: int, m: int, v: int) -> None:
-    n = p * v
-    rng = np.random.default_rng(7)
-    fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
-    sim = simulate(schedule, fwd, bwd, m, comm_s=comm, virtual_stages=v)
-    shape = schedules.schedule_shape(schedule, p, m, v)
+    n, fwd, bwd, comm, sim, shape = _random_step(schedule, p, m, v, seed=7)
     owner = shape.stage_ranks
     compute = {(e.stage, e.microbatch, e.kind): e for e in sim.timeline if e.kind not in "AG"}
     moves = [e for e in sim.timeline if e.kind in "AG"]
@@ -354,11 +360,7 @@ def test_receive_waits_by_hand() -> None:
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_receive_waits_are_the_gaps_before_the_actions_fed_across_ranks(schedule: str, p: int, m: int, v: int) -> None:
-    n = p * v
-    rng = np.random.default_rng(11)
-    fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
-    sim = simulate(schedule, fwd, bwd, m, comm_s=comm, virtual_stages=v)
-    shape = schedules.schedule_shape(schedule, p, m, v)
+    n, _, _, _, sim, shape = _random_step(schedule, p, m, v, seed=11)
     owner, last = shape.stage_ranks, n - 1
     gaps = [0.0] * p  # oracle: per rank, the idle gap just before each action whose input comes from another rank
     for rank in range(p):
