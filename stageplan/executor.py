@@ -25,6 +25,7 @@ from stageplan.materialize import Checkpoint
 from stageplan.measure import LayerClock, SavedTensorTracker, Timer, median_iqr, steady_allocator
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
+from stageplan.schedules import TRANSFER_KINDS
 from stageplan.stages import (
     RankStages,
     batch_target,
@@ -196,7 +197,6 @@ def _check_same_weights(options: dict[str, Any], world_size: int) -> None:
 
 
 _RECEIVE_TAG = "_stageplan_receive"  # on a receive's P2POp: (kind, stage, microbatch) of the chunk call it feeds
-RECEIVE_KINDS = ("A", "G")  # a wait on an activation (for a forward) or a gradient (for a backward)
 
 
 class _Works(list[Any]):
@@ -452,7 +452,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.forward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
             out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
             out.compute_cpu_s.append(sum(cpu for kind, *_, cpu in intervals if kind in ("F", "B", "W")))
-            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in RECEIVE_KINDS))
+            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in TRANSFER_KINDS))
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
@@ -460,7 +460,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
                 # a receive's wait also keeps when torch posted it, which the report's transfer bar starts from
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0,
-                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in RECEIVE_KINDS else {})}
+                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS else {})}
                                 for kind, s, mb, w, sec, _ in intervals]
                 # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans ranks) and
                 # the optimizer step ("O"), on the rank's first stage, with no microbatch

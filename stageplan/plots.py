@@ -14,6 +14,7 @@ from stageplan.errors import StageplanError
 from stageplan.plan import Plan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
+from stageplan.schedules import TRANSFER_KINDS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
           "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
-# an activation or gradient crossing between ranks: simulated (schedules.TimelineEvent) or a run's (its receive's
-# wait, from the message's earliest move to the wait's end; runreport)
-TRANSFER_KINDS = ("A", "G")
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
+from stageplan.schedules import TRANSFER_KINDS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -163,7 +164,7 @@ def _transfer_starts(events: list[dict[str, Any]]) -> list[float]:
             if e["kind"] in ("F", "B")}
     starts = []
     for e in events:
-        if e["kind"] not in ("A", "G") or "post_wall" not in e:
+        if e["kind"] not in TRANSFER_KINDS or "post_wall" not in e:
             starts.append(e["start_wall"])
             continue
         producer = ("F", e["stage"] - 1, e["microbatch"]) if e["kind"] == "A" else ("B", e["stage"] + 1, e["microbatch"])
@@ -299,7 +300,7 @@ class RunReport:
                 "measured_optimizer_step_s": g.get("optimizer_step_s"),
                 # the loop's waits on its receives (activations and gradients from other ranks), per step: the
                 # simulator's from each post to the input's arrival, the run's timed around torch's wait
-                "predicted_receive_wait_s": predicted_waits[r] if r < len(predicted_waits) else None,
+                "predicted_receive_wait_s": predicted_waits[r],
                 "measured_receive_wait_s": g.get("receive_wait_s"),
                 # the step less the rank's chunk calls and its tied sum and optimizer step, as measured_idle_s counts
                 # it: waits for messages and torch's loop between the calls

@@ -576,6 +576,9 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
 # Simulation.
 
 
+TRANSFER_KINDS = ("A", "G")  # a crossing's transfer in a timeline: an activation, a gradient (TimelineEvent)
+
+
 @dataclass(frozen=True)
 class TimelineEvent:
     """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s.
