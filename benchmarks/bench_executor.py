@@ -7,7 +7,9 @@ distinct split run for at least RUN_S seconds of steps: this shared host's speed
 of the same work differed by up to 33% over 1.7 s windows and 9% over 20 s, 98th percentile) and over minutes (two
 10 s profiles of one model two minutes apart, 15% on every layer alike). Printed per run: predicted and measured step, and per
 rank measured / predicted compute by wall clock and by thread CPU time side by side (wall above CPU is time the
-rank was preempted), with the 1-minute load average at the run's start and the machine's own drift (a fixed kernel
+rank was preempted), that compute error split in two (each rank's layers timed alone after the run, the ranks in
+turns, against the plan: the machine now against at the profile; and the run against them: the pipeline's own
+effect), with the 1-minute load average at the run's start and the machine's own drift (a fixed kernel
 timed just before the run against just after the profile). Then the medians and worst cases against the
 goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%), the optimal-over-uniform gains
 predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on fresh runs
@@ -286,7 +288,7 @@ def main() -> None:
 
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
     runs, gains, parts, speeds, syncs = [], [], [], [], []
-    err_wall, err_cpu, err_step = [], [], []
+    err_wall, err_cpu, err_step, err_machine, err_pipe = [], [], [], [], []
     tune_steps: dict[int, int] = {}
     for model, options in MODELS:
         workload = build_workload(model, options)
@@ -310,15 +312,20 @@ def main() -> None:
                     reports[name] = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options)
                     rep = reports[name]
                     err_step.append(abs(rep.step_ratio - 1))
-                    walls, cpus = [], []
+                    walls, cpus, machines, pipes = [], [], [], []
                     for r in rep.ranks:
                         walls.append(r["compute_ratio"] - 1)
                         cpus.append(r["measured_compute_cpu_s"] / r["predicted_compute_s"] - 1)
+                        machines.append(r["machine_ratio"] - 1)
+                        pipes.append(r["pipeline_ratio"] - 1)
                     err_wall += [abs(x) for x in walls]
                     err_cpu += [abs(x) for x in cpus]
+                    err_machine += [abs(x) for x in machines]
+                    err_pipe += [abs(x) for x in pipes]
                     runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
                                  f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1), " ".join(map(_pct, walls)),
-                                 " ".join(map(_pct, cpus)), _pct(at_run / at_profile - 1),
+                                 " ".join(map(_pct, cpus)), " ".join(map(_pct, machines)), " ".join(map(_pct, pipes)),
+                                 _pct(at_run / at_profile - 1),
                                  f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
                     parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
                     tied = _tied_sync(rep)
@@ -333,13 +340,20 @@ def main() -> None:
           f"{link.get('exchange_s', 0.0) * 1e6:.0f} us; torch's loop {link.get('action_s', 0.0) * 1e6:.0f} us a chunk action, PipelineStage "
           f"{link.get('chunk_forward_s', 0.0) * 1e6:.0f} / {link.get('chunk_backward_s', 0.0) * 1e6:.0f} us a forward / backward: the "
           "replays below price crossings and loop with these); load = 1-minute load average at the run's start; "
-          "machine = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
+          "compute error in two per rank: the rank's layers timed alone after the run (ranks in turns, as the profiler "
+          "times them) against the plan (the machine now against at the profile), and the run against them (the "
+          "pipeline's own effect; the two multiply to the compute error); "
+          "kernel = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
     print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
-                        "compute error per rank (wall)", "(thread CPU)", "machine", "load"], runs))
+                        "compute error per rank (wall)", "(thread CPU)", "machine now", "pipeline", "kernel", "load"],
+                       runs))
     print(f"\nper-rank compute, |measured/predicted - 1| by wall clock: median {statistics.median(err_wall):.1%}, "
           f"worst {max(err_wall):.1%} over {len(err_wall)} rank runs (goal: median <= 10%, worst <= 20%)")
     print(f"per-rank compute, |thread CPU/predicted - 1|:             median {statistics.median(err_cpu):.1%}, "
           f"worst {max(err_cpu):.1%}")
+    print(f"  of it, the machine now against at the profile, |alone after the run/predicted - 1|: median "
+          f"{statistics.median(err_machine):.1%}, worst {max(err_machine):.1%}; the pipeline, |measured/alone after "
+          f"the run - 1|: median {statistics.median(err_pipe):.1%}, worst {max(err_pipe):.1%}")
     print(f"step, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, worst {max(err_step):.1%} over "
           f"{len(err_step)} runs (goal: median <= 15%, worst <= 25%)")
     print(f"the machine's fixed kernel over the bench: {min(speeds) * 1e6:.0f}-{max(speeds) * 1e6:.0f} us "

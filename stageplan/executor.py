@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime as _dt
+import gc
 import os
 import sys
 import threading
@@ -22,7 +23,14 @@ import torch
 from stageplan.errors import RunError, StageplanError, WorkloadError
 from stageplan.link import ping_pong, probe_sizes, save_link
 from stageplan.materialize import Checkpoint
-from stageplan.measure import LayerClock, SavedTensorTracker, Timer, median_iqr, steady_allocator
+from stageplan.measure import (
+    LayerClock,
+    SavedTensorTracker,
+    Timer,
+    median_iqr,
+    microbatch_size_for,
+    steady_allocator,
+)
 from stageplan.plan import Plan
 from stageplan.runreport import RunReport
 from stageplan.schedules import TRANSFER_KINDS
@@ -499,6 +507,32 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
             clock.attach(layer, mod, own)
 
 
+def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device, weights: Checkpoint | None,
+            seed: int) -> dict[int, list[float]]:
+    """The rank's layers timed after its run as the profiler times them, in this process (:func:`retime_layers`):
+    {layer: [forward_s, backward_s, backward_accumulate_s]}. The ranks take turns, each alone on the machine as the
+    profile was taken (rank 0's blocks read 1.41x the profile's while rank 1 timed its LM head beside it, and the
+    same rank's blocks 0.80x of that inside the pipeline); medians of 10 rounds. The run's gradients go first (the optimizer and its
+    states went with :func:`_train`), so the copies it times add no peak to the run's."""
+    import torch.distributed as dist
+
+    from stageplan.profiler import retime_layers
+
+    for p in rs.unique_params:
+        p.grad = None
+    gc.collect()
+    mine = [k for s in rs.indices for k in range(plan.boundaries[s], plan.boundaries[s + 1])]
+    size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
+    times: dict[int, list[float]] = {}
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            times = retime_layers(workload, plan.layer_names, mine, size, device,
+                                  layers_arg=plan.profile_meta.get("layers_arg"), weights=weights, seed=seed,
+                                  repeats=10)
+        dist.barrier()
+    return times
+
+
 def _peak_memory_bytes(device: torch.device) -> int:
     """The rank's peak memory: max allocated on CUDA; on CPU the process's peak resident set (ru_maxrss, KiB on
     Linux), which includes torch's own baseline (a few hundred MiB per process)."""
@@ -552,7 +586,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
-              "short_slice_threads": short_threads}
+              "short_slice_threads": short_threads,
+              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed)}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:

@@ -987,6 +987,60 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
     return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
 
 
+def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequence[int], microbatch_size: int,
+                  device: torch.device | str, *, layers_arg: Sequence[str] | None = None,
+                  weights: Checkpoint | None = None, seed: int = 0, warmup: int = 1,
+                  repeats: int = 5) -> dict[int, list[float]]:
+    """Time ``layers`` (indices into the profile's ``layer_names``) of ``workload`` as the profiler times a layer,
+    in this process and now: each alone, forward, backward into empty grads and backward accumulating, in rounds
+    over all of them (a change in the machine's speed hits them alike; medians over ``repeats`` rounds after
+    ``warmup``). A pipeline rank calls it on its own layers after its run (:mod:`stageplan.executor`), so that the
+    layers' times inside the pipeline against the profile split in two: this process's speed now against the
+    profile's (the machine drifts by the minute), and what the pipeline itself adds (inside against now).
+
+    The model is cut as the profile cut it (``layers_arg``: its ``--layers``); layers before the first asked for are
+    materialised one at a time and run forward only, to give the asked-for ones their real inputs; parameters come
+    from ``weights``, else initialised by FQN with ``seed`` (a rank's starting weights: values do not move a dense
+    layer's time). Returns {layer: [forward_s, backward_s, backward_accumulate_s]}."""
+    if not layers:
+        return {}
+    dev = torch.device(device)
+    mb_args_cpu = first_microbatch(workload, microbatch_size)
+    ctx = _Context(workload, microbatch_size, dev, None, warmup, repeats, layers_arg, False, mb_args_cpu, False)
+    src = workload.model
+    if weights is None and not meta_parameter_names(src):
+        weights = Checkpoint(dict(src.state_dict()))
+    model, args, target, cut = _meta_cut(ctx, src)
+    names = [piece.name for piece in cut.pieces]
+    if names != list(layer_names):
+        raise StageplanError(f"the model cuts into {len(names)} layers here ({', '.join(names[:4])}, ...) and the plan "
+                             f"has {len(layer_names)} ({', '.join(list(layer_names)[:4])}, ...): its profile is of "
+                             "another model or another --layers; profile this model and plan again")
+    wanted = sorted(set(int(k) for k in layers))
+    n = len(cut.pieces)
+    runs: dict[int, _Run] = {}
+    env: dict[Any, Any] = {}
+    for k, piece in enumerate(cut.pieces[: wanted[-1] + 1]):
+        fqns = _piece_fqns(cut, piece)
+        tensors = real_parameters(model, fqns.values(), dev, weights=weights, seed=seed)
+        materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
+        del tensors
+        values = [resolve(r, args, env) for r in piece.inputs]
+        if k in wanted:
+            runs[k] = _make_run(piece, k, n, values, workload, target)
+        with torch.no_grad():
+            store_outputs(env, k, piece.module(*values))
+        del values
+        keep = cut.crossing_refs(k)
+        env = {r: v for r, v in env.items() if r in keep}
+        if k not in runs:
+            _release_(piece.module)
+    samples, _ = _time_rounds(list(runs.values()), Timer(dev), warmup, repeats)
+    for k in runs:
+        _release_(cut.pieces[k].module)
+    return {k: [median_iqr(s[j])[0] for j in range(3)] for k, s in zip(runs, samples)}
+
+
 def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
                       memory_efficiency: float | None) -> Profile:
     from stageplan.estimate import estimate_module

@@ -225,12 +225,22 @@ def run_table(report: RunReport) -> str:
     if report.layers:
         lines.append("\nlayers inside the schedule (ms per microbatch, median over the clock's steps; what stageplan "
                      "calibrate starts from):")
-        lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"],
+        alone = any(x.get("retimed_forward_s") is not None for x in report.layers)
+        lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"]
+                                  + (["alone after: forward", "backward"] if alone else []),
                                   [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
-                                    ms(x["measured_backward_s"])] for x in report.layers]))
+                                    ms(x["measured_backward_s"])]
+                                   + ([ms(x.get("retimed_forward_s")), ms(x.get("retimed_backward_s"))] if alone else [])
+                                   for x in report.layers]))
         lines.append("chunk overhead outside the layers (ms per microbatch, forward + backward): " + ", ".join(
             f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + {ms(r.get('measured_overhead_backward_s'))}"
             for r in report.ranks))
+    if any(r.get("retimed_compute_s") is not None for r in report.ranks):
+        lines.append("compute ratio in two (compute ms per microbatch from the rank's layers timed alone after the run, "
+                     "in its process, as the profiler times them): " + "; ".join(
+                         f"rank {r['rank']} {ms(r.get('retimed_compute_s'))}, the machine now x"
+                         f"{ratio(r.get('machine_ratio'))} the profile's, inside the pipeline x"
+                         f"{ratio(r.get('pipeline_ratio'))} alone" for r in report.ranks))
     if any(r.get("predicted_tied_sync_s") for r in report.ranks):
         lines.append("tied gradients' all-reduce (ms per step; a rank that gets there before the last one waits in it "
                      "for that rank's last backward, which the prediction counts as idle): " + ", ".join(

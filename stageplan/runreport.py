@@ -42,6 +42,10 @@ def _checked_layers(rows: Any, source: str, num_layers: int | None = None,
         if not all(math.isfinite(t) and t >= 0 for t in times):
             raise SchemaError(f"{source}: layer row {i} has forward and backward {times}; they must be seconds >= 0; "
                               "rerun stageplan run")
+        for key in ("retimed_forward_s", "retimed_backward_s"):  # the layer timed alone after the run, or null
+            if row.get(key) is not None and not (is_number(row[key]) and row[key] >= 0):
+                raise SchemaError(f"{source}: layer row {i} has {key} {short_repr(row[key])}; it must be seconds >= 0 "
+                                  "or null; rerun stageplan run")
         index = row["index"]
         if index in seen or index < 0 or (num_layers is not None and index >= num_layers):
             raise SchemaError(f"{source}: layer row {i} has index {index}, "
@@ -55,6 +59,23 @@ def _checked_layers(rows: Any, source: str, num_layers: int | None = None,
     return list(rows)
 
 
+def _retimed_compute(plan: Plan, rank: int, retimed: dict[int, tuple[float, float]]) -> float | None:
+    """Seconds per microbatch of the rank's chunks as the cost model adds them up (its layers' forward and mean
+    backward, the forward again under recomputation, PipelineStage's own code), with each layer's times from
+    ``retimed`` (forward, mean backward per microbatch) instead of the profile's; None where a layer of the rank's
+    lacks one (a run from before it was measured)."""
+    total = 0.0
+    for st in plan.stages:
+        if st.rank != rank:
+            continue
+        if any(k not in retimed for k in range(st.first_layer, st.end_layer)):
+            return None
+        f = sum(retimed[k][0] for k in range(st.first_layer, st.end_layer))
+        b = sum(retimed[k][1] for k in range(st.first_layer, st.end_layer))
+        total += f * (2.0 if plan.cost_options.get("recompute") else 1.0) + b + st.chunk_s
+    return total
+
+
 def _ints(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
 
@@ -65,7 +86,8 @@ _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s"
 _RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
                   "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s",
-                  "predicted_receive_wait_s", "measured_receive_wait_s")
+                  "predicted_receive_wait_s", "measured_receive_wait_s", "retimed_compute_s", "machine_ratio",
+                  "pipeline_ratio")
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:
@@ -267,10 +289,15 @@ class RunReport:
         predicted_waits = plan.simulate().receive_wait_s
         for g in sorted(ranks, key=lambda g: g["rank"]):
             r = g["rank"]
+            # the rank's layers timed alone after the run, as the profiler times them: per microbatch at m
+            retimed = {int(k): (v[0], (v[1] + (m - 1) * v[2]) / m) for k, v in (g.get("retimed_layer_s") or {}).items()}
             for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
                 stage = next(s for s in range(plan.num_chunks) if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
                 layers.append({"index": layer, "name": plan.layer_names[layer], "stage": stage, "rank": r,
-                               "measured_forward_s": lf, "measured_backward_s": lb})
+                               "measured_forward_s": lf, "measured_backward_s": lb,
+                               "retimed_forward_s": retimed[layer][0] if layer in retimed else None,
+                               "retimed_backward_s": retimed[layer][1] if layer in retimed else None})
+            retimed_compute = _retimed_compute(plan, r, retimed)
             overhead = g.get("overhead_s") or {}
             pf = sum(st.forward_s for st in plan.stages if st.rank == r)
             pb = sum(st.backward_s for st in plan.stages if st.rank == r)
@@ -291,6 +318,12 @@ class RunReport:
                 # the same compute over the clock's own steps (hooks on), which its layers and overhead make up
                 "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
                 "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
+                # the rank's compute per microbatch as the plan adds it up, from its layers timed alone in the rank's
+                # process after the run: compute_ratio = machine_ratio x pipeline_ratio, the machine's speed now
+                # against the profile's, and the pipeline's own effect (inside the schedule against alone, now)
+                "retimed_compute_s": retimed_compute,
+                "machine_ratio": retimed_compute / (pf + pb) if retimed_compute and pf + pb > 0 else None,
+                "pipeline_ratio": ((f + b) / m) / retimed_compute if retimed_compute else None,
                 "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
                 # of it, the tied gradients' sum: the all-reduce, and a rank's wait in it for the last rank to arrive
                 "predicted_tied_sync_s": sum(st.tied_sync_s for st in plan.stages if st.rank == r),

@@ -212,6 +212,9 @@ MANGLED_RUNS = [
     (_set("meta", "load_average_1min", "high"), r"meta's load_average_1min must be a number or null, got 'high'"),
     (_set("ranks", 1, "measured_receive_wait_s", "3 ms"),
      r"rank row 1's measured_receive_wait_s must be a number or null, got '3 ms'"),
+    (_set("ranks", 0, "machine_ratio", [1.2]), r"rank row 0's machine_ratio must be a number or null, got \[1.2\]"),
+    (_set("layers", 1, "retimed_backward_s", -0.5),
+     r"layer row 1 has retimed_backward_s -0.5; it must be seconds >= 0 or null"),
 ]
 
 

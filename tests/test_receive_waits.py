@@ -1,6 +1,7 @@
 """A run's waits on its receives, against stages of known cost: layers that sleep a known time in their forward and
 backward (tests/workloads.py), so the waits follow from the sleeps, not from the machine's speed or from the two
-ranks sharing its cores. The oracle is the simulator on the sleeps themselves (hand-checked: GPipe m = 2 on forwards
+ranks sharing its cores; and each rank's layers timed alone after the run, against the sleeps. The oracle is the
+simulator on the sleeps themselves (hand-checked: GPipe m = 2 on forwards
 30/3 ms and backwards 20/5 ms, rank 1 waits 30 ms for microbatch 0's activation and 60 - 33 = 27 ms for 1's, rank 0
 waits 68 - 60 = 8 ms for microbatch 0's gradient; 1F1B, rank 1 waits 30 + (60 - 38) = 52 ms, rank 0 nothing)."""
 
@@ -57,6 +58,12 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
             report.measured_step_s, rel=1e-9)
         assert r["predicted_receive_wait_s"] <= r["predicted_idle_s"] + 1e-9
         assert measured <= r["measured_idle_s"] + 0.002
+        # its layers timed alone after the run (the ranks in turns): their sleeps, forward and backward per
+        # microbatch, and the compute ratio is the machine's ratio times the pipeline's
+        mine = [k for st in pl.stages if st.rank == r["rank"] for k in range(st.first_layer, st.end_layer)]
+        sleeps = sum(float(fwd_ms.split(",")[k]) + float(bwd_ms.split(",")[k]) for k in mine) / 1e3
+        assert sleeps <= r["retimed_compute_s"] <= sleeps + 0.003 * len(mine), (r["rank"], r["retimed_compute_s"])
+        assert r["machine_ratio"] * r["pipeline_ratio"] == pytest.approx(r["compute_ratio"], rel=1e-9)
 
     # one transfer event per crossing, on the receiving rank, between its producer's end and its consumer's start
     ranks = [st.rank for st in pl.stages]
@@ -91,3 +98,7 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     for r in report.ranks:
         assert (f"rank {r['rank']} predicted {1e3 * r['predicted_receive_wait_s']:.3f}, measured "
                 f"{1e3 * r['measured_receive_wait_s']:.3f}") in line
+    line = next(x for x in out.splitlines() if x.startswith("compute ratio in two"))
+    for r in report.ranks:
+        assert (f"rank {r['rank']} {1e3 * r['retimed_compute_s']:.3f}, the machine now x{r['machine_ratio']:.3f} the "
+                f"profile's, inside the pipeline x{r['pipeline_ratio']:.3f} alone") in line
