@@ -510,10 +510,10 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
 def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device, weights: Checkpoint | None,
             seed: int) -> dict[int, list[float]]:
     """The rank's layers timed after its run as the profiler times them, in this process (:func:`retime_layers`):
-    {layer: [forward_s, backward_s, backward_accumulate_s]}. The ranks take turns, each alone on the machine as the
-    profile was taken (rank 0's blocks read 1.41x the profile's while rank 1 timed its LM head beside it, and the
-    same rank's blocks 0.80x of that inside the pipeline); medians of 10 rounds. The run's gradients go first (the optimizer and its
-    states went with :func:`_train`), so the copies it times add no peak to the run's."""
+    {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each alone
+    on the machine as the profile was taken (timed at once, the GPT's first rank read its blocks 1.41x the profile
+    while the second timed its LM head beside it, and its run 0.80x that). The run's gradients go first (the
+    optimizer and its states went with :func:`_train`), so the copies it times add no peak to the run's."""
     import torch.distributed as dist
 
     from stageplan.profiler import retime_layers
