@@ -114,7 +114,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "print('check passed:', report.check['passed'])\n"
                  "for r in report.ranks:\n"
                  "    print(f\"rank {r['rank']}: compute predicted {r['predicted_compute_s']*1e3:.2f} ms, measured {r['measured_compute_s']*1e3:.2f} ms, ratio {r['compute_ratio']:.3f}\")\n"
+                 "    print(f\"  = the machine now x{r['machine_ratio']:.3f} the profile (its layers alone after the run) \"\n"
+                 "          f\"x the pipeline {r['pipeline_ratio']:.3f}\")\n"
                  "print(f'step: predicted {report.predicted_step_s*1e3:.1f} ms, measured {report.measured_step_s*1e3:.1f} ms, ratio {report.step_ratio:.3f}')"),
+        ("md", "Each rank ended its run by timing its layers alone, as the profiler does (the ranks in turns). On "
+               "the right, that figure is the hollow circle: its height over the diagonal is the machine's drift since "
+               "the profile, and the line from it to the measured dot is what the pipeline itself added."),
         ("code", "fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={'width_ratios': [2.5, 1]})\n"
                  "plots.plot_timeline(report, ax=axes[0])\n"
                  "plots.plot_predicted_vs_measured(report, ax=axes[1])\n"

@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
     _add_pin_arg(p)
+    p.add_argument("--no-retime", dest="retime", action="store_false", help="skip timing each rank's layers alone "
+                   "after the run (which splits its compute ratio into the machine's and the pipeline's; a later rank "
+                   "first runs the earlier layers forward once, reading their weights)")
     p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
     p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model folder: each rank "
                    "reads only its own tensors (default: the factory's own weights, built once and saved)")
@@ -440,7 +443,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from stageplan.report import run_table
 
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
-                                  backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus)
+                                  backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus, retime=a.retime)
     factory_options = parse_set(a.factory_options)
     if a.output:
         from stageplan._io import check_output_path

@@ -587,7 +587,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
               "short_slice_threads": short_threads,
-              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed)}
+              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed) if options.get("retime", True)
+              else {}}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:

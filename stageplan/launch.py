@@ -75,6 +75,7 @@ def run(
     weights: str | os.PathLike[str] | dict[str, torch.Tensor] | None = None,
     progress: bool = False,
     pin_cpus: bool = True,
+    retime: bool = True,
 ) -> RunReport:
     """Train ``workload`` with ``plan`` on one local process per pipeline rank; return the RunReport.
 
@@ -85,11 +86,15 @@ def run(
     else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
     naming the rank and its log file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each
     CPU rank runs on its own block of this machine's CPUs (:func:`stageplan.executor.pin_rank_cpus`; skipped where
-    there are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran.
+    there are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran. With
+    ``retime`` (the default) each rank ends by timing its layers alone, as the profiler does (the ranks in turns),
+    which splits each rank's ``compute_ratio`` into ``machine_ratio`` x ``pipeline_ratio``; a later rank first runs
+    the earlier layers forward once, materialising each from ``weights``, so with a checkpoint far larger than a
+    rank's share pass ``retime=False`` (``--no-retime``).
     """
     the_plan = _load_plan(plan)
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     _warn_precision(the_plan)
     if output is not None:
@@ -389,7 +394,7 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
 
 
 def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
-                 backend: str | None, timeout_s: float, pin_cpus: bool = True) -> dict[str, Any]:
+                 backend: str | None, timeout_s: float, pin_cpus: bool = True, retime: bool = True) -> dict[str, Any]:
     """Validate every run option before any process starts."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or isinstance(warmup, bool) \
             or not isinstance(warmup, int) or warmup < 0:
@@ -414,7 +419,8 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
     clock_steps = min(5, max(2, steps // 4))
     return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
             "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,
-            "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus), "comm_slice_ns": comm_slice_ns()}
+            "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus), "comm_slice_ns": comm_slice_ns(),
+            "retime": bool(retime)}
 
 
 def _backend(backend: str | None, num_ranks: int) -> str:
@@ -620,7 +626,8 @@ def _kill_all(procs: list[Any]) -> None:
 def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20, warmup: int = 3,
                   optimizer: str | None = None, lr: float | None = None, check: bool = False, backend: str | None = None,
                   timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None,
-                  weights: str | os.PathLike[str] | None = None, pin_cpus: bool = True) -> RunReport | None:
+                  weights: str | os.PathLike[str] | None = None, pin_cpus: bool = True,
+                  retime: bool = True) -> RunReport | None:
     """One rank under torchrun (rank and world size from the environment); rank 0 returns the RunReport.
 
     Every rank builds the workload itself: its model with parameters on meta (build it inside
@@ -631,7 +638,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     the_plan = _load_plan(plan)
     rank, world = torchrun_rank()
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     if rank == 0:
         _warn_precision(the_plan)

@@ -265,7 +265,9 @@ def _label_points(ax: Axes, labels: Sequence[tuple[float, float, str, str]]) -> 
 
 def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axes | None = None) -> Axes:
     """Scatter of measured against predicted ms: per-rank compute per microbatch (dots, each marked with its
-    rank) and the step (squares), with the y = x line. Log axes (a step is many microbatches long) ticked at
+    rank) and the step (squares), with the y = x line. Where a run timed each rank's layers alone after it
+    (``retimed_compute_s``), a hollow circle at that figure and a line from it to the measured dot: the circle's
+    height over y = x is the machine's drift since the profile, the line the pipeline's own share. Log axes (a step is many microbatches long) ticked at
     1, 2, 5 x 10^k with plain numbers."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -280,6 +282,14 @@ def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axe
         my = [r["measured_compute_s"] * 1e3 for r in rep.ranks]
         ax.scatter(px, my, marker="o", color=f"C{i}", label=f"{method} per-rank compute")
         labels += [(x, y, f"rank {row.get('rank', k)}", f"C{i}") for k, (row, x, y) in enumerate(zip(rep.ranks, px, my))]
+        alone = [(x, row["retimed_compute_s"] * 1e3, y) for row, x, y in zip(rep.ranks, px, my)
+                 if row.get("retimed_compute_s")]
+        if alone:
+            ax.scatter([a[0] for a in alone], [a[1] for a in alone], marker="o", facecolors="none", edgecolors=f"C{i}",
+                       label=f"{method}: its layers alone after the run")
+            ax.vlines([a[0] for a in alone], [a[1] for a in alone], [a[2] for a in alone], colors=f"C{i}",
+                      linewidth=0.8)
+            pts += [a[1] for a in alone]
         ax.scatter([rep.predicted_step_s * 1e3], [rep.measured_step_s * 1e3], marker="s", color=f"C{i}",
                    label=f"{method} step")
         pts += px + my + [rep.predicted_step_s * 1e3, rep.measured_step_s * 1e3]

@@ -288,13 +288,22 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
     assert report.meta["comm_thread_slice_us"] == 100
     if _kernel_has_custom_slices():
         assert all(n >= 1 for n in report.meta["short_slice_threads_per_rank"])
+    # each rank timed its layers alone after the run: the compute ratio in two, printed
+    assert all(r["retimed_compute_s"] > 0 and r["machine_ratio"] * r["pipeline_ratio"] == pytest.approx(r["compute_ratio"])
+               for r in report.ranks)
+    assert "compute ratio in two" in out
     monkeypatch.setenv("STAGEPLAN_COMM_SLICE_US", "0")  # the kernel's own slice: nothing set, nothing claimed
     code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan", str(tmp_path / "plan.json"),
-                            "--steps", "1", "--warmup", "0", "--no-pin", "-o", str(tmp_path / "free.json")], capsys)
+                            "--steps", "1", "--warmup", "0", "--no-pin", "--no-retime", "-o", str(tmp_path / "free.json")],
+                           capsys)
     assert code == 0, out
     assert "CPUs per rank: not pinned" in out
     free = RunReport.load(tmp_path / "free.json")
     assert free.meta["cpus_per_rank"] == [None, None]
+    # --no-retime: no layer timed alone, no split, no line
+    assert free.run_options["retime"] is False and "compute ratio in two" not in out
+    assert all(r["retimed_compute_s"] is None and r["machine_ratio"] is None for r in free.ranks)
+    assert free.layers and all(x["retimed_forward_s"] is None for x in free.layers)
     assert free.meta["comm_thread_slice_us"] is None and free.meta["short_slice_threads_per_rank"] == [0, 0]
     monkeypatch.setenv("STAGEPLAN_COMM_SLICE_US", "50")  # below the kernel's 0.1 ms: refused before any rank starts
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json"), "--steps", "1"], capsys)

@@ -120,6 +120,24 @@ def test_predicted_vs_measured(tmp_path: Path) -> None:
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_predicted_vs_measured_draws_each_ranks_layers_alone_after_the_run() -> None:
+    import dataclasses
+
+    rep = _report()
+    ranks = tuple({**r, "retimed_compute_s": a} for r, a in zip(rep.ranks, (0.0115, 0.0105)))
+    ax = plot_predicted_vs_measured(dataclasses.replace(rep, ranks=ranks))
+    hollow = [c for c in ax.collections if c.get_label() == "optimal: its layers alone after the run"]
+    assert len(hollow) == 1
+    # at (predicted, alone) in ms, and a line from each up or down to its measured dot (the pipeline's share)
+    assert hollow[0].get_offsets().ravel().tolist() == pytest.approx([10.0, 11.5, 11.0, 10.5])
+    (lines,) = [c for c in ax.collections if type(c).__name__ == "LineCollection"]
+    assert [s.ravel().tolist() for s in lines.get_segments()] == [pytest.approx([10.0, 11.5, 10.0, 12.0]),
+                                                                  pytest.approx([11.0, 10.5, 11.0, 13.0])]
+    # a report without them draws neither
+    ax = plot_predicted_vs_measured(rep)
+    assert not [c for c in ax.collections if "alone" in str(c.get_label()) or type(c).__name__ == "LineCollection"]
+
+
 @pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<svg"), (".pdf", b"%PDF"), (".PDF", b"%PDF")])
 def test_save_writes_the_format_its_suffix_names(tmp_path: Path, suffix: str, magic: bytes) -> None:
     path = tmp_path / f"fig{suffix}"
