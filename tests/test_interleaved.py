@@ -194,6 +194,29 @@ _LIVE_SHAPES = [("Interleaved1F1B", 4), ("Interleaved1F1B", 6), ("ZBVZeroBubble"
                 ("InterleavedZeroBubble", 4), ("LoopedBFS", 2)]
 
 
+def test_the_smallest_limit_named_when_nothing_fits_is_the_brute_force_peak() -> None:
+    """The instance the property test below found: HiGHS's presolve returned 35 B as the optimal peak where a split
+    of 34 B exists; the refusal names the brute force's smallest peak."""
+    from stageplan.schedules import schedule_shape
+
+    shape = schedule_shape("ZBVZeroBubble", 2, 4, 2)
+    act, static = [4.0, 0.0, 1.0, 5.0, 9.0, 2.0, 1.0], [2.0, 4.0, 2.0, 2.0, 0.0, 4.0, 5.0]
+    place = list(shape.stage_ranks)
+    counts = [np.array(k, dtype=float) for k in shape.live_counts]
+
+    def peak(b: Sequence[int]) -> float:
+        chunk_act = np.array([sum(act[b[c]:b[c + 1]]) for c in range(4)])
+        return max(sum(sum(static[b[c]:b[c + 1]]) for c in range(4) if place[c] == r)
+                   + float((counts[r] @ chunk_act).max()) for r in range(2))
+
+    smallest = min(peak(b) for b in all_boundaries(7, 4))
+    assert smallest == 34.0
+    with pytest.raises(InfeasiblePlanError, match=r"the smallest limit that admits a plan is 34 B") as err:
+        solve_interleaved([1.0] * 7, 2, 2, placement=place, memory_bytes=static, activation_bytes=act,
+                          live_counts=shape.live_counts, memory_limit_bytes=33.0, time_limit_s=10.0)
+    assert err.value.min_memory_limit_bytes == smallest
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_exact_activation_peak_against_brute_force(data: st.DataObject) -> None:
