@@ -108,14 +108,15 @@ def _interleaved_milp(
     live: _Live | None = None,
     presolve: bool = True,
 ) -> _MilpResult:
-    """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l sits in chunk >= c (c = 1..C-1): a staircase,
-    non-decreasing in l, rising by at most one per layer, so every chunk is non-empty and contiguous.
-    With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs S_c - S_{c+1}. Chunk c runs on rank
-    ``place[c]``. A term of a chunk's first layer (start[c, i]) or last layer (end[c, j-1]) is linear in u too:
-    layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and starts chunk c >= 1 iff u[l, c] - u[l-1, c] = 1.
-    ``time_end`` is a chunk's boundary time at its last layer, already times its rank's speed. With ``live``,
-    ``memory`` holds the static bytes only and each rank gets one memory row per live-count vector (its chunks'
-    static bytes + sum_c count_c x activation bytes of chunk c): the exact activation peak, not a bound."""
+    """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l sits
+    in chunk >= c (c = 1..C-1): a staircase, non-decreasing in l, rising by at most one per layer, so every chunk
+    is non-empty and contiguous. With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs
+    S_c - S_{c+1}. Chunk c runs on rank ``place[c]``. A term of a chunk's first layer (start[c, i]) or last layer
+    (end[c, j-1]) is linear in u too: layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and starts chunk
+    c >= 1 iff u[l, c] - u[l-1, c] = 1. ``time_end`` is a chunk's boundary time at its last layer, already times
+    its rank's speed. With ``live``, ``memory`` holds the static bytes only and each rank gets one memory row per
+    live-count vector (its chunks' static bytes + sum_c count_c x activation bytes of chunk c): the exact
+    activation peak, not a bound."""
     L = costs.size
     C = p * v
     nc = C - 1

@@ -267,8 +267,8 @@ def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axe
     """Scatter of measured against predicted ms: per-rank compute per microbatch (dots, each marked with its
     rank) and the step (squares), with the y = x line. Where a run timed each rank's layers alone after it
     (``retimed_compute_s``), a hollow circle at that figure and a line from it to the measured dot: the circle's
-    height over y = x is the machine's drift since the profile, the line the pipeline's own share. Log axes (a step is many microbatches long) ticked at
-    1, 2, 5 x 10^k with plain numbers."""
+    height over y = x is the machine's drift since the profile, the line the pipeline's own share. Log axes (a
+    step is many microbatches long) ticked at 1, 2, 5 x 10^k with plain numbers."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax = _axes(ax, (6.5, 4.5))
