@@ -938,6 +938,25 @@ def _meta_cut(ctx: _Context, src: nn.Module) -> tuple[nn.Module, Any, Any, CutMo
     return model, args, ctx.target(), cut
 
 
+def _materialize_piece(cut: CutModel, model: nn.Module, piece: Piece, dev: torch.device, weights: Checkpoint | None,
+                       seed: int = 0) -> None:
+    """Give one piece of a cut of the meta ``model`` its real parameters: from ``weights``, else initialised by FQN."""
+    fqns = _piece_fqns(cut, piece)
+    tensors = real_parameters(model, fqns.values(), dev, weights=weights, seed=seed)
+    materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
+
+
+def _stream_forward(env: dict[Any, Any], cut: CutModel, k: int,
+                    values: Sequence[Any]) -> tuple[dict[Any, Any], list[Any]]:
+    """Run piece ``k`` forward on ``values`` without grad and keep, of ``env`` and its outputs, only what later
+    pieces read: the new env and those refs (one layer at a time, the real outputs streamed to the layers that need
+    them)."""
+    with torch.no_grad():
+        store_outputs(env, k, cut.pieces[k].module(*values))
+    keep = cut.crossing_refs(k)
+    return {r: v for r, v in env.items() if r in keep}, keep
+
+
 def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
     src = ctx.workload.model
     # The user's real weights, one layer's worth at a time; FQN-keyed initialisation for a model on meta.
@@ -956,10 +975,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
     bar = Progress(n, f"profiling {n} layers one at a time ({len(measured)} measured)", enabled=ctx.progress)
     for k, piece in enumerate(cut.pieces):
         bar.update(k, piece.name)
-        fqns = _piece_fqns(cut, piece)
-        tensors = real_parameters(model, fqns.values(), ctx.dev, weights=weights)
-        materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
-        del tensors
+        _materialize_piece(cut, model, piece, ctx.dev, weights)
         values = [resolve(r, args, env) for r in piece.inputs]
         if k in measured:
             run = _make_run(piece, k, n, values, ctx.workload, target)
@@ -968,12 +984,9 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
             act, peak = _bytes_and_peak(run, ctx.dev, peaks)
             figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats, _layer_grads(run)))
             del run
-        with torch.no_grad():  # the real output, streamed to the layers that need it
-            store_outputs(env, k, piece.module(*values))
+        env, keep = _stream_forward(env, cut, k, values)
         del values
-        keep = cut.crossing_refs(k)
         crossing.append(0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in keep))
-        env = {r: v for r, v in env.items() if r in keep}
         params.append(_param_totals(piece.module))
         _release_(piece.module)
         gc.collect()
@@ -1013,26 +1026,23 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
     model, args, target, cut = _meta_cut(ctx, src)
     names = [piece.name for piece in cut.pieces]
     if names != list(layer_names):
-        raise StageplanError(f"the model cuts into {len(names)} layers here ({', '.join(names[:4])}, ...) and the plan "
-                             f"has {len(layer_names)} ({', '.join(list(layer_names)[:4])}, ...): its profile is of "
-                             "another model or another --layers; profile this model and plan again")
+        def some(xs: Sequence[str]) -> str:
+            return ", ".join(list(xs)[:4]) + (", ..." if len(xs) > 4 else "")
+
+        raise StageplanError(f"the model cuts into {len(names)} layers here ({some(names)}) and the plan has "
+                             f"{len(layer_names)} ({some(layer_names)}): its profile is of another model or another "
+                             "--layers; profile this model and plan again")
     wanted = sorted(set(int(k) for k in layers))
     n = len(cut.pieces)
     runs: dict[int, _Run] = {}
     env: dict[Any, Any] = {}
     for k, piece in enumerate(cut.pieces[: wanted[-1] + 1]):
-        fqns = _piece_fqns(cut, piece)
-        tensors = real_parameters(model, fqns.values(), dev, weights=weights, seed=seed)
-        materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
-        del tensors
+        _materialize_piece(cut, model, piece, dev, weights, seed)
         values = [resolve(r, args, env) for r in piece.inputs]
         if k in wanted:
             runs[k] = _make_run(piece, k, n, values, workload, target)
-        with torch.no_grad():
-            store_outputs(env, k, piece.module(*values))
+        env, _ = _stream_forward(env, cut, k, values)
         del values
-        keep = cut.crossing_refs(k)
-        env = {r: v for r, v in env.items() if r in keep}
         if k not in runs:
             _release_(piece.module)
     samples, _ = _time_rounds(list(runs.values()), Timer(dev), warmup, repeats)
