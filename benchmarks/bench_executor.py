@@ -153,6 +153,45 @@ def noise_floor(link: dict, pairs: int = 5) -> None:
           f"leaves: {_floor(steps):.1%} (goal line: worst <= 25%)")
 
 
+ORDER_CASES = [("gpt", {"vocab_size": 16384}, "1F1B", 4, (0, 4, 8)), ("hf-gpt2", {}, "1F1B", 8, (0, 3, 6))]
+
+
+def orders(link: dict, pairs: int = 2) -> None:
+    """The profile's two orders (stageplan profile --order) against the same runs: for each case (the splits whose
+    first rank missed most in earlier benches), ``pairs`` times in turns, profile in a stage's order and layer by
+    layer (rounds over PROFILE_S each), price the split from each, and run it once between them; each rank's compute
+    error against each profile's price, so the host's drift between the two profiles is all that differs."""
+    rows, errors = [], {"stage": [], "layer": []}
+    for model, options, schedule, m, split in ORDER_CASES:
+        workload = build_workload(model, options)
+        for _ in range(pairs):
+            plans = {}
+            for order in ("stage", "layer"):
+                profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
+                                                  min_time_s=PROFILE_S, order=order)
+                plans[order] = stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, link=link,
+                                              boundaries=list(split))
+            rep = stageplan.run(model, plans["stage"], steps=_steps(plans["stage"]), warmup=WARMUP,
+                                factory_options=options, retime=False)
+            row = [model, schedule, m, " ".join(map(str, split))]
+            priced = {order: [sum(st.forward_s + st.backward_s for st in pl.stages if st.rank == r["rank"])
+                              for r in rep.ranks] for order, pl in plans.items()}
+            for order in plans:
+                ratios = [r["measured_compute_s"] / p for r, p in zip(rep.ranks, priced[order])]
+                errors[order] += [abs(x - 1) for x in ratios]
+                row.append(" ".join(_pct(x - 1) for x in ratios))
+            row.append(" ".join(f"{a / b:.3f}" for a, b in zip(priced["stage"], priced["layer"])))
+            rows.append(row)
+    print(f"
+orders: each split profiled in a stage's order and layer by layer (stageplan profile --order), in turns, "
+          f"rounds over >= {PROFILE_S:g} s each, and run once; each rank's compute error against each profile's price")
+    print(format_table(["model", "schedule", "m", "split", "against --order stage", "against --order layer",
+                        "stage / layer price per rank"], rows))
+    for order, errs in errors.items():
+        print(f"  --order {order}: |measured/predicted - 1| median {statistics.median(errs):.1%}, worst {max(errs):.1%} "
+              f"over {len(errs)} rank runs")
+
+
 def placement(link: dict, pairs: int = 2) -> None:
     """Ranks pinned to their own CPUs against placed by the OS: one GPT plan (vocab 16384, m = 8, optimal), run
     pinned and unpinned alternately, ``pairs`` times per schedule, so the machine's drift falls on both alike."""
@@ -411,6 +450,7 @@ def main() -> None:
     print(format_table(["m", "plan", "error", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], tune_parts))
     noise_floor(link)
+    orders(link)
     placement(link)
     crossings()
     slices_in_pipelines()

@@ -362,7 +362,7 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
     cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
-                 "timer", "estimate", "processes")
+                 "timer", "estimate", "processes", "order")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
     pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: chosen when the whole model would not fit in free memory)")
     p.add_argument("--no-dedup", action="store_true", help="measure every layer, identical ones too (default: "
                    "identical layers are measured once and their rows say measured_as)")
+    p.add_argument("--order", choices=["stage", "layer"], default=None,
+                   help="stage: time the layers as a stage runs them, every forward in turn and then every backward "
+                   "in reverse (a backward follows the next layer's, its activations no longer in cache); layer: each "
+                   "backward right after its own forward (default: stage, layer with --streaming)")
     p.add_argument("--compute-efficiency", type=float, default=None, metavar="FRACTION",
                    help="with --device estimate:GPU: the fraction of peak FLOP/s matmuls reach (default: 0.45)")
     p.add_argument("--memory-efficiency", type=float, default=None, metavar="FRACTION",
@@ -248,7 +252,8 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     options = parse_set(a.factory_options)
     measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
                "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
-               "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time}
+               "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time,
+               "order": a.order}
     if a.processes != 1:
         from stageplan.launch import profile_in_processes
 

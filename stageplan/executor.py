@@ -509,7 +509,8 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
 
 def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device, weights: Checkpoint | None,
             seed: int) -> dict[int, list[float]]:
-    """The rank's layers timed after its run as the profiler times them, in this process (:func:`retime_layers`):
+    """The rank's layers timed after its run as the profiler timed them (in its order), in this process
+    (:func:`retime_layers`):
     {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each alone
     on the machine as the profile was taken (timed at once, the GPT's first rank read its blocks 1.41x the profile
     while the second timed its LM head beside it, and its run 0.80x that). The run's gradients go first (the
@@ -528,7 +529,7 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
         if turn == dist.get_rank():
             times = retime_layers(workload, plan.layer_names, mine, size, device,
                                   layers_arg=plan.profile_meta.get("layers_arg"), weights=weights, seed=seed,
-                                  repeats=10)
+                                  repeats=10, order=plan.profile_meta.get("order") or "layer")
         dist.barrier()
     return times
 

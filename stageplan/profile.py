@@ -259,7 +259,7 @@ class Profile:
 
 
 # what must agree between profiles of one model for their medians to mean anything
-_SAME_CONDITIONS = ("model", "factory_options", "device", "dtype", "microbatch_size", "layers_arg", "named_layers")
+_SAME_CONDITIONS = ("model", "factory_options", "device", "dtype", "microbatch_size", "layers_arg", "named_layers", "order")
 
 
 def merge_profiles(profiles: Sequence[Profile]) -> Profile:

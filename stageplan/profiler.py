@@ -63,6 +63,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _ESTIMATE_PREFIX = "estimate:"
 # Above this relative difference between two instances of one layer, measuring it once is questionable.
 DEDUP_SPREAD_WARN = 0.10
+# The orders a profile times its layers in (profile_model's ``order``): as a stage runs them, or each alone
+ORDERS = ("stage", "layer")
 ESTIMATE_ACCURACY = "roughly ±25% in absolute time; ratios between layers are what the solver needs"
 
 
@@ -561,20 +563,59 @@ def _fwd_bwd_time(timer: Timer, run: _Run) -> tuple[float, float, float]:
     return t_f, t_first, t_acc
 
 
+def _chain_time(timer: Timer, runs: Sequence[_Run]) -> list[tuple[float, float, float]]:
+    """The runs in a stage's order: every forward in turn, then every backward in reverse, each timed (into empty
+    grads), then the same again with the backwards accumulating. A stage runs a layer's backward after the next
+    layer's, with the rest of the model's forwards and backwards since its own forward; timed right after its own
+    forward (:func:`_fwd_bwd_time`) it reads its saved activations hot. Here, in one process: the GPT's blocks'
+    backward 1.05-1.12x their hot figure, the block before its 16384-token head 1.34x (the head's backward evicts
+    it), the head 1.03x. Returns, per run, (forward, backward, accumulating backward)."""
+
+    def backward(run: _Run, out: Any) -> float:
+        tensors = _grad_tensors(out)
+        if not tensors:
+            return 0.0
+        grads = [torch.ones_like(t) for t in tensors]
+        return timer(lambda: torch.autograd.backward(tensors, grads))[0]
+
+    forward: list[float] = []
+    outs: list[Any] = []
+    for run in runs:
+        t_f, out = timer(run.fwd)
+        forward.append(t_f)
+        outs.append(out)
+    first = [0.0] * len(runs)
+    for i in reversed(range(len(runs))):
+        # empty grads: a weight tied to a later layer's must not read that layer's gradient as its own
+        _zero_grads(runs[i].params, [])
+        first[i] = backward(runs[i], outs[i])
+        outs[i] = None
+    _zero_grads([], [v for run in runs for v in run.inputs])  # a new microbatch's inputs: no gradient yet
+    outs = [run.fwd() for run in runs]
+    acc = [0.0] * len(runs)
+    for i in reversed(range(len(runs))):
+        acc[i] = backward(runs[i], outs[i])
+        outs[i] = None
+    for run in runs:
+        _zero_grads(run.params, run.inputs)
+    return [(forward[i], first[i], acc[i]) for i in range(len(runs))]
+
+
 def _time_rounds(runs: Sequence[_Run], timer: Timer, warmup: int, repeats: int,
                  whole: Callable[[], float] | None = None,
                  on_round: Callable[[int], None] | None = None,
-                 min_time_s: float = 0.0) -> tuple[list[list[list[float]]], list[float]]:
+                 min_time_s: float = 0.0, chain: bool = False) -> tuple[list[list[list[float]]], list[float]]:
     """Rounds: each round times every run's forward and backward (and the whole model once), so that a load
     change on the machine hits all of them alike (medians are taken across rounds). Timed rounds go on past
     ``repeats`` until they span ``min_time_s`` seconds, so that the medians average over the machine's own
-    drift rather than catch one moment of it. Returns, per run, [forward, backward, accumulating backward]
-    samples, and the whole-model samples."""
+    drift rather than catch one moment of it. ``chain``: the runs in a stage's order (:func:`_chain_time`), else
+    each backward right after its own forward (:func:`_fwd_bwd_time`). Returns, per run, [forward, backward,
+    accumulating backward] samples, and the whole-model samples."""
     samples: list[list[list[float]]] = [[[], [], []] for _ in runs]
     whole_times: list[float] = []
     for rnd in timed_rounds(warmup, repeats, min_time_s):
-        for i, run in enumerate(runs):
-            times = _fwd_bwd_time(timer, run)
+        rows = _chain_time(timer, runs) if chain else [_fwd_bwd_time(timer, run) for run in runs]
+        for i, times in enumerate(rows):
             if rnd >= warmup:
                 for j in range(3):
                     samples[i][j].append(times[j])
@@ -751,6 +792,7 @@ def profile_model(
     compute_efficiency: float | None = None,
     memory_efficiency: float | None = None,
     min_time_s: float = 0.0,
+    order: str | None = None,
 ) -> Profile:
     """Profile every layer of ``workload`` at ``microbatch_size``; the user's model is untouched.
 
@@ -770,10 +812,18 @@ def profile_model(
       a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second:
       two windows of the same work here differed by up to 33% (98th percentile) over 1.7 s windows and 9% over 20 s
       (README, Limitations); the medians of rounds spread over longer average more of it out.
+    - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward in
+      reverse, so that a layer's backward follows the next layer's and reads activations the rest of the model has
+      since pushed out of the cache (every layer is timed; identical layers still share their optimizer step);
+      'layer' times each layer's backward right after its own forward (hot: the GPT's blocks' backward read 0.89-0.95x
+      the stage order's, the block before the head 0.75x). None: 'stage' where the whole model is materialised,
+      'layer' one layer at a time (only one layer is real there).
     """
     if warmup < 0 or repeats < 1:
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
     check_min_time(min_time_s)
+    if order not in (None, *ORDERS):
+        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}; e.g. --order stage")
     estimate = is_estimate_device(device)
     gpu: Any = None
     if estimate:
@@ -787,6 +837,9 @@ def profile_model(
         if min_time_s:
             raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate measures "
                                  "nothing; drop --min-time, or measure on a device you have")
+        if order is not None:
+            raise StageplanError(f"order ({order}) is the order layers are timed in, and an estimate times nothing; "
+                                 "drop --order, or measure on a device you have")
         dev = torch.device("cpu")  # fake CPU tensors stand in for the target's (see stageplan.estimate)
         for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
                                      ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
@@ -823,7 +876,7 @@ def profile_model(
         torch.set_num_threads(1)  # one intra-op thread, as each pipeline rank will run
     try:
         ctx = _Context(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup,
-                       float(min_time_s))
+                       float(min_time_s), order)
         if estimate:
             return _profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
         memory: dict[str, Any] = {}
@@ -834,7 +887,13 @@ def profile_model(
             memory = {"rule": "layer at a time when 2 x parameters + activations > free memory",
                       "whole_model_bytes": need, "activation_bytes": acts, "free_bytes": free}
         if streaming:
+            if order == "stage":
+                raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile holds "
+                                     "one layer at a time; use --order layer with --streaming (or let it choose), or "
+                                     "profile the whole model where it fits")
+            ctx.order = "layer"
             return _profile_streaming(ctx, memory)
+        ctx.order = order or "stage"
         return _profile_whole(ctx, memory)
     finally:
         torch.set_num_threads(threads)
@@ -862,6 +921,7 @@ class _Context:
     mb_args_cpu: tuple[Any, ...]
     dedup: bool
     min_time_s: float = 0.0
+    order: str | None = None  # 'stage' or 'layer' (profile_model's order); None for an estimate
     timed_rounds: list[int] = field(default_factory=list)  # per _time_rounds call: the rounds it timed
 
     def target(self) -> Any:
@@ -891,8 +951,12 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     n = len(cut.pieces)
     values = [[resolve(r, args, env) for r in piece.inputs] for piece in cut.pieces]
     plan = _dedup([layer_signature(cut, k, model, values[k]) for k in range(n)], ctx.dedup)
+    stage = ctx.order == "stage"
+    # in a stage's order every layer is timed (its backward depends on what ran since its forward); identical layers
+    # still share their optimizer step and bytes
+    timed = list(range(n)) if stage else plan.measured
     measured = plan.measured
-    runs = [_make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in measured]
+    runs = [_make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in timed]
 
     whole_params = list(model.parameters())
 
@@ -906,17 +970,25 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
         return t_w
 
     bar = Progress(ctx.warmup + ctx.repeats, f"profiling {n} layers", enabled=ctx.progress)
-    doing = f"{len(measured)} of them, the others identical" if len(measured) < n else ""
+    doing = "in a stage's order" if stage else f"{len(timed)} of them, the others identical" if len(timed) < n else ""
     samples, whole_times = _time_rounds(
         runs, timer, ctx.warmup, ctx.repeats, whole,
         lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))),
-        ctx.min_time_s)
+        ctx.min_time_s, chain=stage)
     ctx.timed_rounds.append(len(whole_times))
     bar.close()
     figures: dict[int, _Figures] = {}
-    for k, run, s in zip(measured, runs, samples):
+    by_layer = dict(zip(timed, zip(runs, samples)))
+    for k in measured:
+        run, s = by_layer[k]
         act, peak = _bytes_and_peak(run, ctx.dev, peaks)
         figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats, _layer_grads(run)))
+    if stage:  # every layer its own times; an identical layer its representative's bytes and optimizer step
+        for k in range(n):
+            if k not in figures:
+                fig = figures[plan.rep[k]]
+                figures[k] = _figures(by_layer[k][1], fig.activation_bytes, fig.peak_bytes, fig.optimizer_s)
+        plan = _Dedup(list(range(n)), None, plan.distinct)  # nothing reused: no spread to check
     crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
     params = [_param_totals(p.module) for p in cut.pieces]
     whole_med, whole_iqr = median_iqr(whole_times)
@@ -1003,7 +1075,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
 def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequence[int], microbatch_size: int,
                   device: torch.device | str, *, layers_arg: Sequence[str] | None = None,
                   weights: Checkpoint | None = None, seed: int = 0, warmup: int = 1,
-                  repeats: int = 5) -> dict[int, list[float]]:
+                  repeats: int = 5, order: str = "layer") -> dict[int, list[float]]:
     """Time ``layers`` (indices into the profile's ``layer_names``) of ``workload`` as the profiler times a layer,
     in this process and now: each alone, forward, backward into empty grads and backward accumulating, in rounds
     over all of them (a change in the machine's speed hits them alike; medians over ``repeats`` rounds after
@@ -1014,9 +1086,14 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
     The model is cut as the profile cut it (``layers_arg``: its ``--layers``); layers before the first asked for are
     materialised one at a time and run forward only, to give the asked-for ones their real inputs; parameters come
     from ``weights``, else initialised by FQN with ``seed`` (a rank's starting weights: values do not move a dense
-    layer's time). Returns {layer: [forward_s, backward_s, backward_accumulate_s]}."""
+    layer's time). ``order`` is the profile's (:func:`profile_model`): under 'stage' the layers run as one chain
+    together with the layer after each contiguous group (as the profile's chain runs it there, and a stage's last
+    layer's backward follows it), timed but not returned. Returns {layer: [forward_s, backward_s,
+    backward_accumulate_s]}."""
     if not layers:
         return {}
+    if order not in ORDERS:
+        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     dev = torch.device(device)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     ctx = _Context(workload, microbatch_size, dev, None, warmup, repeats, layers_arg, False, mb_args_cpu, False)
@@ -1034,21 +1111,25 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
                              "--layers; profile this model and plan again")
     wanted = sorted(set(int(k) for k in layers))
     n = len(cut.pieces)
+    timed = set(wanted)
+    if order == "stage":
+        timed |= {k + 1 for k in wanted if k + 1 < n and k + 1 not in wanted}
     runs: dict[int, _Run] = {}
     env: dict[Any, Any] = {}
-    for k, piece in enumerate(cut.pieces[: wanted[-1] + 1]):
+    for k, piece in enumerate(cut.pieces[: max(timed) + 1]):
         _materialize_piece(cut, model, piece, dev, weights, seed)
         values = [resolve(r, args, env) for r in piece.inputs]
-        if k in wanted:
+        if k in timed:
             runs[k] = _make_run(piece, k, n, values, workload, target)
-        env, _ = _stream_forward(env, cut, k, values)
+        if k < max(timed):
+            env, _ = _stream_forward(env, cut, k, values)
         del values
         if k not in runs:
             _release_(piece.module)
-    samples, _ = _time_rounds(list(runs.values()), Timer(dev), warmup, repeats)
+    samples, _ = _time_rounds(list(runs.values()), Timer(dev), warmup, repeats, chain=order == "stage")
     for k in runs:
         _release_(cut.pieces[k].module)
-    return {k: [median_iqr(s[j])[0] for j in range(3)] for k, s in zip(runs, samples)}
+    return {k: [median_iqr(s[j])[0] for j in range(3)] for k, s in zip(runs, samples) if k in wanted}
 
 
 def _profile_estimate(ctx: _Context, gpu: Any, compute_efficiency: float | None,
@@ -1159,7 +1240,10 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
         "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
-                  "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
+                  + ("in a stage's order (every layer's forward in turn, then every backward in reverse: a backward "
+                     "follows the next layer's); " if ctx.order == "stage" else
+                     "each backward right after its own forward; " if ctx.order == "layer" else "")
+                  + "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
                   "activation bytes via saved_tensors_hooks deduplicated by storage, views at their own extent (the loss target "
                   "at its microbatch size); optimizer_s: median of repeats "
                   "of one step() per optimizer over copies of the layer's parameters with gradients of ones, torch's "
@@ -1174,6 +1258,9 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,
         "dedup": ctx.dedup,
+        # 'stage': every layer timed in a chain (identical layers share only their optimizer step and bytes);
+        # 'layer': each alone; None: estimated
+        "order": ctx.order,
         "layers_measured": len(plan.measured),
         "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),
         "distinct_layers": plan.distinct,

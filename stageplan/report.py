@@ -91,7 +91,7 @@ def profile_table(profile: Profile) -> str:
         lines.append(f"times are the median over {procs.get('count')} processes; the widest range between them: "
                      f"{widest.get('layer')} fwd {widest.get('forward', 0.0):.1%}, bwd {widest.get('backward', 0.0):.1%}")
     desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats",
-                                                 "materialized") if meta.get(k) is not None)
+                                                 "materialized", "order") if meta.get(k) is not None)
     if desc:
         lines.append(desc)
     return "\n".join(lines)

@@ -173,8 +173,8 @@ def test_dedup_measures_apart_what_an_attribute_changes(last: nn.Module) -> None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), _Act(torch.tanh), _Act(torch.tanh), _Act(torch.tanh), last, nn.Linear(16, 16))
     wl = Workload(model, torch.randn(4, 16), loss_fn=_sum_loss)
-    every = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, dedup=False)
-    dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=1)
+    every = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, dedup=False, order="layer")
+    dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=1, order="layer")
     assert dedup.layers[3].measured_as == "2"  # the identical ones are still measured once
     assert dedup.layers[4].measured_as is None
     assert dedup.layers[4].activation_bytes == every.layers[4].activation_bytes != every.layers[3].activation_bytes
@@ -231,19 +231,24 @@ def test_a_tie_inside_a_layer_streams_and_estimates_and_buffers_are_state() -> N
 
 
 def test_min_time_times_rounds_until_they_span_it() -> None:
-    """Rounds of sleep layers of known cost: each round sleeps 30 ms per layer (a forward, then two forward-backward
-    pairs) and 20 ms for the whole model, 80 ms in all, so 0.5 s takes at most ceil(0.5 / 0.08) = 7 rounds, and at
-    least 5 unless a round overran its sleeps by half (0.12 s); without min_time_s, exactly the repeats."""
+    """Rounds of sleep layers of known cost: each alone, a round sleeps 30 ms per layer (a forward, then two
+    forward-backward pairs) and 20 ms for the whole model, 80 ms in all, so 0.5 s takes at most ceil(0.5 / 0.08) = 7
+    rounds, and at least 5 unless a round overran its sleeps by half (0.12 s); in a stage's order two forwards per
+    layer (40 ms) and the whole model, 60 ms: at most 9 rounds, at least 6 (0.09 s rounds); without min_time_s,
+    exactly the repeats."""
     model = nn.Sequential(Sleep(0.01), Sleep(0.01))
     wl = Workload(model, torch.randn(4, 8), loss_fn=_sum_loss)
     plain = profile_model(wl, microbatch_size=4, warmup=0, repeats=2)
     assert plain.meta["timed_rounds"] == 2 and plain.meta["min_time_s"] == 0.0
     t0 = time.perf_counter()
-    spread = profile_model(wl, microbatch_size=4, warmup=1, repeats=2, min_time_s=0.5)
+    spread = profile_model(wl, microbatch_size=4, warmup=1, repeats=2, min_time_s=0.5, order="layer")
     assert time.perf_counter() - t0 >= 0.5
     assert 5 <= spread.meta["timed_rounds"] <= 7
     assert spread.meta["min_time_s"] == 0.5
     assert [x.forward_s for x in spread.layers] == pytest.approx([0.01, 0.01], rel=0.10)
+    chained = profile_model(wl, microbatch_size=4, warmup=1, repeats=2, min_time_s=0.5)
+    assert chained.meta["order"] == "stage" and 6 <= chained.meta["timed_rounds"] <= 9
+    assert [x.forward_s for x in chained.layers] == pytest.approx([0.01, 0.01], rel=0.10)
     # one layer at a time: each of the two measured layers gets half of it, 0.25 s of 30-45 ms rounds
     streamed = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, min_time_s=0.5, streaming=True)
     assert 6 <= streamed.meta["timed_rounds"] <= 9

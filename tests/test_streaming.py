@@ -43,12 +43,12 @@ def gpt4() -> Workload:
 
 @pytest.fixture(scope="module")
 def gpt_dedup(gpt4: Workload) -> Profile:
-    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False)
+    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False, order="layer")
 
 
 @pytest.fixture(scope="module")
 def gpt_every(gpt4: Workload) -> Profile:
-    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False, dedup=False)
+    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False, dedup=False, order="layer")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def test_measured_as_names_the_second_block_and_never_the_embedding_or_head(gpt_
 
 def test_sequential_chain_groups_by_module_input_and_loss() -> None:
     wl = mlp(width=16, depth=4)  # Linear, Tanh x4: the first Linear gets no input gradient, the last Tanh the loss
-    dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=2)
-    every = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, dedup=False)
+    dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, order="layer")
+    every = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, dedup=False, order="layer")
     assert [x.measured_as for x in dedup.layers] == [None, None, None, None, None, "3", "4", None]
     assert dedup.meta["dedup_spread"]["layer"] == "5" and dedup.meta["dedup_spread"]["vs"] == "3"
     assert _bytes(dedup) == _bytes(every)

@@ -140,3 +140,49 @@ def sleepers(forward_ms: str = "20,2", backward_ms: str = "20,2", batch_size: in
     model = nn.Sequential(*[Sleeper(f, b) for f, b in zip(fwd, bwd)])
     return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4), nn.functional.mse_loss,
                               name="sleepers")
+
+
+_LAST: list[object] = [None]  # the last Evictee call in this process: ("f" or "b", the layer's id)
+
+
+class _OrderGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer):  # type: ignore[no-untyped-def, override]
+        ctx.layer = layer
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        import time
+
+        layer = ctx.layer
+        time.sleep(layer.hot_s if _LAST[0] == ("f", id(layer)) else layer.cold_s)
+        _LAST[0] = ("b", id(layer))
+        return g, None
+
+
+class Evictee(nn.Module):
+    """A layer whose backward costs ``hot_s`` right after its own forward and ``cold_s`` after anything else
+    (another Evictee's forward or backward): the order it is timed in decides its cost, as a cache its saved
+    activations fall out of does. It sleeps ``forward_s`` in its forward."""
+
+    def __init__(self, forward_s: float, hot_s: float, cold_s: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.forward_s, self.hot_s, self.cold_s = forward_s, hot_s, cold_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.forward_s)
+        out = _OrderGrad.apply(x * self.w, self)
+        _LAST[0] = ("f", id(self))
+        return out
+
+
+def evictees(layers: int = 4, forward_ms: float = 1.0, hot_ms: float = 2.0, cold_ms: float = 6.0,
+             batch_size: int = 4) -> stageplan.Workload:
+    """``layers`` identical Evictees: timed in a stage's order every backward but the last is cold."""
+    model = nn.Sequential(*[Evictee(forward_ms / 1e3, hot_ms / 1e3, cold_ms / 1e3) for _ in range(layers)])
+    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4), nn.functional.mse_loss,
+                              name="evictees")
