@@ -182,8 +182,7 @@ def orders(link: dict, pairs: int = 2) -> None:
                 row.append(" ".join(_pct(x - 1) for x in ratios))
             row.append(" ".join(f"{a / b:.3f}" for a, b in zip(priced["stage"], priced["layer"])))
             rows.append(row)
-    print(f"
-orders: each split profiled in a stage's order and layer by layer (stageplan profile --order), in turns, "
+    print(f"\norders: each split profiled in a stage's order and layer by layer (stageplan profile --order), in turns, "
           f"rounds over >= {PROFILE_S:g} s each, and run once; each rank's compute error against each profile's price")
     print(format_table(["model", "schedule", "m", "split", "against --order stage", "against --order layer",
                         "stage / layer price per rank"], rows))
