@@ -1,12 +1,14 @@
-"""Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512`, the per-layer
-spread (IQR/median) and the sum-of-layers / whole-model ratio; then repeatability: the skewed gpt (16384-token head,
-microbatch 2) profiled twice, each in its own process, one after the other, and each layer's two figures compared
-(its forward and mean backward per microbatch at the profile's m, what the planner adds up; goal: within 5% for every
-layer above 1 ms or above 2% of the model's time); then the same with --min-time 20 (each profile's rounds spread over
-20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile the median of three fresh
-processes (a process's memory layout offsets all its timings alike). Each pair is also split into what moved every
-layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer against the others (its
-share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
+"""Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512` in each order (stage,
+the default, and layer, in turns), the per-layer spread (IQR/median) and the sum-of-layers / whole-model ratio; then
+repeatability: the skewed gpt (16384-token head, microbatch 2) profiled twice, each in its own process, one after the
+other, and each layer's two figures compared (its forward and mean backward per microbatch at the profile's m, what
+the planner adds up; goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with
+--min-time 20 (each profile's rounds spread over 20 s: a shared machine's speed drifts by the second), with
+--processes 3, each profile the median of three fresh processes (a process's memory layout offsets all its timings
+alike), and with --order layer (each backward right after its own forward, identical layers measured once, against
+the default stage order's every layer in its place). Each pair is also split into what moved every layer alike (the
+machine's speed: the ratio of the two sums of layers) and what moved a layer against the others (its share of the
+sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
 
 from __future__ import annotations
 
@@ -67,9 +69,10 @@ def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
     headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "accumulating diff",
                "layer diff", "counts"]
-    for processes, spread in ((1, 0), (1, 20), (3, 0)):
-        more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else [])
-        a_path, b_path = tmp / f"a{processes}-{spread}.json", tmp / f"b{processes}-{spread}.json"
+    for processes, spread, order in ((1, 0, None), (1, 20, None), (3, 0, None), (1, 0, "layer")):
+        more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else []) \
+            + (["--order", order] if order else [])
+        a_path, b_path = tmp / f"a{processes}-{spread}-{order}.json", tmp / f"b{processes}-{spread}-{order}.json"
         wall = _profile(args + more, a_path)
         _profile(args + more, b_path)
         a, b = Profile.load(a_path), Profile.load(b_path)
@@ -92,14 +95,22 @@ def repeatability(tmp: Path) -> None:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "gpt-large.json"
-        wall = _profile(["gpt", "--set", "n_layer=12", "--set", "d_model=512"], out)
-        prof = Profile.load(out)
-        spreads = [(x.forward_iqr_s + x.backward_iqr_s) / (x.forward_s + x.backward_s) for x in prof.layers]
-        print("stageplan profile gpt --set n_layer=12 --set d_model=512")
-        print(f"  wall time {wall:.1f} s ({len(prof)} layers, {prof.meta['warmup']} warm-up + {prof.meta['repeats']} rounds)")
-        print(f"  per-layer spread IQR/median: median {statistics.median(spreads):.1%}, max {max(spreads):.1%} (goal <= 5%)")
-        print(f"  sum of layers / whole model: {prof.sum_vs_whole:.3f}; load average at the start {prof.meta['load_average_1min']:.2f}")
+        walls: dict[str, list[float]] = {"stage": [], "layer": []}
+        for i in range(2):  # the two orders in turns, twice: the machine's drift falls on both alike
+            for order in walls:
+                out = Path(tmp) / f"gpt-large-{order}-{i}.json"
+                walls[order].append(_profile(["gpt", "--set", "n_layer=12", "--set", "d_model=512", "--order", order], out))
+                prof = Profile.load(out)
+                spreads = [(x.forward_iqr_s + x.backward_iqr_s) / (x.forward_s + x.backward_s) for x in prof.layers]
+                print(f"stageplan profile gpt --set n_layer=12 --set d_model=512 --order {order}")
+                print(f"  wall time {walls[order][-1]:.1f} s ({len(prof)} layers, {prof.meta['warmup']} warm-up + "
+                      f"{prof.meta['repeats']} rounds)")
+                print(f"  per-layer spread IQR/median: median {statistics.median(spreads):.1%}, max {max(spreads):.1%} "
+                      "(goal <= 5%)")
+                print(f"  sum of layers / whole model: {prof.sum_vs_whole:.3f}; load average at the start "
+                      f"{prof.meta['load_average_1min']:.2f}")
+        print(f"wall time, --order stage / --order layer (medians of 2): "
+              f"{statistics.median(walls['stage']) / statistics.median(walls['layer']):.2f}")
         repeatability(Path(tmp))
 
 

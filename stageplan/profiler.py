@@ -398,6 +398,19 @@ def _dedup(signatures: Sequence[Any], enabled: bool) -> _Dedup:
     return _Dedup(rep, spread, len(groups))
 
 
+def _pools(signatures: Sequence[Any]) -> list[list[int]]:
+    """Groups of two or more identical layers between identical neighbours (the same signature before and after, or
+    none): in a stage's order each is timed in its place, and what can differ between them is the neighbours (the
+    first block follows the embedding, the last precedes the head), so each such group's figures are the medians
+    over all its members' rounds: more samples, and no boundary moved by one block reading slower than its twin."""
+    n = len(signatures)
+    groups: dict[Any, list[int]] = {}
+    for k in range(n):
+        key = (signatures[k - 1] if k > 0 else None, signatures[k], signatures[k + 1] if k < n - 1 else None)
+        groups.setdefault(key, []).append(k)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 # --------------------------------------------------------------------------------------------------
 # Measuring one layer
 
@@ -814,7 +827,8 @@ def profile_model(
       (README, Limitations); the medians of rounds spread over longer average more of it out.
     - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward in
       reverse, so that a layer's backward follows the next layer's and reads activations the rest of the model has
-      since pushed out of the cache (every layer is timed; identical layers still share their optimizer step);
+      since pushed out of the cache (every layer is timed in its place; identical layers share their optimizer step,
+      and those between identical neighbours their times, pooled over all of them: ``meta["pooled_layers"]``);
       'layer' times each layer's backward right after its own forward (hot: the GPT's blocks' backward read 0.89-0.95x
       the stage order's, the block before the head 0.75x). None: 'stage' where the whole model is materialised,
       'layer' one layer at a time (only one layer is real there).
@@ -950,7 +964,8 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
             store_outputs(env, k, piece.module(*[resolve(r, args, env) for r in piece.inputs]))
     n = len(cut.pieces)
     values = [[resolve(r, args, env) for r in piece.inputs] for piece in cut.pieces]
-    plan = _dedup([layer_signature(cut, k, model, values[k]) for k in range(n)], ctx.dedup)
+    signatures = [layer_signature(cut, k, model, values[k]) for k in range(n)]
+    plan = _dedup(signatures, ctx.dedup)
     stage = ctx.order == "stage"
     # in a stage's order every layer is timed (its backward depends on what ran since its forward); identical layers
     # still share their optimizer step and bytes
@@ -983,11 +998,15 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
         run, s = by_layer[k]
         act, peak = _bytes_and_peak(run, ctx.dev, peaks)
         figures[k] = _figures(s, act, peak, _optimizer_times(run.params, timer, ctx.repeats, _layer_grads(run)))
-    if stage:  # every layer its own times; an identical layer its representative's bytes and optimizer step
+    pooled: list[list[int]] = []
+    if stage:  # every layer timed in its place; an identical layer its representative's bytes and optimizer step
+        pooled = _pools(signatures) if ctx.dedup else []
+        pool_of = {k: group for group in pooled for k in group}
         for k in range(n):
-            if k not in figures:
-                fig = figures[plan.rep[k]]
-                figures[k] = _figures(by_layer[k][1], fig.activation_bytes, fig.peak_bytes, fig.optimizer_s)
+            fig = figures.get(k) or figures[plan.rep[k]]
+            group = pool_of.get(k, [k])
+            times = [[t for j in group for t in by_layer[j][1][i]] for i in range(3)]
+            figures[k] = _figures(times, fig.activation_bytes, fig.peak_bytes, fig.optimizer_s)
         plan = _Dedup(list(range(n)), None, plan.distinct)  # nothing reused: no spread to check
     crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
     params = [_param_totals(p.module) for p in cut.pieces]
@@ -995,7 +1014,7 @@ def _profile_whole(ctx: _Context, memory: dict[str, Any]) -> Profile:
     if ctx.dev.type == "cuda":
         peaks.note_cuda(ctx.dev)
     extra = {"materialized": "whole-model", "whole_model_s": whole_med, "whole_model_iqr_s": whole_iqr,
-             "whole_model": "measured"}
+             "whole_model": "measured", "pooled_layers": [[cut.pieces[k].name for k in group] for group in pooled]}
     return _assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
 
 

@@ -49,6 +49,12 @@ def test_stage_order_times_each_backward_after_the_next_layers_and_every_layer_i
     # second's figures; in a stage's order each is timed in its own place in the chain
     assert [x.measured_as for x in layer.layers] == [None, None, None, "2", "2", None]
     assert all(x.measured_as is None for x in stage.layers)
+    # of them, those between identical neighbours (2 and 3: 1 follows layer 0, 4 precedes the loss layer) take the
+    # medians over both's rounds; without dedup each keeps its own
+    assert stage.meta["pooled_layers"] == [["2", "3"]] and layer.meta["pooled_layers"] == []
+    assert (stage.layers[2].forward_s, stage.layers[2].backward_s) == (stage.layers[3].forward_s, stage.layers[3].backward_s)
+    every = profile_model(wl, microbatch_size=2, warmup=1, repeats=5, dedup=False)
+    assert every.meta["pooled_layers"] == [] and all(_between(x.backward_s, COLD) for x in every.layers[:-1])
     assert stage.meta["layers_measured"] == n and stage.meta["layers_reused"] == 0 and stage.meta["dedup_spread"] is None
     # the identical layers still share what does not depend on the order: saved bytes and the optimizer step
     assert [x.activation_bytes for x in stage.layers] == [x.activation_bytes for x in layer.layers]
