@@ -154,38 +154,54 @@ def noise_floor(link: dict, pairs: int = 5) -> None:
 
 
 ORDER_CASES = [("gpt", {"vocab_size": 16384}, "1F1B", 4, (0, 4, 8)), ("hf-gpt2", {}, "1F1B", 8, (0, 3, 6))]
+ORDER_TURNS = 4  # profiles per order, in turns, merged per layer (the host swung 25% between two 10 s profiles)
 
 
 def orders(link: dict, pairs: int = 2) -> None:
     """The profile's two orders (stageplan profile --order) against the same runs: for each case (the splits whose
-    first rank missed most in earlier benches), ``pairs`` times in turns, profile in a stage's order and layer by
-    layer (rounds over PROFILE_S each), price the split from each, and run it once between them; each rank's compute
-    error against each profile's price, so the host's drift between the two profiles is all that differs."""
+    first rank missed most in earlier benches), ``pairs`` times, ORDER_TURNS short profiles per order (rounds over
+    PROFILE_S / ORDER_TURNS seconds each) taken in turns and merged per layer (the median), so that the host's swings
+    fall on both orders alike; then the split priced from each and run once. Per rank, its layers' forward and
+    backward inside the run (the layer clock) against each profile's: the forwards are timed alike in both orders
+    and show the host's level, the backwards show what the order changes."""
+    from stageplan.profile import merge_profiles
+
     rows, errors = [], {"stage": [], "layer": []}
     for model, options, schedule, m, split in ORDER_CASES:
         workload = build_workload(model, options)
         for _ in range(pairs):
-            plans = {}
-            for order in ("stage", "layer"):
-                profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
-                                                  min_time_s=PROFILE_S, order=order)
-                plans[order] = stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, link=link,
-                                              boundaries=list(split))
+            taken: dict[str, list[stageplan.Profile]] = {"stage": [], "layer": []}
+            for _turn in range(ORDER_TURNS):
+                for order in taken:
+                    taken[order].append(stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
+                                                                min_time_s=PROFILE_S / ORDER_TURNS, order=order))
+            profiles = {order: merge_profiles(ps) for order, ps in taken.items()}
+            plans = {order: stageplan.plan(p, 2, num_microbatches=m, schedule=schedule, link=link,
+                                           boundaries=list(split)) for order, p in profiles.items()}
             rep = stageplan.run(model, plans["stage"], steps=_steps(plans["stage"]), warmup=WARMUP,
                                 factory_options=options, retime=False)
             row = [model, schedule, m, " ".join(map(str, split))]
-            priced = {order: [sum(st.forward_s + st.backward_s for st in pl.stages if st.rank == r["rank"])
-                              for r in rep.ranks] for order, pl in plans.items()}
-            for order in plans:
-                ratios = [r["measured_compute_s"] / p for r, p in zip(rep.ranks, priced[order])]
+            for order, p in profiles.items():
+                pl = plans[order]
+                priced = [sum(st.forward_s + st.backward_s for st in pl.stages if st.rank == r["rank"]) for r in rep.ranks]
+                ratios = [r["measured_compute_s"] / x for r, x in zip(rep.ranks, priced)]
                 errors[order] += [abs(x - 1) for x in ratios]
-                row.append(" ".join(_pct(x - 1) for x in ratios))
-            row.append(" ".join(f"{a / b:.3f}" for a, b in zip(priced["stage"], priced["layer"])))
+                inside = {r["rank"]: [0.0, 0.0, 0.0, 0.0] for r in rep.ranks}
+                for x in rep.layers:
+                    layer = p.layers[int(x["index"])]
+                    t = inside[int(x["rank"])]
+                    t[0] += x["measured_forward_s"]
+                    t[1] += layer.forward_s
+                    t[2] += x["measured_backward_s"]
+                    t[3] += layer.backward_per_microbatch_s(m)
+                row += [" ".join(_pct(x - 1) for x in ratios),
+                        " ".join(f"{t[0] / t[1]:.2f}/{t[2] / t[3]:.2f}" for _, t in sorted(inside.items()))]
             rows.append(row)
-    print(f"\norders: each split profiled in a stage's order and layer by layer (stageplan profile --order), in turns, "
-          f"rounds over >= {PROFILE_S:g} s each, and run once; each rank's compute error against each profile's price")
-    print(format_table(["model", "schedule", "m", "split", "against --order stage", "against --order layer",
-                        "stage / layer price per rank"], rows))
+    print(f"\norders: each split profiled {ORDER_TURNS} times in each order (stageplan profile --order), in turns, rounds "
+          f"over >= {PROFILE_S / ORDER_TURNS:g} s each, merged per order (median per layer), and run once; each rank's "
+          "compute error against each order's price, and its layers' forward / backward inside the run against each")
+    print(format_table(["model", "schedule", "m", "split", "against --order stage", "inside / stage fwd/bwd",
+                        "against --order layer", "inside / layer fwd/bwd"], rows))
     for order, errs in errors.items():
         print(f"  --order {order}: |measured/predicted - 1| median {statistics.median(errs):.1%}, worst {max(errs):.1%} "
               f"over {len(errs)} rank runs")

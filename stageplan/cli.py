@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile one layer at a time from a model on meta, never holding the whole model "
                    "(default: chosen when the whole model would not fit in free memory)")
     p.add_argument("--no-dedup", action="store_true", help="measure every layer, identical ones too (default: "
-                   "identical layers are measured once and their rows say measured_as)")
+                   "with --order layer, identical layers are measured once and their rows say measured_as; in the stage "
+                   "order, those between identical neighbours pool their rounds)")
     p.add_argument("--order", choices=["stage", "layer"], default=None,
                    help="stage: time the layers as a stage runs them, every forward in turn and then every backward "
                    "in reverse (a backward follows the next layer's, its activations no longer in cache); layer: each "

@@ -815,10 +815,12 @@ def profile_model(
     - ``streaming``: True measures one layer at a time from a model on meta (only that layer's parameters are
       real; the whole-model timing is skipped); None chooses it when the whole model, its gradients and its
       activations would not fit in the device's free memory.
-    - ``dedup``: of identical layers (same code, parameter shapes and dtypes, input shapes) the first two are
-      measured and the rest reuse the second's figures (the first follows a different layer, and runs slower);
-      their rows say ``measured_as``. In a group of three or more, the third instance is measured too and its ratio to
-      the second recorded in ``meta["dedup_spread"]`` (None without such a group; a pair is simply measured twice).
+    - ``dedup``: in order 'layer', of identical layers (same code, parameter shapes and dtypes, input shapes) the
+      first two are measured and the rest reuse the second's figures (the first follows a different layer, and runs
+      slower); their rows say ``measured_as``. In a group of three or more, the third instance is measured too and
+      its ratio to the second recorded in ``meta["dedup_spread"]`` (None without such a group; a pair is simply
+      measured twice). In order 'stage' every layer is timed; dedup shares the optimizer step and bytes, and pools
+      the times of identical layers between identical neighbours. False: each layer its own figures.
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
     - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one layer at
@@ -1277,8 +1279,8 @@ def _assemble(ctx: _Context, cut: CutModel, model: nn.Module, plan: _Dedup, figu
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,
         "dedup": ctx.dedup,
-        # 'stage': every layer timed in a chain (identical layers share only their optimizer step and bytes);
-        # 'layer': each alone; None: estimated
+        # 'stage': every layer timed in a chain (identical layers share their optimizer step and bytes, and those
+        # between identical neighbours their pooled times: pooled_layers); 'layer': each alone; None: estimated
         "order": ctx.order,
         "layers_measured": len(plan.measured),
         "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),

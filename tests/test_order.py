@@ -102,6 +102,13 @@ def test_order_refusals_and_the_layer_at_a_time_default(capsys: pytest.CaptureFi
     code, _, err = run_cli(["profile", "workloads:evictees", "--order", "stage", "--streaming", "-o", "never.json"], capsys)
     assert_one_line_error(code, err, r"order 'stage' times every layer in one chain")
     assert not Path("never.json").exists()
+    # in fresh processes too, refused before any starts
+    from stageplan.launch import profile_in_processes
+
+    with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'diagonal'"):
+        profile_in_processes("workloads:evictees", processes=2, order="diagonal")
+    with pytest.raises(StageplanError, match=r"order 'stage' times every layer in one chain"):
+        profile_in_processes("workloads:evictees", processes=2, order="stage", streaming=True)
 
 
 def test_cli_order_and_merging_refuses_two_orders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
