@@ -85,6 +85,11 @@ def profile_table(profile: Profile) -> str:
             line += (f"; {spread_check['layer']} / {spread_check['vs']}: fwd {ratio(spread_check['forward_ratio'])}, "
                      f"bwd {ratio(spread_check.get('backward_ratio'))}")
         lines.append(line)
+    pooled = meta.get("pooled_layers")
+    if isinstance(pooled, list) and pooled and all(isinstance(g, list) for g in pooled):
+        lines.append("pooled: " + "; ".join(", ".join(map(str, g)) for g in pooled) + " (identical layers between "
+                     "identical neighbours, timed in a stage's order: each group's times are the medians over all its "
+                     "members' rounds)")
     procs = meta.get("processes")
     if isinstance(procs, dict) and isinstance(procs.get("range"), list) and procs["range"]:
         widest = max(procs["range"], key=lambda r: max(r.get("forward", 0.0), r.get("backward", 0.0)))

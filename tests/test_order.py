@@ -16,6 +16,7 @@ from stageplan import StageplanError, plan
 from stageplan.errors import SchemaError
 from stageplan.profile import merge_profiles
 from stageplan.profiler import profile_model, retime_layers
+from stageplan.report import profile_table
 from stageplan.zoo import build_workload
 
 FWD, HOT, COLD = 1e-3, 2e-3, 6e-3
@@ -52,6 +53,8 @@ def test_stage_order_times_each_backward_after_the_next_layers_and_every_layer_i
     # of them, those between identical neighbours (2 and 3: 1 follows layer 0, 4 precedes the loss layer) take the
     # medians over both's rounds; without dedup each keeps its own
     assert stage.meta["pooled_layers"] == [["2", "3"]] and layer.meta["pooled_layers"] == []
+    assert "pooled: 2, 3 (identical layers between identical neighbours" in profile_table(stage)
+    assert "pooled:" not in profile_table(layer)
     assert (stage.layers[2].forward_s, stage.layers[2].backward_s) == (stage.layers[3].forward_s, stage.layers[3].backward_s)
     every = profile_model(wl, microbatch_size=2, warmup=1, repeats=5, dedup=False)
     assert every.meta["pooled_layers"] == [] and all(_between(x.backward_s, COLD) for x in every.layers[:-1])
