@@ -529,7 +529,7 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
         if turn == dist.get_rank():
             times = retime_layers(workload, plan.layer_names, mine, size, device,
                                   layers_arg=plan.profile_meta.get("layers_arg"), weights=weights, seed=seed,
-                                  repeats=10, order=plan.profile_meta.get("order") or "layer")
+                                  repeats=10, order=plan.profile_meta.get("order"))
         dist.barrier()
     return times
 

@@ -184,15 +184,10 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
     if is_estimate_device(str(profile_options.get("device", "cpu"))):
         raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device measures "
                              "nothing (an estimate comes out the same every time); drop --processes")
-    from stageplan.profiler import ORDERS
+    from stageplan.profiler import check_order
 
-    order = profile_options.get("order")
-    if order not in (None, *ORDERS):  # the one process would refuse these as profile does: refused here, at once
-        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}; e.g. --order stage")
-    if order == "stage" and profile_options.get("streaming"):
-        raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile holds one "
-                             "layer at a time; use --order layer with --streaming (or let it choose), or profile the "
-                             "whole model where it fits")
+    # the one process would refuse these as profile does: refused here, at once
+    check_order(profile_options.get("order"), profile_options.get("streaming"))
     for name in ("compute_efficiency", "memory_efficiency"):  # the one process would refuse them as profile does
         if profile_options.get(name) is not None:
             raise StageplanError(f"{name} ({profile_options[name]}) applies to estimates only; use it with --device "

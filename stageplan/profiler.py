@@ -838,8 +838,7 @@ def profile_model(
     if warmup < 0 or repeats < 1:
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
     check_min_time(min_time_s)
-    if order not in (None, *ORDERS):
-        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}; e.g. --order stage")
+    check_order(order)
     estimate = is_estimate_device(device)
     gpu: Any = None
     if estimate:
@@ -903,10 +902,7 @@ def profile_model(
             memory = {"rule": "layer at a time when 2 x parameters + activations > free memory",
                       "whole_model_bytes": need, "activation_bytes": acts, "free_bytes": free}
         if streaming:
-            if order == "stage":
-                raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile holds "
-                                     "one layer at a time; use --order layer with --streaming (or let it choose), or "
-                                     "profile the whole model where it fits")
+            check_order(order, streaming)
             ctx.order = "layer"
             return _profile_streaming(ctx, memory)
         ctx.order = order or "stage"
@@ -916,6 +912,16 @@ def profile_model(
         torch.set_rng_state(rng_cpu)
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)
+
+
+def check_order(order: object, streaming: bool | None = None) -> None:
+    """Refuse an ``order`` that is not None or one of :data:`ORDERS`, and 'stage' with ``streaming=True``."""
+    if order not in (None, *ORDERS):
+        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}; e.g. --order stage")
+    if order == "stage" and streaming:
+        raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile holds one "
+                             "layer at a time; use --order layer with --streaming (or let it choose), or profile the "
+                             "whole model where it fits")
 
 
 def check_min_time(min_time_s: object) -> None:
@@ -1096,7 +1102,7 @@ def _profile_streaming(ctx: _Context, memory: dict[str, Any]) -> Profile:
 def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequence[int], microbatch_size: int,
                   device: torch.device | str, *, layers_arg: Sequence[str] | None = None,
                   weights: Checkpoint | None = None, seed: int = 0, warmup: int = 1,
-                  repeats: int = 5, order: str = "layer") -> dict[int, list[float]]:
+                  repeats: int = 5, order: str | None = "layer") -> dict[int, list[float]]:
     """Time ``layers`` (indices into the profile's ``layer_names``) of ``workload`` as the profiler times a layer,
     in this process and now: each alone, forward, backward into empty grads and backward accumulating, in rounds
     over all of them (a change in the machine's speed hits them alike; medians over ``repeats`` rounds after
@@ -1107,14 +1113,16 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
     The model is cut as the profile cut it (``layers_arg``: its ``--layers``); layers before the first asked for are
     materialised one at a time and run forward only, to give the asked-for ones their real inputs; parameters come
     from ``weights``, else initialised by FQN with ``seed`` (a rank's starting weights: values do not move a dense
-    layer's time). ``order`` is the profile's (:func:`profile_model`): under 'stage' the layers run as one chain
+    layer's time). ``order`` is the profile's (:func:`profile_model`; None, a profile without one, is 'layer'):
+    under 'stage' the layers run as one chain
     together with the layer after each contiguous group (as the profile's chain runs it there, and a stage's last
     layer's backward follows it), timed but not returned. Returns {layer: [forward_s, backward_s,
     backward_accumulate_s]}."""
     if not layers:
         return {}
-    if order not in ORDERS:
-        raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    check_order(order)
+    if order is None:
+        order = "layer"
     dev = torch.device(device)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     ctx = _Context(workload, microbatch_size, dev, None, warmup, repeats, layers_arg, False, mb_args_cpu, False)

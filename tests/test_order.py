@@ -86,7 +86,7 @@ def test_retime_follows_the_profiles_order_with_the_next_layer_in_the_chain() ->
     assert sorted(got) == [1, 3] and _between(got[1][1], COLD) and _between(got[3][1], HOT), got
     got = retime_layers(wl, names, [0, 1], 2, "cpu", warmup=1, repeats=5)  # the default: each alone
     assert all(_between(got[k][1], HOT) and _between(got[k][2], HOT) for k in got), got
-    with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'diagonal'"):
+    with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'diagonal'; e\.g\. --order stage"):
         retime_layers(wl, names, [0], 2, "cpu", order="diagonal")
 
 

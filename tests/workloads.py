@@ -113,7 +113,8 @@ class _SleepGrad(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[no-untyped-def, override]
         import time
 
-        time.sleep(ctx.seconds)
+        # a number of seconds, or a function that says how many when the backward runs (Evictee)
+        time.sleep(ctx.seconds() if callable(ctx.seconds) else ctx.seconds)
         return g, None
 
 
@@ -145,22 +146,6 @@ def sleepers(forward_ms: str = "20,2", backward_ms: str = "20,2", batch_size: in
 _LAST: list[object] = [None]  # the last Evictee call in this process: ("f" or "b", the layer's id)
 
 
-class _OrderGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layer):  # type: ignore[no-untyped-def, override]
-        ctx.layer = layer
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
-        import time
-
-        layer = ctx.layer
-        time.sleep(layer.hot_s if _LAST[0] == ("f", id(layer)) else layer.cold_s)
-        _LAST[0] = ("b", id(layer))
-        return g, None
-
-
 class Evictee(nn.Module):
     """A layer whose backward costs ``hot_s`` right after its own forward and ``cold_s`` after anything else
     (another Evictee's forward or backward): the order it is timed in decides its cost, as a cache its saved
@@ -175,9 +160,15 @@ class Evictee(nn.Module):
         import time
 
         time.sleep(self.forward_s)
-        out = _OrderGrad.apply(x * self.w, self)
+        out = _SleepGrad.apply(x * self.w, self._backward_s)
         _LAST[0] = ("f", id(self))
         return out
+
+    def _backward_s(self) -> float:
+        """Called as its backward runs: hot if the last Evictee call was its own forward."""
+        hot = _LAST[0] == ("f", id(self))
+        _LAST[0] = ("b", id(self))
+        return self.hot_s if hot else self.cold_s
 
 
 def evictees(layers: int = 4, forward_ms: float = 1.0, hot_ms: float = 2.0, cold_ms: float = 6.0,
