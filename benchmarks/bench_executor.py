@@ -17,7 +17,8 @@ predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan
 the gains of runs side by side) against the predicted one, with the spread of the final plan's own runs (the same
 plan run again: what no prediction can beat). Then the noise floor: one GPT split profiled, priced and run five
 times over, and the least worst-case error the pairs' spread leaves any one factor on the model's predictions. Last, the
-GPT's plan with ranks pinned to their own CPUs against placed by the OS, alternating.
+GPT's plan with ranks pinned to their own CPUs against placed by the OS, alternating; and the optimal method's two
+objectives (the least bottleneck, the lowest predicted step), run in turns where their splits differ.
 """
 
 from __future__ import annotations
@@ -205,6 +206,47 @@ def orders(link: dict, pairs: int = 2) -> None:
     for order, errs in errors.items():
         print(f"  --order {order}: |measured/predicted - 1| median {statistics.median(errs):.1%}, worst {max(errs):.1%} "
               f"over {len(errs)} rank runs")
+
+
+# The objectives' cases: (model, options, schedule, m, virtual stages); each is run only where the two objectives split
+# it differently
+OBJECTIVE_CASES = [("convnet", {}, "1F1B", 4, 1), ("convnet", {}, "GPipe", 4, 1), ("gpt", {"vocab_size": 16384}, "1F1B", 4, 1),
+                   ("gpt", {"vocab_size": 16384}, "Interleaved1F1B", 4, 2)]
+
+
+def objectives(link: dict, pairs: int = 5) -> None:
+    """The optimal method's two objectives (stageplan plan --objective) on the same profile: where the lowest
+    predicted step is another split than the least bottleneck, predicted at least 1% faster (a smaller gain is within
+    the runs' spread here), both run ``pairs`` times in turns. Printed: each
+    plan's predicted and median measured step, and the step plan's gain over the bottleneck plan, predicted and
+    measured (the median of the gains of runs side by side)."""
+    rows = []
+    for model, options, schedule, m, v in OBJECTIVE_CASES:
+        workload = build_workload(model, options)
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m, min_time_s=PROFILE_S)
+        plans = {o: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, virtual_stages=v, link=link,
+                                   objective=o) for o in ("bottleneck", "step")}
+        row = [model, schedule, m, *(" ".join(map(str, pl.boundaries)) for pl in plans.values()),
+               *(f"{pl.predicted_step_s * 1e3:.1f}" for pl in plans.values())]
+        predicted = plans["bottleneck"].predicted_step_s / plans["step"].predicted_step_s
+        same = plans["bottleneck"].boundaries == plans["step"].boundaries
+        if same or predicted < 1.01:  # a smaller gain is too close to measure here
+            rows.append([*row, "same split" if same else "not run", "", f"{predicted:.3f}", ""])
+            continue
+        measured: dict[str, list[float]] = {o: [] for o in plans}
+        for _ in range(pairs):
+            for o, pl in plans.items():
+                measured[o].append(stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options,
+                                                 retime=False).measured_step_s)
+        gain = statistics.median(b / s for b, s in zip(measured["bottleneck"], measured["step"]))
+        rows.append([*row, *(f"{statistics.median(measured[o]) * 1e3:.1f}" for o in plans), f"{predicted:.3f}",
+                     f"{gain:.3f}"])
+    print(f"\nobjectives: the optimal method's least bottleneck (default) against its lowest predicted step "
+          f"(--objective step), one profile each (rounds over >= {PROFILE_S:g} s), both splits run {pairs} times in "
+          "turns where the step split is predicted >= 1% faster; gain = bottleneck plan's step / step plan's "
+          "(measured: median of the pairs' gains)")
+    print(format_table(["model", "schedule", "m", "bottleneck split", "step split", "predicted ms", "predicted ms",
+                        "measured ms", "measured ms", "predicted gain", "measured gain"], rows))
 
 
 def placement(link: dict, pairs: int = 2) -> None:
@@ -466,6 +508,7 @@ def main() -> None:
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], tune_parts))
     noise_floor(link)
     orders(link)
+    objectives(link)
     placement(link)
     crossings()
     slices_in_pipelines()

@@ -130,6 +130,8 @@ _TIE_SPLITS = 256
 _TIE_NODES = 2048
 _TIE_WORK = 2**20
 _TIE_ROUNDS = 8
+_FASTER_NOTE = 0.01  # objective "bottleneck" notes a faster split found when it is at least this much faster
+_STEP_ROUNDS = 64  # the step search's descents (from several seeds) may move further
 _TIE_REL = 1e-12  # bottleneck and step tolerance (relative), as the solver's own ties
 
 
@@ -242,14 +244,16 @@ def _best(splits: np.ndarray, steps: np.ndarray, keep: tuple[int, ...]) -> tuple
     return (keep if keep in tied else min(tied)), low
 
 
-def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """Among the splits whose bottleneck stays within the solver's (and whose memory fits), the one with the
-    lowest simulated step: every such split when there are few (exhaustive), else a descent from the solver's
-    split that moves one boundary at a time, best move first, while the step falls. Bounded by _TIE_*."""
-    costs = SplitCosts(arr, opts)
+def _lowest_step(costs: SplitCosts, start: tuple[int, ...], cap: float, rounds: int,
+                 other_starts: Sequence[tuple[int, ...]] = ()) -> dict[str, Any]:
+    """The split with the lowest simulated step among those whose every rank's time per microbatch stays within
+    ``cap`` and whose memory fits: every such split when there are few (exhaustive: exact for the simulator), else
+    a descent from ``start`` (and then from each of ``other_starts`` that fits) moving one boundary at a time, best
+    move first, while the step falls, for at most ``rounds`` moves each. Never returns a split slower than
+    ``start``. All bounded by _TIE_* (at most _TIE_WORK schedule actions simulated)."""
+    opts = costs.opts
     S = opts.num_chunks
     f, b, c, _ = costs.split(np.array([start]))
-    cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
     step0 = float(costs.split_steps(np.array([start]), f, b, c)[0])
     budget = max(1, _TIE_WORK // (2 * S * opts.num_microbatches))  # splits we may simulate
     listed = _equal_bottleneck_splits(costs, cap, min(_TIE_SPLITS, budget)) if S > 1 else [start]
@@ -259,30 +263,90 @@ def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> t
         f, b, c, _ = costs.split(cand)
         best, step = _best(cand, costs.split_steps(cand, f, b, c), start)
         evaluated = len(listed)
-        if step > step0 * (1 + _TIE_REL):  # the solver's own split was not listed: never trade it for a slower one
+        if step > step0 * (1 + _TIE_REL):  # the start was not listed: never trade it for a slower split
             best, step = start, step0
-    for _ in range(0 if exhaustive else _TIE_ROUNDS):
-        cur = np.array(best)
-        # every single-boundary move, nearest first: boundary k to x, strictly between its neighbours
-        ks = np.concatenate([np.full(cur[k + 1] - cur[k - 1] - 1, k) for k in range(1, S)])
-        xs = np.concatenate([np.arange(cur[k - 1] + 1, cur[k + 1]) for k in range(1, S)])
-        keep = xs != cur[ks]
-        ks, xs = ks[keep], xs[keep]
-        near = np.lexsort((xs, ks, np.abs(xs - cur[ks])))
-        cand = np.repeat(cur[None, :], len(near), axis=0)
-        cand[np.arange(len(near)), ks[near]] = xs[near]
+    if exhaustive:
+        return {"boundaries": best, "step_s": step, "from_step_s": step0, "splits_evaluated": evaluated,
+                "exhaustive": True}
+
+    def fits(cand: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         f, b, c, mem = costs.split(cand)
-        fits = (costs.rank_time(f, b, c).max(axis=1) <= cap) & np.all(mem <= costs.limits, axis=1)
-        pick = np.flatnonzero(fits)[: budget - evaluated]
-        if not pick.size:
-            break
-        evaluated += pick.size
-        new, low = _best(cand[pick], costs.split_steps(cand[pick], f[pick], b[pick], c[pick]), best)
-        if low >= step * (1 - _TIE_REL):
-            break
-        best, step = new, low
-    return best, {"from_boundaries": list(start), "to_boundaries": list(best), "from_step_s": step0,
-                  "to_step_s": step, "splits_evaluated": evaluated, "exhaustive": exhaustive}
+        return (costs.rank_time(f, b, c).max(axis=1) <= cap) & np.all(mem <= costs.limits, axis=1), (f, b, c)
+
+    seeds = [start]
+    for other in other_starts:  # each further seed that fits and is not the start
+        if len(other) == S + 1 and tuple(other) not in seeds and fits(np.array([other]))[0][0]:
+            seeds.append(tuple(other))
+    for seed in seeds:
+        here = seed
+        if seed != start:
+            if evaluated >= budget:
+                break
+            _, (f, b, c) = fits(np.array([seed]))
+            here_step = float(costs.split_steps(np.array([seed]), f, b, c)[0])
+            evaluated += 1
+        else:
+            here_step = step0
+        for _ in range(rounds):
+            cur = np.array(here)
+            # every single-boundary move, nearest first: boundary k to x, strictly between its neighbours
+            ks = np.concatenate([np.full(cur[k + 1] - cur[k - 1] - 1, k) for k in range(1, S)])
+            xs = np.concatenate([np.arange(cur[k - 1] + 1, cur[k + 1]) for k in range(1, S)])
+            keep = xs != cur[ks]
+            ks, xs = ks[keep], xs[keep]
+            near = np.lexsort((xs, ks, np.abs(xs - cur[ks])))
+            cand = np.repeat(cur[None, :], len(near), axis=0)
+            cand[np.arange(len(near)), ks[near]] = xs[near]
+            ok, (f, b, c) = fits(cand)
+            pick = np.flatnonzero(ok)[: budget - evaluated]
+            if not pick.size:
+                break
+            evaluated += pick.size
+            new, low = _best(cand[pick], costs.split_steps(cand[pick], f[pick], b[pick], c[pick]), here)
+            if low >= here_step * (1 - _TIE_REL):
+                break
+            here, here_step = new, low
+        if here_step < step * (1 - _TIE_REL):
+            best, step = here, here_step
+    return {"boundaries": best, "step_s": step, "from_step_s": step0, "splits_evaluated": evaluated,
+            "exhaustive": False}
+
+
+def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Among the splits whose bottleneck stays within the solver's (and whose memory fits), the one with the
+    lowest simulated step: every such split when there are few (exhaustive), else a descent from the solver's
+    split that moves one boundary at a time, best move first, while the step falls. Bounded by _TIE_*."""
+    costs = SplitCosts(arr, opts)
+    f, b, c, _ = costs.split(np.array([start]))
+    cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
+    found = _lowest_step(costs, start, cap, _TIE_ROUNDS)
+    return found["boundaries"], {"from_boundaries": list(start), "to_boundaries": list(found["boundaries"]),
+                                 "from_step_s": found["from_step_s"], "to_step_s": found["step_s"],
+                                 "splits_evaluated": found["splits_evaluated"], "exhaustive": found["exhaustive"]}
+
+
+def _step_search(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> dict[str, Any]:
+    """The split with the lowest simulated step, whatever its bottleneck, searched from the bottleneck-optimal
+    split ``start``. A rank runs its m forwards and backwards one after another, so a split whose step beats
+    ``start``'s has every rank's forward + backward per microbatch within step / m: adding the most a rank's
+    crossings can add, that caps the rank times the search lists (exhaustive when few splits pass it, else
+    descents from ``start``, the uniform split and the parameter-balanced one)."""
+    from stageplan import baselines
+
+    costs = SplitCosts(arr, opts)
+    S, L, m = opts.num_chunks, costs.num_layers, opts.num_microbatches
+    f, b, c, _ = costs.split(np.array([start]))
+    step0 = float(costs.split_steps(np.array([start]), f, b, c)[0])
+    crossings = opts.virtual_stages * 2.0 * float(costs.comm.max()) if costs.comm.size else 0.0
+    cap = (step0 / m + crossings) * (1 + 1e-9)
+    seeds = [tuple(baselines.partition_uniform(L, S)), tuple(baselines.partition_balanced(arr.param_bytes, S))]
+    found = _lowest_step(costs, start, cap, _STEP_ROUNDS, seeds)
+    to = found["boundaries"]
+    f, b, c, _ = costs.split(np.array([start, to]))
+    bottleneck = costs.rank_time(f, b, c).max(axis=1)
+    return {"from_boundaries": list(start), "to_boundaries": list(to), "from_step_s": step0, "to_step_s": found["step_s"],
+            "from_bottleneck_s": float(bottleneck[0]), "to_bottleneck_s": float(bottleneck[1]),
+            "rank_time_cap_s": cap, "splits_evaluated": found["splits_evaluated"], "exhaustive": found["exhaustive"]}
 
 
 def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubble_fraction: float) -> str | None:
@@ -304,8 +368,55 @@ def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubbl
             f"that layer as several), fewer stages, or splitting the layer itself (e.g. a vocabulary-parallel head)")
 
 
+OBJECTIVES = ("bottleneck", "step")
+
+
+def check_objective(objective: object, method: str | None = None) -> None:
+    """Refuse an unknown objective, and "step" with a method that fixes the split (uniform, parameters)."""
+    if objective not in OBJECTIVES:
+        raise StageplanError(f"objective {objective!r} is unknown; use bottleneck (the least slowest stage, the default) "
+                             "or step (the lowest predicted step), e.g. --objective step")
+    if objective == "step" and method in ("uniform", "parameters"):
+        raise StageplanError(f"objective 'step' chooses among splits, but method {method!r} fixes the split; drop "
+                             "--objective step, or plan with --method optimal")
+
+
+def _optimal_split(arr: LayerArrays, opts: CostOptions, objective: str, time_limit_s: float
+                   ) -> tuple[tuple[int, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The optimal method's split: the solver's (least bottleneck), the tie-break among equal bottlenecks, then the
+    search for the lowest step whatever the bottleneck, which ``objective`` "step" takes and "bottleneck" only
+    reports. Returns the split, the solver's evidence, the tie-break's and the step search's."""
+    boundaries, solver_evidence = _boundaries("optimal", arr, opts, time_limit_s=time_limit_s)
+    boundaries, tie = _tie_break(arr, opts, boundaries)
+    search = _step_search(arr, opts, boundaries) if opts.num_chunks > 1 else {}
+    if search:
+        search["objective"] = objective
+        if objective == "step":
+            boundaries = tuple(search["to_boundaries"])
+    return boundaries, solver_evidence, tie, search
+
+
+def _step_search_note(search: dict[str, Any]) -> str | None:
+    """What the step search says in the plan's notes: under objective "step", how far it moved the split; under
+    "bottleneck", a faster split it found (at least _FASTER_NOTE faster), with what it costs in bottleneck."""
+    if not search or search["to_boundaries"] == search["from_boundaries"]:
+        return None
+    how = f"{search['splits_evaluated']} splits simulated, {'every one that could' if search['exhaustive'] else 'descents'}"
+    gain = search["to_step_s"] / search["from_step_s"] if search["from_step_s"] > 0 else 1.0
+    moves = (f"predicted step {search['from_step_s'] * 1e3:.3f} -> {search['to_step_s'] * 1e3:.3f} ms ({gain:.3f}x), "
+             f"bottleneck {search['from_bottleneck_s'] * 1e3:.3f} -> {search['to_bottleneck_s'] * 1e3:.3f} ms")
+    if search["objective"] == "step":
+        return (f"objective step: the lowest predicted step, not the least bottleneck: {moves} ({how}; the "
+                f"least-bottleneck split was {search['from_boundaries']})")
+    if gain > 1 - _FASTER_NOTE:
+        return None
+    return (f"a split with a larger bottleneck predicts a faster step: {search['to_boundaries']}, {moves} ({how}); "
+            "the slowest stage per microbatch is not the whole step here (the optimizer steps, the tied-gradient "
+            "sync, the fill and the drain are not in it): --objective step (objective='step') plans for the step")
+
+
 def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, given_input: Any,
-                    time_limit_s: float = 2.0) -> dict[str, Any]:
+                    time_limit_s: float = 2.0, objective: str = "bottleneck") -> dict[str, Any]:
     """How far a given split is from the optimal plan under the same options: bottleneck and predicted step
     ratios (given / optimal) and memory per rank (need, limit, headroom = limit - need)."""
     limits = [d.memory_limit_bytes for d in opts.devices]
@@ -315,8 +426,7 @@ def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str,
         "memory_headroom_bytes": [None if lim is None else lim - n for lim, n in zip(limits, need)],
     }
     try:
-        best, _ = _boundaries("optimal", arr, opts, time_limit_s=time_limit_s)
-        best, _ = _tie_break(arr, opts, best)
+        best, _, _, _ = _optimal_split(arr, opts, objective, time_limit_s)
     except InfeasiblePlanError as exc:
         out.update(optimal_boundaries=None, optimal_infeasible=str(exc))
         return out
@@ -332,11 +442,13 @@ def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str,
 
 def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
                given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None,
-               time_limit_s: float = 2.0) -> Plan:
-    boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as, time_limit_s)
+               time_limit_s: float = 2.0, objective: str = "bottleneck") -> Plan:
     tie: dict[str, Any] = {}
+    search: dict[str, Any] = {}
     if method == "optimal":
-        boundaries, tie = _tie_break(arr, opts, boundaries)
+        boundaries, solver_evidence, tie, search = _optimal_split(arr, opts, objective, time_limit_s)
+    else:
+        boundaries, solver_evidence = _boundaries(method, arr, opts, given, given_as, time_limit_s)
     ev = evaluate(arr, boundaries, opts, profile.names)
     notes = list(ev.notes)
     if tie and tie["to_boundaries"] != tie["from_boundaries"]:
@@ -344,10 +456,14 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         notes.append(f"tie-break among equal-bottleneck splits: predicted step {tie['from_step_s'] * 1e3:.3f} ms -> "
                      f"{tie['to_step_s'] * 1e3:.3f} ms ({tie['splits_evaluated']} splits simulated, {how}; the solver's "
                      f"split was {tie['from_boundaries']})")
+    searched = _step_search_note(search)
+    if searched:
+        notes.append(searched)
     one_layer = _one_layer_note(profile, arr, opts, ev.bubble_fraction)
     if one_layer:
         notes.append(one_layer)
-    versus = _versus_optimal(arr, opts, ev, given_as, given_input, time_limit_s) if method == "given" else {}
+    versus = (_versus_optimal(arr, opts, ev, given_as, given_input, time_limit_s, objective) if method == "given"
+              else {})
     label = estimate_label(profile.meta)
     if label:
         notes.insert(0, label)
@@ -360,7 +476,8 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
             notes.append(f"interleaved split not proven optimal: the MILP ended without a proof it could use, before "
                          f"its time limit; the split kept is within {gap:.3f}x of the proven lower bound")
     mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
-    cost_options = {"method": method, **opts.to_json(), "microbatch_size": mb, **solver_evidence}
+    cost_options = {"method": method, **({"objective": objective} if method in ("optimal", "given") else {}),
+                    **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
                  "timer", "estimate", "processes", "order")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
@@ -375,7 +492,7 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
         rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
         rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
         cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
-        tie_break=tie, versus_optimal=versus,
+        tie_break=tie, step_search=search, versus_optimal=versus,
     )
 
 
@@ -553,6 +670,7 @@ def plan(
     fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
     link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     time_limit_s: float = 2.0,
+    objective: str = "bottleneck",
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
 
@@ -583,6 +701,14 @@ def plan(
     estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
     gpus.json (NVLink or xGMI), said in a note.
 
+    ``objective`` is what the optimal method minimises. "bottleneck" (the default): the slowest rank's time per
+    microbatch, exactly, then the lowest simulated step among splits with that bottleneck. "step": the lowest
+    simulated step whatever the bottleneck; the step also holds the optimizer steps, the tied-gradient sync and the
+    pipeline's fill and drain, so a split with a larger bottleneck can be faster. Both search the step from the
+    bottleneck-optimal split (``plan.step_search``: exhaustive over every split that could beat it when few can,
+    else descents); under "bottleneck" a split found at least 1% faster is named in a note. With a given split, the
+    objective chooses the optimal plan it is scored against.
+
     ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan
     that hits it says how far from the proven optimum it may be, and a tight memory limit may need longer to
     find any split that fits.
@@ -602,6 +728,7 @@ def plan(
         method = "optimal"
     elif method not in METHODS:
         raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    check_objective(objective, method)
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not 0 < time_limit_s < math.inf:
         raise StageplanError(f"the solver's time limit must be a finite number of seconds > 0, got {time_limit_s!r}; "
                              "e.g. --time-limit 20 (time_limit_s=20)")
@@ -664,7 +791,7 @@ def plan(
                                     allreduce_latency_s=overheads["allreduce_latency_s"],
                                     allreduce_bandwidth_bytes_per_s=overheads["allreduce_bandwidth_bytes_per_s"])
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
-                                  time_limit_s)
+                                  time_limit_s, objective)
                 if link_note:
                     cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
             except StageplanError as exc:
@@ -1075,6 +1202,7 @@ def compare(
     processes: int = 1,
     runs: int = 1,
     min_time_s: float = 0.0,
+    objective: str = "bottleneck",
 ) -> dict[str, Any]:
     """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
     plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
@@ -1085,11 +1213,12 @@ def compare(
     :func:`stageplan.profile_model` does. ``runs`` > 1 runs every distinct plan that many
     times in turns (:func:`_in_turns`): each method's step is the median of its runs (``measured_steps_s`` lists
     them; run_NAME.json is the run of that median) and its speed-up the median of the speed-ups of runs side by
-    side."""
+    side. ``objective`` is the optimal plan's (:func:`plan`)."""
     from pathlib import Path
 
     from stageplan._io import check_output_dir
 
+    check_objective(objective)
     _check_runs(runs)
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
@@ -1097,7 +1226,8 @@ def compare(
         _refuse_input_among_outputs(out, profile, _is_compare_output)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s,
                              min_time_s)
-    plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name) for name in METHODS}
+    plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name,
+                        objective=objective if name == "optimal" else "bottleneck") for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
@@ -1276,6 +1406,7 @@ def tune(
     processes: int = 1,
     runs: int = 1,
     min_time_s: float = 0.0,
+    objective: str = "bottleneck",
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
@@ -1290,7 +1421,7 @@ def tune(
 
     ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``min_time_s`` spreads the
     profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as :func:`stageplan.run`
-    does.
+    does. ``objective`` is every round's plan's (:func:`plan`): "step" tunes for the lowest predicted step.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json`` (the
@@ -1304,6 +1435,7 @@ def tune(
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
+    check_objective(objective)
     _check_runs(runs)
     out = Path(output_dir) if output_dir is not None else None
     if out is not None:
@@ -1323,7 +1455,7 @@ def tune(
         return entry if len(reps) == 1 else {**entry, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []
-    current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
+    current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, objective=objective)
     for k in range(rounds):
         reps = [measure(current) for _ in range(runs)]
         rep = _median_run(reps)
@@ -1332,7 +1464,7 @@ def tune(
             print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted {current.predicted_step_s * 1e3:.1f} ms, "
                   f"measured {rows[-1]['measured_step_s'] * 1e3:.1f} ms ({rows[-1]['error']:+.1%})", file=sys.stderr, flush=True)
         prof = calibrate(prof, rep)
-        following = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule)
+        following = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, objective=objective)
         changed = following.boundaries != current.boundaries
         current = following
         if not changed:

@@ -92,6 +92,8 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
                    help="spread the profile's timed rounds over SECONDS (as stageplan profile --min-time)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks (or, with --processes, a profiling process) are ended")
     _add_pin_arg(p)
+    p.add_argument("--objective", default="bottleneck", help="what the optimal plans minimise: bottleneck or step "
+                   "(as stageplan plan --objective)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -140,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
 
     p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json",
-                       description="Choose the split that minimises the slowest stage under the memory limits, "
-                                   "or evaluate a split you give (--boundaries).")
+                       description="Choose the split that minimises the slowest stage under the memory limits (or "
+                                   "with --objective step the predicted step), or evaluate a split you give "
+                                   "(--boundaries).")
     p.add_argument("profile", metavar="PROFILE.json", help="a profile written by stageplan profile")
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
     p.add_argument("--microbatches", default=None, help="m, or 'auto' (default: batch / profiled microbatch size)")
@@ -160,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per parameter "
                    "held in training (mixed with Adam: 16) (default: the profiled parameters' bytes)")
     p.add_argument("--method", default=None, help="optimal, uniform or parameters (default: optimal)")
+    p.add_argument("--objective", default="bottleneck", help="what the optimal method minimises: bottleneck (the "
+                   "slowest rank per microbatch, then the lowest predicted step among ties) or step (the lowest "
+                   "predicted step, with the optimizer steps, tied sync, fill and drain; default: bottleneck)")
     p.add_argument("--boundaries", default=None, metavar="0,B1,...,L",
                    help="score this split against the optimal plan instead of choosing one (method 'given')")
     p.add_argument("--megatron-layout", default=None, metavar="LAYOUT",
@@ -420,14 +426,15 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                                 virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
                                 precision=a.precision, link=a.link, time_limit_s=a.time_limit)
-    result = plan(prof, a.stages, method=a.method, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
+    result = plan(prof, a.stages, method=a.method, objective=a.objective, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None
     table_out = sys.stderr if export is not None else sys.stdout
     print(plan_table(result), file=table_out)
     if a.compare:
         print(file=table_out)
-        print(compare_table({m: plan(prof, a.stages, method=m, **opts) for m in METHODS}), file=table_out)
+        print(compare_table({m: plan(prof, a.stages, method=m, objective=a.objective if m == "optimal" else "bottleneck",
+                                         **opts) for m in METHODS}), file=table_out)
     if a.output:
         save_or_keep(result, a.output)
         print(f"wrote {a.output}", file=table_out)
@@ -528,7 +535,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
                      timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes, runs=a.runs,
-                     min_time_s=a.min_time)
+                     min_time_s=a.min_time, objective=a.objective)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")
@@ -541,7 +548,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
-                  processes=a.processes, runs=a.runs, min_time_s=a.min_time)
+                  processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms" + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))

@@ -85,6 +85,10 @@ class Plan:
     # method "optimal": how the tie-break among equal-bottleneck splits moved the solver's split (boundaries and
     # predicted step before and after, splits simulated, whether every such split was)
     tie_break: dict[str, Any] = field(default_factory=dict)
+    # method "optimal": the search for the lowest predicted step whatever the bottleneck, from the tie-break's split
+    # (boundaries, step and bottleneck before and after, the rank-time cap it listed under, splits simulated, whether
+    # every split under the cap was, and the objective: "step" took its split, "bottleneck" only reports it)
+    step_search: dict[str, Any] = field(default_factory=dict)
     # method "given": the split as given, the optimal plan under the same options, bottleneck and step ratios
     # (given / optimal) and memory per rank (need, limit, headroom = limit - need)
     versus_optimal: dict[str, Any] = field(default_factory=dict)
@@ -261,7 +265,7 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     def bad(what: str, value: Any) -> SchemaError:
         return SchemaError(f"{source}: {what}, got {short_repr(value)}; regenerate it with stageplan plan")
 
-    for name in ("cost_options", "profile_meta", "tie_break", "versus_optimal"):
+    for name in ("cost_options", "profile_meta", "tie_break", "step_search", "versus_optimal"):
         if not isinstance(getattr(plan, name), dict):
             raise bad(f"{name} must be an object", getattr(plan, name))
     p = plan.cost_options.get("num_ranks")

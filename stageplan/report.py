@@ -135,7 +135,8 @@ def plan_table(plan: Plan) -> str:
     if plan.virtual_stages > 1:
         lines.append("rank time ms: " + ", ".join(f"{t * 1e3:.3f}" for t in plan.rank_time_s))
     lines.append(
-        f"{plan.method} plan, {plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual, "
+        f"{plan.method} plan{' (objective step)' if plan.cost_options.get('objective') == 'step' else ''}, "
+        f"{plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual, "
         f"{plan.num_microbatches} microbatches of {plan.cost_options.get('microbatch_size')}"
     )
     lines.append(
