@@ -1141,11 +1141,12 @@ COMPARE_SCHEMA = "stageplan.compare/1"
 
 def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
                       profile: Profile | str | os.PathLike[str] | None, progress: bool, command: str,
-                      processes: int = 1, timeout_s: float = 1800.0, min_time_s: float = 0.0) -> Profile:
+                      processes: int = 1, timeout_s: float = 1800.0, min_time_s: float = 0.0,
+                      order: str | None = None) -> Profile:
     """``profile``, or a fresh profile of ``model`` at the microbatch size of ``num_microbatches`` (with ``processes``
     > 1, the per-layer median of that many fresh processes: :func:`stageplan.launch.profile_in_processes`; its
-    rounds spread over ``min_time_s``); never an analytic estimate, since the commands that call this measure runs on
-    this machine."""
+    rounds spread over ``min_time_s``, its layers timed in ``order``: :func:`stageplan.profile_model`); never an
+    analytic estimate, since the commands that call this measure runs on this machine."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise StageplanError(f"processes must be an integer >= 1, got {processes!r}; e.g. --processes 3")
     if processes > 1 and profile is not None:
@@ -1153,6 +1154,9 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
                              "profile to start from; drop one of them")
     if profile is not None and min_time_s:
         raise StageplanError(f"--min-time {min_time_s:g} spreads the rounds of the profile {command} takes, and --profile "
+                             "gives the profile to start from; drop one of them")
+    if profile is not None and order is not None:
+        raise StageplanError(f"--order {order} sets how the profile {command} takes times its layers, and --profile "
                              "gives the profile to start from; drop one of them")
     if profile is None:
         workload = build_workload(model, factory_options)
@@ -1164,19 +1168,20 @@ def _measured_profile(model: str, factory_options: dict[str, Any] | None, num_mi
             raise StageplanError(f"--microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 4")
         # refused here, before the profile, as the run would refuse it after
         mb = microbatch_size_for(batch, num_microbatches) if num_microbatches else default_microbatch_size(batch)
-        from stageplan.profiler import check_min_time
+        from stageplan.profiler import check_min_time, check_order
 
         check_min_time(min_time_s)
+        check_order(order)
         if processes > 1:
             from stageplan.launch import profile_in_processes
 
             del workload
             prof = profile_in_processes(model, factory_options, processes=processes, microbatch_size=mb, progress=progress,
-                                        timeout_s=timeout_s, min_time_s=min_time_s)
+                                        timeout_s=timeout_s, min_time_s=min_time_s, order=order)
         else:
             from stageplan.profiler import profile_model
 
-            prof = profile_model(workload, microbatch_size=mb, progress=progress, min_time_s=min_time_s)
+            prof = profile_model(workload, microbatch_size=mb, progress=progress, min_time_s=min_time_s, order=order)
     else:
         prof = _as_profile(profile)
     if estimate_label(prof.meta):
@@ -1203,6 +1208,7 @@ def compare(
     runs: int = 1,
     min_time_s: float = 0.0,
     objective: str = "bottleneck",
+    order: str | None = None,
 ) -> dict[str, Any]:
     """Profile ``model`` (or take ``profile``), plan it with optimal, uniform and parameters, run each distinct
     plan and return ``{"methods": {name: {"measured_step_s", "predicted_step_s", ...}}}``; with ``output_dir``,
@@ -1213,7 +1219,8 @@ def compare(
     :func:`stageplan.profile_model` does. ``runs`` > 1 runs every distinct plan that many
     times in turns (:func:`_in_turns`): each method's step is the median of its runs (``measured_steps_s`` lists
     them; run_NAME.json is the run of that median) and its speed-up the median of the speed-ups of runs side by
-    side. ``objective`` is the optimal plan's (:func:`plan`)."""
+    side. ``objective`` is the optimal plan's (:func:`plan`); ``order`` the profile's (:func:`stageplan.profile_model`;
+    default: stage)."""
     from pathlib import Path
 
     from stageplan._io import check_output_dir
@@ -1225,7 +1232,7 @@ def compare(
         check_output_dir(out)
         _refuse_input_among_outputs(out, profile, _is_compare_output)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s,
-                             min_time_s)
+                             min_time_s, order)
     plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name,
                         objective=objective if name == "optimal" else "bottleneck") for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
@@ -1407,6 +1414,7 @@ def tune(
     runs: int = 1,
     min_time_s: float = 0.0,
     objective: str = "bottleneck",
+    order: str | None = None,
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
     ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
@@ -1422,6 +1430,8 @@ def tune(
     ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``min_time_s`` spreads the
     profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as :func:`stageplan.run`
     does. ``objective`` is every round's plan's (:func:`plan`): "step" tunes for the lowest predicted step.
+    ``order`` is the first profile's (:func:`stageplan.profile_model`: stage, the default, or layer); each run's
+    retiming follows it.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
     "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json`` (the
@@ -1442,7 +1452,7 @@ def tune(
         check_output_dir(out)
         _refuse_input_among_outputs(out, profile, lambda name: name in TUNE_OUTPUTS)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s,
-                             min_time_s)
+                             min_time_s, order)
 
     def measure(pl: Plan) -> RunReport:
         return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,

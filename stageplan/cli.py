@@ -94,6 +94,8 @@ def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -
     _add_pin_arg(p)
     p.add_argument("--objective", default="bottleneck", help="what the optimal plans minimise: bottleneck or step "
                    "(as stageplan plan --objective)")
+    p.add_argument("--order", choices=["stage", "layer"], default=None,
+                   help="how the profile times its layers (as stageplan profile --order; default: stage)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -535,7 +537,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                      schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
                      timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes, runs=a.runs,
-                     min_time_s=a.min_time, objective=a.objective)
+                     min_time_s=a.min_time, objective=a.objective, order=a.order)
     print(compare_run_table(result))
     if a.output:
         print(f"wrote {a.output}/compare.json and figures")
@@ -548,7 +550,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
-                  processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective)
+                  processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective, order=a.order)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms" + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))

@@ -146,3 +146,44 @@ def test_a_run_retimes_its_layers_in_the_profiles_order(tmp_path: Path) -> None:
         assert sorted(rows) == [0, 1, 2, 3]
         for k, row in rows.items():
             assert _between(row["retimed_backward_s"], backward[k]), (order, k, row)
+
+
+def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--order reaches the profile compare and tune take, in this process and in fresh ones (the profiler and the
+    runs are stand-ins that record what they were asked: a stored profile, fixed steps)."""
+    from types import SimpleNamespace
+
+    import stageplan.api as api
+    import stageplan.launch
+    import stageplan.profiler
+    from stageplan import Profile
+
+    stored = Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    asked: list[object] = []
+
+    def fake_profile(*_: object, **kw: object) -> Profile:
+        asked.append(kw.get("order"))
+        return stored
+
+    monkeypatch.setattr(stageplan.profiler, "profile_model", fake_profile)
+    monkeypatch.setattr(stageplan.launch, "profile_in_processes", fake_profile)
+    monkeypatch.setattr(stageplan.launch, "run", lambda *a, **k: SimpleNamespace(measured_step_s=0.1))
+    monkeypatch.setattr(api, "calibrate", lambda prof, rep: prof)
+    monkeypatch.setattr(api, "_compare_runs", lambda *a, **k: None)
+    api.tune("gpt", 2, rounds=1, order="layer")
+    api.tune("gpt", 2, rounds=1, order="stage", processes=2)
+    api.compare("gpt", 2, order="layer")
+    api.tune("gpt", 2, rounds=1)
+    assert asked == ["layer", "stage", "layer", None]  # None: profile_model's default (stage where the model fits)
+    # refused before any profile: an unknown order, and an order with a profile to start from
+    with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'chain'"):
+        api.tune("gpt", 2, order="chain")
+    prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+    for cmd in ("tune", "compare"):
+        code, _, err = run_cli([cmd, "gpt", "--stages", "2", "--order", "layer", "--profile", prof,
+                                "-o", str(tmp_path / cmd)], capsys)
+        assert_one_line_error(code, err, rf"--order layer sets how the profile {cmd} takes times its layers, and "
+                                         r"--profile gives the profile to start from; drop one of them")
+        assert not (tmp_path / cmd).exists()
+    assert len(asked) == 4
