@@ -1239,7 +1239,7 @@ def compare(
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
         "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
-        "profile_digest": prof.digest(), "identical": identical, "runs": runs, "methods": {}}
+        "profile_digest": prof.digest(), "identical": identical, "runs": runs, "objective": objective, "methods": {}}
     if out is None:
         _compare_runs(result, plans, None, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress, runs)
         return result
@@ -1484,7 +1484,7 @@ def tune(
     final, uniform = row(current, *final_runs), row(uniform_plan, *uniform_runs)
     result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
               "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,
-              "final": final, "uniform": uniform, "runs": runs,
+              "final": final, "uniform": uniform, "runs": runs, "objective": objective,
               "final_over_uniform_measured": _paired_speedup(uniform_runs, final_runs),
               "final_prediction_error": final["error"]}
     if out is not None:

@@ -173,7 +173,7 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(api, "_compare_runs", lambda *a, **k: None)
     api.tune("gpt", 2, rounds=1, order="layer")
     api.tune("gpt", 2, rounds=1, order="stage", processes=2)
-    api.compare("gpt", 2, order="layer")
+    assert api.compare("gpt", 2, order="layer", objective="step")["objective"] == "step"
     api.tune("gpt", 2, rounds=1)
     assert asked == ["layer", "stage", "layer", None]  # None: profile_model's default (stage where the model fits)
     # refused before any profile: an unknown order, and an order with a profile to start from
