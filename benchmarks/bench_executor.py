@@ -217,9 +217,9 @@ OBJECTIVE_CASES = [("convnet", {}, "1F1B", 4, 1), ("convnet", {}, "GPipe", 4, 1)
 def objectives(link: dict, pairs: int = 5) -> None:
     """The optimal method's two objectives (stageplan plan --objective) on the same profile: where the lowest
     predicted step is another split than the least bottleneck, predicted at least 1% faster (a smaller gain is within
-    the runs' spread here), both run ``pairs`` times in turns. Printed: each
-    plan's predicted and median measured step, and the step plan's gain over the bottleneck plan, predicted and
-    measured (the median of the gains of runs side by side)."""
+    the runs' spread here), both run ``pairs`` times in turns. Printed: each plan's predicted step and every run's
+    measured step, and the step plan's gain over the bottleneck plan, predicted and measured (the median of the
+    gains of runs side by side, and the ratio of the two median steps)."""
     rows = []
     for model, options, schedule, m, v in OBJECTIVE_CASES:
         workload = build_workload(model, options)

@@ -312,11 +312,10 @@ def _lowest_step(costs: SplitCosts, start: tuple[int, ...], cap: float, rounds: 
             "exhaustive": False}
 
 
-def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+def _tie_break(costs: SplitCosts, start: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Among the splits whose bottleneck stays within the solver's (and whose memory fits), the one with the
     lowest simulated step: every such split when there are few (exhaustive), else a descent from the solver's
     split that moves one boundary at a time, best move first, while the step falls. Bounded by _TIE_*."""
-    costs = SplitCosts(arr, opts)
     f, b, c, _ = costs.split(np.array([start]))
     cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
     found = _lowest_step(costs, start, cap, _TIE_ROUNDS)
@@ -325,18 +324,16 @@ def _tie_break(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> t
                                  "splits_evaluated": found["splits_evaluated"], "exhaustive": found["exhaustive"]}
 
 
-def _step_search(arr: LayerArrays, opts: CostOptions, start: tuple[int, ...]) -> dict[str, Any]:
+def _step_search(costs: SplitCosts, start: tuple[int, ...], step0: float) -> dict[str, Any]:
     """The split with the lowest simulated step, whatever its bottleneck, searched from the bottleneck-optimal
-    split ``start``. A rank runs its m forwards and backwards one after another, so a split whose step beats
-    ``start``'s has every rank's forward + backward per microbatch within step / m: adding the most a rank's
-    crossings can add, that caps the rank times the search lists (exhaustive when few splits pass it, else
+    split ``start`` (whose step is ``step0``). A rank runs its m forwards and backwards one after another, so a split
+    whose step beats ``start``'s has every rank's forward + backward per microbatch within step / m: adding the most
+    a rank's crossings can add, that caps the rank times the search lists (exhaustive when few splits pass it, else
     descents from ``start``, the uniform split and the parameter-balanced one)."""
     from stageplan import baselines
 
-    costs = SplitCosts(arr, opts)
+    opts, arr = costs.opts, costs.arr
     S, L, m = opts.num_chunks, costs.num_layers, opts.num_microbatches
-    f, b, c, _ = costs.split(np.array([start]))
-    step0 = float(costs.split_steps(np.array([start]), f, b, c)[0])
     crossings = opts.virtual_stages * 2.0 * float(costs.comm.max()) if costs.comm.size else 0.0
     cap = (step0 / m + crossings) * (1 + 1e-9)
     seeds = [tuple(baselines.partition_uniform(L, S)), tuple(baselines.partition_balanced(arr.param_bytes, S))]
@@ -381,14 +378,17 @@ def check_objective(objective: object, method: str | None = None) -> None:
                              "--objective step, or plan with --method optimal")
 
 
-def _optimal_split(arr: LayerArrays, opts: CostOptions, objective: str, time_limit_s: float
+def _optimal_split(arr: LayerArrays, opts: CostOptions, objective: str, time_limit_s: float, report: bool = True
                    ) -> tuple[tuple[int, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The optimal method's split: the solver's (least bottleneck), the tie-break among equal bottlenecks, then the
     search for the lowest step whatever the bottleneck, which ``objective`` "step" takes and "bottleneck" only
-    reports. Returns the split, the solver's evidence, the tie-break's and the step search's."""
+    reports (skipped there when ``report`` is False: only the split is wanted). Returns the split, the solver's
+    evidence, the tie-break's and the step search's."""
     boundaries, solver_evidence = _boundaries("optimal", arr, opts, time_limit_s=time_limit_s)
-    boundaries, tie = _tie_break(arr, opts, boundaries)
-    search = _step_search(arr, opts, boundaries) if opts.num_chunks > 1 else {}
+    costs = SplitCosts(arr, opts)
+    boundaries, tie = _tie_break(costs, boundaries)
+    wanted = opts.num_chunks > 1 and (objective == "step" or report)
+    search = _step_search(costs, boundaries, tie["to_step_s"]) if wanted else {}
     if search:
         search["objective"] = objective
         if objective == "step":
@@ -426,7 +426,7 @@ def _versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str,
         "memory_headroom_bytes": [None if lim is None else lim - n for lim, n in zip(limits, need)],
     }
     try:
-        best, _, _, _ = _optimal_split(arr, opts, objective, time_limit_s)
+        best, _, _, _ = _optimal_split(arr, opts, objective, time_limit_s, report=False)
     except InfeasiblePlanError as exc:
         out.update(optimal_boundaries=None, optimal_infeasible=str(exc))
         return out
