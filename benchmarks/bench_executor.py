@@ -40,6 +40,10 @@ TUNE_RUNS = 3  # tune's final plan and uniform, run in turns (stageplan tune --r
 MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {}), ("hf-gpt2", {})]
 
 
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
@@ -386,6 +390,8 @@ def main() -> None:
 
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
     runs, gains, parts, speeds, syncs = [], [], [], [], []
+    idle_rows: list[list[object]] = []
+    idle_pairs: list[tuple[float, float, float]] = []
     err_wall, err_cpu, err_step, err_machine, err_pipe = [], [], [], [], []
     tune_steps: dict[int, int] = {}
     for model, options in MODELS:
@@ -426,6 +432,15 @@ def main() -> None:
                                  _pct(at_run / at_profile - 1),
                                  f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
                     parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
+                    for r in rep.ranks:
+                        beyond = r.get("after_idle_excess_s")
+                        excess = (r["measured_compute_s"] - r["predicted_compute_s"]) * m
+                        idle_rows.append([model, schedule, m, name, r["rank"], r.get("predicted_after_idle_calls"),
+                                          f"{r['measured_after_idle_calls']:.2f}", _x(r.get("after_idle_ratio")),
+                                          _x(r.get("back_to_back_ratio")), _x(r["compute_ratio"]),
+                                          "-" if beyond is None else f"{beyond * 1e3:+.2f}", f"{excess * 1e3:+.2f}"])
+                        if beyond is not None:
+                            idle_pairs.append((r["after_idle_ratio"] / r["back_to_back_ratio"], beyond, excess))
                     tied = _tied_sync(rep)
                     if tied is not None:
                         syncs.append([model, schedule, m, name, *tied])
@@ -464,6 +479,18 @@ def main() -> None:
           "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
     print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
+    print("\neach rank's chunk calls after >= 1 ms without computing (a receive's wait, the barrier) against those "
+          "back to back, in the same runs: calls a step (predicted, measured), measured / planned seconds of each (medians "
+          "over steps), the rank's compute ratio, what the calls after idle took a step beyond the back-to-back pace, and "
+          "the rank's whole compute excess a step (ms)")
+    print(format_table(["model", "schedule", "m", "method", "rank", "after idle pred", "meas", "after idle x",
+                        "back to back x", "compute x", "beyond ms", "excess ms"], idle_rows))
+    if idle_pairs:
+        ratio = statistics.median(a for a, _, _ in idle_pairs)
+        print(f"  over {len(idle_pairs)} rank runs with both kinds: after idle / back to back median {ratio:.3f} "
+              f"({min(a for a, _, _ in idle_pairs):.3f}-{max(a for a, _, _ in idle_pairs):.3f}); beyond the pace median "
+              f"{statistics.median(b for _, b, _ in idle_pairs) * 1e3:+.2f} ms a step, against a compute excess median "
+              f"{statistics.median(c for _, _, c in idle_pairs) * 1e3:+.2f} ms")
     if syncs:
         ratios = [float(row[-1]) for row in syncs]
         print("\nthe tied gradients' all-reduce per step, priced from the link's all-reduce probe: measured on the rank "

@@ -330,6 +330,8 @@ class _Samples:
     layer_s: list[dict[int, list[float]]] = field(default_factory=list)
     overhead_s: list[dict[int, list[float]]] = field(default_factory=list)
     clock_compute_s: list[float] = field(default_factory=list)  # the chunks' calls in the clock's steps, as compute_s
+    # per measured step, each chunk call as (kind, stage, microbatch, seconds, idle seconds before it: Timer.drain)
+    calls: list[list[tuple[str, int, int, float, float]]] = field(default_factory=list)
 
     def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
         """One step's LayerClock phases, as seconds per microbatch (a weight-gradient phase counts as backward)."""
@@ -448,19 +450,21 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
+        ins.timer.mark()  # the next step's first chunk call is idle from here, through the barrier
         intervals = ins.timer.drain()
         phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
         if ins.tracking:  # the profiler's instrument, on every device (max allocated would add grads and states)
             out.peak_activation_bytes.append(ins.tracker.peak)
         if ins.clock.enabled:
             out.add_layers(phases, plan.num_microbatches)
-            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("F", "B", "W")))
+            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in ("F", "B", "W")))
         elif step >= warmup:
             out.step_s.append(t1 - t0)
-            out.forward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind == "F"))
-            out.backward_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in ("B", "W")))
-            out.compute_cpu_s.append(sum(cpu for kind, *_, cpu in intervals if kind in ("F", "B", "W")))
-            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, _ in intervals if kind in TRANSFER_KINDS))
+            out.forward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind == "F"))
+            out.backward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in ("B", "W")))
+            out.compute_cpu_s.append(sum(cpu for kind, _, _, _, _, cpu, _ in intervals if kind in ("F", "B", "W")))
+            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in TRANSFER_KINDS))
+            out.calls.append([(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
@@ -469,7 +473,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0,
                                  **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS else {})}
-                                for kind, s, mb, w, sec, _ in intervals]
+                                for kind, s, mb, w, sec, *_ in intervals]
                 # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans ranks) and
                 # the optimizer step ("O"), on the rank's first stage, with no microbatch
                 tail = [("T", t_other, t_sync)] if any(rs.ties_across or ()) else []
@@ -587,7 +591,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
-              "short_slice_threads": short_threads,
+              "calls": samples.calls, "short_slice_threads": short_threads,
               "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed) if options.get("retime", True)
               else {}}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None

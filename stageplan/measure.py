@@ -142,9 +142,27 @@ class Timer:
     the process was preempted by others.
     """
 
+    BUSY_KINDS = ("F", "B", "W")  # the chunk calls: the rank computes; any other interval (a receive's wait) is idle
+
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self._events: list[tuple[str, int, int, Any, Any, float, float]] = []
+        self._busy_end: Any = None  # where the rank last stopped computing: perf_counter seconds, or a CUDA event
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _between(self, earlier: Any, later: Any) -> float:
+        return earlier.elapsed_time(later) / 1e3 if self.cuda else later - earlier
+
+    def mark(self) -> None:
+        """The rank's own work outside the chunk calls (its optimizer step) ends now: the idle gap of the next chunk
+        call counts from here, through the barrier that starts the next step."""
+        self._events.append(("", -1, -1, None, self._now(), time.time(), 0.0))
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
@@ -165,26 +183,29 @@ class Timer:
         cpu0 = time.thread_time()
         start: Any
         end: Any
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-        else:
-            start = time.perf_counter()
-            out = fn()
-            end = time.perf_counter()
+        start = self._now()
+        out = fn()
+        end = self._now()
         self._events.append((kind, stage, microbatch, start, end, wall, time.thread_time() - cpu0))
         return out
 
-    def drain(self) -> list[tuple[str, int, int, float, float, float]]:
-        """(kind, stage, microbatch, wall start, seconds, thread CPU seconds) of the recorded intervals."""
+    def drain(self) -> list[tuple[str, int, int, float, float, float, float | None]]:
+        """(kind, stage, microbatch, wall start, seconds, thread CPU seconds, idle before) of the recorded
+        intervals. Idle before, for a chunk call (:attr:`BUSY_KINDS`): the seconds since the rank's previous chunk
+        call ended or its last :meth:`mark`, on the device's own clock (CUDA events: the stream's gap, not the
+        host's), across drains; None for other intervals and for the first call with nothing before it."""
         if self.cuda:
             torch.cuda.synchronize()
         out = []
         for kind, stage, mb, start, end, wall, cpu in self._events:
-            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
-            out.append((kind, stage, mb, wall, seconds, cpu))
+            if not kind:  # a mark
+                self._busy_end = end
+                continue
+            idle = None
+            if kind in self.BUSY_KINDS:
+                idle = None if self._busy_end is None else max(self._between(self._busy_end, start), 0.0)
+                self._busy_end = end
+            out.append((kind, stage, mb, wall, self._between(start, end), cpu, idle))
         self._events = []
         return out
 

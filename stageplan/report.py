@@ -8,6 +8,7 @@ from typing import Any
 from stageplan.plan import Plan
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
+from stageplan.schedules import RESUME_GAP_S
 
 MiB = 1024.0**2
 
@@ -262,6 +263,14 @@ def run_table(report: RunReport) -> str:
                      "part of the idle time): " + ", ".join(
                          f"rank {r['rank']} predicted {ms(r.get('predicted_receive_wait_s'))}, measured "
                          f"{ms(r.get('measured_receive_wait_s'))}" for r in report.ranks))
+    if any(r.get("measured_after_idle_calls") is not None for r in report.ranks):
+        lines.append(f"chunk calls after the rank computed nothing for >= {RESUME_GAP_S * 1e3:g} ms, against those back "
+                     "to back (calls a step predicted / measured; measured / planned seconds; what the first took a "
+                     "step beyond the second's pace): " + "; ".join(
+                         f"rank {r['rank']} {r.get('predicted_after_idle_calls', '-')} / "
+                         f"{figure(r.get('measured_after_idle_calls'))} after idle x{ratio(r.get('after_idle_ratio')) or '-'}, "
+                         f"back to back x{ratio(r.get('back_to_back_ratio')) or '-'}, "
+                         f"{ms(r.get('after_idle_excess_s')) or '-'} ms" for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

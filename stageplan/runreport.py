@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
-from stageplan.schedules import TRANSFER_KINDS
+from stageplan.schedules import CALL_KINDS, RESUME_GAP_S, TRANSFER_KINDS
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from stageplan.plan import Plan
+    from stageplan.schedules import Simulation
 
 RUN_SCHEMA = "stageplan.run/2"
 # run/1 named the per-rank rows "stages"; they are "ranks" since run/2. Both load.
@@ -87,7 +89,52 @@ _RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
                   "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s",
                   "predicted_receive_wait_s", "measured_receive_wait_s", "retimed_compute_s", "machine_ratio",
-                  "pipeline_ratio")
+                  "pipeline_ratio", "predicted_after_idle_calls", "measured_after_idle_calls", "after_idle_ratio",
+                  "back_to_back_ratio", "after_idle_excess_s")
+
+
+def _predicted_idle_calls(sim: Simulation) -> list[int]:
+    """Per rank, its chunk calls the simulation starts after :data:`RESUME_GAP_S` or more without computing."""
+    counts = [0] * sim.num_ranks
+    for event, idle in sim.idle_before():
+        counts[event.rank] += idle >= RESUME_GAP_S
+    return counts
+
+
+def _idle_split(calls: list[list[Any]], planned: dict[tuple[str, int], float]) -> dict[str, float | None]:
+    """One rank's chunk calls over its measured steps (per step: (kind, stage, microbatch, seconds, idle seconds
+    before)), in two: after idle (RESUME_GAP_S or more) and back to back. The calls of one action (the last stage's
+    forward and its loss) count as one, idle as its first call was. Actions a step after idle (the mean); per kind,
+    measured / planned seconds (``planned``: the simulator's seconds per (kind, stage) action), the median over
+    steps; and the seconds a step the after-idle actions took beyond the back-to-back ones' pace in the same step,
+    the median over steps with both (None where there are none). Medians, as the rank's compute ratio takes them:
+    a step the host slowed does not move them."""
+    counts, after_ratios, back_ratios, excess = [], [], [], []
+    for step in calls:
+        actions: dict[tuple[str, int, int], list[float]] = {}  # (kind, stage, microbatch) -> [idle before, seconds]
+        for kind, stage, mb, sec, idle in step:
+            actions.setdefault((kind, stage, mb), [idle, 0.0])[1] += sec
+        sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # after idle? -> [measured s, planned s]
+        n = 0
+        for (kind, stage, _), (idle, sec) in actions.items():
+            after = idle >= RESUME_GAP_S
+            n += after
+            sums[after][0] += sec
+            sums[after][1] += planned.get((kind, stage), 0.0)
+        counts.append(n)
+        (am, ap), (bm, bp) = sums[True], sums[False]
+        if ap > 0:
+            after_ratios.append(am / ap)
+        if bp > 0:
+            back_ratios.append(bm / bp)
+        if ap > 0 and bp > 0:
+            excess.append(am - bm / bp * ap)
+    return {
+        "measured_after_idle_calls": statistics.mean(counts) if counts else None,
+        "after_idle_ratio": statistics.median(after_ratios) if after_ratios else None,
+        "back_to_back_ratio": statistics.median(back_ratios) if back_ratios else None,
+        "after_idle_excess_s": statistics.median(excess) if excess else None,
+    }
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:
@@ -286,7 +333,12 @@ class RunReport:
         rows = []
         layers = []
         busy_total = 0.0
-        predicted_waits = plan.simulate().receive_wait_s
+        sim = plan.simulate()
+        predicted_waits = sim.receive_wait_s
+        idle_calls = _predicted_idle_calls(sim)
+        # each chunk call's seconds as the simulator prices it (a zero-bubble I is the run's B: backward_one_chunk)
+        planned = {("B" if e.kind == "I" else e.kind, e.stage): e.end_s - e.start_s for e in sim.timeline
+                   if e.kind in CALL_KINDS}
         for g in sorted(ranks, key=lambda g: g["rank"]):
             r = g["rank"]
             # the rank's layers timed alone after the run, as the profiler times them: per microbatch at m
@@ -339,6 +391,11 @@ class RunReport:
                 # it: waits for messages and torch's loop between the calls
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb)
                 - sum(st.optimizer_s + st.tied_sync_s for st in plan.stages if st.rank == r),
+                # the chunk calls after idle (RESUME_GAP_S or more without computing) against those back to back:
+                # how many a step, each kind's measured / planned seconds, and what the first cost beyond the pace of
+                # the second (seconds a step)
+                "predicted_after_idle_calls": idle_calls[r],
+                **_idle_split(g.get("calls") or [], planned),
                 "predicted_peak_activation_bytes": predicted_peak,
                 "measured_peak_activation_bytes": peak,
                 # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and

@@ -121,3 +121,29 @@ def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyP
     assert rounds(1, 2, 1.0) == [0, 1, 2, 3, 4]  # 4 timed rounds, 1 s
     assert rounds(1, 6, 1.0) == [0, 1, 2, 3, 4, 5, 6]  # 6 repeats outlast 1 s
     assert rounds(0, 1, 0.6) == [0, 1, 2]  # no warm-up: timing starts with round 0
+
+
+def test_the_timer_gives_each_chunk_call_the_idle_gap_before_it_across_drains() -> None:
+    """Oracle: known sleeps between the calls. A receive's wait is idle; a mark (the optimizer step's end) restarts
+    the count; the first call ever has nothing before it."""
+    import time
+
+    from stageplan.measure import Timer
+
+    timer = Timer("cpu")
+    timer.record("F", 0, 0, lambda: time.sleep(0.002))
+    timer.record("F", 0, 1, lambda: None)  # right after: back to back
+    time.sleep(0.005)
+    timer.record("A", 1, 0, lambda: time.sleep(0.003))  # a wait on a receive is not computing
+    timer.record("B", 0, 0, lambda: time.sleep(0.001))
+    timer.mark()
+    first = timer.drain()
+    time.sleep(0.004)
+    timer.record("F", 0, 0, lambda: None)
+    second = timer.drain()
+    assert [x[0] for x in first] == ["F", "F", "A", "B"]  # the mark is not an interval
+    assert first[0][6] is None and first[2][6] is None
+    assert 0.0 <= first[1][6] < 0.001
+    assert 0.008 <= first[3][6] < 0.008 + 0.004  # the sleep and the wait
+    assert first[3][4] >= 0.001 and first[0][4] >= 0.002  # seconds are unchanged
+    assert 0.004 <= second[0][6] < 0.004 + 0.003  # from the mark, not from the last call

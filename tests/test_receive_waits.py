@@ -16,7 +16,7 @@ from stageplan import plan
 from stageplan.launch import run
 from stageplan.profiler import profile_model
 from stageplan.runreport import RunReport
-from stageplan.schedules import simulate
+from stageplan.schedules import RESUME_GAP_S, simulate
 from stageplan.zoo import build_workload
 
 CASES = {  # schedule: (forward ms, backward ms, boundaries)
@@ -65,6 +65,23 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
         assert sleeps <= r["retimed_compute_s"] <= sleeps + 0.003 * len(mine), (r["rank"], r["retimed_compute_s"])
         assert r["machine_ratio"] * r["pipeline_ratio"] == pytest.approx(r["compute_ratio"], rel=1e-9)
 
+    # the calls after idle (RESUME_GAP_S without computing): the plan counts what the sleeps' own simulation
+    # counts; in GPipe and 1F1B every gap is 0 or 8 ms and more, so the run counts the same (one call in its 3 steps
+    # may differ: a step's first call also waits at the barrier). A sleep lasts as long after a gap as without
+    # one, so the calls after idle take no more than the back-to-back calls' pace, give or take a sleep's overshoot
+    counts = [0, 0]
+    for e, idle in simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
+                            [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v).idle_before():
+        counts[e.rank] += idle >= RESUME_GAP_S
+    assert counts == {"GPipe": [1, 2], "1F1B": [0, 2], "LoopedBFS": [1, 6]}[schedule]
+    for r in report.ranks:
+        assert r["predicted_after_idle_calls"] == counts[r["rank"]]
+        if schedule != "LoopedBFS":
+            assert abs(r["measured_after_idle_calls"] - counts[r["rank"]]) <= 1 / 3 + 1e-9, r
+        if r["after_idle_excess_s"] is not None:
+            assert abs(r["after_idle_excess_s"]) <= 0.002 * max(counts[r["rank"]], 1), r
+            assert 0.9 <= r["back_to_back_ratio"] <= 1.2, r
+
     # one transfer event per crossing, on the receiving rank, between its producer's end and its consumer's start
     ranks = [st.rank for st in pl.stages]
     n = len(bounds) - 1
@@ -98,6 +115,9 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     for r in report.ranks:
         assert (f"rank {r['rank']} predicted {1e3 * r['predicted_receive_wait_s']:.3f}, measured "
                 f"{1e3 * r['measured_receive_wait_s']:.3f}") in line
+    line = next(x for x in out.splitlines() if x.startswith("chunk calls after the rank computed nothing"))
+    for r in report.ranks:
+        assert f"rank {r['rank']} {r['predicted_after_idle_calls']} / {r['measured_after_idle_calls']:.3g} after idle" in line
     line = next(x for x in out.splitlines() if x.startswith("compute ratio in two"))
     for r in report.ranks:
         assert (f"rank {r['rank']} {1e3 * r['retimed_compute_s']:.3f}, the machine now x{r['machine_ratio']:.3f} the "

@@ -25,3 +25,31 @@ def test_run_table_names_each_ranks_cpus(placed: list, line: str) -> None:  # ty
 def test_a_report_from_before_pinning_prints_no_placement_line() -> None:
     pl = plan(_profile(), 2, num_microbatches=4, boundaries=[0, 2, 5], optimizer="none")
     assert "CPUs per rank" not in run_table(_report(pl))
+
+
+def test_calls_after_idle_against_back_to_back_by_hand() -> None:
+    """Two steps of one rank's calls (kind, stage, microbatch, seconds, idle before), planned 2 ms a forward and 4 ms
+    a backward. Step 1: F0 back to back 2.2 ms, F1 after 5 ms idle 3.0 ms, B0 back to back 4.4 ms (1.1x), B1 after
+    idle 6.0 ms. After idle: 9.0 / 6.0 = 1.5; back to back 6.6 / 6.0 = 1.1; beyond that pace 9.0 - 1.1 x 6 = 2.4 ms.
+    Step 2: the same but the last stage's F0 comes as two calls (forward 1.5 ms after 2 ms idle, its loss 0.5 ms
+    back to back): one action, after idle, 2.0 ms; back to back F1 2.2 + B0 4.4 + B1 4.4 = 11.0 / 10.0 = 1.1; after
+    idle 2.0 / 2.0 = 1.0; beyond: 2.0 - 2.2 = -0.2 ms. Medians over the two steps; calls after idle 2 and 1."""
+    from stageplan.runreport import _idle_split
+
+    planned = {("F", 0): 0.002, ("B", 0): 0.004}
+    steps = [
+        [("F", 0, 0, 0.0022, 0.0), ("F", 0, 1, 0.003, 0.005), ("B", 0, 0, 0.0044, 0.0002), ("B", 0, 1, 0.006, 0.02)],
+        [("F", 0, 0, 0.0015, 0.002), ("F", 0, 0, 0.0005, 0.0), ("F", 0, 1, 0.0022, 0.0003),
+         ("B", 0, 0, 0.0044, 0.0), ("B", 0, 1, 0.0044, 0.0009)],
+    ]
+    got = _idle_split(steps, planned)
+    assert got["measured_after_idle_calls"] == pytest.approx(1.5)
+    assert got["after_idle_ratio"] == pytest.approx((1.5 + 1.0) / 2)
+    assert got["back_to_back_ratio"] == pytest.approx(1.1)
+    assert got["after_idle_excess_s"] == pytest.approx((0.0024 - 0.0002) / 2)
+    # a rank whose calls are all back to back has no after-idle figures, and no steps give none at all
+    flat = _idle_split([[("F", 0, 0, 0.002, 0.0)]], planned)
+    assert flat["measured_after_idle_calls"] == 0 and flat["after_idle_ratio"] is None
+    assert flat["after_idle_excess_s"] is None and flat["back_to_back_ratio"] == pytest.approx(1.0)
+    assert _idle_split([], planned) == {"measured_after_idle_calls": None, "after_idle_ratio": None,
+                                        "back_to_back_ratio": None, "after_idle_excess_s": None}

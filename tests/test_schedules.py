@@ -853,3 +853,23 @@ def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: boo
     depth = int(want.max()) + 1
     assert [g.tolist() for g in _group_by(got, depth)] == [np.flatnonzero(want == lv).tolist() for lv in range(depth)]
 
+
+
+def test_idle_before_each_call_by_hand() -> None:
+    """GPipe, 2 ranks, 2 microbatches, forwards 30 / 3 ms, backwards 20 / 5 ms (the sleepers' run test). Rank 0:
+    F0 0-30, F1 30-60, B0 68-88 (rank 1's B0 ends at 68), B1 88-108; rank 1: F0 30-33, F1 60-63, B0 63-68,
+    B1 68-73; the step is 108 ms. Rank 0's F0 follows its own previous step's end (108 - 108 = 0): no gap, B0
+    waits 8 ms. Rank 1's F0 comes 30 ms into the step after its previous step ended 35 ms before the end: 65 ms;
+    F1 waits 27 ms."""
+    sim = simulate("GPipe", [0.030, 0.003], [0.020, 0.005], 2)
+    assert sim.step_s == pytest.approx(0.108)
+    gaps = {(e.rank, e.kind, e.microbatch): idle for e, idle in sim.idle_before()}
+    assert gaps == pytest.approx({(0, "F", 0): 0.0, (0, "F", 1): 0.0, (0, "B", 0): 0.008, (0, "B", 1): 0.0,
+                                  (1, "F", 0): 0.065, (1, "F", 1): 0.027, (1, "B", 0): 0.0, (1, "B", 1): 0.0}, abs=1e-12)
+    # an optimizer step is busy: rank 0's F0 now counts from its optimizer's end (108-112), rank 1's from its own,
+    # which starts once its last send is received: rank 0 posts B1's receive at 88, so 88-90, and F0 idles
+    # 112 - 90 + 30 = 52 ms
+    sim = simulate("GPipe", [0.030, 0.003], [0.020, 0.005], 2, optimizer_s=[0.004, 0.002])
+    gaps = {(e.rank, e.kind, e.microbatch): idle for e, idle in sim.idle_before()}
+    assert sim.step_s == pytest.approx(0.112)
+    assert gaps[(0, "F", 0)] == pytest.approx(0.0) and gaps[(1, "F", 0)] == pytest.approx(0.052)
