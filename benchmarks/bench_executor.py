@@ -480,9 +480,9 @@ def main() -> None:
     print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
     print("\neach rank's chunk calls after >= 1 ms without computing (a receive's wait, the barrier) against those "
-          "back to back, in the same runs: calls a step (predicted, measured), measured / planned seconds of each (medians "
-          "over steps), the rank's compute ratio, what the calls after idle took a step beyond the back-to-back pace, and "
-          "the rank's whole compute excess a step (ms)")
+          "back to back, in the same runs: calls a step (predicted, measured); where a stage's forwards or backwards ran "
+          "both ways in a step, measured / planned seconds of each (medians over steps) and what the calls after idle "
+          "took a step beyond the back-to-back pace; the rank's compute ratio and its whole compute excess a step (ms)")
     print(format_table(["model", "schedule", "m", "method", "rank", "after idle pred", "meas", "after idle x",
                         "back to back x", "compute x", "beyond ms", "excess ms"], idle_rows))
     if idle_pairs:

@@ -265,8 +265,9 @@ def run_table(report: RunReport) -> str:
                          f"{ms(r.get('measured_receive_wait_s'))}" for r in report.ranks))
     if any(r.get("measured_after_idle_calls") is not None for r in report.ranks):
         lines.append(f"chunk calls after the rank computed nothing for >= {RESUME_GAP_S * 1e3:g} ms, against those back "
-                     "to back (calls a step predicted / measured; measured / planned seconds; what the first took a "
-                     "step beyond the second's pace): " + "; ".join(
+                     "to back (calls a step predicted / measured; where a stage's forwards or backwards ran both ways "
+                     "in a step, measured / planned seconds of each and what the first took a step beyond the "
+                     "second's pace): " + "; ".join(
                          f"rank {r['rank']} {r.get('predicted_after_idle_calls', '-')} / "
                          f"{figure(r.get('measured_after_idle_calls'))} after idle x{ratio(r.get('after_idle_ratio')) or '-'}, "
                          f"back to back x{ratio(r.get('back_to_back_ratio')) or '-'}, "

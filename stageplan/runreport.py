@@ -104,31 +104,28 @@ def _predicted_idle_calls(sim: Simulation) -> list[int]:
 def _idle_split(calls: list[list[Any]], planned: dict[tuple[str, int], float]) -> dict[str, float | None]:
     """One rank's chunk calls over its measured steps (per step: (kind, stage, microbatch, seconds, idle seconds
     before)), in two: after idle (RESUME_GAP_S or more) and back to back. The calls of one action (the last stage's
-    forward and its loss) count as one, idle as its first call was. Actions a step after idle (the mean); per kind,
-    measured / planned seconds (``planned``: the simulator's seconds per (kind, stage) action), the median over
-    steps; and the seconds a step the after-idle actions took beyond the back-to-back ones' pace in the same step,
-    the median over steps with both (None where there are none). Medians, as the rank's compute ratio takes them:
-    a step the host slowed does not move them."""
+    forward and its loss) count as one, idle as its first call was. Actions after idle a step (the mean). Then only
+    like against like: within a step, each (kind, stage) that has actions of both sorts gives its after-idle ones'
+    measured seconds, the back-to-back ones' measured / planned ratio (``planned``: the simulator's seconds per
+    (kind, stage) action) and what the after-idle ones took beyond that ratio; per step summed over those, and the
+    medians over steps with any (None where none has): a backward that always follows a wait is not compared with
+    forwards run back to back, and a step the host slowed does not move a median."""
     counts, after_ratios, back_ratios, excess = [], [], [], []
     for step in calls:
         actions: dict[tuple[str, int, int], list[float]] = {}  # (kind, stage, microbatch) -> [idle before, seconds]
         for kind, stage, mb, sec, idle in step:
             actions.setdefault((kind, stage, mb), [idle, 0.0])[1] += sec
-        sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # after idle? -> [measured s, planned s]
-        n = 0
+        groups: dict[tuple[str, int], dict[bool, list[float]]] = {}  # (kind, stage) -> after idle? -> [measured, planned]
         for (kind, stage, _), (idle, sec) in actions.items():
-            after = idle >= RESUME_GAP_S
-            n += after
-            sums[after][0] += sec
-            sums[after][1] += planned.get((kind, stage), 0.0)
-        counts.append(n)
-        (am, ap), (bm, bp) = sums[True], sums[False]
-        if ap > 0:
-            after_ratios.append(am / ap)
-        if bp > 0:
-            back_ratios.append(bm / bp)
-        if ap > 0 and bp > 0:
-            excess.append(am - bm / bp * ap)
+            row = groups.setdefault((kind, stage), {True: [0.0, 0.0], False: [0.0, 0.0]})[idle >= RESUME_GAP_S]
+            row[0] += sec
+            row[1] += planned.get((kind, stage), 0.0)
+        counts.append(sum(idle >= RESUME_GAP_S for idle, _ in actions.values()))
+        matched = [(g[True], g[False]) for g in groups.values() if g[True][1] > 0 and g[False][1] > 0]
+        if matched:
+            after_ratios.append(sum(a[0] for a, _ in matched) / sum(a[1] for a, _ in matched))
+            back_ratios.append(sum(b[0] for _, b in matched) / sum(b[1] for _, b in matched))
+            excess.append(sum(a[0] - b[0] / b[1] * a[1] for a, b in matched))
     return {
         "measured_after_idle_calls": statistics.mean(counts) if counts else None,
         "after_idle_ratio": statistics.median(after_ratios) if after_ratios else None,
@@ -392,8 +389,8 @@ class RunReport:
                 "predicted_idle_s": plan.predicted_step_s - m * (pf + pb)
                 - sum(st.optimizer_s + st.tied_sync_s for st in plan.stages if st.rank == r),
                 # the chunk calls after idle (RESUME_GAP_S or more without computing) against those back to back:
-                # how many a step, each kind's measured / planned seconds, and what the first cost beyond the pace of
-                # the second (seconds a step)
+                # how many a step; where a (kind, stage) has both, each sort's measured / planned seconds and what the
+                # first took beyond the pace of the second (seconds a step)
                 "predicted_after_idle_calls": idle_calls[r],
                 **_idle_split(g.get("calls") or [], planned),
                 "predicted_peak_activation_bytes": predicted_peak,
