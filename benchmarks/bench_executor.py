@@ -32,6 +32,7 @@ import time
 import stageplan
 from stageplan.api import build_workload
 from stageplan.report import format_table
+from stageplan.schedules import RESUME_GAP_S
 
 STEPS, WARMUP = 20, 3  # the same plan's step varied 7-14% between runs of 8 steps here, 3% at 20
 RUN_S = 8.0  # at least this many seconds of measured steps per run (more steps than STEPS where a step is short)
@@ -436,7 +437,7 @@ def main() -> None:
                         beyond = r.get("after_idle_excess_s")
                         excess = (r["measured_compute_s"] - r["predicted_compute_s"]) * m
                         idle_rows.append([model, schedule, m, name, r["rank"], r.get("predicted_after_idle_calls"),
-                                          f"{r['measured_after_idle_calls']:.2f}", _x(r.get("after_idle_ratio")),
+                                          _x(r.get("measured_after_idle_calls")), _x(r.get("after_idle_ratio")),
                                           _x(r.get("back_to_back_ratio")), _x(r["compute_ratio"]),
                                           "-" if beyond is None else f"{beyond * 1e3:+.2f}", f"{excess * 1e3:+.2f}"])
                         if beyond is not None:
@@ -479,7 +480,7 @@ def main() -> None:
           "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
     print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
-    print("\neach rank's chunk calls after >= 1 ms without computing (a receive's wait, the barrier) against those "
+    print(f"\neach rank's chunk calls after >= {RESUME_GAP_S * 1e3:g} ms without computing (a receive's wait, the barrier) against those "
           "back to back, in the same runs: calls a step (predicted, measured); where a stage's forwards or backwards ran "
           "both ways in a step, measured / planned seconds of each (medians over steps) and what the calls after idle "
           "took a step beyond the back-to-back pace; the rank's compute ratio and its whole compute excess a step (ms)")
@@ -487,7 +488,8 @@ def main() -> None:
                         "back to back x", "compute x", "beyond ms", "excess ms"], idle_rows))
     if idle_pairs:
         ratio = statistics.median(a for a, _, _ in idle_pairs)
-        print(f"  over {len(idle_pairs)} rank runs with both kinds: after idle / back to back median {ratio:.3f} "
+        print(f"  over {len(idle_pairs)} rank runs with both sorts: a run's after-idle median over its back-to-back median, "
+              f"the median of those {ratio:.3f} "
               f"({min(a for a, _, _ in idle_pairs):.3f}-{max(a for a, _, _ in idle_pairs):.3f}); beyond the pace median "
               f"{statistics.median(b for _, b, _ in idle_pairs) * 1e3:+.2f} ms a step, against a compute excess median "
               f"{statistics.median(c for _, _, c in idle_pairs) * 1e3:+.2f} ms")

@@ -421,6 +421,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     bounds = plan.boundaries
     # on CUDA, where a tie spans ranks, the tied sum is timed apart between two synchronisations
     sync_apart = device.type == "cuda" and any(rs.ties_across or ())
+    ins.timer.mark()  # the first step's first chunk call counts from here, as every later one from its step's mark
     for step in range(warmup + steps + clocked):
         ins.tracking = step < warmup or warmup == 0
         ins.clock.enabled = step >= warmup + steps  # the clock's own steps come last, outside the measured ones
@@ -457,12 +458,12 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.peak_activation_bytes.append(ins.tracker.peak)
         if ins.clock.enabled:
             out.add_layers(phases, plan.num_microbatches)
-            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in ("F", "B", "W")))
+            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in Timer.BUSY_KINDS))
         elif step >= warmup:
             out.step_s.append(t1 - t0)
             out.forward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind == "F"))
             out.backward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in ("B", "W")))
-            out.compute_cpu_s.append(sum(cpu for kind, _, _, _, _, cpu, _ in intervals if kind in ("F", "B", "W")))
+            out.compute_cpu_s.append(sum(cpu for kind, _, _, _, _, cpu, _ in intervals if kind in Timer.BUSY_KINDS))
             out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in TRANSFER_KINDS))
             out.calls.append([(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
             out.other_s.append(t1 - t_other)

@@ -142,7 +142,9 @@ class Timer:
     the process was preempted by others.
     """
 
-    BUSY_KINDS = ("F", "B", "W")  # the chunk calls: the rank computes; any other interval (a receive's wait) is idle
+    # the chunk calls, as the executor records them (the simulator's are schedules.CALL_KINDS, with a zero-bubble
+    # backward's input half as "I" where the run records "B"): the rank computes; any other interval is idle
+    BUSY_KINDS = ("F", "B", "W")
 
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
@@ -161,7 +163,8 @@ class Timer:
 
     def mark(self) -> None:
         """The rank's own work outside the chunk calls (its optimizer step) ends now: the idle gap of the next chunk
-        call counts from here, through the barrier that starts the next step."""
+        call counts from here, through the barrier that starts the next step and the executor's bookkeeping between
+        (draining this timer, the losses, the progress line, clearing the gradients), which is not the model's."""
         self._events.append(("", -1, -1, None, self._now(), time.time(), 0.0))
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:

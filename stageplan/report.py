@@ -268,10 +268,11 @@ def run_table(report: RunReport) -> str:
                      "to back (calls a step predicted / measured; where a stage's forwards or backwards ran both ways "
                      "in a step, measured / planned seconds of each and what the first took a step beyond the "
                      "second's pace): " + "; ".join(
-                         f"rank {r['rank']} {r.get('predicted_after_idle_calls', '-')} / "
+                         f"rank {r['rank']} {figure(r.get('predicted_after_idle_calls'))} / "
                          f"{figure(r.get('measured_after_idle_calls'))} after idle x{ratio(r.get('after_idle_ratio')) or '-'}, "
                          f"back to back x{ratio(r.get('back_to_back_ratio')) or '-'}, "
-                         f"{ms(r.get('after_idle_excess_s')) or '-'} ms" for r in report.ranks))
+                         f"{ms(r.get('after_idle_excess_s')) + ' ms' if r.get('after_idle_excess_s') is not None else '-'}"
+                         for r in report.ranks))
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"

@@ -577,10 +577,11 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
 
 
 TRANSFER_KINDS = ("A", "G")  # a crossing's transfer in a timeline: an activation, a gradient (TimelineEvent)
-CALL_KINDS = ("F", "B", "I", "W")  # a chunk call in a timeline: the rank computes (TimelineEvent)
+CALL_KINDS = ("F", "B", "I", "W")  # a chunk call in a timeline: the rank computes (TimelineEvent; measure.Timer.BUSY_KINDS)
 # A chunk call "after idle": its rank computed nothing for at least this long before it. Measured here (one GPT
-# block, 1 thread): after a 1 ms sleep its forward ran at its back-to-back time, after 5 ms +0.26 ms, after 20-80 ms
-# +0.5 ms (1.3-1.6x), as after 20 ms of busy Python; RunReport splits each rank's calls at this gap.
+# block, 1 thread, two sets of rounds): after a 1 ms sleep its forward ran at its back-to-back time, after 5 ms
+# +0.26-0.39 ms, after 20-80 ms +0.5-0.64 ms (1.3-1.6x), as after 20-50 ms of busy Python; RunReport splits each
+# rank's calls at this gap.
 RESUME_GAP_S = 1e-3
 
 

@@ -68,7 +68,8 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     # the calls after idle (RESUME_GAP_S without computing): the plan counts what the sleeps' own simulation
     # counts; in GPipe and 1F1B every gap the simulator sees is 0 or 8 ms and more, so the run counts the same, except
     # that each step's first call also follows the barrier that starts the step, which the simulator does not have
-    # (under make test's load it took over 1 ms in 2 of 3 steps): at most one more a step. A sleep lasts as long
+    # (under make test's load it took over 1 ms in 2 of 3 steps): at most one more a step; and a gap of 8 ms and more
+    # in the sleeps' simulation is one in the run, so never fewer. A sleep lasts as long
     # after a gap as without one, so the calls after idle take the back-to-back calls' pace, give or take a sleep's
     # overshoot
     counts = [0, 0]
@@ -79,7 +80,7 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     for r in report.ranks:
         assert r["predicted_after_idle_calls"] == counts[r["rank"]]
         if schedule != "LoopedBFS":
-            assert counts[r["rank"]] - 1 / 3 - 1e-9 <= r["measured_after_idle_calls"] <= counts[r["rank"]] + 1 + 1e-9, r
+            assert counts[r["rank"]] <= r["measured_after_idle_calls"] <= counts[r["rank"]] + 1, r
         if r["after_idle_excess_s"] is not None:
             assert abs(r["after_idle_excess_s"]) <= 0.002 * max(counts[r["rank"]], 1), r
             assert 0.9 <= r["back_to_back_ratio"] <= 1.2, r
