@@ -132,7 +132,24 @@ def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator
         rnd += 1
 
 
-class Timer:
+class _DeviceClock:
+    """A point in time on the device's own clock, and the seconds between two: ``time.perf_counter`` on CPU; on CUDA
+    an event recorded on the current stream (read after a synchronisation), so intervals are the stream's."""
+
+    cuda: bool
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3 if self.cuda else float(b - a)
+
+
+class Timer(_DeviceClock):
     """Seconds of a callable's work on ``device``.
 
     CPU: ``time.perf_counter`` around the call. CUDA is asynchronous (FIELD.md), so it records CUDA events:
@@ -150,16 +167,6 @@ class Timer:
         self.cuda = torch.device(device).type == "cuda"
         self._events: list[tuple[str, int, int, Any, Any, float, float]] = []
         self._busy_end: Any = None  # where the rank last stopped computing: perf_counter seconds, or a CUDA event
-
-    def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _between(self, earlier: Any, later: Any) -> float:
-        return earlier.elapsed_time(later) / 1e3 if self.cuda else later - earlier
 
     def mark(self) -> None:
         """The rank's own work outside the chunk calls (its optimizer step) ends now: the idle gap of the next chunk
@@ -206,9 +213,9 @@ class Timer:
                 continue
             idle = None
             if kind in self.BUSY_KINDS:
-                idle = None if self._busy_end is None else max(self._between(self._busy_end, start), 0.0)
+                idle = None if self._busy_end is None else max(self._seconds(self._busy_end, start), 0.0)
                 self._busy_end = end
-            out.append((kind, stage, mb, wall, self._between(start, end), cpu, idle))
+            out.append((kind, stage, mb, wall, self._seconds(start, end), cpu, idle))
         self._events = []
         return out
 
@@ -224,7 +231,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class LayerClock:
+class LayerClock(_DeviceClock):
     """Each layer's forward and backward seconds inside a running pipeline chunk, from hooks on its module.
 
     A phase (one chunk's forward, backward or loss call, opened by :meth:`phase`) collects stamps: a layer's forward
@@ -244,13 +251,6 @@ class LayerClock:
         self._stamps: list[tuple[int, str, Any]] | None = None
         self._phases: list[tuple[str, int, Any, Any, list[tuple[int, str, Any]]]] = []
         self._handles: list[Any] = []  # tensor hooks of this step (a stage's receive buffers persist across steps)
-
-    def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
 
     def _stamp(self, layer: int, edge: str) -> None:
         if self._stamps is not None:
@@ -318,9 +318,6 @@ class LayerClock:
             end = self._now()
             self._stamps = None
             self._phases.append((kind, stage, begin, end, stamps))
-
-    def _seconds(self, a: Any, b: Any) -> float:
-        return float(a.elapsed_time(b)) / 1e3 if self.cuda else float(b - a)
 
     def drain(self, layers_of: Callable[[int], Sequence[int]]) -> list[tuple[str, int, dict[int, float], float]]:
         """Per phase of the step: (kind, stage, {layer: seconds}, overhead seconds), and the step's tensor hooks
