@@ -15,8 +15,8 @@ from conftest import run_cli
 from stageplan import plan
 from stageplan.launch import run
 from stageplan.profiler import profile_model
-from stageplan.runreport import RunReport
-from stageplan.schedules import RESUME_GAP_S, simulate
+from stageplan.runreport import RunReport, _predicted_idle_calls
+from stageplan.schedules import simulate
 from stageplan.zoo import build_workload
 
 CASES = {  # schedule: (forward ms, backward ms, boundaries)
@@ -72,10 +72,8 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
     # in the sleeps' simulation is one in the run, so never fewer. A sleep lasts as long
     # after a gap as without one, so the calls after idle take the back-to-back calls' pace, give or take a sleep's
     # overshoot
-    counts = [0, 0]
-    for e, idle in simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
-                            [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v).idle_before():
-        counts[e.rank] += idle >= RESUME_GAP_S
+    counts = _predicted_idle_calls(simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
+                                            [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v))
     assert counts == {"GPipe": [1, 2], "1F1B": [0, 2], "LoopedBFS": [1, 6]}[schedule]
     for r in report.ranks:
         assert r["predicted_after_idle_calls"] == counts[r["rank"]]
