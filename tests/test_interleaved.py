@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,6 +121,94 @@ def test_interleaved_time_limit_reports_a_proven_bound() -> None:
     assert sol.lower_bound >= max(costs.sum() / 4, costs.max()) * (1 - 1e-12)
     if sol.optimal:
         assert sol.lower_bound == sol.bottleneck
+
+
+def test_a_highs_solve_error_is_solved_again_without_presolve() -> None:
+    """Found by a random search against brute force (2 of 51,844 instances): with the incumbent's 15 as its
+    objective's upper bound, scipy 1.17.1's HiGHS ends this 3 x 2 instance in "Solve error" after its presolve, and
+    the plan fell back to the heuristic's unproven 15 where brute force finds 14."""
+    costs = [1.0, 8.0, 3.0, 3.0, 3.0, 3.0, 3.0, 7.0, 2.0, 6.0]
+    best = min(max(sum(sum(costs[b[c]:b[c + 1]]) for c in (r, r + 3)) for r in range(3)) for b in all_boundaries(10, 6))
+    assert best == 14.0
+    sol = solve_interleaved(costs, 3, 2, time_limit_s=20.0)
+    assert sol.optimal and sol.bottleneck == best and sol.lower_bound == best
+
+
+def test_the_retry_without_presolve_gets_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever HiGHS's version: a solve error with presolve is solved again without it, within what is left of
+    the time limit, and only then; without presolve, or with no time left, the error stands."""
+    calls: list[tuple[bool, float]] = []
+    original = interleaved.optimize.milp
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((kwargs["options"]["presolve"], kwargs["options"]["time_limit"]))
+        res = original(*args, **kwargs)
+        if kwargs["options"]["presolve"]:
+            res.status, res.x = 4, None
+            res.pop("mip_dual_bound", None)
+        return res
+
+    monkeypatch.setattr(interleaved.optimize, "milp", flaky)
+    c = np.array([4.0, 1.0, 1.0, 4.0, 1.0, 1.0])
+    args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)))
+    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1])
+    assert [pre for pre, _ in calls] == [True, False] and 0 < calls[1][1] <= 5.0
+    assert result.optimal and result.bounds is not None and not result.timed_out
+    calls.clear()
+    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1], presolve=False)
+    assert [pre for pre, _ in calls] == [False] and result.optimal
+    calls.clear()
+    clock = iter([0.0, 10.0])  # the first solve used up the time limit
+    monkeypatch.setattr(interleaved, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1])
+    assert [pre for pre, _ in calls] == [True] and result.bounds is None and not result.optimal
+
+
+def test_a_wrong_proof_with_presolve_is_refuted_without_it() -> None:
+    """Found by the same search (2 of 45,939 instances): with the incumbent's 5.9 as its objective's upper bound,
+    HiGHS with presolve proved 5.6 optimal on this 2 x 2 instance with boundary costs, where brute force finds 5.3."""
+    costs, bc = [2.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0], [0.3, 0.3, 0.9, 0.9, 0.6, 0.3, 0.6]
+    assert _brute(costs, 2, 2, [0, 1, 0, 1], bc) == pytest.approx(5.3)
+    sol = solve_interleaved(costs, 2, 2, boundary_costs=bc, time_limit_s=20.0)
+    assert sol.optimal and sol.bottleneck == pytest.approx(5.3) and sol.lower_bound == pytest.approx(5.3)
+
+
+def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever HiGHS's version: a split proven optimal with presolve is checked by a solve without it for a split
+    better by more than _VERIFY, and replaced by the one it finds; a true proof stands; a proof at the trivial
+    bound needs no check."""
+    calls: list[bool] = []
+    original = interleaved.optimize.milp
+    inflate = [1.0]
+
+    def claims(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs["options"]["presolve"])
+        if not kwargs["options"]["presolve"] or inflate[0] == 1.0:
+            return original(*args, **kwargs)
+        true = original(*args, **kwargs)  # a proof of a value above the optimum: z held above it
+        b = kwargs["bounds"]
+        lb = np.array(b.lb, dtype=float)
+        lb[-1] = true.fun * inflate[0]
+        return original(*args, **{**kwargs, "bounds": interleaved.optimize.Bounds(lb, b.ub)})
+
+    monkeypatch.setattr(interleaved.optimize, "milp", claims)
+    c = np.array([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
+    best = _brute(list(c), 2, 2, [0, 1, 0, 1])
+    trivial = interleaved.lower_bound(c, np.ones(2))
+    assert best > trivial
+    args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, trivial, 5.0, [0, 1, 0, 1])
+    inflate[0] = 1.2
+    result = interleaved._interleaved_milp(*args)
+    assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
+    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
+    calls.clear()
+    inflate[0] = 1.0
+    result = interleaved._interleaved_milp(*args)
+    assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
+    calls.clear()
+    flat = np.ones(8)  # 2 x 2 chunks of 2 layers: the trivial bound 4 is the optimum
+    result = interleaved._interleaved_milp(flat, 2, 2, np.ones(2), None, None, "time", math.inf, 4.0, 5.0, [0, 1, 0, 1])
+    assert calls == [True] and result.optimal and result.dual_bound == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize(
