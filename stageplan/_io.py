@@ -30,6 +30,8 @@ def check_output_path(path: str | os.PathLike[str], inputs: Any = ()) -> Path:
     """Refuse, before any work is done, an output file that could not be written: a missing or unwritable
     folder, a path that is a folder, or one of the command's own ``inputs`` (paths; others are ignored), which
     the output would replace."""
+    if str(path) == "":
+        raise StageplanError("the output path is empty; give a file name such as out.json")
     p = Path(path)
     for given in inputs:
         if isinstance(given, (str, os.PathLike)) and Path(given).exists() and p.exists() and os.path.samefile(given, p):
@@ -46,6 +48,8 @@ def check_output_path(path: str | os.PathLike[str], inputs: Any = ()) -> Path:
 
 def check_output_dir(path: str | os.PathLike[str]) -> Path:
     """Refuse, before any work is done, an output folder that could not be created or written."""
+    if str(path) == "":
+        raise StageplanError("the output folder is empty; give a folder name such as out")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise StageplanError(f"output folder {str(p)!r} is a file; give a folder name")
@@ -76,8 +80,16 @@ def default_mode() -> int:
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write`` on a temporary file in the same folder, then os.replace it over ``path``: a reader never
-    sees a half-written file, and a failure leaves what was there before."""
+    sees a half-written file, and a failure leaves what was there before. A symbolic link is written through to
+    the file it names (the link stays); a device or a pipe (``-o /dev/null``) is written to as open() would, not
+    replaced by a file."""
     p = check_output_path(path)
+    if p.is_symlink():
+        p = check_output_path(os.path.realpath(p))
+    if p.exists() and not p.is_file():
+        with open(p, "wb") as f:
+            write(f)
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent) if str(p.parent) else ".")
     try:
         with os.fdopen(fd, "wb") as f:

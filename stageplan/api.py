@@ -1009,7 +1009,7 @@ def _layer_factors(prof: Profile, rep: RunReport, m: int) -> tuple[list[float], 
     for row in rep.ranks:
         r = int(row["rank"])
         tf, tb = parts.get(r, (0.0, 0.0))
-        over_f, over_b = row.get("measured_overhead_forward_s", 0.0), row.get("measured_overhead_backward_s", 0.0)
+        over_f, over_b = row.get("measured_overhead_forward_s") or 0.0, row.get("measured_overhead_backward_s") or 0.0
         clocked = tf + tb + over_f + over_b
         footing = (row["measured_compute_s"] / clocked if clocked > 0 else 1.0) * size * (speeds[r] if r < len(speeds) else 1.0)
         scale[r] = ((1.0 + over_f / tf if tf > 0 else 1.0) * footing, (1.0 + over_b / tb if tb > 0 else 1.0) * footing)
@@ -1083,7 +1083,7 @@ def _replay_options(profile: Profile, rep: RunReport) -> tuple[LayerArrays, Cost
                         optimizer=str(rep.run_options.get("optimizer") or cost.get("optimizer") or "sgd"),
                         bandwidth_bytes_per_s=cost.get("bandwidth_bytes_per_s"), devices=devices,
                         recompute=bool(cost.get("recompute", False)), precision=cost.get("precision"),
-                        link_latency_s=float(cost.get("link_latency_s", 0.0)), action_s=over["action_s"],
+                        link_latency_s=float(cost.get("link_latency_s") or 0.0), action_s=over["action_s"],
                         chunk_forward_s=over["chunk_forward_s"], chunk_backward_s=over["chunk_backward_s"],
                         allreduce_latency_s=collective["allreduce_latency_s"],
                         allreduce_bandwidth_bytes_per_s=collective["allreduce_bandwidth_bytes_per_s"])
@@ -1227,9 +1227,9 @@ def compare(
 
     check_objective(objective)
     _check_runs(runs)
-    out = Path(output_dir) if output_dir is not None else None
+    _check_loop(num_ranks, schedule, steps, warmup, timeout_s)
+    out = check_output_dir(output_dir) if output_dir is not None else None
     if out is not None:
-        check_output_dir(out)
         _refuse_input_among_outputs(out, profile, _is_compare_output)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s,
                              min_time_s, order)
@@ -1356,6 +1356,17 @@ TUNE_SCHEMA = "stageplan.tune/1"
 TUNE_OUTPUTS = ("plan.json", "profile.json", "run_final.json", "run_uniform.json", "tune.json")
 
 
+def _check_loop(num_ranks: object, schedule: str, steps: object, warmup: object, timeout_s: object) -> None:
+    """compare's and tune's ranks, schedule, steps and timeout, refused before their profile (they were refused
+    only after it: seconds here, minutes on a large model)."""
+    from stageplan.launch import check_steps_and_timeout
+    from stageplan.solver import _validate_count
+
+    _validate_count("num_ranks", num_ranks, "pipeline ranks")
+    normalize_schedule(schedule)
+    check_steps_and_timeout(steps, warmup, timeout_s)
+
+
 def _check_runs(runs: object) -> None:
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise StageplanError(f"runs must be an integer >= 1, got {runs!r}; e.g. --runs 3")
@@ -1438,7 +1449,6 @@ def tune(
     calibrated profile it and the uniform reference were priced from), ``run_final.json`` and ``run_uniform.json``
     (each plan's median fresh run: ``stageplan show``/``calibrate`` read them) and ``tune.json``.
     """
-    from pathlib import Path
 
     from stageplan._io import check_output_dir, write_json_atomic
     from stageplan.launch import run
@@ -1447,9 +1457,9 @@ def tune(
         raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
     check_objective(objective)
     _check_runs(runs)
-    out = Path(output_dir) if output_dir is not None else None
+    _check_loop(num_ranks, schedule, steps, warmup, timeout_s)
+    out = check_output_dir(output_dir) if output_dir is not None else None
     if out is not None:
-        check_output_dir(out)
         _refuse_input_among_outputs(out, profile, lambda name: name in TUNE_OUTPUTS)
     prof = _measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s,
                              min_time_s, order)

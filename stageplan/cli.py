@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "ZBVZeroBubble, or auto")
     p.add_argument("--virtual-stages", type=int, default=1, help="v chunks per rank (interleaved schedules only)")
     p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB (default: unlimited)")
-    p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s "
-                   "(default: communication not modelled)")
+    p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s; B is a "
+                   "byte and b a bit: 400Gb/s = 400Gbit/s = 400Gbps = 50GB/s (default: communication not modelled)")
     p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link: its "
                    "bandwidth prices boundary bytes, its fused send/receive exchange (or latency) delays every crossing "
                    "(instead of --bandwidth)")
@@ -364,10 +364,11 @@ def _cmd_show(a: argparse.Namespace) -> int:
     from stageplan.report import compare_run_table, plan_table, profile_table, run_table
 
     kind, obj = _load_any(a.path)
-    if a.plot:
-        _plot(kind, obj, a.plot)
     tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table, "compare": compare_run_table}
-    print(tables[kind](obj))
+    table = tables[kind](obj)  # first: a file it cannot read leaves an existing figure as it was
+    if a.plot is not None:
+        _plot(kind, obj, a.plot)
+    print(table)
     return 0
 
 
@@ -419,7 +420,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from stageplan.profile import Profile
     from stageplan.report import compare_table, plan_table
 
-    if a.output:
+    if a.output is not None:
         check_output_path(a.output, (a.profile, a.link, a.fqns))
     if a.export is not None and a.export not in EXPORTS:
         raise StageplanError(f"unknown export {a.export!r}; use one of {', '.join(EXPORTS)}")
@@ -437,7 +438,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         print(file=table_out)
         print(compare_table({m: plan(prof, a.stages, method=m, objective=a.objective if m == "optimal" else "bottleneck",
                                          **opts) for m in METHODS}), file=table_out)
-    if a.output:
+    if a.output is not None:
         save_or_keep(result, a.output)
         print(f"wrote {a.output}", file=table_out)
     if export is not None:
@@ -460,7 +461,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
                                   backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus, retime=a.retime)
     factory_options = parse_set(a.factory_options)
-    if a.output:
+    if a.output is not None:
         from stageplan._io import check_output_path
 
         check_output_path(a.output, (a.plan, a.weights))
@@ -475,7 +476,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         report = run(a.model, the_plan, factory_options=factory_options, output=a.output, log_dir=a.log_dir,
                      weights=a.weights, progress=not a.quiet, **kwargs)
     print(run_table(report))
-    if a.output:
+    if a.output is not None:
         print(f"wrote {a.output}")
     if report.check is not None and not report.check["passed"]:
         return 1
@@ -539,7 +540,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
                      timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes, runs=a.runs,
                      min_time_s=a.min_time, objective=a.objective, order=a.order)
     print(compare_run_table(result))
-    if a.output:
+    if a.output is not None:
         print(f"wrote {a.output}/compare.json and figures")
     return 0
 

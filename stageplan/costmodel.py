@@ -158,7 +158,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         devs = tuple(devices)
         if len(devs) != num_ranks:
             raise StageplanError(
-                f"got {len(devs)} device entries for {num_ranks} stages; give one speed per stage "
+                f"got {len(devs)} device entries for {num_ranks} ranks; give one speed per rank, not per chunk "
                 f"(e.g. --device-speeds {','.join(['1'] * num_ranks)})"
             )
         for i, d in enumerate(devs):

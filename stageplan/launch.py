@@ -397,19 +397,26 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
     return meta, None, "initialised by FQN (the model does not fit in one process)"
 
 
-def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
-                 backend: str | None, timeout_s: float, pin_cpus: bool = True, retime: bool = True) -> dict[str, Any]:
-    """Validate every run option before any process starts."""
+def check_steps_and_timeout(steps: object, warmup: object, timeout_s: object) -> None:
+    """A run's counts and its timeout: refused before any process starts, and by compare and tune before their
+    profile."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or isinstance(warmup, bool) \
             or not isinstance(warmup, int) or warmup < 0:
         raise StageplanError(f"steps must be an integer >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}; e.g. --steps 20 --warmup 3")
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+                                           and timeout_s > 0):
+        raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
+
+
+def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
+                 backend: str | None, timeout_s: float, pin_cpus: bool = True, retime: bool = True) -> dict[str, Any]:
+    """Validate every run option before any process starts."""
+    check_steps_and_timeout(steps, warmup, timeout_s)
     opt = (optimizer or str(plan.cost_options.get("optimizer", "sgd"))).lower()
     if opt not in OPTIMIZERS:
         raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise StageplanError(f"learning rate must be a finite number > 0, got {lr!r}; e.g. --lr 0.01")
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
     planned = str(plan.cost_options.get("optimizer") or opt).lower()
     if opt != planned:
         import warnings

@@ -447,12 +447,14 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     else:
         data, source = read_json(link, "link"), f"link file {str(link)!r}"
     check_schema(data, LINK_SCHEMA, source)
-    try:
-        if any(isinstance(data[k], bool) for k in ("latency_s", "bandwidth_bytes_per_s")):
-            raise TypeError("latency_s or bandwidth_bytes_per_s is true/false, not a number")
-        latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SchemaError(f"{source} is missing or mangles field {exc}; measure it again with stageplan link") from None
+    missing = [k for k in ("latency_s", "bandwidth_bytes_per_s") if k not in data]
+    if missing:
+        raise SchemaError(f"{source} lacks {' and '.join(missing)}; measure it again with stageplan link")
+    if not all(is_number(data[k], finite=False) for k in ("latency_s", "bandwidth_bytes_per_s")):
+        raise SchemaError(f"{source} has latency_s = {short_repr(data['latency_s'])} and bandwidth_bytes_per_s = "
+                          f"{short_repr(data['bandwidth_bytes_per_s'])}; both must be numbers (seconds, bytes/s); "
+                          "measure it again with stageplan link")
+    latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
     if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
         raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
                              f"{bandwidth!r}; measure it again with stageplan link")

@@ -6,7 +6,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -233,7 +233,8 @@ class Plan:
             )
             plan = cls(**kwargs)
         except (KeyError, TypeError) as exc:
-            raise SchemaError(f"{source} is missing or mangles field {exc}; regenerate it with stageplan plan") from exc
+            what = f"lacks field {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong kind ({exc})"
+            raise SchemaError(f"{source} {what}; regenerate it with stageplan plan") from exc
         _check_plan_fields(plan, source)
         validate_boundaries(plan.boundaries, len(plan.layer_names))
         stored = [(st.first_layer, st.end_layer) for st in plan.stages]
@@ -257,6 +258,41 @@ class Plan:
 _PLAN_NUMBERS = ("bottleneck_s", "lower_bound_s", "balance_efficiency", "predicted_step_s", "bubble_fraction",
                  "throughput_samples_s")
 _STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s", "chunk_s")
+
+
+_OPTION_SECONDS = ("boundary_latency_s", "link_latency_s", "action_s", "chunk_forward_s", "chunk_backward_s")
+_OPTION_NAMES = ("method", "objective", "optimizer", "precision")
+
+
+def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception]) -> None:
+    """Refuse (``bad(what, value)``) a plan's options that show, run and calibrate compute with when they are of the
+    wrong kind: the schedule and microbatch counts, the link's seconds and bandwidth, the devices, the names. A
+    hand-edited file otherwise ended in a traceback there."""
+    for key in ("num_microbatches", "virtual_stages", "microbatch_size"):
+        value = cost.get(key, 1 if key != "num_microbatches" else None)
+        if not (value is None and key == "microbatch_size") and not (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise bad(f"cost_options' {key} must be an integer >= 1", value)
+    if not isinstance(cost.get("schedule"), str):
+        raise bad("cost_options' schedule must be a name such as '1F1B'", cost.get("schedule"))
+    for key in _OPTION_SECONDS:
+        value = cost.get(key)
+        if value is not None and not (is_number(value) and value >= 0):
+            raise bad(f"cost_options' {key} must be seconds >= 0 or null", value)
+    bandwidth = cost.get("bandwidth_bytes_per_s")
+    if bandwidth is not None and not (is_number(bandwidth) and bandwidth > 0):
+        raise bad("cost_options' bandwidth_bytes_per_s must be bytes/s > 0 or null (not modelled)", bandwidth)
+    for key in _OPTION_NAMES:
+        if cost.get(key) is not None and not isinstance(cost[key], str):
+            raise bad(f"cost_options' {key} must be a name or null", cost[key])
+    if cost.get("recompute") is not None and not isinstance(cost["recompute"], bool):
+        raise bad("cost_options' recompute must be true or false", cost["recompute"])
+    devices = cost.get("devices")
+    if devices is not None and not (isinstance(devices, list) and all(
+            isinstance(d, dict) and is_number(d.get("speed")) and d["speed"] > 0
+            and (d.get("memory_limit_bytes") is None or (is_number(d["memory_limit_bytes"]) and d["memory_limit_bytes"] > 0))
+            for d in devices)):
+        raise bad("cost_options' devices must be a list of {speed > 0, memory_limit_bytes > 0 or null}", devices)
 
 
 def _check_plan_fields(plan: Plan, source: str) -> None:
@@ -285,10 +321,18 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     odd = [n for n in plan.layer_names if not isinstance(n, str)]
     if odd:
         raise bad("layer_names must be names", odd[0])
+    check_cost_options(plan.cost_options, bad)
     for st in plan.stages:
         if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(is_number(getattr(st, k)) for k in _STAGE_NUMBERS):
             raise bad(f"stage {st.index} must run on a rank 0..{p - 1} with finite times",
                       {k: getattr(st, k) for k in ("rank", *_STAGE_NUMBERS)})
+        if not (st.layers and all(isinstance(n, str) for n in st.layers)):
+            raise bad(f"stage {st.index}'s layers must name its layers", list(st.layers))
+        if not (isinstance(st.memory, dict) and st.memory and all(is_number(v) for v in st.memory.values())):
+            raise bad(f"stage {st.index}'s memory must map each kind to bytes", st.memory)
+        limit = st.memory_limit_bytes
+        if limit is not None and not (is_number(limit) and limit > 0):
+            raise bad(f"stage {st.index}'s memory_limit_bytes must be bytes > 0 or null", limit)
 
 
 def validate_boundaries(boundaries: Sequence[int], num_layers: int) -> None:
@@ -331,7 +375,7 @@ def boundaries_from_module_fqns(parts: Sequence[Sequence[str]], layer_names: Seq
     (0, 2, 4)
     """
     example = '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]'
-    if isinstance(parts, (str, bytes)) or not all(
+    if not isinstance(parts, (list, tuple)) or not all(
             isinstance(part, (list, tuple)) and all(isinstance(f, str) for f in part) for part in parts):
         raise StageplanError(f"module FQNs per model part must be a list of lists of module names (torchtitan's "
                              f"module_fqns_per_model_part), got {str(parts)[:80]!r}; e.g. {example}")

@@ -86,6 +86,10 @@ def _check_meta(meta: dict[str, Any], source: str) -> None:
         v = meta.get(key)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             raise SchemaError(f"{source}: meta {key} = {v!r}; it must be an integer >= 1; re-profile the model")
+    whole = meta.get("whole_model_s")
+    if whole is not None and not _cost(whole):
+        raise SchemaError(f"{source}: meta whole_model_s = {whole!r}; it must be seconds >= 0 or null; re-profile the "
+                          "model")
     named = meta.get("named_layers")
     if named is not None and not (isinstance(named, list) and all(isinstance(n, str) for n in named)):
         raise SchemaError(f"{source}: meta named_layers = {named!r}; it must be a list of layer names; re-profile "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
+from stageplan.plan import check_cost_options
 from stageplan.schedules import CALL_KINDS, RESUME_GAP_S, TRANSFER_KINDS
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ def _check_report(data: dict[str, Any], source: str) -> None:
                   (p, plan.get("num_microbatches")))
     if not isinstance(plan.get("schedule"), str):
         raise bad("the plan's schedule must be a name such as '1F1B'", plan.get("schedule"))
+    if not (_ints([plan.get("virtual_stages", 1)]) and plan.get("virtual_stages", 1) >= 1):
+        raise bad("the plan's virtual_stages must be an integer >= 1", plan.get("virtual_stages"))
     stage_ranks = plan.get("stage_ranks")
     if stage_ranks is not None and not (_ints(stage_ranks) and len(stage_ranks) == len(bounds) - 1
                                         and all(0 <= r < p for r in stage_ranks)):
@@ -170,6 +173,8 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     for key in ("cost_options", "profile_meta"):
         if plan.get(key) is not None and not isinstance(plan[key], dict):
             raise bad(f"the plan's {key} must be an object", plan[key])
+    if plan.get("cost_options") is not None:
+        check_cost_options(plan["cost_options"], lambda what, value: bad(f"the plan's {what}", value))
     rows = data.get("ranks")
     if not isinstance(rows, (list, tuple)) or len(rows) != p:
         raise bad(f"'ranks' must hold one row for each of the plan's {p} ranks", rows)
@@ -197,6 +202,14 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     for part, fields_ in (("its link", link), ("its plan's cost_options", plan.get("cost_options"))):
         if isinstance(fields_, dict):
             check_allreduce(fields_, f"{source}: {part}", "rerun stageplan run to write it again")
+    def call_ok(e: Any) -> bool:
+        return (isinstance(e, dict) and _ints([e.get("rank"), e.get("stage")]) and isinstance(e.get("kind"), str)
+                and is_number(e.get("start_s")) and is_number(e.get("end_s")))
+
+    timeline = data.get("timeline", [])
+    odd = [timeline] if not isinstance(timeline, list) else [e for e in timeline if not call_ok(e)]
+    if odd:
+        raise bad("'timeline' must be a list of calls (rank, stage, kind, start_s, end_s)", odd[0])
     for key in ("run_options", "meta"):
         if not isinstance(data.get(key, {}), dict):
             raise bad(f"'{key}' must be an object", data.get(key))
@@ -310,7 +323,8 @@ class RunReport:
                                                      {int(r["rank"]) for r in data["ranks"]}))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
-            raise SchemaError(f"{source} is missing or mangles field {exc}; rerun stageplan run") from exc
+            what = f"lacks field {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong kind ({exc})"
+            raise SchemaError(f"{source} {what}; rerun stageplan run") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_json())

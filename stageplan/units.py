@@ -30,19 +30,42 @@ def parse_bytes(text: str | float | int, what: str = "memory limit") -> float:
     return value
 
 
+_BITS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(|k|K|M|G|T|Ki|Mi|Gi|Ti)(?:b|bit|bits)\s*$")
+_BIT_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+               "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+_RATE_EXAMPLE = "25GB/s or 400MiB/s (bytes), 100Gb/s, 100Gbit/s or 100Gbps (bits), or 1e9 (bytes/s)"
+
+
 def parse_bandwidth(text: str | float | int) -> float:
-    """'25GB/s' -> 2.5e10 bytes/s; a plain number is bytes/s."""
+    """A rate in bytes/s. A plain number is bytes/s; B is a byte and b a bit, as links are sold: '25GB/s' ->
+    2.5e10, '400Gb/s' (one InfiniBand NDR port), '400Gbit/s' and '400Gbps' -> 5e10.
+
+    >>> parse_bandwidth("25GB/s"), parse_bandwidth("400Gb/s"), parse_bandwidth("100Gbps")
+    (25000000000.0, 50000000000.0, 12500000000.0)
+    """
     t = text.strip() if isinstance(text, str) else text
-    if isinstance(t, str) and t.lower().endswith("/s"):
+    if isinstance(t, str) and t.lower().endswith(("/s", "ps")):
         t = t[:-2]
-    try:
-        rate = parse_bytes(t if t != "" else text, "bandwidth")
-    except StageplanError:  # say it in bandwidth's words: the text as given, a rate as the example
+    bits = _BITS.match(t) if isinstance(t, str) else None
+    if bits:
+        rate = float(bits.group(1)) * _BIT_PREFIX[bits.group(2)] / 8
+    else:
+        try:
+            rate = parse_bytes(t if t != "" else text, "bandwidth")
+        except StageplanError:  # say it in bandwidth's words: the text as given, a rate as the example
+            m = _RE.match(t) if isinstance(t, str) else None
+            if m and m.group(2).lower() not in _UNITS:
+                raise StageplanError(f"cannot read the unit of bandwidth {text!r}; use {_RATE_EXAMPLE}") from None
+            if isinstance(t, str) and not m:
+                raise StageplanError(f"cannot read bandwidth {text!r}; use a number with a unit such as "
+                                     f"{_RATE_EXAMPLE}") from None
+            rate = -1.0  # read, and not positive
+    if not (math.isfinite(rate) and rate > 0):
         raise StageplanError(f"bandwidth must be a positive rate, got {text!r}; use a number with a unit such as "
-                             "25GB/s, 400MiB/s or 1e9 (bytes/s)") from None
+                             f"{_RATE_EXAMPLE}")
     if rate < MIN_BANDWIDTH:  # a unit slip: a link slower than a modem prices every crossing in hours
         raise StageplanError(f"bandwidth must be at least 1 kB/s, got {text!r} ({rate:g} bytes/s); use a number with "
-                             "a unit such as 25GB/s, 400MiB/s or 1e9 (bytes/s)")
+                             f"a unit such as {_RATE_EXAMPLE}")
     return rate
 
 

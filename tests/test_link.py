@@ -120,13 +120,17 @@ def test_load_link_refuses_a_mangled_exchange() -> None:
 
 def test_load_link_checks_the_figures() -> None:
     assert load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": 5})["latency_s"] == 0.0
-    with pytest.raises(Exception, match=r"missing or mangles field 'latency_s'"):
+    with pytest.raises(SchemaError, match=r"link lacks latency_s; measure it again with stageplan link"):
         load_link({"schema": LINK_SCHEMA, "bandwidth_bytes_per_s": 5})
     with pytest.raises(Exception, match=r"latency_s >= 0"):
         load_link({"schema": LINK_SCHEMA, "latency_s": -1, "bandwidth_bytes_per_s": 5})
     # true read as 1 s of latency, and a number where the pairs go broke the plan's note (len of an int)
-    with pytest.raises(SchemaError, match=r"mangles field .*true/false, not a number"):
+    with pytest.raises(SchemaError, match=r"has latency_s = True and bandwidth_bytes_per_s = 5; both must be numbers"):
         load_link({"schema": LINK_SCHEMA, "latency_s": True, "bandwidth_bytes_per_s": 5})
+    # the exception's text had stood where the field's name goes: "mangles field could not convert string to float"
+    with pytest.raises(SchemaError, match=r"has latency_s = 0 and bandwidth_bytes_per_s = 'fast'; both must be "
+                                          r"numbers \(seconds, bytes/s\)"):
+        load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": "fast"})
     for field, value in (("pairs", 5), ("backend", 3)):
         with pytest.raises(SchemaError, match=rf"{field} = {value}\b.*; pairs must be a list and backend a name"):
             load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": 5, field: value})

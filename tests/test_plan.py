@@ -177,10 +177,19 @@ def test_units() -> None:
     with pytest.raises(StageplanError, match=r"cannot read memory limit '40 gigs'; use a number with a unit such as 40GiB"):
         parse_bytes("40 gigs")
     assert parse_bandwidth("400MiB/s") == 400 * 2**20 and parse_bandwidth("1e9") == 1e9
-    for bad in ("0GB/s", "fast", "/s", -1):  # the text as given, and a rate as the example (was '0GB' and 40GiB)
+    for bad in ("0GB/s", "0Gb/s", -1):  # the text as given, and a rate as the example (was '0GB' and 40GiB)
         with pytest.raises(StageplanError, match=rf"bandwidth must be a positive rate, got {bad!r}; use a number with "
                                                  r"a unit such as 25GB/s"):
             parse_bandwidth(bad)  # type: ignore[arg-type]
+    for bad in ("fast", "/s", "-5GB/s"):
+        with pytest.raises(StageplanError, match=rf"cannot read bandwidth {bad!r}; use a number with a unit such as "
+                                                 r"25GB/s or 400MiB/s \(bytes\), 100Gb/s"):
+            parse_bandwidth(bad)
+    # B is a byte and b a bit, as links are sold: 25Gb/s had read as 25 GB/s, 8x the link; 25Gbit/s was refused
+    assert parse_bandwidth("400Gb/s") == parse_bandwidth("400Gbit/s") == parse_bandwidth("400Gbps") == 50e9
+    assert parse_bandwidth("100Mbps") == 12.5e6 and parse_bandwidth("25GBps") == 25e9 and parse_bandwidth("8Kib/s") == 1024
+    with pytest.raises(StageplanError, match=r"cannot read the unit of bandwidth '25G'; use 25GB/s or 400MiB/s"):
+        parse_bandwidth("25G")
 
 
 def _write(tmp_path: Path, prof: Profile) -> str:
@@ -211,7 +220,7 @@ def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixt
         (["--stages", "2", "--method", "random"], r"unknown method 'random'; use one of optimal, uniform, parameters"),
         (["--stages", "2", "--memory-limit", "40 gigs"], r"cannot read memory limit '40 gigs'"),
         (["--stages", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "4"], r"needs at least 8 layers, the profile has 6"),
-        (["--stages", "2", "--device-speeds", "1,1,0.5"], r"got 3 device entries for 2 stages"),
+        (["--stages", "2", "--device-speeds", "1,1,0.5"], r"got 3 device entries for 2 ranks; give one speed per rank, not per chunk"),
         (["--stages", "2", "--memory-limit", "1KiB", "--microbatches", "4"], r"smallest limit that admits a plan is"),
         (["--stages", "4", "--microbatches", "2"], r"1F1B needs num_microbatches >= num_ranks"),
         (["--stages", "2", "--export", "nope"], r"unknown export 'nope'"),
@@ -340,6 +349,23 @@ def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tr
         (lambda d: d.update(boundaries=["0", "2", "4"]), r"boundaries must be integers, got \['0', '2', '4'\]"),
         (lambda d: d["stages"][1].update(rank=7), r"stage 1 must run on a rank 0..1 with finite times"),
         (lambda d: d["stages"][0].update(comm_s="x"), r"stage 0 must run on a rank 0..1 with finite times"),
+        # each of these had been a traceback in show, run or calibrate (a sweep of hand-edited files)
+        (lambda d: d["stages"][0].update(memory=None), r"stage 0's memory must map each kind to bytes, got None"),
+        (lambda d: d["stages"][0].update(layers=[]), r"stage 0's layers must name its layers, got \[\]"),
+        (lambda d: d["stages"][0].update(memory_limit_bytes="x"),
+         r"stage 0's memory_limit_bytes must be bytes > 0 or null, got 'x'"),
+        (lambda d: d["cost_options"].update(virtual_stages=None),
+         r"cost_options' virtual_stages must be an integer >= 1, got None"),
+        (lambda d: d["cost_options"].update(num_microbatches="x"),
+         r"cost_options' num_microbatches must be an integer >= 1, got 'x'"),
+        (lambda d: d["cost_options"].update(bandwidth_bytes_per_s="x"),
+         r"cost_options' bandwidth_bytes_per_s must be bytes/s > 0 or null \(not modelled\), got 'x'"),
+        (lambda d: d["cost_options"].update(devices=-1), r"cost_options' devices must be a list of \{speed > 0"),
+        (lambda d: d["cost_options"].update(precision=[]), r"cost_options' precision must be a name or null, got \[\]"),
+        (lambda d: d["cost_options"].update(link_latency_s="x"),
+         r"cost_options' link_latency_s must be seconds >= 0 or null, got 'x'"),
+        (lambda d: d["cost_options"].update(microbatch_size="x"),
+         r"cost_options' microbatch_size must be an integer >= 1, got 'x'"),
     ],
 )
 def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path: Path,  # type: ignore[no-untyped-def]
