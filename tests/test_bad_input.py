@@ -1,0 +1,95 @@
+"""Bad input found by a sweep of the CLI (stop 35): each case had been a traceback, a silent wrong result or a
+clobbered file, and is now one line and exit 2, or the right result."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import assert_one_line_error, run_cli
+
+from stageplan import api
+from stageplan._io import write_json_atomic
+
+GPT = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
+
+
+@pytest.mark.parametrize("content", ["null", "42", "true", "1.5", '{"module_fqns_per_model_part": null}',
+                                     '{"module_fqns_per_model_part": 5}'])
+def test_fqns_that_are_not_a_list_of_lists_are_one_line(content: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "f.json").write_text(content)
+    code, _, err = run_cli(["plan", GPT, "--stages", "2", "--fqns", str(tmp_path / "f.json")], capsys)
+    assert_one_line_error(code, err, r"module FQNs per model part must be a list of lists of module names")
+
+
+def test_an_output_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: Path) -> None:
+    """-o link.json, a link to target.json: the rename had replaced the link by a file and left the target
+    unwritten."""
+    (tmp_path / "target.json").write_text("old")
+    os.symlink("target.json", tmp_path / "link.json")
+    write_json_atomic(tmp_path / "link.json", {"a": 1})
+    assert (tmp_path / "link.json").is_symlink()
+    assert json.loads((tmp_path / "target.json").read_text()) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]  # no temporary left
+
+
+def test_an_output_that_is_a_pipe_is_written_to_not_replaced(tmp_path: Path) -> None:
+    """-o /dev/null had replaced the device by a regular file (the rename). A pipe stands in for the device here:
+    it is written through, and stays a pipe."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_json_atomic(fifo, {"a": 1})
+    reader.join(timeout=30)
+    assert not reader.is_alive() and got and json.loads(got[0]) == {"a": 1}
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_an_empty_output_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """plan -o '' and show --plot '' had written nothing and said nothing."""
+    code, _, err = run_cli(["plan", GPT, "--stages", "2", "-o", ""], capsys)
+    assert_one_line_error(code, err, r"the output path is empty; give a file name such as out.json")
+    code, _, err = run_cli(["show", GPT, "--plot", ""], capsys)
+    assert_one_line_error(code, err, r"cannot save a figure to '': it has no suffix")
+
+
+def test_show_that_cannot_read_a_file_leaves_the_figure_there(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """show --plot drew the figure before the table that then failed on the file: the old figure was lost."""
+    data = json.loads(Path(GPT).read_text())
+    data["meta"]["whole_model_s"] = "x"
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    (tmp_path / "fig.png").write_text("PRECIOUS")
+    code, _, err = run_cli(["show", str(tmp_path / "p.json"), "--plot", str(tmp_path / "fig.png")], capsys)
+    assert_one_line_error(code, err, r"meta whole_model_s = 'x'; it must be seconds >= 0 or null")
+    assert (tmp_path / "fig.png").read_text() == "PRECIOUS"
+    code, _, err = run_cli(["plan", str(tmp_path / "p.json"), "--stages", "2"], capsys)
+    assert_one_line_error(code, err, r"meta whole_model_s = 'x'")
+
+
+@pytest.mark.parametrize("command", ["compare", "tune"])
+@pytest.mark.parametrize(("args", "words"), [
+    (["--stages", "0"], r"num_ranks \(0\) must be at least 1"),
+    (["--stages", "2", "--schedule", "foo"], r"unknown schedule 'foo'"),
+    (["--stages", "2", "--steps", "0"], r"steps must be an integer >= 1 and warmup >= 0, got steps=0"),
+    (["--stages", "2", "--timeout", "0"], r"timeout must be > 0 seconds, got 0.0"),
+])
+def test_compare_and_tune_refuse_their_loop_options_before_the_profile(
+        command: str, args: list[str], words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """They were refused only after profiling the model (seconds here, minutes on a large model), with the
+    profile's progress lines before the error and an empty -o folder left behind."""
+    def no_profile(*_a: object, **_k: object) -> None:
+        raise AssertionError("profiled before refusing")
+
+    monkeypatch.setattr(api, "_measured_profile", no_profile)
+    code, _, err = run_cli([command, "gpt", *args, "-o", str(tmp_path / "out")], capsys)
+    assert_one_line_error(code, err, words)
+    assert not (tmp_path / "out").exists()
