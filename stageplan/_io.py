@@ -37,13 +37,24 @@ def check_output_path(path: str | os.PathLike[str], inputs: Any = ()) -> Path:
         if isinstance(given, (str, os.PathLike)) and Path(given).exists() and p.exists() and os.path.samefile(given, p):
             raise StageplanError(f"output {str(p)!r} is this command's input {str(given)!r}; writing it would replace "
                                  "what it was made from: give another -o path")
-    parent = p.parent if str(p.parent) else Path(".")
+    if _written_in_place(p):
+        if not os.access(p, os.W_OK):
+            raise StageplanError(f"cannot write {str(p)!r} (not writable); choose a writable place")
+        return p
+    target = Path(os.path.realpath(p)) if p.is_symlink() else p  # a link is written through: check where it goes
+    parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
-    if p.is_dir():
+    if target.is_dir():
         raise StageplanError(f"output path {str(p)!r} is a folder; give a file name such as {str(p / 'out.json')!r}")
     _probe_writable(parent, f"{str(p)!r}")
     return p
+
+
+def _written_in_place(p: Path) -> bool:
+    """An existing device, pipe or path under /dev or /proc (``-o /dev/null``, ``/dev/stdout``): written to as open() would;
+    a temporary file renamed over it would replace the device, or the file a shell redirected stdout to."""
+    return p.exists() and (str(p).startswith(("/dev/", "/proc/")) or not (p.is_file() or p.is_dir()))
 
 
 def check_output_dir(path: str | os.PathLike[str]) -> Path:
@@ -81,15 +92,15 @@ def default_mode() -> int:
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write`` on a temporary file in the same folder, then os.replace it over ``path``: a reader never
     sees a half-written file, and a failure leaves what was there before. A symbolic link is written through to
-    the file it names (the link stays); a device or a pipe (``-o /dev/null``) is written to as open() would, not
-    replaced by a file."""
+    the file it names (the link stays); a device, a pipe or a path under /dev or /proc (``-o /dev/null``,
+    ``/dev/stdout``) is written to as open() would, not replaced by a file."""
     p = check_output_path(path)
-    if p.is_symlink():
-        p = check_output_path(os.path.realpath(p))
-    if p.exists() and not p.is_file():
+    if _written_in_place(p):
         with open(p, "wb") as f:
             write(f)
         return
+    if p.is_symlink():
+        p = Path(os.path.realpath(p))
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent) if str(p.parent) else ".")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -1227,7 +1227,7 @@ def compare(
 
     check_objective(objective)
     _check_runs(runs)
-    _check_loop(num_ranks, schedule, steps, warmup, timeout_s)
+    _check_loop(num_ranks, schedule, steps, warmup, timeout_s, auto=True)
     out = check_output_dir(output_dir) if output_dir is not None else None
     if out is not None:
         _refuse_input_among_outputs(out, profile, _is_compare_output)
@@ -1356,14 +1356,16 @@ TUNE_SCHEMA = "stageplan.tune/1"
 TUNE_OUTPUTS = ("plan.json", "profile.json", "run_final.json", "run_uniform.json", "tune.json")
 
 
-def _check_loop(num_ranks: object, schedule: str, steps: object, warmup: object, timeout_s: object) -> None:
+def _check_loop(num_ranks: object, schedule: str, steps: object, warmup: object, timeout_s: object,
+                auto: bool = False) -> None:
     """compare's and tune's ranks, schedule, steps and timeout, refused before their profile (they were refused
     only after it: seconds here, minutes on a large model)."""
     from stageplan.launch import check_steps_and_timeout
     from stageplan.solver import _validate_count
 
     _validate_count("num_ranks", num_ranks, "pipeline ranks")
-    normalize_schedule(schedule)
+    if not (auto and schedule == "auto"):  # compare's plan() picks the schedule itself; tune refuses it, as before
+        normalize_schedule(schedule)
     check_steps_and_timeout(steps, warmup, timeout_s)
 
 

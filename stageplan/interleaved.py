@@ -37,6 +37,7 @@ __all__ = ["InterleavedSolution", "solve_interleaved"]
 # Relative tolerance of a tie: two sums of the same costs in another order are equal within it (float rounding).
 _TIE = 1e-12
 _VERIFY = 1e-6  # a split better than HiGHS's proven optimum by more than this (relative) refutes the proof
+_CHECK_MIN_S = 0.5  # the least time the check of a proof gets (within the time limit)
 _HIGHS_SOLVE_ERROR = 4  # scipy.optimize.milp's status when HiGHS ends in an error (0 optimal, 1 limit, 2 infeasible)
 
 
@@ -90,6 +91,7 @@ class _MilpResult:
     infeasible: bool
     dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
     timed_out: bool = False  # HiGHS stopped at its time limit
+    unchecked: list[int] | None = None  # the split HiGHS proved with presolve, when the check found a better one
 
 
 def _interleaved_milp(
@@ -244,6 +246,12 @@ def _interleaved_milp(
     integrality[z] = 0
 
     def highs(use_presolve: bool, seconds: float) -> Any:
+        try:
+            return milp(use_presolve, seconds)
+        except (ValueError, RuntimeError) as exc:  # HiGHS can raise (vector::reserve): an error like status 4
+            return optimize.OptimizeResult(status=_HIGHS_SOLVE_ERROR, x=None, message=str(exc))
+
+    def milp(use_presolve: bool, seconds: float) -> Any:
         with warnings.catch_warnings():
             # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -255,37 +263,43 @@ def _interleaved_milp(
                 options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9, "presolve": use_presolve},
             )
 
+    def split_of(result: Any) -> list[int] | None:
+        if result.x is None:
+            return None
+        u = np.rint(result.x[:nu]).reshape(L, nc)
+        cand = [0, *(L - u.sum(axis=0)).astype(np.int64).tolist(), L]
+        return cand if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)) else None
+
     began = time.perf_counter()
     res = highs(bool(presolve), float(time_limit_s))
+    unchecked = None
     if presolve:
-        left = float(time_limit_s) - (time.perf_counter() - began)
+        took = time.perf_counter() - began
+        left = float(time_limit_s) - took
         if res.status == _HIGHS_SOLVE_ERROR and left > 0:
-            # HiGHS (scipy 1.17.1) can end in "Solve error" after its presolve, with no split and no bound, where
-            # the same model solves without it: 2 of 51,844 random instances (3 ranks x 2 chunks, 9-10 layers; one
-            # of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's upper bound: optimal 14). The
-            # plan had fallen back to the unproven heuristic split. So it is solved again without presolve.
+            # HiGHS (scipy 1.17.1) can end in "Solve error" after its presolve (or raise), with no split and no
+            # bound, where the same model solves without it: 2 of 51,844 random instances (3 ranks x 2 chunks,
+            # 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's upper bound:
+            # optimal 14). The plan had fallen back to the unproven heuristic split. So it is solved again without.
             res = highs(False, left)
         elif res.status == 0 and res.x is not None and left > 0 and res.x[z] * (1 - _VERIFY) > lb[z]:
             # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs, 5.6
             # where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34 B). So a
             # proof with presolve is checked without it: is there a split better by more than _VERIFY? None
-            # (infeasible, or no answer in the time left): the split stands. One: it replaces the claim.
+            # (infeasible, or no answer in its time): the split stands. One: it is returned, and the claimed split
+            # beside it (``unchecked``), for the caller to keep the better by its exact figures. The check gets at
+            # most what the proof took (at least _CHECK_MIN_S), so a plan takes at most about twice as long.
             claimed = ub[z]
             ub[z] = res.x[z] * (1 - _VERIFY)
-            check = highs(False, left)
+            check = highs(False, min(left, max(took, _CHECK_MIN_S)))
             ub[z] = claimed
-            if check.x is not None:
-                res = check
+            if check.x is not None and split_of(check) is not None:
+                unchecked, res = split_of(res), check
     dual = res.get("mip_dual_bound")
     dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -_INF
-    bounds = None
-    if res.x is not None:
-        u = np.rint(res.x[:nu]).reshape(L, nc)
-        inner = (L - u.sum(axis=0)).astype(np.int64).tolist()
-        cand = [0, *inner, L]
-        if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)):
-            bounds = cand
-    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1)
+    bounds = split_of(res)
+    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1,
+                       unchecked)
 
 
 def _chunk_values(rows: FloatArray, start: FloatArray | None, end: FloatArray | None, bounds: list[int]) -> FloatArray:
@@ -535,8 +549,9 @@ def _solve_interleaved_milp(
     def largest_chunk(bounds: list[int]) -> float:
         return float((_chunk_values(time_rows, None, time_end, bounds) / chunk_speeds).max())
 
-    if result.bounds is not None and fits(result.bounds):
-        candidates.append((bottleneck_of(result.bounds), largest_chunk(result.bounds), result.bounds, result.optimal))
+    for found in (result.bounds, result.unchecked):  # the check's split and the one it refuted: the exact better
+        if found is not None and fits(found):
+            candidates.append((bottleneck_of(found), largest_chunk(found), found, result.optimal))
     if heur_ok:
         candidates.append((bottleneck_of(heur), largest_chunk(heur), heur, False))
     if not candidates:
@@ -829,7 +844,8 @@ def _raise_interleaved_infeasible(
     res = _interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", _INF, 0.0, time_limit_s, place, None,
                             start, end, live)
     if res.optimal and res.bounds:
-        needed = float(_exact_rank_memory(memory, live, res.bounds, place, p, start, end).max())
+        needed = min(float(_exact_rank_memory(memory, live, found, place, p, start, end).max())
+                     for found in (res.bounds, res.unchecked) if found)
     tail = (
         f"the smallest limit that admits a plan is {format_bytes(needed)}"
         if needed is not None

@@ -322,6 +322,9 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     if odd:
         raise bad("layer_names must be names", odd[0])
     check_cost_options(plan.cost_options, bad)
+    odd_candidates = [c for c in plan.candidates if not isinstance(c, dict)]
+    if odd_candidates:
+        raise bad("candidates must be a list of objects (boundaries, predicted_step_s)", odd_candidates[0])
     for st in plan.stages:
         if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(is_number(getattr(st, k)) for k in _STAGE_NUMBERS):
             raise bad(f"stage {st.index} must run on a rank 0..{p - 1} with finite times",

@@ -143,7 +143,8 @@ def plan_table(plan: Plan) -> str:
     lines.append(
         f"bottleneck {ms(plan.bottleneck_s)} ms, lower bound {ms(plan.lower_bound_s)} ms, balance efficiency "
         f"{plan.balance_efficiency:.3f}, predicted step {ms(plan.predicted_step_s)} ms, bubble {100 * plan.bubble_fraction:.1f}%, "
-        f"{plan.throughput_samples_s:.1f} samples/s"
+        + ("no throughput (a step predicted at 0 s)" if plan.throughput_samples_s is None else
+           f"{plan.throughput_samples_s:.1f} samples/s")
     )
     lines.append(f"boundaries {list(plan.boundaries)}")
     if tied:

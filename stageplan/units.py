@@ -30,9 +30,10 @@ def parse_bytes(text: str | float | int, what: str = "memory limit") -> float:
     return value
 
 
-_BITS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(|k|K|M|G|T|Ki|Mi|Gi|Ti)(?:b|bit|bits)\s*$")
-_BIT_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-               "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+# a lowercase b is a bit whatever the prefix's case (25Gb/s, 25gb/s, 25Gbit/s, 25gbps); B a byte (25GB/s)
+_BITS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*((?i:[kmgt]i?)?)(?:b|bit|bits)\s*$")
+_BIT_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+               "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _RATE_EXAMPLE = "25GB/s or 400MiB/s (bytes), 100Gb/s, 100Gbit/s or 100Gbps (bits), or 1e9 (bytes/s)"
 
 
@@ -48,7 +49,7 @@ def parse_bandwidth(text: str | float | int) -> float:
         t = t[:-2]
     bits = _BITS.match(t) if isinstance(t, str) else None
     if bits:
-        rate = float(bits.group(1)) * _BIT_PREFIX[bits.group(2)] / 8
+        rate = float(bits.group(1)) * _BIT_PREFIX[bits.group(2).lower()] / 8
     else:
         try:
             rate = parse_bytes(t if t != "" else text, "bandwidth")

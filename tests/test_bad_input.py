@@ -93,3 +93,34 @@ def test_compare_and_tune_refuse_their_loop_options_before_the_profile(
     code, _, err = run_cli([command, "gpt", *args, "-o", str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, words)
     assert not (tmp_path / "out").exists()
+
+
+def test_compare_still_takes_schedule_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The early check must not refuse what compare accepted: --schedule auto reaches the profile (tune refuses it,
+    as it did)."""
+    class Reached(Exception):
+        pass
+
+    def reached(*_a: object, **_k: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr(api, "_measured_profile", reached)
+    with pytest.raises(Reached):
+        run_cli(["compare", "gpt", "--stages", "2", "--schedule", "auto"], capsys)
+
+
+def test_show_draws_no_figure_when_its_table_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """show --plot had drawn the figure first, so a table that then failed had already replaced the old figure."""
+    from stageplan import report
+    from stageplan.errors import StageplanError
+
+    def fails(_obj: object) -> str:
+        raise StageplanError("the table failed")
+
+    monkeypatch.setattr(report, "profile_table", fails)
+    (tmp_path / "fig.png").write_text("PRECIOUS")
+    code, _, err = run_cli(["show", GPT, "--plot", str(tmp_path / "fig.png")], capsys)
+    assert_one_line_error(code, err, r"the table failed")
+    assert (tmp_path / "fig.png").read_text() == "PRECIOUS"

@@ -211,6 +211,46 @@ def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyP
     assert calls == [True] and result.optimal and result.dual_bound == pytest.approx(4.0)
 
 
+def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS with presolve can raise (ValueError: vector::reserve, a review's random instance): that is solved again
+    without it. A check that finds a better split but runs out of time returns it unproven (timed out), with the
+    refuted split beside it; the caller keeps the exact better of the two, unproven."""
+    original = interleaved.optimize.milp
+    mode = ["raise"]
+
+    def fake(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["options"]["presolve"] and mode[0] == "raise":
+            raise ValueError("vector::reserve")
+        res = original(*args, **kwargs)
+        if not kwargs["options"]["presolve"] and mode[0] == "late":
+            res.status = 1  # the check's split, found, not proven in its time
+        return res
+
+    monkeypatch.setattr(interleaved.optimize, "milp", fake)
+    c = np.array([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
+    best = _brute(list(c), 2, 2, [0, 1, 0, 1])
+    args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)), 5.0, [0, 1, 0, 1])
+    result = interleaved._interleaved_milp(*args)
+    assert result.optimal and result.dual_bound == pytest.approx(best) and result.unchecked is None
+    mode[0] = "late"
+
+    def claims(*a, **k):  # type: ignore[no-untyped-def]
+        if k["options"]["presolve"]:  # a proof of a value 20% above the optimum: z held above it
+            true = original(*a, **k)
+            lb = np.array(k["bounds"].lb, dtype=float)
+            lb[-1] = true.fun * 1.2
+            return original(*a, **{**k, "bounds": interleaved.optimize.Bounds(lb, k["bounds"].ub)})
+        return fake(*a, **k)
+
+    monkeypatch.setattr(interleaved.optimize, "milp", claims)
+    result = interleaved._interleaved_milp(*args)
+    assert not result.optimal and result.timed_out and result.unchecked is not None
+    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
+    sol = solve_interleaved(c, 2, 2, time_limit_s=5.0)
+    assert not sol.optimal and sol.bottleneck == pytest.approx(best)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -188,6 +188,9 @@ def test_units() -> None:
     # B is a byte and b a bit, as links are sold: 25Gb/s had read as 25 GB/s, 8x the link; 25Gbit/s was refused
     assert parse_bandwidth("400Gb/s") == parse_bandwidth("400Gbit/s") == parse_bandwidth("400Gbps") == 50e9
     assert parse_bandwidth("100Mbps") == 12.5e6 and parse_bandwidth("25GBps") == 25e9 and parse_bandwidth("8Kib/s") == 1024
+    # whatever the prefix's case: 25gbps had read as 25 GB/s, and 25gb/s stayed bytes while 25kb/s read as bits
+    assert parse_bandwidth("25gbps") == parse_bandwidth("25gb/s") == parse_bandwidth("25Gb/s") == 25e9 / 8
+    assert parse_bandwidth("25kb/s") == 25e3 / 8 and parse_bandwidth("25GB/S") == parse_bandwidth("25 GB/s") == 25e9
     with pytest.raises(StageplanError, match=r"cannot read the unit of bandwidth '25G'; use 25GB/s or 400MiB/s"):
         parse_bandwidth("25G")
 
@@ -366,6 +369,8 @@ def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tr
          r"cost_options' link_latency_s must be seconds >= 0 or null, got 'x'"),
         (lambda d: d["cost_options"].update(microbatch_size="x"),
          r"cost_options' microbatch_size must be an integer >= 1, got 'x'"),
+        (lambda d: d.update(candidates="xy"), r"candidates must be a list of objects \(boundaries, predicted_step_s\), "
+                                              r"got 'x'"),
     ],
 )
 def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path: Path,  # type: ignore[no-untyped-def]
