@@ -293,7 +293,7 @@ def _interleaved_milp(
             ub[z] = res.x[z] * (1 - _VERIFY)
             check = highs(False, min(left, max(took, _CHECK_MIN_S)))
             ub[z] = claimed
-            if check.x is not None and split_of(check) is not None:
+            if split_of(check) is not None:
                 unchecked, res = split_of(res), check
     dual = res.get("mip_dual_bound")
     dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -_INF

@@ -268,10 +268,11 @@ def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception
     """Refuse (``bad(what, value)``) a plan's options that show, run and calibrate compute with when they are of the
     wrong kind: the schedule and microbatch counts, the link's seconds and bandwidth, the devices, the names. A
     hand-edited file otherwise ended in a traceback there."""
-    for key in ("num_microbatches", "virtual_stages", "microbatch_size"):
-        value = cost.get(key, 1 if key != "num_microbatches" else None)
-        if not (value is None and key == "microbatch_size") and not (
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    counts = {"num_microbatches": cost.get("num_microbatches"), "virtual_stages": cost.get("virtual_stages", 1)}
+    if cost.get("microbatch_size") is not None:  # null: a plan priced at the profile's own size
+        counts["microbatch_size"] = cost["microbatch_size"]
+    for key, value in counts.items():
+        if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
             raise bad(f"cost_options' {key} must be an integer >= 1", value)
     if not isinstance(cost.get("schedule"), str):
         raise bad("cost_options' schedule must be a name such as '1F1B'", cost.get("schedule"))
