@@ -16,7 +16,7 @@ from stageplan._version import __version__
 # Bound eagerly: importing the submodule stageplan.plan would otherwise shadow the function plan().
 from stageplan.api import calibrate, plan, tune
 from stageplan.costmodel import Device
-from stageplan.errors import InfeasiblePlanError, RunError, StageplanError
+from stageplan.errors import InfeasiblePlanError, PlanNote, RunError, StageplanError
 from stageplan.plan import Plan
 from stageplan.profile import LayerProfile, Profile, merge_profiles
 from stageplan.runreport import RunReport
@@ -34,6 +34,7 @@ __all__ = [
     "InfeasiblePlanError",
     "LayerProfile",
     "Plan",
+    "PlanNote",
     "Profile",
     "RunError",
     "RunReport",

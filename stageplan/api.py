@@ -29,7 +29,7 @@ from stageplan.costmodel import (
     solver_inputs,
     tied_sync_time,
 )
-from stageplan.errors import InfeasiblePlanError, StageplanError
+from stageplan.errors import InfeasiblePlanError, PlanNote, StageplanError
 from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, named_layers
 from stageplan.profile import Profile
 from stageplan.runreport import RunReport
@@ -841,7 +841,7 @@ def plan(
             f"{fits}{redo}")))
     for note in best.notes:
         if "bubble" in note:
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, PlanNote, stacklevel=2)
     return best
 
 

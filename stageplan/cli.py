@@ -6,12 +6,13 @@ import argparse
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from stageplan._io import save_or_keep
 from stageplan._version import __version__
-from stageplan.errors import RunError, StageplanError
+from stageplan.errors import PlanNote, RunError, StageplanError
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -420,6 +421,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from stageplan.profile import Profile
     from stageplan.report import compare_table, plan_table
 
+    warnings.simplefilter("ignore", PlanNote)  # the report prints the plan's notes (main's catch_warnings scopes this)
     if a.output is not None:
         check_output_path(a.output, (a.profile, a.link, a.fqns))
     if a.export is not None and a.export not in EXPORTS:
@@ -595,7 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sig is not None:
                 previous[sig] = signal.signal(sig, _terminate)
     try:
-        return _main(argv)
+        with warnings.catch_warnings():  # restores the caller's way of showing warnings on the way out
+            warnings.showwarning = _warn_in_one_line
+            return _main(argv)
     except _Terminated as exc:
         print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; any rank processes it started were ended",
               file=sys.stderr)
@@ -603,6 +607,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _warn_in_one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """A warning as the CLI's other lines read: ``stageplan: warning: ...``, without Python's file, line and source."""
+    print(f"stageplan: warning: {message}", file=sys.stderr if file is None else file, flush=True)
 
 
 def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -31,6 +31,11 @@ class WorkloadError(StageplanError):
     """A model/workload cannot be built, cut into layers or profiled as asked."""
 
 
+class PlanNote(UserWarning):
+    """A plan's note that an API caller should not miss (a bubble from too few microbatches). The plan keeps it in
+    ``notes``; the CLI's plan report prints it there, so the CLI does not warn it a second time."""
+
+
 class RunError(RuntimeError):
     """A multi-process run failed on some rank (not a user-input problem: the CLI exits 1)."""
 

@@ -23,6 +23,7 @@ import torch
 from conftest import assert_one_line_error, run_cli
 from torch import nn
 
+import stageplan
 from stageplan import launch
 from stageplan.api import METHODS, compare, plan
 from stageplan.cli import build_parser, main
@@ -376,6 +377,26 @@ def test_more_local_ranks_than_cores_warns(monkeypatch: pytest.MonkeyPatch) -> N
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch._warn_oversubscribed(2, "gloo")
+
+
+def test_cli_warnings_are_one_line_and_a_plan_note_is_not_warned_twice(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    shown = warnings.showwarning
+    code, _, err = run_cli(["profile", "workloads:mlp", "--dtype", "float16", "--warmup", "0", "--repeats", "1",
+                            "--quiet", "-o", str(tmp_path / "f16.json")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 0 and len(lines) == 1, err  # no file:line, no source line, no category
+    assert lines[0].startswith("stageplan: warning: profiling in float16 on the CPU: ") and "UserWarning" not in err
+    assert warnings.showwarning is shown  # the caller's way of showing warnings is back
+    # plan: the bubble is one of the report's notes, and not warned again above it
+    code, out, err = run_cli(["plan", _profile(tmp_path), "--stages", "2", "--microbatches", "1", "--schedule", "GPipe"],
+                             capsys)
+    assert code == 0 and "warning" not in err, err
+    assert next(ln for ln in out.splitlines() if "num_microbatches (1) < num_ranks (2)" in ln).startswith("note: ")
+    assert out.count("num_microbatches (1) < num_ranks (2)") == 1
+    # the API still warns it (a caller sees no report)
+    with pytest.warns(stageplan.PlanNote, match=r"num_microbatches \(1\) < num_ranks \(2\): bubble"):
+        plan(Profile.load(_profile(tmp_path)), 2, num_microbatches=1, schedule="GPipe")
 
 
 def test_compare_runs_nothing_when_every_method_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

