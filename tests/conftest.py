@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -56,3 +57,27 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert re.search(pattern, lines[0]), lines[0]
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any) -> dict[int, tuple[Any, ...]]:
+    """Run ``target(rank, port, *args, queue)`` in ``world`` spawned processes that meet on a free localhost
+    ``port``; each puts ``(rank, *values)`` on the queue once. Returns ``{rank: values}``; every process is joined,
+    and killed if it has not ended 60 s after the answers (or the 120 s wait for them)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return {rank: tuple(values) for rank, *values in (queue.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()

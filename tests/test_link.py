@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
+from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli, spawn_ranks
 
 import stageplan.link
 from stageplan import RunReport, StageplanError
@@ -299,24 +299,7 @@ def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(whe
     there: in its loop between two chunk calls (``action_s``), or in PipelineStage inside each chunk's forward or
     backward call outside the module (``chunk_forward_s``, ``chunk_backward_s``); without it each stays well under
     a millisecond here."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_probe_in_child, args=(r, port, where, delay_s, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(queue.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = {rank: values[0] for rank, values in spawn_ranks(_probe_in_child, 2, where, delay_s).items()}
     assert got[0] == got[1]  # every rank gets the same figures
     figures = got[0]
     assert set(figures) == {"action_s", "chunk_forward_s", "chunk_backward_s"}
@@ -360,24 +343,7 @@ def test_every_timed_message_follows_the_ranks_own_work_outside_the_timer() -> N
     one VM (0.16-0.33 ms after compute, as a chunk computes between receiving and sending), so the probe works
     before every timed message: once before each of the 60 small and 5 large round trips and each of the 2 + 60
     exchanges, on both ranks, and never inside the timer (a 5 ms gap would show in every figure)."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_ping_pong_in_child, args=(r, port, 0.005, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_ping_pong_in_child, 2, 0.005)
     small = stageplan.link.SMALL_REPEATS
     assert [got[r][0] for r in (0, 1)] == [small + 5 + 2 + small] * 2
     for _, latency, exchange in got.values():  # under 2 ms when the host is quiet; one busy run read 2.26 ms

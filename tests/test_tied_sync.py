@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SCHEDULE_CASES
+from conftest import SCHEDULE_CASES, spawn_ranks
 
 from stageplan.api import build_workload, plan
 from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
@@ -370,24 +370,7 @@ def test_a_tie_across_ranks_is_summed_over_every_copy_and_one_copy_in_place() ->
     """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. A rank's one copy is
     summed in place (its gradient tensor kept: no buffer, no sum into it, no copy back, which had made HF GPT-2's 4
     MiB sum 4.06 ms against 2.92 ms in place, medians of 8 runs); two copies on a rank are summed there first."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_sum_a_tie_in_child, args=(r, port, queue)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_sum_a_tie_in_child, 3)
     assert got[0][0] == [[111.0, 222.0]] and got[1][0] == [[111.0, 222.0]] * 2 and got[2][0] == []
     assert got[0][1] == [True] and got[1][1] == [False, False]  # in place where the rank holds one copy
 
