@@ -126,6 +126,13 @@ def is_number(value: Any, *, finite: bool = True) -> bool:
             and (not finite or math.isfinite(value)))
 
 
+def malformed(source: str, exc: KeyError | TypeError, remedy: str) -> SchemaError:
+    """The one line for a stored file a loader could not build: a missing field (KeyError) or one of the wrong
+    kind (TypeError), then the remedy."""
+    what = f"lacks field {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong kind ({exc})"
+    return SchemaError(f"{source} {what}; {remedy}")
+
+
 def short_repr(value: Any) -> str:
     """repr() cut to about 120 characters, so that a refusal naming a whole object stays a readable line."""
     import reprlib

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
+from stageplan._io import check_schema, is_number, malformed, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError, StageplanError
 
 if TYPE_CHECKING:
@@ -233,8 +233,7 @@ class Plan:
             )
             plan = cls(**kwargs)
         except (KeyError, TypeError) as exc:
-            what = f"lacks field {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong kind ({exc})"
-            raise SchemaError(f"{source} {what}; regenerate it with stageplan plan") from exc
+            raise malformed(source, exc, "regenerate it with stageplan plan") from exc
         _check_plan_fields(plan, source)
         validate_boundaries(plan.boundaries, len(plan.layer_names))
         stored = [(st.first_layer, st.end_layer) for st in plan.stages]

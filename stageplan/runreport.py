@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
+from stageplan._io import check_schema, is_number, malformed, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
 from stageplan.plan import check_cost_options
 from stageplan.schedules import CALL_KINDS, RESUME_GAP_S, TRANSFER_KINDS
@@ -202,6 +202,7 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     for part, fields_ in (("its link", link), ("its plan's cost_options", plan.get("cost_options"))):
         if isinstance(fields_, dict):
             check_allreduce(fields_, f"{source}: {part}", "rerun stageplan run to write it again")
+
     def call_ok(e: Any) -> bool:
         return (isinstance(e, dict) and _ints([e.get("rank"), e.get("stage")]) and isinstance(e.get("kind"), str)
                 and is_number(e.get("start_s")) and is_number(e.get("end_s")))
@@ -323,8 +324,7 @@ class RunReport:
                                                      {int(r["rank"]) for r in data["ranks"]}))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
-            what = f"lacks field {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong kind ({exc})"
-            raise SchemaError(f"{source} {what}; rerun stageplan run") from exc
+            raise malformed(source, exc, "rerun stageplan run") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_json())

@@ -124,3 +124,15 @@ def test_show_draws_no_figure_when_its_table_fails(tmp_path: Path, monkeypatch: 
     code, _, err = run_cli(["show", GPT, "--plot", str(tmp_path / "fig.png")], capsys)
     assert_one_line_error(code, err, r"the table failed")
     assert (tmp_path / "fig.png").read_text() == "PRECIOUS"
+
+
+@pytest.mark.parametrize("field", ["rank_time_s", "stages", "boundaries"])
+def test_a_plan_file_without_a_field_is_one_line_naming_it(field: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from stageplan import Profile
+
+    data = api.plan(Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json"), 2).to_json()
+    del data[field]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
+    assert_one_line_error(code, err, rf"lacks field '{field}'; regenerate it with stageplan plan")
