@@ -223,14 +223,10 @@ class Plan:
         else:
             check_schema(data, PLAN_SCHEMA, source)
         try:
-            stages = tuple(StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in data["stages"])
+            lists = {name: _listed(data, name, source) for name in _PLAN_LISTS}
+            stages = tuple(_stage(s, k, source) for k, s in enumerate(lists["stages"]))
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            kwargs.update(
-                stages=stages, boundaries=tuple(data["boundaries"]), layer_names=tuple(data["layer_names"]),
-                rank_time_s=tuple(data["rank_time_s"]), rank_memory_bytes=tuple(data["rank_memory_bytes"]),
-                rank_peak_activation_bytes=tuple(data["rank_peak_activation_bytes"]),
-                candidates=tuple(data.get("candidates", ())), notes=tuple(data.get("notes", ())),
-            )
+            kwargs.update(lists, stages=stages)
             plan = cls(**kwargs)
         except (KeyError, TypeError) as exc:
             raise malformed(source, exc, "regenerate it with stageplan plan") from exc
@@ -293,6 +289,32 @@ def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception
             and (d.get("memory_limit_bytes") is None or (is_number(d["memory_limit_bytes"]) and d["memory_limit_bytes"] > 0))
             for d in devices)):
         raise bad("cost_options' devices must be a list of {speed > 0, memory_limit_bytes > 0 or null}", devices)
+
+
+# the plan file's fields that are lists (stored as tuples); candidates and notes may be absent
+_PLAN_LISTS = ("stages", "boundaries", "layer_names", "rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes",
+               "candidates", "notes")
+
+
+def _listed(data: dict[str, Any], name: str, source: str) -> tuple[Any, ...]:
+    """A list field of a plan file as a tuple; one line naming the field when it is not a list (a scalar had been
+    refused with Python's own "'int' object is not iterable")."""
+    value = data[name] if name not in ("candidates", "notes") else data.get(name, [])
+    if not isinstance(value, (list, tuple)):  # tuple: a Plan's to_json() handed over without a JSON round trip
+        raise SchemaError(f"{source}: {name} must be a list, got {short_repr(value)}; regenerate it with stageplan plan")
+    return tuple(value)
+
+
+def _stage(row: Any, k: int, source: str) -> StagePlan:
+    """Stage k of a plan file, or one line naming it when it is not an object of StagePlan's fields."""
+    if not isinstance(row, dict) or not isinstance(row.get("layers"), (list, tuple)):
+        raise SchemaError(f"{source}: stages[{k}] must be an object with a list of layers, got {short_repr(row)}; "
+                          "regenerate it with stageplan plan")
+    try:
+        return StagePlan(**{**row, "layers": tuple(row["layers"])})
+    except TypeError as exc:  # a field StagePlan does not have, or one it needs missing
+        raise SchemaError(f"{source}: stages[{k}] does not match a stage's fields ({exc}); regenerate it with "
+                          "stageplan plan") from exc
 
 
 def _check_plan_fields(plan: Plan, source: str) -> None:

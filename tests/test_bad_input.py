@@ -8,6 +8,7 @@ import os
 import stat
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import assert_one_line_error, run_cli
@@ -136,3 +137,42 @@ def test_a_plan_file_without_a_field_is_one_line_naming_it(field: str, tmp_path:
     (tmp_path / "plan.json").write_text(json.dumps(data))
     code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
     assert_one_line_error(code, err, rf"lacks field '{field}'; regenerate it with stageplan plan")
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda d: d.update(rank_time_s=5), r"rank_time_s must be a list, got 5"),
+    (lambda d: d.update(boundaries="0,4,8"), r"boundaries must be a list, got '0,4,8'"),
+    (lambda d: d.update(notes={"a": 1}), r"notes must be a list, got \{'a': 1\}"),
+    (lambda d: d.update(stages=3), r"stages must be a list, got 3"),
+    (lambda d: d["stages"].__setitem__(1, 7), r"stages\[1\] must be an object with a list of layers, got 7"),
+    (lambda d: d["stages"][0].update(colour="red"), r"stages\[0\] does not match a stage's fields \(.*'colour'"),
+    (lambda d: d["stages"][1].pop("rank"), r"stages\[1\] does not match a stage's fields \(.*'rank'"),
+])
+def test_a_plan_field_of_the_wrong_kind_is_one_line_naming_it(edit: Any, says: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A list field holding a scalar had been refused with Python's own words ("'int' object is not iterable"), a
+    stage of the wrong shape with StagePlan's alone: now the line names the field (and the stage)."""
+    from stageplan import Profile
+
+    data = api.plan(Profile.load(GPT), 2).to_json()
+    edit(data)
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
+    assert_one_line_error(code, err, rf"plan '.*plan.json': {says}.*; regenerate it with stageplan plan")
+
+
+def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """--microbatches 100000000 (a slip of the finger) had planned for hours: a step's microbatches x stages is at
+    most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take."""
+    from stageplan import Profile
+    from stageplan.costmodel import MAX_STEP_PAIRS, make_options
+    from stageplan.errors import StageplanError
+
+    prof = Profile.load(GPT)
+    most = MAX_STEP_PAIRS // 8
+    assert make_options(prof, 4, num_microbatches=most, schedule="Interleaved1F1B").num_microbatches == most
+    with pytest.raises(StageplanError, match=rf"got {most + 1:,} x 8 = {8 * most + 8:,}; use --microbatches {most} "):
+        make_options(prof, 4, num_microbatches=most + 1, schedule="Interleaved1F1B")
+    code, _, err = run_cli(["plan", GPT, "--stages", "2", "--microbatches", "100000000"], capsys)
+    assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs \(microbatches x "
+                                     r"stages\), got 100,000,000 x 2 = 200,000,000; use --microbatches 500000 or fewer")

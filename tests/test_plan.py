@@ -369,8 +369,9 @@ def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tr
          r"cost_options' link_latency_s must be seconds >= 0 or null, got 'x'"),
         (lambda d: d["cost_options"].update(microbatch_size="x"),
          r"cost_options' microbatch_size must be an integer >= 1, got 'x'"),
-        (lambda d: d.update(candidates="xy"), r"candidates must be a list of objects \(boundaries, predicted_step_s\), "
-                                              r"got 'x'"),
+        (lambda d: d.update(candidates="xy"), r"candidates must be a list, got 'xy'"),
+        (lambda d: d.update(candidates=["xy"]), r"candidates must be a list of objects \(boundaries, predicted_step_s\), "
+                                                r"got 'xy'"),
     ],
 )
 def test_show_and_run_refuse_a_mangled_plan_file(mutate, pattern: str, tmp_path: Path,  # type: ignore[no-untyped-def]
