@@ -1361,9 +1361,9 @@ def _check_loop(num_ranks: object, schedule: str, steps: object, warmup: object,
     """compare's and tune's ranks, schedule, steps and timeout, refused before their profile (they were refused
     only after it: seconds here, minutes on a large model)."""
     from stageplan.launch import check_steps_and_timeout
-    from stageplan.solver import _validate_count
 
-    _validate_count("num_ranks", num_ranks, "pipeline ranks")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise StageplanError(f"num_ranks must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")  # as plan says it
     if not (auto and schedule == "auto"):  # compare's plan() picks the schedule itself; tune refuses it, as before
         normalize_schedule(schedule)
     check_steps_and_timeout(steps, warmup, timeout_s)

@@ -159,7 +159,8 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                 "lower --virtual-stages or --stages, or profile at a finer granularity"
             )
         raise StageplanError(
-            f"num_stages ({num_ranks}) exceeds the number of layers ({L}); use fewer stages or profile at a finer granularity"
+            f"num_ranks ({num_ranks}) exceeds the number of layers ({L}), one stage a rank; use --stages {L} or fewer, "
+            "or profile at a finer granularity"
         )
     shape = schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     opt = optimizer.lower()

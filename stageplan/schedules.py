@@ -133,7 +133,7 @@ def check_microbatches(schedule: str, num_ranks: int, num_microbatches: int, vir
     if name in _SINGLE_STAGE and v != 1:
         raise StageplanError(
             f"{name} runs one stage per rank, got virtual_stages={v}; "
-            "use virtual_stages=1, or Interleaved1F1B/LoopedBFS for several stages per rank"
+            "use virtual_stages=1 (--virtual-stages 1), or Interleaved1F1B/LoopedBFS for several stages per rank"
         )
     if name == "1F1B" and m < p:
         raise StageplanError(

@@ -77,7 +77,7 @@ def test_show_that_cannot_read_a_file_leaves_the_figure_there(tmp_path: Path,
 
 @pytest.mark.parametrize("command", ["compare", "tune"])
 @pytest.mark.parametrize(("args", "words"), [
-    (["--stages", "0"], r"num_ranks \(0\) must be at least 1"),
+    (["--stages", "0"], r"num_ranks must be an integer >= 1, got 0; e.g. --stages 2"),
     (["--stages", "2", "--schedule", "foo"], r"unknown schedule 'foo'"),
     (["--stages", "2", "--steps", "0"], r"steps must be an integer >= 1 and warmup >= 0, got steps=0"),
     (["--stages", "2", "--timeout", "0"], r"timeout must be > 0 seconds, got 0.0"),
@@ -176,3 +176,17 @@ def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.Capt
     code, _, err = run_cli(["plan", GPT, "--stages", "2", "--microbatches", "100000000"], capsys)
     assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs \(microbatches x "
                                      r"stages\), got 100,000,000 x 2 = 200,000,000; use --microbatches 500000 or fewer")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["plan", GPT, "--stages", "20"], r"num_ranks \(20\) exceeds the number of layers \(8\), one stage a rank; use "
+                                      r"--stages 8 or fewer"),
+    (["plan", GPT, "--stages", "2", "--virtual-stages", "2"], r"1F1B runs one stage per rank, got virtual_stages=2; "
+                                                              r"use virtual_stages=1 \(--virtual-stages 1\)"),
+])
+def test_a_count_refused_through_the_cli_names_its_flag(argv: list[str], says: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The remedy names the CLI flag as well as the API name (these had said num_stages, which neither has, and
+    virtual_stages=1 alone; compare's and tune's --stages 0, tested above, gave no flag)."""
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, says)

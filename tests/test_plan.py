@@ -216,7 +216,7 @@ def test_cli_plan_compare_export_show(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["--stages", "9"], r"num_stages \(9\) exceeds the number of layers \(6\); use fewer stages"),
+        (["--stages", "9"], r"num_ranks \(9\) exceeds the number of layers \(6\), one stage a rank; use --stages 6 or fewer"),
         (["--stages", "0"], r"num_ranks must be an integer >= 1, got 0"),
         (["--stages", "2", "--microbatches", "0"], r"num_microbatches must be an integer >= 1, got 0"),
         (["--stages", "2", "--schedule", "Zigzag"], r"unknown schedule 'Zigzag'"),
