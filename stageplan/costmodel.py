@@ -144,7 +144,8 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     pairs = num_microbatches * num_ranks * virtual_stages
     if pairs > MAX_STEP_PAIRS:
-        most = max(1, MAX_STEP_PAIRS // (num_ranks * virtual_stages))
+        # a multiple of the ranks, which every schedule takes (Interleaved1F1B's rounds must divide m)
+        most = max(1, MAX_STEP_PAIRS // (num_ranks * virtual_stages) // num_ranks * num_ranks)
         bubble = (num_ranks - 1) / (most + num_ranks - 1)
         raise StageplanError(
             f"a step's timeline is at most {MAX_STEP_PAIRS:,} forward/backward pairs (microbatches x stages), got "

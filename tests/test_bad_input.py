@@ -173,6 +173,10 @@ def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.Capt
     assert make_options(prof, 4, num_microbatches=most, schedule="Interleaved1F1B").num_microbatches == most
     with pytest.raises(StageplanError, match=rf"got {most + 1:,} x 8 = {8 * most + 8:,}; use --microbatches {most} "):
         make_options(prof, 4, num_microbatches=most + 1, schedule="Interleaved1F1B")
+    # 3 ranks x 2 chunks: 166,666 would not divide into Interleaved1F1B's rounds; the line gives a multiple of 3
+    with pytest.raises(StageplanError, match=r"use --microbatches 166665 or fewer"):
+        make_options(prof, 3, num_microbatches=10**6, schedule="Interleaved1F1B")
+    assert make_options(prof, 3, num_microbatches=166665, schedule="Interleaved1F1B").num_microbatches == 166665
     code, _, err = run_cli(["plan", GPT, "--stages", "2", "--microbatches", "100000000"], capsys)
     assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs \(microbatches x "
                                      r"stages\), got 100,000,000 x 2 = 200,000,000; use --microbatches 500000 or fewer")
