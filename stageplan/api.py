@@ -22,6 +22,7 @@ from stageplan.costmodel import (
     Device,
     LayerArrays,
     SplitCosts,
+    check_ranks,
     evaluate,
     layer_time,
     make_options,
@@ -1362,8 +1363,7 @@ def _check_loop(num_ranks: object, schedule: str, steps: object, warmup: object,
     only after it: seconds here, minutes on a large model)."""
     from stageplan.launch import check_steps_and_timeout
 
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise StageplanError(f"num_ranks must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")  # as plan says it
+    check_ranks(num_ranks)  # as plan refuses it
     if not (auto and schedule == "auto"):  # compare's plan() picks the schedule itself; tune refuses it, as before
         normalize_schedule(schedule)
     check_steps_and_timeout(steps, warmup, timeout_s)

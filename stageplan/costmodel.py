@@ -120,6 +120,12 @@ MIN_SPEED = 1e-6
 MAX_STEP_PAIRS = 1_000_000
 
 
+def check_ranks(num_ranks: object) -> None:
+    """The pipeline's rank count, as plan, compare and tune refuse it."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise StageplanError(f"num_ranks must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")
+
+
 def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, schedule: str = "1F1B",
                  virtual_stages: int = 1, optimizer: str = "adam", bandwidth_bytes_per_s: float | None = None,
                  devices: Sequence[Device] | None = None, memory_limit_bytes: float | None = None,
@@ -131,8 +137,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise StageplanError(f"num_ranks must be an integer >= 1, got {num_ranks!r}; e.g. --stages 2")
+    check_ranks(num_ranks)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise StageplanError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 8")
     name = normalize_schedule(schedule)
