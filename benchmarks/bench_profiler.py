@@ -8,7 +8,8 @@ the planner adds up; goal: within 5% for every layer above 1 ms or above 2% of t
 alike), and with --order layer (each backward right after its own forward, identical layers measured once, against
 the default stage order's every layer in its place). Each pair is also split into what moved every layer alike (the
 machine's speed: the ratio of the two sums of layers) and what moved a layer against the others (its share of the
-sum: what moves a plan), with the 2- and 4-rank plans of both profiles."""
+sum: what moves a plan), with the 2- and 4-rank plans of both profiles, and set beside a fixed kernel (no stageplan
+code) timed in a fresh process before, between and after the two profiles: how far the host itself moved."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def _profile(args: list[str], out: Path) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
+
+
+def _fixed_kernel(seconds: float) -> float:
+    """bench_executor's fixed kernel (a 256x256 matmul and a 2M-float multiply-sum, one thread, no stageplan code),
+    median seconds over ``seconds`` in a fresh process. Timed before, between and after a pair of profiles, its moves
+    are the host's own: two profiles of the same layers cannot agree more closely than unchanging work does on the
+    same host in the same minutes (stop 39: one process timing the same matmul in 20 windows of 10 s read 177-203 us,
+    adjacent windows up to 9% apart)."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_executor; "
+            f"print(bench_executor._machine_speed({seconds!r}))")
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
 def _planned_s(layer: LayerProfile, m: int) -> float:
@@ -69,12 +81,18 @@ def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
     headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "accumulating diff",
                "layer diff", "counts"]
+    floors: list[float] = []
+    worsts: list[float] = []
     for processes, spread, order in ((1, 0, None), (1, 20, None), (3, 0, None), (1, 0, "layer")):
         more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else []) \
             + (["--order", order] if order else [])
         a_path, b_path = tmp / f"a{processes}-{spread}-{order}.json", tmp / f"b{processes}-{spread}-{order}.json"
+        window = float(max(10, spread))  # a profile's length in this mode (each process's, with --processes)
+        kernel = [_fixed_kernel(window)]
         wall = _profile(args + more, a_path)
+        kernel.append(_fixed_kernel(window))
         _profile(args + more, b_path)
+        kernel.append(_fixed_kernel(window))
         a, b = Profile.load(a_path), Profile.load(b_path)
         rows, worst, worst_part, host, worst_share = _compare(a, b)
         how = "each in its own process" if processes == 1 else f"each the median of {processes} fresh processes"
@@ -86,11 +104,20 @@ def repeatability(tmp: Path) -> None:
               f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
         print(f"  split into what moved every layer alike and what moved one layer: the second profile's sum of layers "
               f"{host:+.1%} on the first's; a counted layer's share of the sum moved by at most {worst_share:.1%}")
+        moves = [kernel[i + 1] / kernel[i] - 1 for i in range(2)]
+        print(f"  the host: a fixed kernel (no stageplan code) over {window:.0f} s in a fresh process before, between and "
+              f"after the two profiles read {', '.join(f'{k * 1e6:.0f}' for k in kernel)} us ({moves[0]:+.1%}, "
+              f"{moves[1]:+.1%})")
+        floors.append(max(map(abs, moves)))
+        worsts.append(worst)
         for ranks in (2, 4):
             pa, pb = stageplan.plan(a, ranks), stageplan.plan(b, ranks)
             same = "the same" if pa.boundaries == pb.boundaries else "different"
             print(f"  plan, {ranks} ranks 1F1B: {list(pa.boundaries)} and {list(pb.boundaries)} ({same}); predicted "
                   f"step {pa.predicted_step_s * 1e3:.1f} and {pb.predicted_step_s * 1e3:.1f} ms")
+    print(f"\nrepeatability over the {len(worsts)} pairs: a counted layer's worst difference {min(worsts):.1%}-"
+          f"{max(worsts):.1%} (goal <= 5%); the fixed kernel's largest move between neighbouring windows "
+          f"{min(floors):.1%}-{max(floors):.1%}, the host's own, in the same minutes")
 
 
 def main() -> None:
