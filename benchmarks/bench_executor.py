@@ -54,9 +54,9 @@ def _steps(pl: stageplan.Plan) -> int:
     return max(STEPS, math.ceil(RUN_S / pl.predicted_step_s))
 
 
-def _machine_speed(seconds: float = 0.5) -> float:
+def _machine_speed() -> float:
     """The machine's own speed now: median seconds of a fixed pair of kernels (a 256x256 matmul and a 2M-float
-    multiply-sum, one thread) over ``seconds`` (half a second by default). Timed after each profile and before each run, its ratio says how
+    multiply-sum, one thread) over half a second. Timed after each profile and before each run, its ratio says how
     much of a run's miss is the shared host itself drifting: on an idle 2-core VM here it moved 418-528 us and
     1073-1467 us (2-second medians, 30 s) with nothing else running."""
     import torch
@@ -68,7 +68,7 @@ def _machine_speed(seconds: float = 0.5) -> float:
         torch.mm(a, a)
         (x * 1.0001).sum()
     times = []
-    end = time.perf_counter() + seconds
+    end = time.perf_counter() + 0.5
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         torch.mm(a, a)
