@@ -110,8 +110,7 @@ def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
     headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "accumulating diff",
                "layer diff", "counts"]
-    floors: dict[str, list[float]] = {}
-    together: list[float] = []  # each neighbouring pair's worst piece
+    floors: dict[str, list[float]] = {}  # each piece's moves between neighbouring fixed-work processes, in order
     worsts: list[float] = []
     for processes, spread, order in ((1, 0, None), (1, 20, None), (3, 0, None), (1, 0, "layer")):
         more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else []) \
@@ -141,13 +140,13 @@ def repeatability(tmp: Path) -> None:
             moves = [reads[i + 1] / reads[i] - 1 for i in range(2)]
             floors.setdefault(name, []).extend(moves)
             print(f"    {name:<9} {', '.join(f'{r * 1e6:.0f}' for r in reads)} ({moves[0]:+.1%}, {moves[1]:+.1%})")
-        together.extend(max(abs(kernel[i + 1][n] / kernel[i][n] - 1) for n in kernel[0]) for i in range(2))
         worsts.append(worst)
         for ranks in (2, 4):
             pa, pb = stageplan.plan(a, ranks), stageplan.plan(b, ranks)
             same = "the same" if pa.boundaries == pb.boundaries else "different"
             print(f"  plan, {ranks} ranks 1F1B: {list(pa.boundaries)} and {list(pb.boundaries)} ({same}); predicted "
                   f"step {pa.predicted_step_s * 1e3:.1f} and {pb.predicted_step_s * 1e3:.1f} ms")
+    together = [max(map(abs, moves)) for moves in zip(*floors.values())]  # each neighbouring pair's worst piece
     print(f"\nrepeatability over the {len(worsts)} pairs: a counted layer's worst difference {min(worsts):.1%}-"
           f"{max(worsts):.1%}, within 5% in {sum(w <= 0.05 for w in worsts)} of {len(worsts)}; identical work in "
           f"neighbouring fresh processes beside them within 5% in: " + ", ".join(
