@@ -30,9 +30,9 @@ import tempfile
 import time
 
 import stageplan
-from stageplan.api import build_workload
+from stageplan.formats.schedule import RESUME_GAP_S
 from stageplan.report import format_table
-from stageplan.schedules import RESUME_GAP_S
+from stageplan.zoo import build_workload
 
 STEPS, WARMUP = 20, 3  # the same plan's step varied 7-14% between runs of 8 steps here, 3% at 20
 RUN_S = 8.0  # at least this many seconds of measured steps per run (more steps than STEPS where a step is short)
@@ -170,7 +170,7 @@ def orders(link: dict, pairs: int = 2) -> None:
     fall on both orders alike; then the split priced from each and run once. Per rank, its layers' forward and
     backward inside the run (the layer clock) against each profile's: the forwards are timed alike in both orders
     and show the host's level, the backwards show what the order changes."""
-    from stageplan.profile import merge_profiles
+    from stageplan.formats.profile import merge_profiles
 
     rows, errors = [], {"stage": [], "layer": []}
     for model, options, schedule, m, split in ORDER_CASES:
@@ -284,7 +284,7 @@ def _crossing_rank(rank: int, slice_ns: int, port: int, out: object, crossings: 
     import torch
     import torch.distributed as dist
 
-    from stageplan.executor import pin_rank_cpus, short_comm_slices
+    from stageplan.running.executor import pin_rank_cpus, short_comm_slices
 
     pin_rank_cpus(rank, 2)
     torch.set_num_threads(1)
@@ -337,8 +337,8 @@ def _crossing_run(slice_ns: int, port: int, timeout_s: float = 120.0) -> list[fl
 def crossings(pairs: int = 3) -> None:
     """A send posted while its receiver is not ready yet, the sender then computing: how long the message takes
     from the moment the receiver posts, with gloo's threads at the kernel's slice and at the executor's 0.1 ms
-    (stageplan.executor.short_comm_slices), alternating ``pairs`` times; 20 crossings per run."""
-    from stageplan.executor import COMM_SLICE_NS
+    (stageplan.running.executor.short_comm_slices), alternating ``pairs`` times; 20 crossings per run."""
+    from stageplan.running.executor import COMM_SLICE_NS
 
     got: dict[int, list[float]] = {0: [], COMM_SLICE_NS: []}
     port = 29700 + os.getpid() % 200
@@ -357,7 +357,7 @@ def crossings(pairs: int = 3) -> None:
 def slices_in_pipelines(pairs: int = 2) -> None:
     """The same plans run with gloo's threads at the kernel's slice and at 0.1 ms, alternating: the step and its
     error against the prediction (the plans' crossings are priced the same either way)."""
-    from stageplan.launch import measure_link
+    from stageplan.running.launch import measure_link
 
     link = measure_link(2)
     rows = []
@@ -387,7 +387,7 @@ def slices_in_pipelines(pairs: int = 2) -> None:
 
 def main() -> None:
     start = time.perf_counter()
-    from stageplan.launch import measure_link
+    from stageplan.running.launch import measure_link
 
     link = measure_link(2)  # what a user runs first (stageplan link): the plans price boundaries with it
     runs, gains, parts, speeds, syncs = [], [], [], [], []

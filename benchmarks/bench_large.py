@@ -41,7 +41,7 @@ def _llama_workload(size: str, *, seq_len: int, batch_size: int, dtype: str) -> 
 
     from stageplan import Workload
     from stageplan.materialize import init_empty_weights
-    from stageplan.profiler import default_dtype
+    from stageplan.profiling.profiler import default_dtype
     from stageplan.zoo import BUILTINS, build_workload
 
     if "hf" in BUILTINS:
@@ -74,7 +74,8 @@ def part_7b() -> None:
     import torch
 
     from stageplan.materialize import parameter_bytes
-    from stageplan.profiler import free_bytes, peak_rss_bytes, profile_model
+    from stageplan.profiling.memory import free_bytes, peak_rss_bytes
+    from stageplan.profiling.profiler import profile_model
 
     t0 = time.perf_counter()
     wl = _llama_workload("7b", seq_len=128, batch_size=8, dtype="float32")  # microbatches of 1 are profiled
@@ -100,7 +101,8 @@ def part_7b() -> None:
 
 def part_70b() -> None:
     from stageplan.materialize import parameter_bytes
-    from stageplan.profiler import peak_rss_bytes, profile_model
+    from stageplan.profiling.memory import peak_rss_bytes
+    from stageplan.profiling.profiler import profile_model
 
     t0 = time.perf_counter()
     # A batch of 8 sequences, profiled per microbatch of 1: plans default to 8 microbatches.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import stageplan
 from stageplan import Profile
-from stageplan.profile import LayerProfile
+from stageplan.formats.profile import LayerProfile
 from stageplan.report import format_table
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from stageplan.planning.schedules import bubble_closed_form, simulate
 from stageplan.report import format_table
-from stageplan.schedules import bubble_closed_form, simulate
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Benchmark stageplan.solver: speed (medians, ratio against an O(L^2 p) DP) and plan quality vs baselines.
+"""Benchmark stageplan.planning.solver: speed (medians, ratio against an O(L^2 p) DP) and plan quality vs baselines.
 
 Run: python benchmarks/bench_solver.py  (about 10 s on 2 cores; prints plain-text tables).
 """
@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from stageplan.baselines import partition_balanced, partition_uniform
-from stageplan.costmodel import CostOptions, Device, LayerArrays, solver_inputs
 from stageplan.errors import InfeasiblePlanError
-from stageplan.solver import Solution, solve
+from stageplan.planning.costs import CostOptions, Device, LayerArrays, solver_inputs
+from stageplan.planning.search import partition_balanced, partition_uniform
+from stageplan.planning.solver import Solution, solve
 
 FloatArray = NDArray[np.float64]
 

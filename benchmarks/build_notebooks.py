@@ -74,7 +74,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                "timelines are priced with the link measured on this project's CPU (`profiles/cpu/links/gloo-2ranks.json`, "
                "`stageplan link --ranks 2`): each crossing's transfer is the thin green bar under the rank that receives it, "
                "and each rank's Adam step, measured per layer by the profiler, the purple bar at the end."),
-        ("code", SETUP + "\nfrom stageplan.schedules import bubble_closed_form, peak_inflight"),
+        ("code", SETUP + "\nfrom stageplan.planning.schedules import bubble_closed_form, peak_inflight"),
         ("code", "profile = stageplan.Profile.load(PROFILES / 'gpt.json')\n"
                  "fig, axes = plt.subplots(3, 1, figsize=(11, 7))\n"
                  "for ax, (schedule, v) in zip(axes, [('GPipe', 1), ('1F1B', 1), ('Interleaved1F1B', 2)]):\n"

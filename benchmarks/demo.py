@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import stageplan
-from stageplan.api import METHODS, build_workload
+from stageplan.planning.planner import METHODS
 from stageplan.report import compare_table, profile_table, run_table
+from stageplan.zoo import build_workload
 
 OUT = Path("out/demo")
 OPTIONS = {"vocab_size": 16384}  # a skewed vocabulary: the LM head costs about eight blocks
@@ -25,7 +26,7 @@ def main() -> None:
     print(profile_table(profile))
 
     print("\n== 1b. measure the link between 2 local ranks (stageplan link --ranks 2 -o out/demo/link.json)")
-    from stageplan.launch import measure_link
+    from stageplan.running.launch import measure_link
 
     link = measure_link(2, output=OUT / "link.json")
     print(f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "

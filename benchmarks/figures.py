@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import stageplan
-from stageplan.api import METHODS
+from stageplan.planning.planner import METHODS
 from stageplan.plots import plot_stage_balance, plot_timeline, save
 
 ROOT = Path(__file__).resolve().parents[1]

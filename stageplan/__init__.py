@@ -2,8 +2,8 @@
 
 ``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
 The torch-backed functions (``profile_model``, ``profile_in_processes``, ``run``, ``build_pipeline``) are the real
-functions of ``stageplan.profiler``, ``stageplan.launch`` and ``stageplan.stages``, re-exported lazily (PEP 562):
-torch is imported on first access.
+functions of ``stageplan.profiling`` and ``stageplan.running``, re-exported lazily (PEP 562): torch is imported on
+first access.
 """
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from stageplan._version import __version__
-
-# Bound eagerly: importing the submodule stageplan.plan would otherwise shadow the function plan().
-from stageplan.api import calibrate, plan, tune
-from stageplan.costmodel import Device
+from stageplan.calibration import calibrate
 from stageplan.errors import InfeasiblePlanError, PlanNote, RunError, StageplanError
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile, merge_profiles
-from stageplan.runreport import RunReport
-from stageplan.schedules import simulate
-from stageplan.solver import solve
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile, merge_profiles
+from stageplan.formats.runreport import RunReport
+from stageplan.planning.costs import Device
+from stageplan.planning.planner import plan
+from stageplan.planning.schedules import simulate
+from stageplan.planning.solver import solve
+from stageplan.tuning import tune
 from stageplan.workload import Workload
 
 if TYPE_CHECKING:
-    from stageplan.launch import profile_in_processes, run
-    from stageplan.profiler import profile_model
-    from stageplan.stages import build_pipeline
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.running.launch import profile_in_processes, run
+    from stageplan.running.stages import build_pipeline
 
 __all__ = [
     "Device",
@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 # The torch edge, loaded on first access.
-_LAZY = {"profile_model": "stageplan.profiler", "run": "stageplan.launch", "profile_in_processes": "stageplan.launch",
-         "build_pipeline": "stageplan.stages"}
+_LAZY = {"profile_model": "stageplan.profiling", "run": "stageplan.running", "profile_in_processes": "stageplan.running",
+         "build_pipeline": "stageplan.running"}
 
 
 def __getattr__(name: str) -> Any:

@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_profile(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
-    from stageplan.profiler import build_workload_for_profile, profile_model
+    from stageplan.profiling.profiler import build_workload_for_profile, profile_model
     from stageplan.report import profile_table
     from stageplan.workload import default_microbatch_size
 
@@ -265,7 +265,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
                "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time,
                "order": a.order}
     if a.processes != 1:
-        from stageplan.launch import profile_in_processes
+        from stageplan.running.launch import profile_in_processes
 
         prof = profile_in_processes(a.model, options, processes=a.processes, microbatch_size=a.microbatch_size,
                                     progress=not a.quiet, timeout_s=a.timeout, **measure)
@@ -288,15 +288,15 @@ def _load_any(path: str) -> tuple[str, Any]:
     data = read_json(path, "input")
     schema = str(data.get("schema", ""))
     if schema.startswith("stageplan.profile/"):
-        from stageplan.profile import Profile
+        from stageplan.formats.profile import Profile
 
         return "profile", Profile.from_json(data, source=f"profile {path!r}")
     if schema.startswith("stageplan.run/"):
-        from stageplan.runreport import RunReport
+        from stageplan.formats.runreport import RunReport
 
         return "run", RunReport.from_json(data, source=f"run report {path!r}")
     if schema.startswith("stageplan.plan/"):
-        from stageplan.plan import Plan
+        from stageplan.formats.plan import Plan
 
         return "plan", Plan.from_json(data, source=f"plan {path!r}")
     if schema.startswith("stageplan.compare/"):
@@ -416,9 +416,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     import json
 
     from stageplan._io import check_output_path
-    from stageplan.api import METHODS, plan
-    from stageplan.plan import EXPORTS
-    from stageplan.profile import Profile
+    from stageplan.formats.plan import EXPORTS
+    from stageplan.formats.profile import Profile
+    from stageplan.planning.planner import METHODS, plan
     from stageplan.report import compare_table, plan_table
 
     warnings.simplefilter("ignore", PlanNote)  # the report prints the plan's notes (main's catch_warnings scopes this)
@@ -454,11 +454,11 @@ def _in_torchrun() -> bool:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from stageplan.api import build_workload
-    from stageplan.launch import run, torchrun_main
+    from stageplan.formats.plan import Plan
     from stageplan.materialize import init_empty_weights
-    from stageplan.plan import Plan
     from stageplan.report import run_table
+    from stageplan.running.launch import run, torchrun_main
+    from stageplan.zoo import build_workload
 
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
                                   backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus, retime=a.retime)
@@ -486,7 +486,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_link(a: argparse.Namespace) -> int:
-    from stageplan.launch import measure_link
+    from stageplan.running.launch import measure_link
 
     link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus)
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
@@ -505,9 +505,9 @@ def _cmd_link(a: argparse.Namespace) -> int:
 
 def _cmd_calibrate(a: argparse.Namespace) -> int:
     from stageplan._io import check_output_path
-    from stageplan.api import calibrate
-    from stageplan.profile import Profile
-    from stageplan.runreport import RunReport
+    from stageplan.calibration import calibrate
+    from stageplan.formats.profile import Profile
+    from stageplan.formats.runreport import RunReport
 
     check_output_path(a.output, (a.profile, a.run))
     calibrated = calibrate(Profile.load(a.profile), RunReport.load(a.run))
@@ -534,7 +534,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from stageplan.api import compare
+    from stageplan.comparison import compare
     from stageplan.report import compare_run_table
 
     result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
@@ -548,7 +548,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
-    from stageplan.api import TUNE_OUTPUTS, tune
+    from stageplan.tuning import TUNE_OUTPUTS, tune
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stageplan.errors import StageplanError
-from stageplan.plan import Plan
-from stageplan.profile import Profile
-from stageplan.runreport import RunReport
-from stageplan.schedules import TRANSFER_KINDS
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import Profile
+from stageplan.formats.runreport import RunReport
+from stageplan.formats.schedule import TRANSFER_KINDS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from stageplan.schedules import Simulation
+    from stageplan.formats.timeline import Simulation
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
           "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}

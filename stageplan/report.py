@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from stageplan.plan import Plan
-from stageplan.profile import Profile
-from stageplan.runreport import RunReport
-from stageplan.schedules import RESUME_GAP_S
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import Profile
+from stageplan.formats.runreport import RunReport
+from stageplan.formats.schedule import RESUME_GAP_S
 
 MiB = 1024.0**2
 

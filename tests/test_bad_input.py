@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from conftest import assert_one_line_error, run_cli
 
-from stageplan import api
+import stageplan.comparison as comparison
+import stageplan.tuning as tuning
+from stageplan import planning
 from stageplan._io import write_json_atomic
 
 GPT = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
@@ -90,7 +92,8 @@ def test_compare_and_tune_refuse_their_loop_options_before_the_profile(
     def no_profile(*_a: object, **_k: object) -> None:
         raise AssertionError("profiled before refusing")
 
-    monkeypatch.setattr(api, "_measured_profile", no_profile)
+    monkeypatch.setattr(comparison, "measured_profile", no_profile)
+    monkeypatch.setattr(tuning, "measured_profile", no_profile)
     code, _, err = run_cli([command, "gpt", *args, "-o", str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, words)
     assert not (tmp_path / "out").exists()
@@ -106,7 +109,8 @@ def test_compare_still_takes_schedule_auto(tmp_path: Path, monkeypatch: pytest.M
     def reached(*_a: object, **_k: object) -> None:
         raise Reached
 
-    monkeypatch.setattr(api, "_measured_profile", reached)
+    monkeypatch.setattr(comparison, "measured_profile", reached)
+    monkeypatch.setattr(tuning, "measured_profile", reached)
     with pytest.raises(Reached):
         run_cli(["compare", "gpt", "--stages", "2", "--schedule", "auto"], capsys)
 
@@ -132,7 +136,7 @@ def test_a_plan_file_without_a_field_is_one_line_naming_it(field: str, tmp_path:
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from stageplan import Profile
 
-    data = api.plan(Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json"), 2).to_json()
+    data = planning.plan(Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json"), 2).to_json()
     del data[field]
     (tmp_path / "plan.json").write_text(json.dumps(data))
     code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
@@ -154,7 +158,7 @@ def test_a_plan_field_of_the_wrong_kind_is_one_line_naming_it(edit: Any, says: s
     stage of the wrong shape with StagePlan's alone: now the line names the field (and the stage)."""
     from stageplan import Profile
 
-    data = api.plan(Profile.load(GPT), 2).to_json()
+    data = planning.plan(Profile.load(GPT), 2).to_json()
     edit(data)
     (tmp_path / "plan.json").write_text(json.dumps(data))
     code, _, err = run_cli(["show", str(tmp_path / "plan.json")], capsys)
@@ -165,8 +169,8 @@ def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.Capt
     """--microbatches 100000000 (a slip of the finger) had planned for hours: a step's microbatches x stages is at
     most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take."""
     from stageplan import Profile
-    from stageplan.costmodel import MAX_STEP_PAIRS, make_options
     from stageplan.errors import StageplanError
+    from stageplan.planning.costs import MAX_STEP_PAIRS, make_options
 
     prof = Profile.load(GPT)
     most = MAX_STEP_PAIRS // 8

@@ -1,4 +1,4 @@
-"""Tests for stageplan.baselines: DeepSpeed's partition rules against literal ports of deepspeed/runtime/utils.py."""
+"""Tests for stageplan.planning.search: DeepSpeed's partition rules against literal ports of deepspeed/runtime/utils.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stageplan.baselines import partition_balanced, partition_uniform
 from stageplan.errors import StageplanError
+from stageplan.planning.search import partition_balanced, partition_uniform
 
 # --------------------------------------------------------------------------------------------------
 # DeepSpeed baselines against literal ports of deepspeed/runtime/utils.py (0.19)

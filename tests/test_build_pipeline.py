@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import run_cli
 
-from stageplan.api import plan
+from stageplan.formats.profile import LayerProfile, Profile
 from stageplan.materialize import Checkpoint, save_checkpoint
-from stageplan.profile import LayerProfile, Profile
-from stageplan.stages import build_pipeline
+from stageplan.planning.planner import plan
+from stageplan.running.stages import build_pipeline
 from stageplan.zoo import gpt
 
 ROOT = Path(__file__).resolve().parents[1]

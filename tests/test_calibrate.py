@@ -9,9 +9,10 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 
 from stageplan import StageplanError
-from stageplan.api import calibrate, plan
-from stageplan.profile import LayerProfile, Profile
-from stageplan.runreport import RunReport
+from stageplan.calibration import calibrate
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.formats.runreport import RunReport
+from stageplan.planning.planner import plan
 
 M = 4
 
@@ -276,7 +277,7 @@ def test_a_run_at_a_rescaled_microbatch_calibrates_to_a_profile_that_reproduces_
     """A plan of --microbatches auto prices the profile rescaled to its own microbatch size (here 1, profiled at 2):
     the per-crossing delay calibrate fits must be fitted at that size too, so that the calibrated profile, priced
     as the plan priced it, predicts the step the run measured (fitted at the profile's size it gave 0 ms)."""
-    from stageplan.api import _rescaled
+    from stageplan.planning.planner import rescaled_profile
 
     base = _profile()
     prof = Profile(base.layers, {"model": "toy", "microbatch_size": 2, "batch_size": 8})
@@ -295,7 +296,7 @@ def test_a_run_at_a_rescaled_microbatch_calibrates_to_a_profile_that_reproduces_
                                       run_options={"optimizer": "none", "microbatch_size": mb}, check=None, meta={})
     cal = calibrate(prof, rep)
     assert cal.meta["calibration"]["boundary_latency_s"] > 0
-    again = plan(_rescaled(cal, mb / 2), 2, num_microbatches=m, schedule="GPipe", boundaries=[0, 2, 5], optimizer="none")
+    again = plan(rescaled_profile(cal, mb / 2), 2, num_microbatches=m, schedule="GPipe", boundaries=[0, 2, 5], optimizer="none")
     assert again.predicted_step_s == pytest.approx(1.0, rel=1e-6)
 
 
@@ -395,7 +396,7 @@ def test_a_tie_priced_from_the_runs_all_reduce_is_not_also_fitted_into_the_laten
     form of those constants."""
     import dataclasses
 
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     tie_bytes, ar_latency, ar_bandwidth, delay = 2_000_000, 2e-4, 5e8, 1.5e-3
     prof = dataclasses.replace(_profile(), meta={**_profile().meta, "tied": [
@@ -449,7 +450,7 @@ def test_calibrate_scales_the_all_reduce_to_the_tied_sum_the_run_measured(
     run with it (the oracle: the delay the measured step was built with)."""
     import dataclasses
 
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     tie_bytes, delay = 2_000_000, 1.5e-3
     prof = dataclasses.replace(_profile(), meta={**_profile().meta, "tied": [
@@ -564,7 +565,7 @@ def test_calibrate_scales_each_ranks_optimizer_step_to_what_the_run_took(
     schedule less its timed tied sum; one without either is left unscaled."""
     import dataclasses
 
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     floor, opt = 0.3e-3, [2e-3, 1e-3, 0.0, 1.5e-3, 4e-3]  # layer 2 has nothing to step
     base = _profile()

@@ -24,7 +24,7 @@ def test_profile_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_profile_in_processes_merges_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import stageplan
-    from stageplan.api import build_workload
+    from stageplan.zoo import build_workload
 
     out = tmp_path / "p.json"
     tiny = ["gpt", "--set", "n_layer=2", "--set", "d_model=64"]

@@ -47,8 +47,8 @@ def test_a_failed_compare_leaves_the_folder_as_it_was_and_a_finished_one_no_stal
     """Everything goes to a staging folder inside DIR first: a failing compare had replaced plan_optimal.json
     beside the old compare.json; a compare that ran nothing left an old run_optimal.json beside its compare.json."""
     from stageplan import RunError
-    from stageplan.api import compare
-    from stageplan.profile import LayerProfile, Profile
+    from stageplan.comparison import compare
+    from stageplan.formats.profile import LayerProfile, Profile
 
     out = tmp_path / "cmp"
     out.mkdir()
@@ -72,8 +72,9 @@ def test_a_failed_compare_leaves_the_folder_as_it_was_and_a_finished_one_no_stal
 
 def test_a_profile_among_the_files_compare_or_tune_write_is_refused(tmp_path: Path) -> None:
     from stageplan import StageplanError
-    from stageplan.api import compare, tune
-    from stageplan.profile import LayerProfile, Profile
+    from stageplan.comparison import compare
+    from stageplan.formats.profile import LayerProfile, Profile
+    from stageplan.tuning import tune
 
     prof = Profile(tuple(LayerProfile(str(i), 1e-3, 1e-3, 0, 8, 4) for i in range(4)),
                    {"batch_size": 8, "microbatch_size": 4, "model": "workloads:faulty"})

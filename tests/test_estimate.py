@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stageplan.errors import StageplanError
-from stageplan.estimate import (
+from stageplan.profiling.estimate import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DEFAULT_MEMORY_EFFICIENCY,
     GpuSpec,

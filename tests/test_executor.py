@@ -16,11 +16,11 @@ import torch
 from conftest import assert_one_line_error, run_cli
 
 from stageplan import RunError, RunReport, StageplanError
-from stageplan.api import plan
-from stageplan.launch import run
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile
-from stageplan.profiler import profile_model
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.planning.planner import plan
+from stageplan.profiling.profiler import profile_model
+from stageplan.running.launch import run
 from stageplan.zoo import build_workload
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
 
 def test_check_detects_a_wrong_result() -> None:
     """The comparator is not vacuous: a one-ulp-free perturbation of one parameter fails the check."""
-    from stageplan.check import compare_with_single_process as _check
+    from stageplan.running.check import compare_with_single_process as _check
 
     wl = build_workload("workloads:mlp", {})
     reference = __import__("copy").deepcopy(wl.model)
@@ -128,7 +128,7 @@ def _alive(pid: int) -> bool:
 def test_a_failing_rank_ends_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
-    from stageplan import launch
+    from stageplan.running import launch
 
     spawned: list[int] = []
     real_popen = subprocess.Popen
@@ -188,7 +188,7 @@ class _ParkedThread:
 
 
 def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
-    from stageplan.executor import pin_rank_cpus, process_cpus
+    from stageplan.running.executor import pin_rank_cpus, process_cpus
 
     before = sorted(os.sched_getaffinity(0))
     refused = pin_rank_cpus(0, len(before) + 1)  # more local ranks than CPUs: nothing changes
@@ -232,7 +232,7 @@ def _slice_ns(tid: int) -> int | None:
 
 
 def _slices_in_child(queue) -> None:  # type: ignore[no-untyped-def]
-    from stageplan.executor import COMM_SLICE_NS, short_comm_slices
+    from stageplan.running.executor import COMM_SLICE_NS, short_comm_slices
 
     other = _ParkedThread()
     me = threading.get_native_id()
@@ -319,7 +319,7 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.fixture()
 def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stageplan import launch
+    from stageplan.running import launch
 
     def refuse(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("a process was spawned for input that should have been refused")
@@ -396,7 +396,7 @@ def test_a_rank_that_cannot_meet_the_others_says_so_in_one_line(tmp_path: Path) 
 
 
 def test_a_run_stepping_another_optimizer_than_the_plan_priced_says_so(tmp_path: Path) -> None:
-    from stageplan.launch import _run_options
+    from stageplan.running.launch import _run_options
 
     pl = Plan.load(_toy_plan(tmp_path))  # priced with plan's default, adam
     kw = dict(steps=2, warmup=0, lr=None, check=False, backend=None, timeout_s=10.0)

@@ -24,12 +24,13 @@ from conftest import assert_one_line_error, run_cli
 from torch import nn
 
 import stageplan
-from stageplan import launch
-from stageplan.api import METHODS, compare, plan
 from stageplan.cli import build_parser, main
+from stageplan.comparison import compare
 from stageplan.errors import StageplanError
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.planning.planner import METHODS, plan
+from stageplan.running import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,8 +100,8 @@ def test_a_write_that_fails_at_the_end_keeps_the_result(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_run_without_a_target_uses_the_default_loss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from stageplan.api import build_workload
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.zoo import build_workload
 
     prof = profile_model(build_workload("workloads:notarget", {}), microbatch_size=2, warmup=0, repeats=1)
     plan(prof, 2, num_microbatches=4).save(tmp_path / "plan.json")
@@ -154,7 +155,7 @@ def test_a_plan_for_another_build_of_the_same_model_is_refused_by_the_api_too(tm
                                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Same layer names, another model: an option dropped at run time (the built-in records its defaults), an option
     that differs through the API, and a profile taken in another dtype."""
-    from stageplan.api import build_workload
+    from stageplan.zoo import build_workload
 
     gpt = dict(build_workload("gpt", {"n_layer": 2}).factory_options)
     pl = _plan_file(tmp_path, model="gpt", factory_options={**gpt, "vocab_size": 2048}, dtype="float32")
@@ -209,7 +210,7 @@ def test_an_interrupted_run_removes_the_weights(tmp_path: Path, monkeypatch: pyt
 
 
 def _ranks_of(folder: Path) -> list[int]:
-    """Processes whose command line names ``folder`` (the ranks: python -m stageplan.launch RUN_DIR ...)."""
+    """Processes whose command line names ``folder`` (the ranks: python -m stageplan.running.launch RUN_DIR ...)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -217,7 +218,7 @@ def _ranks_of(folder: Path) -> list[int]:
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "stageplan.launch" in cmd and str(folder) in cmd:
+            if "stageplan.running.launch" in cmd and str(folder) in cmd:
                 pids.append(int(proc.name))
     return pids
 
@@ -228,8 +229,8 @@ def test_a_terminated_or_killed_launcher_leaves_no_rank_running(tmp_path: Path) 
     /tmp); after a SIGKILL of the launcher, which can clean nothing, the ranks still end (PR_SET_PDEATHSIG)."""
     import signal
 
-    from stageplan.api import build_workload
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.zoo import build_workload
 
     options = {"n_layer": 2, "vocab_size": 512}
     prof = profile_model(build_workload("gpt", options), microbatch_size=2, warmup=0, repeats=1)
@@ -421,8 +422,8 @@ def test_profile_progress_is_plain_lines_off_a_terminal(tmp_path: Path, capsys: 
 
 
 def test_half_precision_on_cpu_warns() -> None:
-    from stageplan.api import build_workload
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.zoo import build_workload
 
     with pytest.warns(UserWarning, match=r"profiling in float16 on the CPU"):
         profile_model(build_workload("workloads:mlp", {}), microbatch_size=4, dtype="float16", warmup=0, repeats=1)
@@ -449,7 +450,7 @@ def test_version_and_help_with_defaults(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_a_failed_check_with_dropout_says_why() -> None:
-    from stageplan.check import compare_with_single_process
+    from stageplan.running.check import compare_with_single_process
     from stageplan.workload import Workload
 
     torch.manual_seed(0)
@@ -490,7 +491,7 @@ def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path,
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "gpu-plan.json")], capsys)
     assert_one_line_error(code, err, r"made from a profile measured on cuda:0, and this run trains on cpu \(gloo\): its "
                                      r"predictions are for the other device; profile the model on cpu")
-    from stageplan.launch import _refuse_estimate_on_cpu
+    from stageplan.running.launch import _refuse_estimate_on_cpu
 
     on_cpu = plan(Profile(prof.layers, {**meta, "timer": "perf_counter", "estimate": None, "device": "cpu"}), 2)
     _refuse_estimate_on_cpu(on_cpu, "gloo")

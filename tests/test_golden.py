@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stageplan.api import plan
-from stageplan.profile import Profile
+from stageplan import Profile, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden_boundaries.json"

@@ -1,4 +1,4 @@
-"""Tests for stageplan.interleaved: the MILP against brute force over every chunking."""
+"""Tests for stageplan.planning.interleaved: the MILP against brute force over every chunking."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solver import Rows, all_boundaries, instance
 
-from stageplan import interleaved
 from stageplan.errors import InfeasiblePlanError, StageplanError
-from stageplan.interleaved import InterleavedSolution, solve_interleaved
-from stageplan.solver import solve
+from stageplan.planning import interleaved, milp
+from stageplan.planning.interleaved import InterleavedSolution, solve_interleaved
+from stageplan.planning.solver import solve
 
 # --------------------------------------------------------------------------------------------------
 # Interleaved virtual stages: MILP against brute force
@@ -100,11 +100,11 @@ def test_interleaved_v1_agrees_with_solve(case: tuple[list[float], int], data: s
     sol = solve_interleaved(costs, p, 1, rank_speeds=speeds)
     assert sol.boundaries == ref.boundaries and sol.optimal
     # the MILP itself, on the same contiguous problem
-    milp = interleaved._solve_interleaved_milp(
+    result = interleaved._solve_interleaved_milp(
         np.asarray(costs, dtype=float), p, 1, np.asarray(speeds), None, None, 5.0, list(range(p)), None, None, None, None
     )
-    assert milp.optimal
-    assert milp.bottleneck == pytest.approx(ref.bottleneck, rel=1e-9)
+    assert result.optimal
+    assert result.bottleneck == pytest.approx(ref.bottleneck, rel=1e-9)
 
 
 def test_interleaved_example() -> None:
@@ -138,7 +138,7 @@ def test_the_retry_without_presolve_gets_the_time_left(monkeypatch: pytest.Monke
     """Whatever HiGHS's version: a solve error with presolve is solved again without it, within what is left of
     the time limit, and only then; without presolve, or with no time left, the error stands."""
     calls: list[tuple[bool, float]] = []
-    original = interleaved.optimize.milp
+    original = milp.optimize.milp
 
     def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((kwargs["options"]["presolve"], kwargs["options"]["time_limit"]))
@@ -148,19 +148,19 @@ def test_the_retry_without_presolve_gets_the_time_left(monkeypatch: pytest.Monke
             res.pop("mip_dual_bound", None)
         return res
 
-    monkeypatch.setattr(interleaved.optimize, "milp", flaky)
+    monkeypatch.setattr(milp.optimize, "milp", flaky)
     c = np.array([4.0, 1.0, 1.0, 4.0, 1.0, 1.0])
     args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)))
-    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1])
+    result = milp.interleaved_milp(*args, 5.0, [0, 1, 0, 1])
     assert [pre for pre, _ in calls] == [True, False] and 0 < calls[1][1] <= 5.0
     assert result.optimal and result.bounds is not None and not result.timed_out
     calls.clear()
-    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1], presolve=False)
+    result = milp.interleaved_milp(*args, 5.0, [0, 1, 0, 1], presolve=False)
     assert [pre for pre, _ in calls] == [False] and result.optimal
     calls.clear()
     clock = iter([0.0, 10.0])  # the first solve used up the time limit
-    monkeypatch.setattr(interleaved, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    result = interleaved._interleaved_milp(*args, 5.0, [0, 1, 0, 1])
+    monkeypatch.setattr(milp, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = milp.interleaved_milp(*args, 5.0, [0, 1, 0, 1])
     assert [pre for pre, _ in calls] == [True] and result.bounds is None and not result.optimal
 
 
@@ -178,7 +178,7 @@ def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyP
     better by more than _VERIFY, and replaced by the one it finds; a true proof stands; a proof at the trivial
     bound needs no check."""
     calls: list[bool] = []
-    original = interleaved.optimize.milp
+    original = milp.optimize.milp
     inflate = [1.0]
 
     def claims(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -189,25 +189,25 @@ def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyP
         b = kwargs["bounds"]
         lb = np.array(b.lb, dtype=float)
         lb[-1] = true.fun * inflate[0]
-        return original(*args, **{**kwargs, "bounds": interleaved.optimize.Bounds(lb, b.ub)})
+        return original(*args, **{**kwargs, "bounds": milp.optimize.Bounds(lb, b.ub)})
 
-    monkeypatch.setattr(interleaved.optimize, "milp", claims)
+    monkeypatch.setattr(milp.optimize, "milp", claims)
     c = np.array([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
     best = _brute(list(c), 2, 2, [0, 1, 0, 1])
     trivial = interleaved.lower_bound(c, np.ones(2))
     assert best > trivial
     args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, trivial, 5.0, [0, 1, 0, 1])
     inflate[0] = 1.2
-    result = interleaved._interleaved_milp(*args)
+    result = milp.interleaved_milp(*args)
     assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
     assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
     calls.clear()
     inflate[0] = 1.0
-    result = interleaved._interleaved_milp(*args)
+    result = milp.interleaved_milp(*args)
     assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
     calls.clear()
     flat = np.ones(8)  # 2 x 2 chunks of 2 layers: the trivial bound 4 is the optimum
-    result = interleaved._interleaved_milp(flat, 2, 2, np.ones(2), None, None, "time", math.inf, 4.0, 5.0, [0, 1, 0, 1])
+    result = milp.interleaved_milp(flat, 2, 2, np.ones(2), None, None, "time", math.inf, 4.0, 5.0, [0, 1, 0, 1])
     assert calls == [True] and result.optimal and result.dual_bound == pytest.approx(4.0)
 
 
@@ -216,7 +216,7 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
     """HiGHS with presolve can raise (ValueError: vector::reserve, a review's random instance): that is solved again
     without it. A check that finds a better split but runs out of time returns it unproven (timed out), with the
     refuted split beside it; the caller keeps the exact better of the two, unproven."""
-    original = interleaved.optimize.milp
+    original = milp.optimize.milp
     mode = ["raise"]
 
     def fake(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -227,11 +227,11 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
             res.status = 1  # the check's split, found, not proven in its time
         return res
 
-    monkeypatch.setattr(interleaved.optimize, "milp", fake)
+    monkeypatch.setattr(milp.optimize, "milp", fake)
     c = np.array([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
     best = _brute(list(c), 2, 2, [0, 1, 0, 1])
     args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)), 5.0, [0, 1, 0, 1])
-    result = interleaved._interleaved_milp(*args)
+    result = milp.interleaved_milp(*args)
     assert result.optimal and result.dual_bound == pytest.approx(best) and result.unchecked is None
     mode[0] = "late"
 
@@ -240,11 +240,11 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
             true = original(*a, **k)
             lb = np.array(k["bounds"].lb, dtype=float)
             lb[-1] = true.fun * 1.2
-            return original(*a, **{**k, "bounds": interleaved.optimize.Bounds(lb, k["bounds"].ub)})
+            return original(*a, **{**k, "bounds": milp.optimize.Bounds(lb, k["bounds"].ub)})
         return fake(*a, **k)
 
-    monkeypatch.setattr(interleaved.optimize, "milp", claims)
-    result = interleaved._interleaved_milp(*args)
+    monkeypatch.setattr(milp.optimize, "milp", claims)
+    result = milp.interleaved_milp(*args)
     assert not result.optimal and result.timed_out and result.unchecked is not None
     assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
     sol = solve_interleaved(c, 2, 2, time_limit_s=5.0)
@@ -326,7 +326,7 @@ _LIVE_SHAPES = [("Interleaved1F1B", 4), ("Interleaved1F1B", 6), ("ZBVZeroBubble"
 def test_the_smallest_limit_named_when_nothing_fits_is_the_brute_force_peak() -> None:
     """The instance the property test below found: HiGHS's presolve returned 35 B as the optimal peak where a split
     of 34 B exists; the refusal names the brute force's smallest peak."""
-    from stageplan.schedules import schedule_shape
+    from stageplan.planning.schedules import schedule_shape
 
     shape = schedule_shape("ZBVZeroBubble", 2, 4, 2)
     act, static = [4.0, 0.0, 1.0, 5.0, 9.0, 2.0, 1.0], [2.0, 4.0, 2.0, 2.0, 0.0, 4.0, 5.0]
@@ -353,7 +353,7 @@ def test_exact_activation_peak_against_brute_force(data: st.DataObject) -> None:
     c's activation bytes: the bottleneck equals the best split brute force finds under that memory, or the plan is
     refused when none fits (summing each chunk's own peak over-counted: plans 13-37% slower, or refused, while a
     split fitted)."""
-    from stageplan.schedules import schedule_shape
+    from stageplan.planning.schedules import schedule_shape
 
     name, m = data.draw(st.sampled_from(_LIVE_SHAPES))
     shape = schedule_shape(name, 2, m, 2)
@@ -397,7 +397,7 @@ def test_plan_interleaved_under_a_memory_limit_matches_brute_force_by_evaluate(d
     Before the exact peak, 14 of 60 such cases were refused although a split fitted and 11 of 60 planned a worse
     bottleneck."""
     from stageplan import LayerProfile, Profile, plan
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     p, v = data.draw(st.sampled_from([(2, 2), (2, 2), (3, 2), (2, 3)]))
     if (p, v) == (2, 2):
@@ -452,7 +452,7 @@ def test_tight_limit_on_the_70b_estimate_is_met_by_the_incumbent_alone(schedule:
     from pathlib import Path
 
     from stageplan import Profile, plan
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     prof = Profile.load(Path(__file__).resolve().parents[1] / LLAMA_70B)
     limit = 200 * 2**30
@@ -503,8 +503,8 @@ def test_a_plan_says_whether_its_milp_ran_out_of_time_or_ended_otherwise(monkeyp
     prof = Profile(tuple(LayerProfile(f"l{i}", 1e-3 * (1 + i % 3), 2e-3, 0, 0, 0) for i in range(8)))
     kw = dict(num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
     assert not any("proven" in n for n in plan(prof, 2, **kw).notes)  # proven optimal: nothing to say
-    monkeypatch.setattr(interleaved, "_interleaved_milp",
-                        lambda *a, **k: interleaved._MilpResult(None, False, False, -math.inf, False))
+    monkeypatch.setattr(interleaved, "interleaved_milp",
+                        lambda *a, **k: milp._MilpResult(None, False, False, -math.inf, False))
     pl = plan(prof, 2, **kw)
     note = next(n for n in pl.notes if "not proven optimal" in n)
     assert "before its time limit" in note and "hit its time limit" not in " ".join(pl.notes)
@@ -536,7 +536,7 @@ def _slides_instance(data: st.DataObject):  # type: ignore[no-untyped-def]
     act = np.array(data.draw(st.lists(ints, min_size=L, max_size=L)))
     counts = tuple(np.array([[data.draw(st.integers(0, 3)) if place[c] == r else 0 for c in range(C)]
                              for _ in range(data.draw(st.integers(1, 3)))], dtype=float) for r in range(p))
-    live = interleaved._Live(act, counts)
+    live = interleaved.LiveActivations(act, counts)
     limits = np.array(data.draw(st.lists(st.integers(5, 80).map(float), min_size=p, max_size=p)))
     return p, place, static, start, end, costs, time_end, speeds, live, limits
 
@@ -633,7 +633,7 @@ def test_sixteen_ranks_of_the_70b_estimate_under_150_gib_get_a_plan(schedule: st
     from pathlib import Path
 
     from stageplan import Profile, plan
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     prof = Profile.load(Path(__file__).resolve().parents[1] / LLAMA_70B)
     limit = 150 * 2**30

@@ -1,4 +1,4 @@
-"""The house's dependency rules, checked by parsing imports; and `import stageplan` stays torch-free."""
+"""The house's dependency rules, checked by parsing imports (lazy ones too); and `import stageplan` stays torch-free."""
 
 from __future__ import annotations
 
@@ -8,103 +8,181 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "stageplan"
-CORE = {"errors", "_io", "_progress", "_version", "workload", "profile", "costmodel", "solver", "interleaved", "baselines",
-        "schedules", "plan", "report", "plots", "runreport", "units"}  # api composes: it may import the torch edge lazily
-TORCH_EDGE = {"layers", "measure", "profiler", "estimate", "stages", "executor", "check", "launch", "zoo"}
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in PKG.rglob("*.py")}
+# Records and planning: no torch, no torch edge, so planning from a stored profile works without torch.
+CORE = {m for m in MODULES if m.startswith(("stageplan.formats", "stageplan.planning"))} | {
+    f"stageplan.{m}" for m in ("errors", "_io", "_progress", "_version", "workload", "units", "report", "plots",
+                               "calibration")}
+TORCH_EDGE = {m for m in MODULES if m.startswith(("stageplan.profiling", "stageplan.running"))} | {
+    f"stageplan.{m}" for m in ("layers", "measure", "materialize", "zoo", "timing")}
 
 
 def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    """Every module a file imports, at the top or inside a function."""
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            if node.module == "stageplan":
-                names.update(f"stageplan.{a.name}" for a in node.names)
+            names.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
     return names
 
 
 def _graph() -> dict[str, set[str]]:
     graph = {}
-    for path in PKG.glob("*.py"):
+    for name, path in MODULES.items():
         mods = _imports(path)
-        graph[path.stem] = {m.split(".")[1] for m in mods if m.startswith("stageplan.")} | (
+        graph[name] = {m for m in mods if m in MODULES and m != name} | (
             {"torch"} if any(m == "torch" or m.startswith("torch.") for m in mods) else set())
     return graph
 
 
+def test_the_folders_are_the_flow() -> None:
+    for folder in ("formats", "planning", "profiling", "running"):
+        assert f"stageplan.{folder}" in MODULES, folder
+    assert not (PKG / "api.py").exists()
+
+
 def test_core_modules_do_not_touch_torch() -> None:
     graph = _graph()
-    for mod in CORE & graph.keys():
+    assert "stageplan.planning.solver" in CORE and "stageplan.formats.plan" in CORE
+    for mod in CORE:
         assert "torch" not in graph[mod], f"{mod} imports torch"
         assert not (graph[mod] & TORCH_EDGE), f"{mod} imports the torch edge: {graph[mod] & TORCH_EDGE}"
 
 
+def test_records_import_no_planning_but_the_simulator_behind_plan_simulate() -> None:
+    graph = _graph()
+    for mod in (m for m in CORE if m.startswith("stageplan.formats")):
+        planning = {d for d in graph[mod] if d.startswith("stageplan.planning")}
+        allowed = {"stageplan.planning.schedules"} if mod == "stageplan.formats.plan" else set()
+        assert planning <= allowed, (mod, planning)
+
+
 def test_solver_imports_only_leaf_modules_and_no_scipy() -> None:
-    # units is a leaf beside errors (it formats the bytes in the solver's messages); both import no other module
-    assert _graph()["solver"] <= {"errors", "units"}
+    # the solver's instance and probes (partition) and the leaves errors and units; interleaved and the peers' rules
+    # use the solver's public checks of its inputs
+    leaves = {"stageplan.errors", "stageplan.units"}
+    assert _graph()["stageplan.planning.solver"] <= leaves | {"stageplan.planning.partition"}
+    assert _graph()["stageplan.planning.partition"] <= leaves
     assert _imports(PKG / "errors.py") == {"__future__"}
-    assert {m for m in _graph()["units"] if m != "torch"} <= {"errors"}
-    assert not any(m.startswith("scipy") for m in _imports(PKG / "solver.py"))
-    code = "import sys, stageplan.solver; assert 'scipy' not in sys.modules, sorted(m for m in sys.modules if 'scipy' in m)"
+    for mod in ("solver", "partition"):
+        assert not any(m.startswith("scipy") for m in _imports(PKG / "planning" / f"{mod}.py")), mod
+    code = ("import sys, stageplan.planning.solver; "
+            "assert 'scipy' not in sys.modules, sorted(m for m in sys.modules if 'scipy' in m)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_run_side_takes_a_plan_and_nothing_else() -> None:
     graph = _graph()
-    for mod in ("executor", "stages", "launch", "check"):
-        assert not graph[mod] & {"solver", "costmodel", "api", "interleaved", "baselines"}, (mod, graph[mod])
+    for mod in (m for m in MODULES if m.startswith("stageplan.running")):
+        bad = {d for d in graph[mod] if d.startswith("stageplan.planning")} | (
+            graph[mod] & {"stageplan.calibration", "stageplan.comparison", "stageplan.tuning"})
+        assert not bad, (mod, bad)
+
+
+def test_retiming_is_on_the_measuring_side_not_the_profiler() -> None:
+    graph = _graph()
+    executor = graph["stageplan.running.executor"]
+    assert "stageplan.timing" in executor
+    assert not {d for d in executor if d.startswith("stageplan.profiling")}, executor
 
 
 def test_profiler_and_executor_measure_with_the_same_instrument() -> None:
     graph = _graph()
-    assert "measure" in graph["profiler"] and "measure" in graph["executor"]
-    assert "measure" in graph["check"] or "measure" in graph["stages"]
+    assert "stageplan.measure" in graph["stageplan.timing"] and "stageplan.measure" in graph["stageplan.running.executor"]
+    assert "stageplan.timing" in graph["stageplan.profiling.profiler"]
     # no second timer, median or saved-tensor hook anywhere else in the torch edge
-    for mod in TORCH_EDGE - {"measure"}:
-        text = (PKG / f"{mod}.py").read_text()
+    for mod in TORCH_EDGE - {"stageplan.measure"}:
+        text = MODULES[mod].read_text()
         for token in ("perf_counter()", "statistics.", "saved_tensors_hooks(", "torch.cuda.Event("):
-            if mod == "executor" and token == "perf_counter()":
-                continue  # the step's own wall clock (barrier to optimizer step), not a compute timer
-            assert token not in text, f"{mod}.py uses {token}: measure with stageplan.measure"
+            if mod in ("stageplan.running.executor", "stageplan.running.link") and token == "perf_counter()":
+                continue  # the step's own wall clock and the link's collective probe, not compute timers
+            assert token not in text, f"{mod} uses {token}: measure with stageplan.measure"
 
 
 def test_nothing_imports_the_package_root_from_below() -> None:
-    modules = {path.stem for path in PKG.glob("*.py")}
-    for path in PKG.glob("*.py"):
-        if path.stem in ("__init__", "__main__"):
+    for name, path in MODULES.items():
+        if name in ("stageplan", "stageplan.__main__"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                assert all(a.name != "stageplan" for a in node.names), f"{path.stem} imports the package root"
+                assert all(a.name != "stageplan" for a in node.names), f"{name} imports the package root"
             elif isinstance(node, ast.ImportFrom) and node.module == "stageplan":
-                assert all(a.name in modules for a in node.names), f"{path.stem} imports from the package root"
+                assert all(f"stageplan.{a.name}" in MODULES for a in node.names), f"{name} imports from the root"
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stageplan"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+                           and f"{node.module}.{a.name}" not in MODULES]
+                assert not private, f"{name} imports {private} from {node.module}"
 
 
 def test_nothing_imports_cli_and_no_cycles() -> None:
     graph = _graph()
-    assert all("cli" not in deps for name, deps in graph.items() if name not in ("cli", "__main__"))
+    assert all("stageplan.cli" not in deps for name, deps in graph.items()
+               if name not in ("stageplan.cli", "stageplan.__main__"))
     state: dict[str, int] = {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = 1
-        for dep in graph.get(node, set()) - {"torch", "__init__"}:
+        for dep in graph.get(node, set()) - {"torch"}:
+            if dep == "stageplan" or node.startswith(dep + "."):
+                continue  # a package's __init__ re-exports its own modules
             assert state.get(dep) != 1, f"import cycle: {' -> '.join([*stack, dep])}"
             if dep not in state:
                 visit(dep, [*stack, dep])
         state[node] = 2
 
     for name in graph:
-        if name not in state and name != "__init__":
+        if name not in state:
             visit(name, [name])
 
 
 def test_import_stageplan_does_not_import_torch() -> None:
-    code = ("import sys, stageplan, stageplan.plan; assert callable(stageplan.plan); stageplan.Workload; stageplan.Plan; "
-            "import stageplan.solver, stageplan.schedules, stageplan.report, stageplan.costmodel, stageplan.runreport; "
+    code = ("import sys, stageplan; assert callable(stageplan.plan); stageplan.Workload; stageplan.Plan; "
+            "import stageplan.formats, stageplan.planning, stageplan.report, stageplan.calibration, "
+            "stageplan.comparison, stageplan.tuning; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch')); "
             "assert 'scipy' not in sys.modules, sorted(m for m in sys.modules if m.startswith('scipy')); "
-            "assert stageplan.run.__module__ == 'stageplan.launch' and stageplan.profile_model.__module__ == 'stageplan.profiler'")
+            "assert stageplan.run.__module__ == 'stageplan.running.launch'; "
+            "assert stageplan.profile_model.__module__ == 'stageplan.profiling.profiler'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_planning_path_crosses_at_most_six_modules() -> None:
+    """plan(profile, p) from the API down to the solver: the modules whose functions run, besides the records it
+    reads and writes (formats) and the leaves (errors, units). Imports are done first (a warm call)."""
+    code = r"""
+import inspect, sys
+import stageplan
+prof = stageplan.Profile.load(sys.argv[1])
+stageplan.plan(prof, 4)
+seen = []
+def tracer(frame, event, arg):
+    name = frame.f_globals.get("__name__", "")
+    if event == "call" and frame.f_code.co_flags & inspect.CO_OPTIMIZED and name.startswith("stageplan"):
+        if name not in seen:
+            seen.append(name)
+sys.settrace(tracer)
+stageplan.plan(prof, 4)
+sys.settrace(None)
+print(" ".join(m for m in seen if not m.startswith("stageplan.formats")
+               and m not in ("stageplan", "stageplan.errors", "stageplan.units", "stageplan._io")))
+"""
+    profile = PKG.parent / "profiles" / "cpu" / "gpt-large.json"
+    out = subprocess.run([sys.executable, "-c", code, str(profile)], check=True, capture_output=True, text=True)
+    path = out.stdout.split()
+    assert path[0] == "stageplan.planning.planner" and "stageplan.planning.solver" in path
+    assert len(path) <= 6, path

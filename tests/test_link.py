@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli, spawn_ranks
 
-import stageplan.link
+import stageplan.running.link
 from stageplan import RunReport, StageplanError
-from stageplan.api import plan
 from stageplan.errors import SchemaError
-from stageplan.link import LINK_SCHEMA, load_link
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile
+from stageplan.formats.link import LINK_SCHEMA, load_link
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.planning.planner import plan
 from stageplan.report import plan_table
 
 OUT_BYTES = 1e6
@@ -36,7 +36,7 @@ def _link_file(tmp_path: Path, latency_s: float = 0.5, bandwidth: float = 1e6) -
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(stageplan.link, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(stageplan.running.link, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -138,7 +138,7 @@ def test_load_link_checks_the_figures() -> None:
 
 @pytest.mark.parametrize(("gpu", "bandwidth", "name"), [("h100-sxm", 450e9, "NVLink"), ("mi300x", None, "xGMI")])
 def test_estimated_profile_gets_its_gpus_link_within_a_node(gpu: str, bandwidth: float | None, name: str) -> None:
-    table = json.loads((Path(stageplan.link.__file__).parent / "gpus.json").read_text())
+    table = json.loads((Path(stageplan.running.link.__file__).parents[1] / "gpus.json").read_text())
     row = table["gpus"][gpu]["intra_node"]
     bandwidth = bandwidth or float(row["bandwidth"])
     prof = _profile({"timer": "analytic", "estimate": {"gpu": gpu}})
@@ -175,8 +175,8 @@ def test_run_report_without_link_still_loads() -> None:
 
 @pytest.mark.slow
 def test_every_run_starts_with_a_ping_pong(tmp_path: Path) -> None:
-    from stageplan.launch import run
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.running.launch import run
     from stageplan.zoo import build_workload
 
     wl = build_workload("workloads:mlp", {})
@@ -225,7 +225,8 @@ def test_a_rendezvous_port_taken_after_it_was_chosen_is_replaced(monkeypatch: py
     times)."""
     import socket
 
-    from stageplan import RunError, launch
+    from stageplan import RunError
+    from stageplan.running import launch
 
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))
@@ -287,7 +288,7 @@ def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> 
 
         setattr(PipelineStage, name, slow_chunk)
     try:
-        queue.put((rank, stageplan.link.schedule_overheads(torch.device("cpu"), evict_bytes=2**20)))
+        queue.put((rank, stageplan.running.link.schedule_overheads(torch.device("cpu"), evict_bytes=2**20)))
     finally:
         dist.destroy_process_group()
 
@@ -329,9 +330,9 @@ def _ping_pong_in_child(rank: int, port: int, gap_s: float, queue) -> None:  # t
         calls[0] += 1
         time.sleep(gap_s)
 
-    stageplan.link._compute_gap = gap
+    stageplan.running.link._compute_gap = gap
     try:
-        link = stageplan.link.ping_pong(torch.device("cpu"), sizes_bytes=(4096, 2**20), warmup=2, repeats=5)
+        link = stageplan.running.link.ping_pong(torch.device("cpu"), sizes_bytes=(4096, 2**20), warmup=2, repeats=5)
         queue.put((rank, calls[0], link["latency_s"], link["exchange_s"]))
     finally:
         dist.destroy_process_group()
@@ -344,7 +345,7 @@ def test_every_timed_message_follows_the_ranks_own_work_outside_the_timer() -> N
     before every timed message: once before each of the 60 small and 5 large round trips and each of the 2 + 60
     exchanges, on both ranks, and never inside the timer (a 5 ms gap would show in every figure)."""
     got = spawn_ranks(_ping_pong_in_child, 2, 0.005)
-    small = stageplan.link.SMALL_REPEATS
+    small = stageplan.running.link.SMALL_REPEATS
     assert [got[r][0] for r in (0, 1)] == [small + 5 + 2 + small] * 2
     for _, latency, exchange in got.values():  # under 2 ms when the host is quiet; one busy run read 2.26 ms
         assert 0 < latency < 4.5e-3 and 0 < exchange < 4.5e-3, (latency, exchange)
@@ -395,7 +396,7 @@ def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: 
     forward and backward a seconds longer (step, rank times, bottleneck; the lower bound too with one chunk per
     rank, where no rank runs two chunks' overhead)."""
 
-    from stageplan.costmodel import LayerArrays, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     S, a = p * v, 0.3
     prof, folded, _ = _one_layer_per_chunk(3, S, a, a)
@@ -424,7 +425,8 @@ def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(sched
     The split-search's prefix sums (SplitCosts) agree with evaluate, with the loop's action_s on top."""
     import numpy as np
 
-    from stageplan.costmodel import LayerArrays, SplitCosts, evaluate, make_options
+    from stageplan.planning.costs import LayerArrays, evaluate, make_options
+    from stageplan.planning.search import SplitCosts
 
     S, cf, cb, a = p * v, 0.15, 0.35, 0.05
     prof, folded, rows = _one_layer_per_chunk(5, S, cf, cb)

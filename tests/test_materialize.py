@@ -23,7 +23,7 @@ from stageplan.materialize import (
     real_parameters,
     save_checkpoint,
 )
-from stageplan.stages import reference_model
+from stageplan.running.stages import reference_model
 from stageplan.workload import Workload
 from stageplan.zoo import gpt
 
@@ -159,7 +159,7 @@ def test_an_index_with_a_malformed_weight_map_is_one_line(tmp_path: Path) -> Non
 
 
 def test_a_model_fn_workload_is_profiled_layer_at_a_time_without_building_it() -> None:
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
 
     torch.manual_seed(0)
     wl = Workload(None, torch.randn(8, 16), torch.randn(8, 16), nn.functional.mse_loss,

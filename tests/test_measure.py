@@ -45,7 +45,7 @@ def test_the_loss_target_of_a_microbatch_counts_as_the_microbatch() -> None:
     """An MLP with MSE, batch 64, microbatch 32: the last layer (Tanh + loss) saves its output and the target's
     microbatch slice, 32 x 16 float32 each. The slice used to count as the whole batch's target storage (2 KiB too
     many here; 32 KiB in the wider MLP of the issue that found it)."""
-    from stageplan.profiler import profile_model
+    from stageplan.profiling.profiler import profile_model
     from stageplan.workload import Workload
 
     torch.manual_seed(0)

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error, run_cli
 
-import stageplan.api as api
-from stageplan import Device, LayerProfile, Profile, baselines, plan
-from stageplan.costmodel import LayerArrays, evaluate, make_options
+import stageplan.comparison as comparison
+import stageplan.tuning as tuning
+from stageplan import Device, LayerProfile, Profile, plan
 from stageplan.errors import SchemaError, StageplanError
-from stageplan.plan import Plan
+from stageplan.formats.plan import Plan
+from stageplan.planning import search as split_search
+from stageplan.planning.costs import LayerArrays, evaluate, make_options
+from stageplan.planning.search import partition_balanced, partition_uniform
 
 MS = 1e-3
 
@@ -126,19 +129,19 @@ def test_the_step_objective_finds_the_lowest_step_of_every_split() -> None:
 def test_the_descents_never_end_slower_than_their_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Too many splits to list: descents from the least-bottleneck split, the uniform and the parameter-balanced
     ones. The result is no slower than any of the three (each scored as a given split)."""
-    monkeypatch.setattr(api, "_TIE_SPLITS", 1)
+    monkeypatch.setattr(split_search, "_TIE_SPLITS", 1)
     rng = np.random.default_rng(5)
     prof = random_profile(rng, 40)
     kw = dict(num_microbatches=12, schedule="1F1B")
     pl = quiet_plan(prof, 6, objective="step", **kw)
     search = pl.step_search
     assert not search["exhaustive"] and search["splits_evaluated"] > 3
-    seeds = [search["from_boundaries"], list(baselines.partition_uniform(40, 6)),
-             list(baselines.partition_balanced([lp.param_bytes for lp in prof.layers], 6))]
+    seeds = [search["from_boundaries"], list(partition_uniform(40, 6)),
+             list(partition_balanced([lp.param_bytes for lp in prof.layers], 6))]
     for seed in seeds:
         assert pl.predicted_step_s <= quiet_plan(prof, 6, boundaries=seed, **kw).predicted_step_s * (1 + 1e-12)
     assert pl.predicted_step_s == pytest.approx(search["to_step_s"], rel=1e-9)
-    assert search["splits_evaluated"] <= max(1, api._TIE_WORK // (2 * 6 * 12))
+    assert search["splits_evaluated"] <= max(1, split_search._TIE_WORK // (2 * 6 * 12))
 
 
 def test_an_interleaved_rank_sum_hides_unbalanced_chunks() -> None:
@@ -175,7 +178,7 @@ def test_objective_refusals_in_the_api() -> None:
     for method in ("uniform", "parameters"):
         with pytest.raises(StageplanError, match=rf"objective 'step' chooses among splits, but method '{method}' fixes"):
             plan(prof, 2, method=method, objective="step")
-    for fn in (api.tune, api.compare):
+    for fn in (tuning.tune, comparison.compare):
         with pytest.raises(StageplanError, match=r"objective 'Step' is unknown"):
             fn("gpt", 2, objective="Step")  # refused before anything is profiled
 
@@ -222,7 +225,7 @@ def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatc
     plan of the profile; the uniform reference is the uniform split."""
     from types import SimpleNamespace
 
-    import stageplan.launch
+    import stageplan.running.launch
 
     ran: list[Plan] = []
 
@@ -230,10 +233,10 @@ def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatc
         ran.append(pl)
         return SimpleNamespace(measured_step_s=0.1)
 
-    monkeypatch.setattr(stageplan.launch, "run", fake_run)
-    monkeypatch.setattr(api, "calibrate", lambda prof, rep: prof)
+    monkeypatch.setattr(stageplan.running.launch, "run", fake_run)
+    monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
     prof = Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
-    result = api.tune("gpt", 2, profile=prof, rounds=2, objective="step")
+    result = tuning.tune("gpt", 2, profile=prof, rounds=2, objective="step")
     want = quiet_plan(prof, 2, objective="step")
     assert result["final"]["boundaries"] == list(want.boundaries) and result["objective"] == "step"
     assert [pl.cost_options.get("objective") for pl in ran] == ["step", "step", None]  # round 1, final, uniform

@@ -14,13 +14,14 @@ from conftest import SCHEDULE_CASES
 from torch import nn
 
 from stageplan import LayerProfile, Profile, Workload, profile_model
-from stageplan.api import plan
-from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
 from stageplan.errors import SchemaError
-from stageplan.plan import Plan
-from stageplan.profiler import OPTIMIZER_PASSES
+from stageplan.formats.plan import Plan
+from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options
+from stageplan.planning.planner import plan
+from stageplan.planning.schedules import simulate
+from stageplan.planning.search import SplitCosts
+from stageplan.profiling.optimizer import OPTIMIZER_PASSES
 from stageplan.report import plan_table
-from stageplan.schedules import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "tests" / "data" / "old-format" / "gpt-12l-v16k.json"  # written before optimizer records existed
@@ -281,7 +282,7 @@ def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeyp
     output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones; a sparse
     table's gradient is stepped as its dense equal (torch's dense optimizers refuse sparse ones); a parameter the
     backward does not reach is not stepped, as torch's optimizers skip a None gradient."""
-    from stageplan import profiler
+    from stageplan.profiling import optimizer as profiler
 
     seen: list[list[torch.Tensor]] = []
 
@@ -325,7 +326,7 @@ def test_identical_layers_reuse_the_measured_optimizer_step() -> None:
 
 
 def test_estimate_prices_the_optimizer_step_by_bytes_moved() -> None:
-    from stageplan.estimate import gpu_spec
+    from stageplan.profiling.estimate import gpu_spec
 
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     prof = profile_model(Workload(model, torch.randn(4, 256), loss_fn=_sum_loss), microbatch_size=4,

@@ -14,9 +14,10 @@ from conftest import assert_one_line_error, run_cli
 
 from stageplan import StageplanError, plan
 from stageplan.errors import SchemaError
-from stageplan.profile import merge_profiles
-from stageplan.profiler import profile_model, retime_layers
+from stageplan.formats.profile import merge_profiles
+from stageplan.profiling.profiler import profile_model
 from stageplan.report import profile_table
+from stageplan.timing import retime_layers
 from stageplan.zoo import build_workload
 
 FWD, HOT, COLD = 1e-3, 2e-3, 6e-3
@@ -106,7 +107,7 @@ def test_order_refusals_and_the_layer_at_a_time_default(capsys: pytest.CaptureFi
     assert_one_line_error(code, err, r"order 'stage' times every layer in one chain")
     assert not Path("never.json").exists()
     # in fresh processes too, refused before any starts
-    from stageplan.launch import profile_in_processes
+    from stageplan.running.launch import profile_in_processes
 
     with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'diagonal'"):
         profile_in_processes("workloads:evictees", processes=2, order="diagonal")
@@ -134,7 +135,7 @@ def test_a_run_retimes_its_layers_in_the_profiles_order(tmp_path: Path) -> None:
     """Each rank times its layers alone after the run in the order its plan's profile was taken in: in a stage's
     order, rank 0's layers 0 and 1 (1 after 2, the next rank's first) and rank 1's layer 2 are cold, layer 3 (the
     loss's) hot; from a profile timed layer by layer, every one hot."""
-    from stageplan.launch import run
+    from stageplan.running.launch import run
 
     wl = _evictees(4)
     for order, backward in (("stage", [COLD, COLD, COLD, HOT]), ("layer", [HOT] * 4)):
@@ -154,9 +155,10 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
     runs are stand-ins that record what they were asked: a stored profile, fixed steps)."""
     from types import SimpleNamespace
 
-    import stageplan.api as api
-    import stageplan.launch
-    import stageplan.profiler
+    import stageplan.comparison as comparison
+    import stageplan.profiling.profiler
+    import stageplan.running.launch
+    import stageplan.tuning as tuning
     from stageplan import Profile
 
     stored = Profile.load(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
@@ -166,19 +168,19 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
         asked.append(kw.get("order"))
         return stored
 
-    monkeypatch.setattr(stageplan.profiler, "profile_model", fake_profile)
-    monkeypatch.setattr(stageplan.launch, "profile_in_processes", fake_profile)
-    monkeypatch.setattr(stageplan.launch, "run", lambda *a, **k: SimpleNamespace(measured_step_s=0.1))
-    monkeypatch.setattr(api, "calibrate", lambda prof, rep: prof)
-    monkeypatch.setattr(api, "_compare_runs", lambda *a, **k: None)
-    api.tune("gpt", 2, rounds=1, order="layer")
-    api.tune("gpt", 2, rounds=1, order="stage", processes=2)
-    assert api.compare("gpt", 2, order="layer", objective="step")["objective"] == "step"
-    api.tune("gpt", 2, rounds=1)
+    monkeypatch.setattr(stageplan.profiling.profiler, "profile_model", fake_profile)
+    monkeypatch.setattr(stageplan.running.launch, "profile_in_processes", fake_profile)
+    monkeypatch.setattr(stageplan.running.launch, "run", lambda *a, **k: SimpleNamespace(measured_step_s=0.1))
+    monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
+    monkeypatch.setattr(comparison, "_compare_runs", lambda *a, **k: None)
+    tuning.tune("gpt", 2, rounds=1, order="layer")
+    tuning.tune("gpt", 2, rounds=1, order="stage", processes=2)
+    assert comparison.compare("gpt", 2, order="layer", objective="step")["objective"] == "step"
+    tuning.tune("gpt", 2, rounds=1)
     assert asked == ["layer", "stage", "layer", None]  # None: profile_model's default (stage where the model fits)
     # refused before any profile: an unknown order, and an order with a profile to start from
     with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'chain'"):
-        api.tune("gpt", 2, order="chain")
+        tuning.tune("gpt", 2, order="chain")
     prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
     for cmd in ("tune", "compare"):
         code, _, err = run_cli([cmd, "gpt", "--stages", "2", "--order", "layer", "--profile", prof,

@@ -12,16 +12,16 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 
 from stageplan import InfeasiblePlanError, LayerProfile, Profile, StageplanError
-from stageplan.api import METHODS, plan
-from stageplan.costmodel import Device
 from stageplan.errors import SchemaError
-from stageplan.plan import (
-    Plan,
+from stageplan.formats.interop import (
     boundaries_from_balance,
     boundaries_from_megatron,
     boundaries_from_module_fqns,
     boundaries_from_split_spec,
 )
+from stageplan.formats.plan import Plan
+from stageplan.planning.costs import Device
+from stageplan.planning.planner import METHODS, plan
 from stageplan.units import parse_bandwidth, parse_bytes
 
 
@@ -418,7 +418,7 @@ def test_a_megatron_layout_is_scored_only_where_the_schedule_places_stages_as_me
     scored there (it was, silently, at 0.97x the bottleneck of the round-robin placement) is a split Megatron never
     runs; the same layout under Interleaved1F1B scores on Megatron's own placement, and --boundaries still scores
     the V split."""
-    from stageplan.schedules import stage_ranks
+    from stageplan.formats.schedule import stage_ranks
 
     prof = make_profile([1, 2, 3, 4, 5, 6, 7, 8])
     layout = "E,t|t*2|t*2|t,L"

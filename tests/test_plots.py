@@ -19,8 +19,9 @@ from matplotlib.text import Annotation, Text
 from matplotlib.transforms import Bbox
 
 from stageplan import LayerProfile, Profile
-from stageplan.api import METHODS, plan
 from stageplan.errors import StageplanError
+from stageplan.formats.runreport import RunReport
+from stageplan.planning.planner import METHODS, plan
 from stageplan.plots import (
     plot_layer_costs,
     plot_memory,
@@ -29,7 +30,6 @@ from stageplan.plots import (
     plot_timeline,
     save,
 )
-from stageplan.runreport import RunReport
 
 
 def _profile() -> Profile:

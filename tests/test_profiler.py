@@ -10,7 +10,7 @@ from torch import nn
 
 from stageplan import Workload, profile_model
 from stageplan.errors import StageplanError, WorkloadError
-from stageplan.profiler import DeviceError
+from stageplan.profiling.device import DeviceError
 from stageplan.zoo import gpt
 
 
@@ -181,7 +181,7 @@ def test_dedup_measures_apart_what_an_attribute_changes(last: nn.Module) -> None
 
 
 def test_a_graph_signature_follows_the_wiring_not_only_the_ops() -> None:
-    from stageplan.profiler import _graph_signature
+    from stageplan.profiling.signatures import _graph_signature
 
     def squared(x: torch.Tensor) -> torch.Tensor:
         a = torch.sigmoid(x)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stageplan import Profile
-from stageplan.api import plan
+from stageplan.planning.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted(x for x in (ROOT / "profiles").rglob("*.json") if "links" not in x.parts)

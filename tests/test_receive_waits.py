@@ -13,10 +13,10 @@ import pytest
 from conftest import run_cli
 
 from stageplan import plan
-from stageplan.launch import run
-from stageplan.profiler import profile_model
-from stageplan.runreport import RunReport, _predicted_idle_calls
-from stageplan.schedules import simulate
+from stageplan.formats.runreport import RunReport, _predicted_idle_calls
+from stageplan.planning.schedules import simulate
+from stageplan.profiling.profiler import profile_model
+from stageplan.running.launch import run
 from stageplan.zoo import build_workload
 
 CASES = {  # schedule: (forward ms, backward ms, boundaries)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from stageplan import StageplanError
-from stageplan.api import plan
-from stageplan.profile import LayerProfile, Profile
-from stageplan.profiler import profile_model, retime_layers
-from stageplan.runreport import RunReport
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.formats.runreport import RunReport
+from stageplan.planning.planner import plan
+from stageplan.profiling.profiler import profile_model
+from stageplan.timing import retime_layers
 from stageplan.zoo import build_workload
 
 FWD_MS, BWD_MS = (6.0, 2.0, 4.0), (8.0, 3.0, 5.0)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from test_calibrate import _profile, _report
 
-from stageplan.api import plan
+from stageplan.planning.planner import plan
 from stageplan.report import run_table
 
 
@@ -35,7 +35,7 @@ def test_calls_after_idle_against_back_to_back_by_hand() -> None:
     after 2 ms idle, its loss 0.5 ms back to back): one action after idle, 2.0 ms; F1 back to back 2.2 ms; both
     backwards back to back, so only the forwards compare: 2.0 / 2.0 = 1.0 against 1.1, beyond -0.2 ms. Medians
     over the two steps; after idle 2 and 1 a step."""
-    from stageplan.runreport import _idle_split
+    from stageplan.formats.runreport import _idle_split
 
     planned = {("F", 0): 0.002, ("B", 0): 0.004}
     steps = [

@@ -1,4 +1,4 @@
-"""Tests of stageplan.schedules: torch's own execution order, closed forms, hand-computed timelines."""
+"""Tests of stageplan.planning.schedules: torch's own execution order, closed forms, hand-computed timelines."""
 
 from __future__ import annotations
 
@@ -15,19 +15,11 @@ from conftest import SCHEDULE_CASES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stageplan import schedules
 from stageplan.errors import StageplanError
-from stageplan.schedules import (
-    SCHEDULES,
-    Action,
-    bubble_closed_form,
-    check_microbatches,
-    normalize_schedule,
-    peak_inflight,
-    rank_orders,
-    simulate,
-    stage_ranks,
-)
+from stageplan.formats.schedule import SCHEDULES, check_microbatches, normalize_schedule, stage_ranks
+from stageplan.formats.timeline import Simulation
+from stageplan.planning import schedules
+from stageplan.planning.schedules import Action, bubble_closed_form, peak_inflight, rank_orders, simulate
 
 # ---------------------------------------------------------------------------------------------------
 # Oracle 1: torch's own execution loop.
@@ -313,7 +305,7 @@ def test_gpipe_two_stages_by_hand() -> None:
 
 
 def _random_step(schedule: str, p: int, m: int, v: int, seed: int
-                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, schedules.Simulation, schedules.ScheduleShape]:
+                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, Simulation, schedules.ScheduleShape]:
     """Seeded per-stage forward (1-2), backward (2-4) and comm (0.1-0.5) times, their simulated step and the shape."""
     n = p * v
     rng = np.random.default_rng(seed)
@@ -693,7 +685,7 @@ def test_docstring_examples() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, stageplan.schedules; sys.exit('torch' in sys.modules)"
+    code = "import sys, stageplan.planning.schedules; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -768,7 +760,7 @@ def _latest(sends: list[Action]) -> Action | None:
 
 @pytest.mark.parametrize("name", ["GPipe", "1F1B"])
 def test_send_waits_are_where_torchs_loop_waits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stageplan.schedules import send_waits
+    from stageplan.planning.schedules import send_waits
 
     for p, m in itertools.product((1, 2, 3, 4), range(1, 9)):
         try:
@@ -832,7 +824,7 @@ def _levels_by_relaxation(deps: np.ndarray) -> np.ndarray | None:
 def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: bool) -> None:
     """Random DAGs (each node's dependencies drawn from the nodes before it in a shuffled order, "none" = n mixed
     in, repeats allowed) get the levels of the relaxation; with one edge turned back into a cycle, both say so."""
-    from stageplan.costmodel import _group_by, _longest_path_levels
+    from stageplan.planning.search import _group_by, _longest_path_levels
 
     order = list(range(n))
     rnd.shuffle(order)

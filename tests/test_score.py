@@ -12,11 +12,17 @@ import numpy as np
 import pytest
 from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
 
-import stageplan.api as api
 from stageplan import LayerProfile, Profile, StageplanError
-from stageplan.api import plan
-from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
-from stageplan.plan import Plan, boundaries_from_megatron, boundaries_from_module_fqns, expand_megatron_layout
+from stageplan.formats.interop import (
+    boundaries_from_megatron,
+    boundaries_from_module_fqns,
+    expand_megatron_layout,
+)
+from stageplan.formats.plan import Plan
+from stageplan.planning import search
+from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options
+from stageplan.planning.planner import plan
+from stageplan.planning.search import SplitCosts
 from stageplan.report import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -446,7 +452,7 @@ def test_the_tie_break_on_a_stored_profile_says_what_it_gained() -> None:
 
 
 def test_the_descent_keeps_the_bottleneck_and_never_raises_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "_TIE_SPLITS", 1)  # too many splits to list: the descent runs
+    monkeypatch.setattr(search, "_TIE_SPLITS", 1)  # too many splits to list: the descent runs
     rng = np.random.default_rng(3)
     prof = lm_profile([float(x) for x in rng.choice([1.0, 2.0], 40)])
     pl = plan(prof, 6, num_microbatches=12, schedule="GPipe")
@@ -462,5 +468,5 @@ def test_the_tie_break_work_is_bounded_at_a_thousand_layers() -> None:
     times = rng.lognormal(0, 0.5, 1000) * 1e-3
     prof = Profile(tuple(LayerProfile(f"b.{i}", float(x) * 0.4, float(x) * 0.6, 100, 10, 50) for i, x in enumerate(times)))
     pl = plan(prof, 64, num_microbatches=128)
-    assert pl.tie_break["splits_evaluated"] <= max(1, api._TIE_WORK // (2 * 64 * 128))
+    assert pl.tie_break["splits_evaluated"] <= max(1, search._TIE_WORK // (2 * 64 * 128))
     assert pl.predicted_step_s <= pl.tie_break["from_step_s"] * (1 + 1e-12)

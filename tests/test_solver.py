@@ -1,4 +1,4 @@
-"""Tests for stageplan.solver: every answer is checked against brute force over all partitions."""
+"""Tests for stageplan.planning.solver: every answer is checked against brute force over all partitions."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stageplan import solver
 from stageplan.errors import InfeasiblePlanError, StageplanError
-from stageplan.solver import Solution, solve
+from stageplan.planning import partition, solver
+from stageplan.planning.solver import Solution, solve
 
 TIE = 1e-12
 Rows = list[list[float]]
@@ -284,15 +284,16 @@ def test_larger_instances_match_dp_and_every_probe_path(seed: int, monkeypatch: 
     fast = solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit)
     assert fast.bottleneck == ref
 
-    monkeypatch.setattr(solver, "_fast_applies", lambda *args: False)
+    monkeypatch.setattr(solver, "fast_applies", lambda *args: False)
+    monkeypatch.setattr(partition, "fast_applies", lambda *args: False)
     assert solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit) == fast
-    build = solver._build_instance
+    build = solver.build_instance
 
     def with_start_terms(*args: object) -> object:
         inst = build(*args)  # type: ignore[arg-type]
         return solver.replace(inst, mem_start=np.zeros((inst.num_stages, inst.num_layers + 1)))
 
-    monkeypatch.setattr(solver, "_build_instance", with_start_terms)
+    monkeypatch.setattr(solver, "build_instance", with_start_terms)
     assert solve(costs, p, stage_speeds=speeds, memory_bytes=mem, memory_limit_bytes=limit) == fast
     monkeypatch.undo()
 
@@ -360,7 +361,8 @@ def test_end_and_boundary_terms_without_start_match_brute_force(data: st.DataObj
     kw: dict[str, Any] = {"speeds": speeds, "bc": bc, "mem": mem, "end": end, "limit": limit}
     check_against_brute(costs, p, **kw)
     fast = solve_or_min_limit(costs, p, **kw)
-    with patch.object(solver, "_fast_applies", lambda *args: False):
+    with patch.object(solver, "fast_applies", lambda *args: False), \
+            patch.object(partition, "fast_applies", lambda *args: False):
         assert solve_or_min_limit(costs, p, **kw) == fast
 
 
@@ -380,18 +382,18 @@ def test_planner_shaped_instances_use_the_greedy_path_and_match_dp(seed: int) ->
     zeros = np.zeros((p, L))
     peak = float(mem.sum(axis=1).max())
     limit = np.full(p, float(rng.integers(int(peak / p) + 60, int(peak))))
-    inst = solver._build_instance(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, None,
+    inst = solver.build_instance(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, None,
                                   np.broadcast_to(end, (p, L)), limit)
     assert inst.monotone_in_end
     settled = []
-    greedy = solver._probe_fast
+    greedy = partition._probe_fast
 
     def counted(*args: Any) -> Any:
         result = greedy(*args)
         settled.append(result is not None)
         return result
 
-    with patch.object(solver, "_probe_fast", counted):
+    with patch.object(partition, "_probe_fast", counted):
         sol = solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end, memory_limit_bytes=limit)
     assert settled and all(settled)
     check_solution(sol, costs.tolist(), p, bc=bc.tolist(), mem=mem.tolist(), end=end.tolist(),
@@ -399,7 +401,8 @@ def test_planner_shaped_instances_use_the_greedy_path_and_match_dp(seed: int) ->
     ends = np.broadcast_to(end, (p, L))
     assert sol.bottleneck == dp_bottleneck(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, zeros, ends,
                                            limit)
-    with patch.object(solver, "_fast_applies", lambda *args: False):
+    with patch.object(solver, "fast_applies", lambda *args: False), \
+            patch.object(partition, "fast_applies", lambda *args: False):
         assert solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end,
                      memory_limit_bytes=limit) == sol
 
@@ -412,7 +415,7 @@ def test_monotone_in_end_certificate() -> None:
 
     def certified(end: list[float], bc: list[float] | None = None) -> bool:
         bcosts = None if bc is None else np.array([bc] * 2)
-        inst = solver._build_instance(costs, 2, np.ones(2), bcosts, mem, None, np.array([end] * 2), None)
+        inst = solver.build_instance(costs, 2, np.ones(2), bcosts, mem, None, np.array([end] * 2), None)
         return inst.monotone_in_end
 
     assert certified([0.0, 3.0, 2.5, 0.0])  # falls by 0.5 <= layer 2's 5 bytes

@@ -149,7 +149,7 @@ def test_linear_layers_of_known_widths_have_exact_bytes(streaming: bool) -> None
 
 
 def test_streaming_is_chosen_when_the_whole_model_would_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    import stageplan.profiler as profiler
+    import stageplan.profiling.profiler as profiler
 
     wl = mlp(width=16, depth=2)
     monkeypatch.setattr(profiler, "free_bytes", lambda device: 10**12)

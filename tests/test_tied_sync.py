@@ -13,14 +13,16 @@ import pytest
 import torch
 from conftest import SCHEDULE_CASES, spawn_ranks
 
-from stageplan.api import build_workload, plan
-from stageplan.costmodel import Device, LayerArrays, SplitCosts, evaluate, make_options
 from stageplan.errors import SchemaError
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile, TiedParameter
-from stageplan.profiler import profile_model
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile, TiedParameter
+from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options
+from stageplan.planning.planner import plan
+from stageplan.planning.schedules import simulate
+from stageplan.planning.search import SplitCosts
+from stageplan.profiling.profiler import profile_model
 from stageplan.report import plan_table
-from stageplan.schedules import simulate
+from stageplan.zoo import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "profiles" / "cpu" / "gpt.json"
@@ -82,7 +84,7 @@ def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds:
 
 def test_a_link_with_half_an_all_reduce_fit_is_refused() -> None:
     from stageplan.errors import StageplanError
-    from stageplan.link import load_link
+    from stageplan.formats.link import load_link
 
     base = {"schema": "stageplan.link/1", "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH}
     for extra in ({"allreduce_latency_s": 1e-4}, {"allreduce_bandwidth_bytes_per_s": 1e9},
@@ -318,7 +320,7 @@ def _plan_for_tied_blocks(tie_with: int) -> Plan:
 def test_the_executor_knows_which_ties_span_ranks(tie_with: int, across: bool) -> None:
     from stageplan.layers import cut_stages
     from stageplan.materialize import meta_copy
-    from stageplan.stages import tie_groups, ties_across_ranks
+    from stageplan.running.stages import tie_groups, ties_across_ranks
 
     pl = _plan_for_tied_blocks(tie_with)
     assert (pl.tied_sync_s > 0) == across
@@ -331,7 +333,7 @@ def test_the_executor_knows_which_ties_span_ranks(tie_with: int, across: bool) -
 def test_a_tie_on_one_rank_is_summed_there_without_communication() -> None:
     """No process group exists here: an all-reduce would raise. Two copies on this rank are summed; one copy of a
     tie no other rank holds is left alone."""
-    from stageplan.stages import sync_tied_grads
+    from stageplan.running.stages import sync_tied_grads
 
     shared = torch.nn.Parameter(torch.zeros(2))
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
@@ -349,7 +351,7 @@ def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no
 
     import torch.distributed as dist
 
-    from stageplan.stages import sync_tied_grads
+    from stageplan.running.stages import sync_tied_grads
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -379,7 +381,7 @@ def test_a_tie_across_ranks_is_summed_over_every_copy_and_one_copy_in_place() ->
 @pytest.mark.parametrize("tie_with", [2, 4])
 def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie_with: int, tmp_path: Path) -> None:
     """On one rank the two copies' gradients are summed there (no all-reduce); on two, across the ranks."""
-    from stageplan.launch import run
+    from stageplan.running.launch import run
 
     report = run("workloads:tied_blocks", _plan_for_tied_blocks(tie_with), factory_options={"tie_with": tie_with}, steps=2,
                  warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")

@@ -11,7 +11,7 @@ from conftest import assert_one_line_error, run_cli
 
 import stageplan
 from stageplan import Profile, RunReport
-from stageplan.plan import Plan
+from stageplan.formats.plan import Plan
 
 SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--set", "seq_len=16",
          "--set", "vocab_size=4096", "--set", "batch_size=8"]
@@ -78,7 +78,7 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile gives the "
                                      r"profile to start from; drop one of them")
     # refused before a profile is taken (it was refused only by the first run, after a 7 s profile)
-    from stageplan import profiler
+    from stageplan.profiling import profiler
 
     def no_profile(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("profiled for input that should have been refused")
@@ -98,8 +98,8 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(m
     final and uniform plans then run K times each in turns (fake runs of known step, the calibration recorded)."""
     from types import SimpleNamespace
 
-    import stageplan.api
-    import stageplan.launch
+    import stageplan.running.launch
+    import stageplan.tuning
 
     steps = iter([0.30, 0.20, 0.10, 0.21, 0.25, 0.22, 0.26, 0.19, 0.24])
     ran: list[tuple[tuple[int, ...], object]] = []
@@ -114,10 +114,10 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(m
         calibrated.append(rep)
         return prof  # the plan does not move: the loop stops after one round
 
-    monkeypatch.setattr(stageplan.launch, "run", fake_run)
-    monkeypatch.setattr(stageplan.api, "calibrate", fake_calibrate)
+    monkeypatch.setattr(stageplan.running.launch, "run", fake_run)
+    monkeypatch.setattr(stageplan.tuning, "calibrate", fake_calibrate)
     prof = str(Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "gpt.json")
-    result = stageplan.api.tune("gpt", 2, profile=prof, rounds=3, runs=3)
+    result = stageplan.tuning.tune("gpt", 2, profile=prof, rounds=3, runs=3)
     assert len(ran) == 3 + 2 * 3
     first, final, uniform = result["rounds"][0], result["final"], result["uniform"]
     assert len(result["rounds"]) == 1 and first["measured_steps_s"] == [0.30, 0.20, 0.10]

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from stageplan import RunReport
-from stageplan.api import _in_turns, _median_run, _paired_speedup, compare
-from stageplan.plan import Plan
-from stageplan.profile import LayerProfile, Profile
+from stageplan.comparison import compare, in_turns, median_run, paired_speedup
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import LayerProfile, Profile
 
 # the machine's speed factor in each turn: every plan of a turn runs at it
 SPEEDS = [1.0, 2.0, 1.3]
@@ -26,7 +26,7 @@ def test_compare_runs_each_distinct_plan_in_turns_and_pairs_the_speedups(monkeyp
     """Each run measures its plan's predicted step times the turn's speed. In turns, each method's median run is
     its predicted step times the median speed, and the speed-up of runs side by side is exactly the predicted one,
     however much the machine moved between turns."""
-    import stageplan.launch
+    import stageplan.running.launch
 
     calls: list[tuple[int, ...]] = []
     distinct = 2  # optimal and uniform differ; parameters splits as uniform does (every layer holds 4 bytes)
@@ -36,7 +36,7 @@ def test_compare_runs_each_distinct_plan_in_turns_and_pairs_the_speedups(monkeyp
         calls.append(pl.boundaries)
         return _report(pl.predicted_step_s * SPEEDS[turn], pl.predicted_step_s)
 
-    monkeypatch.setattr(stageplan.launch, "run", fake_run)
+    monkeypatch.setattr(stageplan.running.launch, "run", fake_run)
     skewed = Profile(tuple(LayerProfile(str(i), 1e-3 * (1 + 3 * i), 1e-3, 0, 8, 4) for i in range(4)),
                      {"batch_size": 8, "microbatch_size": 4, "model": "workloads:faulty"})
     result = compare("workloads:faulty", 2, profile=skewed, num_microbatches=2, runs=3)
@@ -59,11 +59,11 @@ def test_in_turns_median_run_and_paired_speedup() -> None:
         order.append(item)
         return _report(float(len(order)), 1.0)
 
-    a, b, c = _in_turns(["a", "b", "c"], 2, measure)
+    a, b, c = in_turns(["a", "b", "c"], 2, measure)
     assert [r.measured_step_s for r in b] == [2.0, 5.0]
     assert order == ["a", "b", "c", "a", "b", "c"]
     assert [r.measured_step_s for r in a] == [1.0, 4.0] and [r.measured_step_s for r in c] == [3.0, 6.0]
     # an even count: the lower of the two middle runs, a run that happened
-    assert _median_run([_report(s, 1.0) for s in (4.0, 1.0, 3.0, 2.0)]).measured_step_s == 2.0
-    assert _paired_speedup(c, a) == pytest.approx(statistics.median([3.0 / 1.0, 6.0 / 4.0]))
-    assert _paired_speedup([_report(1.0, 1.0)], [_report(0.0, 1.0)]) is None
+    assert median_run([_report(s, 1.0) for s in (4.0, 1.0, 3.0, 2.0)]).measured_step_s == 2.0
+    assert paired_speedup(c, a) == pytest.approx(statistics.median([3.0 / 1.0, 6.0 / 4.0]))
+    assert paired_speedup([_report(1.0, 1.0)], [_report(0.0, 1.0)]) is None

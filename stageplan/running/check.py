@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from stageplan.measure import microbatch
-from stageplan.stages import batch_target, make_optimizer
+from stageplan.running.stages import batch_target, make_optimizer
 from stageplan.workload import Workload
 
 

@@ -1,43 +1,34 @@
-"""The link between neighbouring pipeline ranks: a ping-pong that measures its latency and bandwidth; LINK.json.
+"""The link between neighbouring pipeline ranks, measured (torch.distributed): a ping-pong for latency and bandwidth,
+the schedule's own overheads and the tied all-reduce; written as LINK.json (:mod:`stageplan.formats.link`).
 
 Every run starts with it (executor.py), and ``stageplan link`` runs it alone (launch.measure_link). Ranks r and
 r + 1 of the pipeline's process group send a message back and forth, for a few sizes, after a warm-up; the
-median round trip / 2 is the one-way time at that size. The fit is the usual latency-bandwidth (Hockney) model,
+median round trip / 2 is the one-way time at that size. The fit is the latency-bandwidth (Hockney) model,
 t(n) = latency + n / bandwidth: the latency is the small message's one-way time, the bandwidth the large
 message's bytes over its one-way time less that latency.
 
 A pipeline schedule does not send alone: torch's schedules post a send fused with a receive
 (``batch_isend_irecv``) and wait for both, at every crossing. So each pair also times that exchange, both ranks
 posting a small send and a small receive to each other at once: ``exchange_s``, the cost of one crossing as the
-schedule pays it (posting the batch and waiting for it; 0.18-0.19 ms on gloo localhost here, against a 0.11 ms
-one-way latency). A plan priced with the link uses the larger of the two per crossing. Every timed message follows
-about 1 ms of the rank's own work, as a chunk computes between receiving and sending (:data:`GAP_MATMULS`): sent
-back to back, one VM's exchanges stalled 3.7-4.0 ms each, where its pipelines' crossings did not.
+schedule pays it. A plan priced with the link uses the larger of the two per crossing. Every timed message follows
+about 1 ms of the rank's own work, as a chunk computes between receiving and sending (:data:`GAP_MATMULS`).
 
 The ranks also time the all-reduce that syncs a tied parameter's gradient (:func:`allreduce_probe`), at 4 KiB and
-4 MiB after a barrier: on gloo here it took 2-5x what the point-to-point fit gives a ring, so a plan priced with
-the link prices that sync from the collective's own times.
+4 MiB after a barrier, so a plan priced with the link prices that sync from the collective's own times.
 Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`schedule_overheads`): the gap
 between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
-the chunks (``action_s``: 0.17-0.20 ms on gloo here), and each chunk call's time outside its module is what
-PipelineStage costs inside it (``chunk_forward_s``, ``chunk_backward_s``); a plan priced with the link adds the
-first around every forward and every backward, and the other two to every chunk's forward and backward.
+the chunks (``action_s``), and each chunk call's time outside its module is what PipelineStage costs inside it
+(``chunk_forward_s``, ``chunk_backward_s``); a plan priced with the link adds the first around every forward and
+every backward, and the other two to every chunk's forward and backward.
 
-torch is imported inside the functions that measure, so that the planner can read LINK.json without torch.
-"""
+torch is imported inside the functions that measure, so that the planner can read LINK.json without torch."""
 
 from __future__ import annotations
 
 import functools
-import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from stageplan._io import check_schema, is_number, read_json, short_repr, write_json_atomic
-from stageplan.errors import SchemaError, StageplanError
-
-LINK_SCHEMA = "stageplan.link/1"
 SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
 MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
@@ -186,7 +177,7 @@ def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int
     ``group`` (each calls it; each gets the result): a barrier, then one ``all_reduce`` of a float buffer, timed
     until its result is there; the median per size, the slowest rank's (the sync ends for the step when it ends
     for every rank). The Hockney fit a + n / B of those times is stored as the ring model's constants at this
-    rank count p, so that :func:`stageplan.costmodel.ring_allreduce_time` gives back a + n / B here and scales it
+    rank count p, so that :func:`stageplan.planning.costs.ring_allreduce_time` gives back a + n / B here and scales it
     to another p: ``allreduce_latency_s`` = a / (2(p - 1)) per ring step and ``allreduce_bandwidth_bytes_per_s`` =
     B x 2(p - 1) / p. Also ``allreduce_ranks`` (p), ``allreduce_sizes`` and ``allreduce_s`` (the medians). None
     on a single rank."""
@@ -389,82 +380,3 @@ def _exchange(out_buf: Any, in_buf: Any, peer: int, group: Any) -> None:
         work.wait()
     if out_buf.device.type == "cuda":
         torch.cuda.synchronize(out_buf.device)
-
-
-def crossing_s(link: Mapping[str, Any]) -> float:
-    """Seconds one boundary crossing costs beyond its bytes: the fused exchange where the link measured it (the
-    schedule's own way of crossing), else the one-way latency; never less than the latency.
-
-    >>> crossing_s({"latency_s": 7e-5, "exchange_s": 3e-4}), crossing_s({"latency_s": 7e-5})
-    (0.0003, 7e-05)
-    """
-    latency = float(link["latency_s"])
-    exchange = link.get("exchange_s")
-    return max(latency, float(exchange)) if isinstance(exchange, (int, float)) and math.isfinite(exchange) else latency
-
-
-# ------------------------------------------------------------------------------------------------------
-# LINK.json (no torch)
-
-
-def save_link(link: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``link`` as a versioned LINK.json, atomically."""
-    write_json_atomic(path, {"schema": LINK_SCHEMA, **{k: v for k, v in link.items() if k != "schema"}})
-
-
-def _seconds(value: Any) -> bool:
-    return is_number(value) and value >= 0
-
-
-def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
-    """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
-    ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds >= 0
-    and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where given, an
-    integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated profile, the
-    cost model's options)."""
-    latency: Any = fields.get("allreduce_latency_s")
-    bandwidth: Any = fields.get("allreduce_bandwidth_bytes_per_s")
-    if (latency is None) != (bandwidth is None) or (latency is not None and not (
-            _seconds(latency) and _seconds(bandwidth) and bandwidth > 0)):
-        raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and allreduce_bandwidth_bytes_per_s = "
-                          f"{bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; {remedy}")
-    ranks: Any = fields.get("allreduce_ranks")
-    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2):
-        raise SchemaError(f"{source} has allreduce_ranks = {short_repr(ranks)}; the all-reduce is timed over 2 or "
-                          f"more ranks, so it must be an integer >= 2, or absent; {remedy}")
-
-
-def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
-    > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action), ``chunk_forward_s``
-    and ``chunk_backward_s`` (PipelineStage's seconds inside each chunk call), where present, seconds >= 0.
-
-    >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})["bandwidth_bytes_per_s"]
-    1000000000.0
-    """
-    if isinstance(link, Mapping):
-        data, source = dict(link), "link"
-    else:
-        data, source = read_json(link, "link"), f"link file {str(link)!r}"
-    check_schema(data, LINK_SCHEMA, source)
-    missing = [k for k in ("latency_s", "bandwidth_bytes_per_s") if k not in data]
-    if missing:
-        raise SchemaError(f"{source} lacks {' and '.join(missing)}; measure it again with stageplan link")
-    if not all(is_number(data[k], finite=False) for k in ("latency_s", "bandwidth_bytes_per_s")):
-        raise SchemaError(f"{source} has latency_s = {short_repr(data['latency_s'])} and bandwidth_bytes_per_s = "
-                          f"{short_repr(data['bandwidth_bytes_per_s'])}; both must be numbers (seconds, bytes/s); "
-                          "measure it again with stageplan link")
-    latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
-    if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
-        raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
-                             f"{bandwidth!r}; measure it again with stageplan link")
-    for key in ("exchange_s", "action_s", "chunk_forward_s", "chunk_backward_s"):
-        value = data.get(key)
-        if value is not None and not _seconds(value):
-            raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
-                                 "again with stageplan link")
-    check_allreduce(data, source, "measure it again with stageplan link")
-    if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
-        raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = {data.get('backend')!r}; pairs "
-                          "must be a list and backend a name such as 'gloo'; measure it again with stageplan link")
-    return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

@@ -40,9 +40,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from stageplan._progress import Progress
 from stageplan.errors import StageplanError, WorkloadError
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.layers import used_parameters
 from stageplan.measure import SavedTensorTracker, storage_identity
-from stageplan.profile import LayerProfile
+from stageplan.profiling.assemble import Figures, assemble, param_totals
+from stageplan.profiling.device import ESTIMATE_PREFIX
+from stageplan.profiling.memory import Peaks
+from stageplan.profiling.optimizer import OPTIMIZER_PASSES
+from stageplan.profiling.signatures import layer_signature, plan_dedup
+from stageplan.profiling.streaming import fake_chain
+from stageplan.timing import LayerContext, distinct_params, meta_cut
 
 # Default compute efficiency eta_c: the fraction of the dense peak a matmul-bound op reaches. 0.45 sits in
 # the published model-FLOPs utilisation of large-model training on H100: Megatron-LM 41-48% (NVIDIA
@@ -65,7 +74,7 @@ _DTYPE_KEYS = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32
                "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 _TORCH_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ATTENTION = ("flash", "math")
-_ESTIMATE_PREFIX = "estimate:"
+
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ def gpu_spec(name: str) -> GpuSpec:
     key = str(name).strip().lower()
     row = table["gpus"].get(key)
     if row is None:
-        raise StageplanError(f"unknown GPU {name!r} for --device {_ESTIMATE_PREFIX}{name}; "
+        raise StageplanError(f"unknown GPU {name!r} for --device {ESTIMATE_PREFIX}{name}; "
                              f"known: {', '.join(known_gpus())}")
     peaks = row["peak_flops"]
     return GpuSpec(
@@ -167,10 +176,10 @@ def gpu_spec(name: str) -> GpuSpec:
 def parse_estimate_device(device: str) -> GpuSpec:
     """'estimate:h100-sxm' -> the H100 SXM's GpuSpec; StageplanError for any other text or an unknown GPU."""
     text = str(device).strip()
-    if not text.lower().startswith(_ESTIMATE_PREFIX) or not text[len(_ESTIMATE_PREFIX):].strip():
-        raise StageplanError(f"device {device!r} is not an estimate device; use {_ESTIMATE_PREFIX}<gpu>, "
-                             f"e.g. {_ESTIMATE_PREFIX}h100-sxm (known: {', '.join(known_gpus())})")
-    return gpu_spec(text[len(_ESTIMATE_PREFIX):].strip())
+    if not text.lower().startswith(ESTIMATE_PREFIX) or not text[len(ESTIMATE_PREFIX):].strip():
+        raise StageplanError(f"device {device!r} is not an estimate device; use {ESTIMATE_PREFIX}<gpu>, "
+                             f"e.g. {ESTIMATE_PREFIX}h100-sxm (known: {', '.join(known_gpus())})")
+    return gpu_spec(text[len(ESTIMATE_PREFIX):].strip())
 
 
 def _dtype_key(dtype: str | torch.dtype) -> str:
@@ -434,3 +443,55 @@ def estimate_module(
         forward_bytes_moved=sum(b for _, b in fwd), backward_bytes_moved=sum(b for _, b in bwd),
         method=method,
     )
+
+
+ESTIMATE_ACCURACY = "roughly ±25% in absolute time; ratios between layers are what the solver needs"
+
+
+def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | None,
+                      memory_efficiency: float | None) -> Profile:
+
+    model, args, target, cut = meta_cut(ctx, ctx.workload.model)
+    n = len(cut.pieces)
+    inputs, crossing = fake_chain(cut, args, ctx.dev)
+    plan = plan_dedup([layer_signature(cut, k, model, values) for k, values in enumerate(inputs)], ctx.dedup)
+    figures: dict[int, Figures] = {}
+    method: dict[str, Any] = {}
+    bar = Progress(len(plan.measured), f"estimating {n} layers for {gpu.name} ({len(plan.measured)} estimated)",
+                   enabled=ctx.progress)
+    for i, k in enumerate(plan.measured):
+        bar.update(i, cut.pieces[k].name)
+
+        def loss(out: Any) -> torch.Tensor:
+            loss_value: torch.Tensor = ctx.workload.compute_loss(out, target)
+            return loss_value
+
+        # Attention as the target runs it: flash SDPA on every GPU in the table (CUDA and ROCm).
+        est = estimate_module(cut.pieces[k].module, inputs[k], gpu=gpu, dtype=None, attention="flash",
+                              compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
+                              loss_fn=loss if k == n - 1 else None, inputs_require_grad=k > 0)
+        method = est.method
+        # memory-bound: every tensor the step touches read or written once, at eta_m of the spec bandwidth
+        rate = float(method.get("memory_efficiency") or 1.0) * gpu.memory_bandwidth
+        trained = sum(p.numel() * p.element_size()
+                      for p in distinct_params(list(used_parameters(cut.pieces[k].module).values())) if p.requires_grad)
+        opt_s = {name: passes * trained / rate for name, passes in OPTIMIZER_PASSES.items()}
+        figures[k] = Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes, None, opt_s)
+    bar.update(len(plan.measured), "done")
+    bar.close()
+    params = [param_totals(p.module) for p in cut.pieces]
+    extra = {
+        "materialized": "none (analytic estimate on fake tensors)",
+        "whole_model_s": None, "whole_model_iqr_s": None, "whole_model": "skipped: analytic estimate",
+        "timer": "analytic",
+        "optimizer_step": {"implementation": "analytic: bytes moved / (eta_m x bandwidth)"},
+        "warmup": None, "repeats": None, "threads": None,  # nothing was timed
+        "device_name": gpu.description,
+        "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"), "eta_m": method.get("memory_efficiency"),
+                     "attention": "flash", "sources": method.get("sources"), "model": method.get("model"),
+                     "accuracy": ESTIMATE_ACCURACY},
+        "method": "per-layer analytic roofline estimate (stageplan.profiling.estimate) on fake tensors, nothing run; "
+                  "activation bytes exact via saved_tensors_hooks deduplicated by storage, views at their own extent; "
+                  "optimizer step = tensors touched (sgd 3, momentum 5, adam/adamw 7) x parameter bytes / (eta_m x bandwidth)",
+    }
+    return assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, Peaks(), device=f"{ESTIMATE_PREFIX}{gpu.name}")

@@ -4,31 +4,26 @@ schedules, a V for ZBVZeroBubble), as a MILP (scipy/HiGHS) with a local-search i
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import optimize, sparse
 
 from stageplan.errors import InfeasiblePlanError, StageplanError
-from stageplan.solver import (
-    _INF,
-    BoolArray,
-    FloatArray,
-    IntArray,
-    _validate_costs,
-    _validate_count,
-    _validate_limits,
-    _validate_rows,
-    _validate_speeds,
+from stageplan.planning.milp import LiveActivations, interleaved_milp
+from stageplan.planning.partition import INF, BoolArray, FloatArray, IntArray
+from stageplan.planning.solver import (
     lower_bound,
     solve,
+    validate_costs,
+    validate_count,
+    validate_limits,
+    validate_rows,
+    validate_speeds,
 )
 from stageplan.units import format_bytes, format_limits
 
@@ -36,9 +31,6 @@ __all__ = ["InterleavedSolution", "solve_interleaved"]
 
 # Relative tolerance of a tie: two sums of the same costs in another order are equal within it (float rounding).
 _TIE = 1e-12
-_VERIFY = 1e-6  # a split better than HiGHS's proven optimum by more than this (relative) refutes the proof
-_CHECK_MIN_S = 0.5  # the least time the check of a proof gets (within the time limit)
-_HIGHS_SOLVE_ERROR = 4  # scipy.optimize.milp's status when HiGHS ends in an error (0 optimal, 1 limit, 2 infeasible)
 
 
 @dataclass(frozen=True)
@@ -60,246 +52,6 @@ class InterleavedSolution:
     optimal: bool
     chunk_memory: tuple[float, ...] | None
     timed_out: bool = False
-
-
-@dataclass(frozen=True)
-class _Live:
-    """Activations counted at their exact peak: ``activation_bytes`` per layer (L,) and, per rank, the
-    microbatch counts each chunk holds at the moments the rank can peak (``counts[r]``, (K_r, C), 0 off the rank;
-    ScheduleShape.live_counts). Rank r's activation peak is max_k sum_c counts[r][k, c] x chunk c's bytes."""
-
-    activation_bytes: FloatArray
-    counts: tuple[FloatArray, ...]
-
-    @property
-    def upper_activations(self) -> FloatArray:
-        """(C, L): each chunk's own peak count x its layers' bytes; summed over a rank's chunks, an upper bound."""
-        most = np.max(np.concatenate(self.counts, axis=0), axis=0)
-        return np.asarray(most[:, None] * self.activation_bytes[None, :])
-
-    def rank_peaks(self, bounds: Sequence[int]) -> FloatArray:
-        prefix = np.concatenate([[0.0], np.cumsum(self.activation_bytes)])
-        b = np.asarray(bounds)
-        chunk = prefix[b[1:]] - prefix[b[:-1]]
-        return np.array([float((k @ chunk).max()) for k in self.counts])
-
-
-@dataclass(frozen=True)
-class _MilpResult:
-    bounds: list[int] | None
-    optimal: bool
-    infeasible: bool
-    dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
-    timed_out: bool = False  # HiGHS stopped at its time limit
-    unchecked: list[int] | None = None  # the split HiGHS proved with presolve, when the check found a better one
-
-
-def _interleaved_milp(
-    costs: FloatArray,
-    p: int,
-    v: int,
-    speeds: FloatArray,
-    memory: FloatArray | None,
-    limits: FloatArray | None,
-    objective: str,
-    upper: float,
-    lower: float,
-    time_limit_s: float,
-    place: list[int],
-    time_end: FloatArray | None = None,
-    mem_start: FloatArray | None = None,
-    mem_end: FloatArray | None = None,
-    live: _Live | None = None,
-    presolve: bool = True,
-) -> _MilpResult:
-    """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l sits
-    in chunk >= c (c = 1..C-1): a staircase, non-decreasing in l, rising by at most one per layer, so every chunk
-    is non-empty and contiguous. With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs
-    S_c - S_{c+1}. Chunk c runs on rank ``place[c]``. A term of a chunk's first layer (start[c, i]) or last layer
-    (end[c, j-1]) is linear in u too: layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and starts chunk
-    c >= 1 iff u[l, c] - u[l-1, c] = 1. ``time_end`` is a chunk's boundary time at its last layer, already times
-    its rank's speed. With ``live``, ``memory`` holds the static bytes only and each rank gets one memory row per
-    live-count vector (its chunks' static bytes + sum_c count_c x activation bytes of chunk c): the exact
-    activation peak, not a bound."""
-    L = costs.size
-    C = p * v
-    nc = C - 1
-    nu = L * nc
-    z = nu  # the objective variable: bottleneck (time) or peak rank memory (memory)
-    ls, cs = np.meshgrid(np.arange(L), np.arange(1, C), indexing="ij")
-
-    def var(layer: IntArray, chunk: IntArray) -> IntArray:
-        return layer * nc + (chunk - 1)
-
-    lb = np.zeros(nu + 1)
-    ub = np.ones(nu + 1)
-    ub[var(ls, cs)[ls < cs]] = 0.0  # layer l is in chunk <= l
-    lb[var(ls, cs)[cs <= ls - (L - C)]] = 1.0  # ... and in chunk >= C - L + l
-    rows: list[IntArray] = []
-    cols: list[IntArray] = []
-    vals: list[FloatArray] = []
-    row_lo: list[float] = []
-    row_hi: list[float] = []
-    n_rows = 0
-
-    def add(r: IntArray, cidx: IntArray, val: FloatArray) -> None:
-        rows.append(r)
-        cols.append(cidx)
-        vals.append(val)
-
-    # u[l, c] >= u[l-1, c]
-    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(1, C), indexing="ij")
-    ll, cc = ll2.ravel(), cc2.ravel()
-    r = n_rows + np.arange(ll.size)
-    add(r, var(ll, cc), np.ones(ll.size))
-    add(r, var(ll - 1, cc), -np.ones(ll.size))
-    row_lo += [0.0] * ll.size
-    row_hi += [_INF] * ll.size
-    n_rows += ll.size
-    # u[l, c] <= u[l-1, c-1]
-    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(2, C), indexing="ij")
-    ll, cc = ll2.ravel(), cc2.ravel()
-    r = n_rows + np.arange(ll.size)
-    add(r, var(ll - 1, cc - 1), np.ones(ll.size))
-    add(r, var(ll, cc), -np.ones(ll.size))
-    row_lo += [0.0] * ll.size
-    row_hi += [_INF] * ll.size
-    n_rows += ll.size
-
-    layers = np.arange(L)
-
-    def add_rank_rows(weights: FloatArray, rhs: FloatArray, z_coef: FloatArray, start: FloatArray | None = None,
-                      end: FloatArray | None = None, ranks: Sequence[int] | None = None) -> None:
-        """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the end
-        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or ``ranks``."""
-        nonlocal n_rows
-        for rank in range(p) if ranks is None else ranks:
-            const = 0.0
-            for chunk in (c for c in range(C) if place[c] == rank):
-                # + sum_l weights[chunk, l] * u[l, chunk]   (u[., 0] = 1)
-                if chunk == 0:
-                    const += float(weights[0].sum())
-                else:
-                    add(np.full(L, n_rows), var(layers, np.full(L, chunk)), weights[chunk])
-                # - sum_l weights[chunk, l] * u[l, chunk+1]   (u[., C] = 0)
-                if chunk + 1 <= C - 1:
-                    add(np.full(L, n_rows), var(layers, np.full(L, chunk + 1)), -weights[chunk])
-                if start is not None:  # sum_{l>=1} start[chunk, l] * (u[l, chunk] - u[l-1, chunk])
-                    if chunk == 0:
-                        const += float(start[0, 0])
-                    else:
-                        coef = np.zeros(L)
-                        coef[1:] += start[chunk, 1:]
-                        coef[:-1] -= start[chunk, 1:]
-                        add(np.full(L, n_rows), var(layers, np.full(L, chunk)), coef)
-                if end is not None:  # sum_{l<=L-2} end[chunk, l] * (u[l+1, chunk+1] - u[l, chunk+1])
-                    if chunk == C - 1:
-                        const += float(end[C - 1, L - 1])
-                    else:
-                        coef = np.zeros(L)
-                        coef[1:] += end[chunk, :-1]
-                        coef[:-1] -= end[chunk, :-1]
-                        add(np.full(L, n_rows), var(layers, np.full(L, chunk + 1)), coef)
-            add(np.array([n_rows]), np.array([z]), np.array([z_coef[rank]]))
-            row_lo.append(-_INF)
-            row_hi.append(float(rhs[rank]) - const)
-            n_rows += 1
-
-    time_scale = lower if lower > 0 else 1.0
-    mem_scale = 1.0
-    if memory is not None:
-        whole = memory if live is None else memory + live.upper_activations
-        mem_scale = max(float(whole.sum(axis=1).max()) / p, 1e-300)
-    ms = None if mem_start is None else mem_start / mem_scale
-    me = None if mem_end is None else mem_end / mem_scale
-
-    def add_memory_rows(rhs: FloatArray, z_coef: FloatArray) -> None:
-        assert memory is not None
-        if live is None:
-            add_rank_rows(memory / mem_scale, rhs, z_coef, ms, me)
-            return
-        for rank, vectors in enumerate(live.counts):
-            for counts in vectors:
-                rows_k = (memory + counts[:, None] * live.activation_bytes[None, :]) / mem_scale
-                add_rank_rows(rows_k, rhs, z_coef, ms, me, ranks=[rank])
-    if objective == "time":
-        add_rank_rows(np.broadcast_to(costs / time_scale, (C, L)), np.zeros(p), -speeds,
-                      end=None if time_end is None else time_end / time_scale)
-        if memory is not None and limits is not None:
-            finite = np.where(np.isfinite(limits), limits / mem_scale, 1e300)
-            add_memory_rows(finite, np.zeros(p))
-        lb[z] = lower / time_scale
-        ub[z] = upper / time_scale * (1 + 1e-9) if math.isfinite(upper) else _INF
-        scale = time_scale
-    else:
-        assert memory is not None
-        add_memory_rows(np.zeros(p), -np.ones(p))
-        lb[z] = 0.0
-        ub[z] = _INF
-        scale = mem_scale
-    a = sparse.csr_array(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_rows, nu + 1)
-    )
-    objective_vec = np.zeros(nu + 1)
-    objective_vec[z] = 1.0
-    integrality = np.ones(nu + 1)
-    integrality[z] = 0
-
-    def highs(use_presolve: bool, seconds: float) -> Any:
-        try:
-            return milp(use_presolve, seconds)
-        except (ValueError, RuntimeError) as exc:  # HiGHS can raise (vector::reserve): an error like status 4
-            return optimize.OptimizeResult(status=_HIGHS_SOLVE_ERROR, x=None, message=str(exc))
-
-    def milp(use_presolve: bool, seconds: float) -> Any:
-        with warnings.catch_warnings():
-            # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return optimize.milp(
-                objective_vec,
-                integrality=integrality,
-                bounds=optimize.Bounds(lb, ub),
-                constraints=optimize.LinearConstraint(a, np.asarray(row_lo), np.asarray(row_hi)),
-                options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9, "presolve": use_presolve},
-            )
-
-    def split_of(result: Any) -> list[int] | None:
-        if result.x is None:
-            return None
-        u = np.rint(result.x[:nu]).reshape(L, nc)
-        cand = [0, *(L - u.sum(axis=0)).astype(np.int64).tolist(), L]
-        return cand if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)) else None
-
-    began = time.perf_counter()
-    res = highs(bool(presolve), float(time_limit_s))
-    unchecked = None
-    if presolve:
-        took = time.perf_counter() - began
-        left = float(time_limit_s) - took
-        if res.status == _HIGHS_SOLVE_ERROR and left > 0:
-            # HiGHS (scipy 1.17.1) can end in "Solve error" after its presolve (or raise), with no split and no
-            # bound, where the same model solves without it: 2 of 51,844 random instances (3 ranks x 2 chunks,
-            # 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's upper bound:
-            # optimal 14). The plan had fallen back to the unproven heuristic split. So it is solved again without.
-            res = highs(False, left)
-        elif res.status == 0 and res.x is not None and left > 0 and res.x[z] * (1 - _VERIFY) > lb[z]:
-            # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs, 5.6
-            # where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34 B). So a
-            # proof with presolve is checked without it: is there a split better by more than _VERIFY? None
-            # (infeasible, or no answer in its time): the split stands. One: it is returned, and the claimed split
-            # beside it (``unchecked``), for the caller to keep the better by its exact figures. The check gets at
-            # most what the proof took (at least _CHECK_MIN_S), so a plan takes at most about twice as long.
-            claimed = ub[z]
-            ub[z] = res.x[z] * (1 - _VERIFY)
-            check = highs(False, min(left, max(took, _CHECK_MIN_S)))
-            ub[z] = claimed
-            if split_of(check) is not None:
-                unchecked, res = split_of(res), check
-    dual = res.get("mip_dual_bound")
-    dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -_INF
-    bounds = split_of(res)
-    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1,
-                       unchecked)
 
 
 def _chunk_values(rows: FloatArray, start: FloatArray | None, end: FloatArray | None, bounds: list[int]) -> FloatArray:
@@ -334,7 +86,7 @@ def _rank_memory(memory: FloatArray, bounds: list[int], place: list[int], p: int
     return _per_rank(_chunk_values(memory, start, end, bounds), place, p)
 
 
-def _exact_rank_memory(static: FloatArray, live: _Live | None, bounds: list[int], place: list[int], p: int,
+def _exact_rank_memory(static: FloatArray, live: LiveActivations | None, bounds: list[int], place: list[int], p: int,
                        start: FloatArray | None, end: FloatArray | None) -> FloatArray:
     """Each rank's memory: its chunks' (static) bytes, plus its exact activation peak with ``live``."""
     out = _rank_memory(static, bounds, place, p, start, end)
@@ -360,7 +112,7 @@ def solve_interleaved(
     """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``placement[c]`` (default ``c % p``,
     torch's looped schedules; ZBVZeroBubble's V is ``0..p-1, p-1..0``), minimising the largest rank load (the
     summed cost of a rank's chunks divided by its speed, plus each chunk's ``boundary_costs[j-1]`` after its last
-    layer j-1, the last chunk's excepted, not divided: as :func:`stageplan.solver.solve` charges them).
+    layer j-1, the last chunk's excepted, not divided: as :func:`stageplan.planning.solver.solve` charges them).
 
     ``memory_bytes`` is ``(L,)`` or ``(p*v, L)`` (one row per chunk); a chunk's memory adds
     ``memory_start_bytes[c, i]`` of its first layer i and ``memory_end_bytes[c, j-1]`` of its last; a rank's
@@ -382,22 +134,22 @@ def solve_interleaved(
     >>> solve_interleaved([2, 8, 1, 6, 1, 3], 2, 2, placement=[0, 1, 1, 0]).boundaries  # a V: ranks 12 and 9
     (0, 1, 2, 3, 6)
     """
-    c = _validate_costs(costs)
+    c = validate_costs(costs)
     L = c.size
-    p = _validate_count("num_ranks", num_ranks, "pipeline ranks")
-    v = _validate_count("virtual_stages", virtual_stages, "virtual stages per rank")
+    p = validate_count("num_ranks", num_ranks, "pipeline ranks")
+    v = validate_count("virtual_stages", virtual_stages, "virtual stages per rank")
     C = p * v
     if L < C:
         raise StageplanError(
             f"interleaved needs at least p*v = {C} layers, the profile has {L}; "
             "lower virtual_stages or profile at a finer granularity"
         )
-    speeds = _validate_speeds("rank_speeds", rank_speeds, p, "rank")
+    speeds = validate_speeds("rank_speeds", rank_speeds, p, "rank")
     place = [c_ % p for c_ in range(C)] if placement is None else [int(r) for r in placement]
     if len(place) != C or sorted(place) != sorted(list(range(p)) * v):
         raise StageplanError(f"placement must give each of the {C} chunks a rank, every rank {v} chunks; got "
                              f"{list(placement or [])}")
-    bc = None if boundary_costs is None else _validate_rows("boundary_costs", boundary_costs, C, L, "chunk")
+    bc = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, C, L, "chunk")
     memory = limits = start = end = None
     if memory_bytes is None:
         if memory_limit_bytes is not None:
@@ -406,13 +158,13 @@ def solve_interleaved(
                 f"(shape ({L},) or ({C}, {L})) or drop memory_limit_bytes"
             )
     else:
-        memory = _validate_rows("memory_bytes", memory_bytes, C, L, "chunk")
+        memory = validate_rows("memory_bytes", memory_bytes, C, L, "chunk")
         if memory_start_bytes is not None:
-            start = _validate_rows("memory_start_bytes", memory_start_bytes, C, L, "chunk")
+            start = validate_rows("memory_start_bytes", memory_start_bytes, C, L, "chunk")
         if memory_end_bytes is not None:
-            end = _validate_rows("memory_end_bytes", memory_end_bytes, C, L, "chunk")
+            end = validate_rows("memory_end_bytes", memory_end_bytes, C, L, "chunk")
         if memory_limit_bytes is not None:
-            limits = _validate_limits(memory_limit_bytes, p, "rank")
+            limits = validate_limits(memory_limit_bytes, p, "rank")
     live = _validate_live(activation_bytes, live_counts, memory is not None, place, L)
     if (
         isinstance(time_limit_s, bool)
@@ -445,7 +197,7 @@ def solve_interleaved(
 
 
 def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Sequence[Sequence[int]]] | None,
-                   has_memory: bool, place: list[int], L: int) -> _Live | None:
+                   has_memory: bool, place: list[int], L: int) -> LiveActivations | None:
     if activation_bytes is None and live_counts is None:
         return None
     if activation_bytes is None or live_counts is None or not has_memory:
@@ -453,7 +205,7 @@ def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Seq
             "activation_bytes and live_counts go together, with memory_bytes holding the static bytes (pass zeros "
             "for none); pass all three, or fold the activations into memory_bytes and pass neither")
     C, p = len(place), max(place) + 1
-    act = _validate_rows("activation_bytes", activation_bytes, 1, L, "chunk")[0]
+    act = validate_rows("activation_bytes", activation_bytes, 1, L, "chunk")[0]
     if len(live_counts) != p:
         raise StageplanError(f"live_counts needs one list of count vectors per rank ({p}), got {len(live_counts)}; "
                              "pass ScheduleShape.live_counts")
@@ -468,7 +220,7 @@ def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Seq
             raise StageplanError(f"live_counts[{r}] counts chunks {off}, which run on other ranks; a rank counts "
                                  "only its own chunks (0 elsewhere)")
         counts.append(k)
-    return _Live(act, tuple(counts))
+    return LiveActivations(act, tuple(counts))
 
 
 def _solve_interleaved_milp(
@@ -484,7 +236,7 @@ def _solve_interleaved_milp(
     bc: FloatArray | None,
     start: FloatArray | None,
     end: FloatArray | None,
-    live: _Live | None = None,
+    live: LiveActivations | None = None,
 ) -> InterleavedSolution:
     L = c.size
     C = p * v
@@ -514,7 +266,7 @@ def _solve_interleaved_milp(
                 if list(sol.boundaries) not in starts:
                     starts.append(list(sol.boundaries))
     heur: list[int] = []
-    upper = _INF
+    upper = INF
     time_rows = np.broadcast_to(c, (C, L))
     slides = None
     if static is not None and limits is not None:
@@ -540,7 +292,7 @@ def _solve_interleaved_milp(
             heur, upper = quick, bottleneck_of(quick)
     heur_ok = bool(heur)
 
-    result = _interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
+    result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
                                start, end, live)
     if result.infeasible and not heur_ok:
         _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
@@ -583,7 +335,7 @@ def _solve_interleaved_milp(
 _SHARE_BLENDS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def _memory_starts(static: FloatArray, live: _Live | None, upper: FloatArray, place: list[int],
+def _memory_starts(static: FloatArray, live: LiveActivations | None, upper: FloatArray, place: list[int],
                    p: int) -> list[tuple[FloatArray, FloatArray]]:
     """Per-chunk memory rows and each chunk's share of its rank's limit, for contiguous solves that seed the
     incumbent: rows that bound each chunk by its own peak (their sum over a rank bounds the rank), or with live
@@ -620,7 +372,7 @@ def _improve_interleaved(
     v_end: FloatArray | None,
     g_start: FloatArray | None,
     g_end: FloatArray | None,
-    g_live: _Live | None = None,
+    g_live: LiveActivations | None = None,
 ) -> list[int]:
     """Local search over chunk boundaries: move one layer across a boundary whenever that lowers the
     larger load of the ranks involved (rank load = sum of its chunks' values, each chunk's first-layer start
@@ -728,7 +480,7 @@ class _Slides:
     150 GiB limit, where slides carry the layer on to a rank with room. Splits are scored in bulk by the exact
     rank memory (static bytes plus, with ``live``, each rank's activation peak) and the rank loads."""
 
-    def __init__(self, static: FloatArray, live: _Live | None, start: FloatArray | None, end: FloatArray | None,
+    def __init__(self, static: FloatArray, live: LiveActivations | None, start: FloatArray | None, end: FloatArray | None,
                  limits: FloatArray, costs: FloatArray, speeds: FloatArray, time_end: FloatArray | None,
                  place: list[int], p: int, seconds: float) -> None:
         C, L = static.shape
@@ -834,14 +586,14 @@ class _Slides:
 
 def _raise_interleaved_infeasible(
     c: FloatArray, p: int, v: int, memory: FloatArray | None, limits: FloatArray | None, time_limit_s: float,
-    place: list[int], start: FloatArray | None, end: FloatArray | None, live: _Live | None = None,
+    place: list[int], start: FloatArray | None, end: FloatArray | None, live: LiveActivations | None = None,
 ) -> NoReturn:
     assert memory is not None and limits is not None
     L = c.size
     needed: float | None = None
-    # HiGHS's proof with presolve is checked without it (_interleaved_milp): with it alone, HiGHS (scipy 1.17.1)
+    # HiGHS's proof with presolve is checked without it (interleaved_milp): with it alone, HiGHS (scipy 1.17.1)
     # called a split 1 B above the optimum optimal on a 7-layer ZBV instance (35 B against 34 B)
-    res = _interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", _INF, 0.0, time_limit_s, place, None,
+    res = interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", INF, 0.0, time_limit_s, place, None,
                             start, end, live)
     if res.optimal and res.bounds:
         needed = min(float(_exact_rank_memory(memory, live, found, place, p, start, end).max())

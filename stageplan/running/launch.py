@@ -5,7 +5,7 @@ on CUDA with one GPU per rank) and watch them: if any rank fails or is killed, e
 the failure is reported with the rank and its log. Every run has a timeout. Under torchrun each process runs
 :func:`torchrun_main` itself, taking rank and world size from the environment.
 
-Ranks normally start as fresh interpreters (``python -m stageplan.launch``) that load the workload from a
+Ranks normally start as fresh interpreters (``python -m stageplan.running.launch``) that load the workload from a
 payload file. A workload whose model or loss is defined in the caller's script or notebook (``__main__``)
 cannot be unpickled there, so those ranks are forked instead: a forked rank sees the caller's definitions.
 """
@@ -33,8 +33,10 @@ import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan.errors import RunError, StageplanError, WorkloadError
-from stageplan.executor import comm_slice_ns, link_main, worker_main
-from stageplan.link import load_link, save_link
+from stageplan.formats.link import load_link, save_link
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import Profile, merge_profiles
+from stageplan.formats.runreport import RunReport
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -44,10 +46,8 @@ from stageplan.materialize import (
     save_checkpoint,
     save_tensors,
 )
-from stageplan.plan import Plan
-from stageplan.profile import Profile, merge_profiles
-from stageplan.runreport import RunReport
-from stageplan.stages import DEFAULT_LR, OPTIMIZERS, validate
+from stageplan.running.executor import comm_slice_ns, link_main, worker_main
+from stageplan.running.stages import DEFAULT_LR, OPTIMIZERS, validate
 from stageplan.units import format_bytes
 from stageplan.workload import Workload, default_microbatch_size
 
@@ -85,7 +85,7 @@ def run(
     safetensors file, an HF folder or a state dict), else from the user's factory built once here and saved,
     else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
     naming the rank and its log file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each
-    CPU rank runs on its own block of this machine's CPUs (:func:`stageplan.executor.pin_rank_cpus`; skipped where
+    CPU rank runs on its own block of this machine's CPUs (:func:`stageplan.running.executor.pin_rank_cpus`; skipped where
     there are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran. With
     ``retime`` (the default) each rank ends by timing its layers alone, as the profiler does (the ranks in turns),
     which splits each rank's ``compute_ratio`` into ``machine_ratio`` x ``pipeline_ratio``; a later rank first runs
@@ -170,8 +170,8 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
                          microbatch_size: int | None = None, timeout_s: float = 1800.0, progress: bool = False,
                          **profile_options: Any) -> Profile:
     """Profile the model spec ``model`` ``processes`` times, each in a fresh process, one after the other (so they
-    never share the cores), and merge them (:func:`stageplan.profile.merge_profiles`: per layer, the median of each
-    time). ``profile_options`` are :func:`stageplan.profiler.profile_model`'s (device, dtype, warmup, repeats,
+    never share the cores), and merge them (:func:`stageplan.formats.profile.merge_profiles`: per layer, the median of each
+    time). ``profile_options`` are :func:`stageplan.profiling.profiler.profile_model`'s (device, dtype, warmup, repeats,
     layers, streaming, dedup). Each process is watched as a run's ranks are: ``timeout_s`` bounds each one, and
     a failure or a timeout ends it and raises :class:`stageplan.RunError` with its error line.
     """
@@ -179,12 +179,12 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
         raise StageplanError(f"processes must be an integer >= 1, got {processes!r}; e.g. --processes 3")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 600")
-    from stageplan.profiler import is_estimate_device
+    from stageplan.profiling.profiler import is_estimate_device
 
     if is_estimate_device(str(profile_options.get("device", "cpu"))):
         raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device measures "
                              "nothing (an estimate comes out the same every time); drop --processes")
-    from stageplan.profiler import check_order
+    from stageplan.timing import check_order
 
     # the one process would refuse these as profile does: refused here, at once
     check_order(profile_options.get("order"), profile_options.get("streaming"))
@@ -193,7 +193,7 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
             raise StageplanError(f"{name} ({profile_options[name]}) applies to estimates only; use it with --device "
                                  "estimate:GPU (e.g. estimate:h100-sxm), or drop it when measuring")
     from stageplan.measure import check_microbatch_size
-    from stageplan.profiler import build_workload_for_profile
+    from stageplan.profiling.profiler import build_workload_for_profile
 
     # built here once (on meta where it would not fit), so that a wrong spec, option or microbatch size is refused
     # at once rather than in the first process
@@ -218,7 +218,7 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
 
 def _profile_task(run_dir: str, payload: dict[str, Any]) -> None:
     """One process of :func:`profile_in_processes`: build, profile, write run_dir/profile.json."""
-    from stageplan.profiler import build_workload_for_profile, profile_model
+    from stageplan.profiling.profiler import build_workload_for_profile, profile_model
 
     options = dict(payload["options"])
     workload = build_workload_for_profile(payload["model"], payload["factory_options"],
@@ -545,7 +545,7 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
             else:
                 with open(logs[r], "wb") as log:
                     procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "stageplan.launch", str(run_dir), str(r), str(world)],
+                        [sys.executable, "-m", "stageplan.running.launch", str(run_dir), str(r), str(world)],
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env_r},
                         start_new_session=True,
                     ))

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from stageplan.errors import StageplanError
+from stageplan.formats.plan import Plan
+from stageplan.formats.schedule import check_microbatches
 from stageplan.layers import CutModel, cut_layers, cut_stages, retarget_devices, used_parameters
 from stageplan.materialize import (
     Checkpoint,
@@ -25,8 +27,6 @@ from stageplan.materialize import (
     real_parameters,
 )
 from stageplan.measure import microbatch, microbatch_size_for
-from stageplan.plan import Plan
-from stageplan.schedules import check_microbatches
 from stageplan.workload import Workload
 
 

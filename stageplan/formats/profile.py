@@ -104,7 +104,7 @@ def _check_meta(meta: dict[str, Any], source: str) -> None:
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             raise SchemaError(f"{source}: meta {key} = {meta[key]!r}; it must be an object; re-profile the model")
     if isinstance(meta.get("calibration"), dict):
-        from stageplan.link import check_allreduce
+        from stageplan.formats.link import check_allreduce
 
         check_allreduce(meta["calibration"], f"{source}: meta calibration", "calibrate the raw profile again")
 

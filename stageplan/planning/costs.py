@@ -8,26 +8,21 @@ per-stage evidence both sum them), the in-flight counts in ``schedules.schedule_
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from stageplan.errors import StageplanError
-from stageplan.plan import StagePlan
-from stageplan.profile import Profile
-from stageplan.schedules import (
-    _WEIGHT_GRAD_SHARE,
-    Action,
-    ScheduleShape,
-    normalize_schedule,
-    one_way_delays,
-    schedule_shape,
-    simulate_shape,
-)
-from stageplan.solver import lower_bound
+from stageplan.formats.plan import StagePlan
+from stageplan.formats.profile import Profile
+from stageplan.formats.schedule import normalize_schedule
+from stageplan.planning.schedules import ScheduleShape, one_way_delays, schedule_shape, simulate_shape
+from stageplan.planning.solver import lower_bound
 from stageplan.units import format_bytes
 
 # Optimizer state held per parameter byte (states kept in the parameters' dtype):
@@ -201,7 +196,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
             raise StageplanError(f"{what} must be >= 0 seconds, got {value!r}; measure the link again "
                                  "(stageplan link -o LINK.json)")
-    from stageplan.link import check_allreduce
+    from stageplan.formats.link import check_allreduce
 
     check_allreduce({"allreduce_latency_s": allreduce_latency_s,
                      "allreduce_bandwidth_bytes_per_s": allreduce_bandwidth_bytes_per_s}, "the cost options",
@@ -280,7 +275,7 @@ def optimizer_floor(arr: LayerArrays, opts: CostOptions) -> float:
     return float(arr.optimizer_floor_s.get(opts.optimizer, 0.0))
 
 
-def _trained(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
+def trained_mask(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     """Per layer, 1.0 where its optimizer step was measured above 0 (it has parameters to step)."""
     times = arr.optimizer_s.get(opts.optimizer)
     if times is None or opts.optimizer == "none":
@@ -421,7 +416,7 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
 
 
 def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
-    """Arrays for stageplan.solver: per-stage time rows, boundary costs and memory rows.
+    """Arrays for stageplan.planning.solver: per-stage time rows, boundary costs and memory rows.
 
     Stage time over layers [i, j) = sum(layer_time) / speed + 2 * comm_time[j-1] (charged to that stage).
     Stage memory = the sum of ``memory_terms`` (rows, start and end terms added kind by kind). Without
@@ -480,7 +475,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
 
     Example (no torch needed)::
 
-        >>> from stageplan.profile import LayerProfile, Profile
+        >>> from stageplan.formats.profile import LayerProfile, Profile
         >>> prof = Profile(tuple(LayerProfile(f"l{i}", t, 2 * t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4])))
         >>> ev = evaluate(LayerArrays.of(prof), (0, 3, 4), make_options(prof, 2, num_microbatches=2, optimizer="sgd"))
         >>> ev.rank_time_s, ev.bottleneck_s, ev.lower_bound_s
@@ -491,7 +486,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     fl, ranks = shape.peak_inflight, shape.stage_ranks
     comm = comm_time(arr, opts)
     opt_time = optimizer_time(arr, opts)
-    floor, trained = optimizer_floor(arr, opts), _trained(arr, opts)
+    floor, trained = optimizer_floor(arr, opts), trained_mask(arr, opts)
     terms = memory_terms(arr, opts)
     L = len(arr.forward_s)
     p = opts.num_ranks
@@ -587,277 +582,79 @@ def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], sha
     return tuple(float(x) for x in shape.activation_peaks(acts))
 
 
-# ------------------------------------------------------------------------------------------------------
-# Many splits at once: the searches that try hundreds of splits (the planner's tie-break) price them here.
+# What every chunk pays whatever its layers, as the link's schedule probe measures it (link.schedule_overheads):
+# torch's loop around each forward and backward, and PipelineStage's own code inside them. CostOptions fields.
+OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
+# The all-reduce the link probe timed (link.allreduce_probe), as the ring model's constants: CostOptions fields,
+# None where the link did not time it (then the tied sync is priced from the point-to-point link)
+COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
 
 
-class SplitCosts:
-    """Stage times, stage memory and the simulated step of many splits at once, from prefix sums of the same
-    terms ``evaluate`` sums (equal to its figures up to rounding; ``evaluate`` stays the reference for one split).
+def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration: Mapping[str, Any]
+                   ) -> tuple[float, float, str, str, float, dict[str, Any]]:
+    """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
+    latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the probe
+    did not time them: links measured before it, a single rank, CUDA) with the all-reduce's constants
+    (:data:`COLLECTIVE`, None where the probe did not time it), from a LINK.json or its dict.
 
-    ``stage(s, i, j)`` broadcasts chunk indices and layer ranges ``[i, j)``; ``steps(bounds)`` simulates every
-    row of an (N, S+1) array of boundaries in one pass over the schedule's dependency levels.
-    """
+    For a profile calibrated from a run (``calibration``, its ``meta["calibration"]``), the link prices the
+    boundaries (its bandwidth and crossing delay replace the fitted one), but the chunk overheads stay the run's,
+    since its layers were calibrated net of them (another probe's would move every rank's compute off what the run
+    measured), and so does the tied all-reduce where calibrate scaled it to the sum the run took
+    (``tied_sync_ratio``): the sum inside the pipeline held steadier than the probe's (README, Limitations)."""
+    from stageplan.formats.link import crossing_s, load_link
 
-    def __init__(self, arr: LayerArrays, opts: CostOptions) -> None:
-        S, L = opts.num_chunks, len(arr.forward_s)
-        self.arr, self.opts, self.num_layers = arr, opts, L
-        self.fwd_prefix = np.concatenate([[0.0], np.cumsum(arr.forward_s)])
-        self.bwd_prefix = np.concatenate([[0.0], np.cumsum(arr.backward_s)])
-        self.opt_prefix = np.concatenate([[0.0], np.cumsum(optimizer_time(arr, opts))])
-        self.trained_prefix = np.concatenate([[0.0], np.cumsum(_trained(arr, opts))])
-        self.opt_floor = optimizer_floor(arr, opts)
-        self.comm = comm_time(arr, opts)  # one way, per boundary after each layer
-        self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
-        by_kind = memory_terms(arr, opts)
-        terms = list(by_kind.values())
-        # interleaved ranks without recomputation: a rank's activations peak over its own order (live_counts), not
-        # at the sum of its chunks' peaks, so the activations are kept apart from the chunks' other bytes
-        self.exact_peak = opts.virtual_stages > 1 and not opts.recompute
-        rows = sum(t.rows for k, t in by_kind.items() if not (self.exact_peak and k == "activations"))
-        self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(rows, axis=1)], axis=1)
-        self.act_prefix = np.concatenate([[0.0], np.cumsum(np.asarray(arr.activation_bytes, dtype=float))])
-        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None  # (K_r, S)
-        self.mem_start = sum((t.start for t in terms if t.start is not None), start=np.zeros((S, L)))
-        self.mem_end = sum((t.end for t in terms if t.end is not None), start=np.zeros(L))
-        self.rank_of = np.zeros((S, opts.num_ranks))  # chunk -> rank, one-hot
-        self.rank_of[np.arange(S), opts.shape.stage_ranks] = 1.0
-        self.limits = np.array([np.inf if d.memory_limit_bytes is None else d.memory_limit_bytes for d in opts.devices])
-
-    def stage(self, s: np.ndarray | int, i: np.ndarray | int, j: np.ndarray | int
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Forward, backward (each with the schedule's loop around it, ``action_s``), comm (both directions) seconds
-        and memory bytes of chunk s over layers [i, j):
-        the formulas of ``evaluate``, term by term. With :attr:`exact_peak` the memory leaves the activations out
-        (a rank adds its peak over its order: :meth:`rank_peaks`)."""
-        s, i, j = np.asarray(s), np.asarray(i), np.asarray(j)
-        f = (self.fwd_prefix[j] - self.fwd_prefix[i]) / self.speed[s]
-        b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
-        if self.opts.recompute:
-            b = b + f  # the forward runs again inside the backward
-        # PipelineStage's overhead inside the chunk, and each action's share of the schedule's loop around it, on
-        # its rank (evaluate: StagePlan.chunk_s and StagePlan.action_s)
-        f = f + self.opts.chunk_forward_s + self.opts.action_s
-        b = b + self.opts.chunk_backward_s + self.opts.action_s
-        c = np.where(j < self.num_layers, 2.0 * self.comm[j - 1], 0.0)
-        mem = self.mem_prefix[s, j] - self.mem_prefix[s, i] + self.mem_start[s, i] + self.mem_end[j - 1]
-        return f, b, c, mem
-
-    def split(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For each row of ``bounds`` (N, S+1): per-chunk forward, backward and comm seconds (N, S) and per-rank
-        memory bytes (N, p), as ``evaluate`` counts them: the sum of the rank's chunks, with an interleaved rank's
-        activations at their peak over its order."""
-        bounds = np.asarray(bounds)
-        f, b, c, mem = self.stage(np.arange(bounds.shape[1] - 1)[None, :], bounds[:, :-1], bounds[:, 1:])
-        return f, b, c, mem @ self.rank_of + self.rank_peaks(bounds)
-
-    def rank_peaks(self, bounds: np.ndarray) -> np.ndarray:
-        """Per rank (N, p), the activation bytes :meth:`stage` leaves out: with :attr:`exact_peak`, the largest
-        sum_c count_c x chunk c's saved bytes over the rank's live-count vectors (``ScheduleShape.live_counts``);
-        else 0."""
-        bounds = np.asarray(bounds)
-        if self.live is None:
-            return np.zeros((bounds.shape[0], self.opts.num_ranks))
-        return self.opts.shape.activation_peaks(self.act_prefix[bounds[:, 1:]] - self.act_prefix[bounds[:, :-1]])
-
-    def optimizer(self, bounds: np.ndarray) -> np.ndarray:
-        """Per-chunk seconds of one optimizer step (N, S) for each row of ``bounds`` (N, S+1), as ``evaluate``
-        counts it (the layers' optimizer times over the chunk's device speed)."""
-        bounds = np.asarray(bounds)
-        s = np.arange(bounds.shape[1] - 1)[None, :]
-        per_chunk = (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
-        if self.opt_floor > 0:  # the step's fixed cost, on each rank's first chunk where the rank steps anything
-            trained = self.trained_prefix[bounds[:, 1:]] - self.trained_prefix[bounds[:, :-1]]  # (N, S)
-            steps = (trained @ self.rank_of) > 0  # (N, p)
-            ranks = self.opts.shape.stage_ranks
-            firsts = [ranks.index(r) for r in range(self.opts.num_ranks)]
-            per_chunk[:, firsts] += steps * (self.opt_floor / self.speed[firsts])[None, :]
-        return per_chunk
-
-    def tied_sync(self, bounds: np.ndarray) -> np.ndarray:
-        """Seconds of the tied-gradient all-reduce (N,) for each row of ``bounds`` (N, S+1), as ``evaluate``
-        counts it (``tied_sync_time``)."""
-        return tied_sync_time(self.arr, np.asarray(bounds), self.opts)
-
-    def split_steps(self, bounds: np.ndarray, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """The simulated step of each split (row of ``bounds``) whose per-chunk times ``split`` gave, with its
-        optimizer steps and its tied-gradient all-reduce: ``evaluate(...).predicted_step_s`` of every row."""
-        return self.steps(f, b, c, self.optimizer(bounds), self.tied_sync(bounds))
-
-    def rank_time(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """Per-rank seconds per microbatch (N, p): the sum of its chunks' f + b + c, as ``evaluate`` counts it."""
-        return (f + b + c) @ self.rank_of
-
-    def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None,
-              t: np.ndarray | None = None) -> np.ndarray:
-        """The simulated step (seconds) of each row of per-chunk times (N, S), as ``evaluate`` simulates it
-        (``schedules.simulate_shape``: each action starts when its rank is free and its inputs have arrived, a
-        crossing no earlier than the receive is posted where the schedule posts it on demand;
-        where a row's tied-gradient all-reduce ``t`` (N,) is > 0, it starts once every rank has ended its last
-        action; then each rank's optimizer step ``o``, summed over its chunks)."""
-        shape = self.opts.shape
-        graph = _step_graph(shape)
-        n = f.shape[0]
-        share = _WEIGHT_GRAD_SHARE
-        duration = np.concatenate([f.T, b.T, (b * (1.0 - share)).T, (b * share).T, np.zeros((1, n))])
-        # one-way delay at each boundary k -> k+1 (schedules.one_way_delays), none between chunks of one rank
-        hop = c[:, :-1].T / 2.0 + self.opts.boundary_latency_s
-        hop = np.concatenate([hop * graph.crosses[:, None], np.zeros((1, n))])
-        A = graph.num_actions
-        end = np.zeros((A + 1, n))  # the last row stays 0: "no such predecessor"
-        arrived = np.zeros((A + 1, n))  # when an action's inputs are there (its receive's message, on demand)
-        on_demand = shape.receives_on_demand  # a transfer starts no earlier than its receive is posted
-        for posts, starts in graph.levels:
-            if len(posts):  # the receive's post (after the rank's previous action and the sends it waits first)
-                post = np.maximum(end[graph.prev[posts]], arrived[graph.pre[posts]])
-                h1, h2 = hop[graph.hop1[posts]], hop[graph.hop2[posts]]
-                if on_demand:  # at most one input crosses ranks; a local one has a 0 hop
-                    a1 = np.maximum(post, end[graph.dep1[posts]]) + h1
-                    a2 = np.maximum(post, end[graph.dep2[posts]]) + h2
-                else:
-                    a1 = np.maximum(post, end[graph.dep1[posts]] + h1)
-                    a2 = end[graph.dep2[posts]] + h2
-                arrived[posts] = np.maximum(a1, a2)
-            if len(starts):  # and the sends it waits for with that post
-                start = np.maximum(arrived[starts], arrived[graph.fused[starts]])
-                end[starts] = start + duration[graph.kind_stage[starts]]
-        if o is None and t is None:
-            return end[:-1].max(axis=0)
-        # a rank's last action ends last on that rank; the all-reduce (a collective: every rank starts it when the
-        # last one gets there) and then the rank's optimizer step follow (schedules.simulate_shape)
-        last = np.maximum(end[graph.last], arrived[graph.at_end])  # (p, N): step() returns once its sends are in
-        if t is not None:
-            last = np.where(t > 0, last.max(axis=0) + t, last)
-        finish = last if o is None else last + (o @ self.rank_of).T
-        return np.maximum(end[:-1].max(axis=0), finish.max(axis=0))
+    measured = load_link(link)
+    bw, latency_s = measured["bandwidth_bytes_per_s"], crossing_s(measured)
+    where = f" in {str(link)!r}" if not isinstance(link, Mapping) else ""
+    pairs = len(measured.get("pairs", []))
+    how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
+           f"pair{'' if pairs == 1 else 's'}){where}")
+    note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
+    calibrated_latency_s = float(calibration.get("boundary_latency_s", 0.0))
+    if calibrated_latency_s > 0:
+        note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
+    # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
+    kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
+    overheads: dict[str, Any] = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
+    if calibration:
+        overheads = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}
+        note += (f"; the chunk overheads stay the calibrating run's, which the calibrated layers are net of (torch's "
+                 f"loop {overheads['action_s'] * 1e3:.3f} ms per action, PipelineStage "
+                 f"{overheads['chunk_forward_s'] * 1e3:.3f} + {overheads['chunk_backward_s'] * 1e3:.3f} ms per chunk)")
+    else:
+        missing = [k for k in OVERHEADS if measured.get(k) is None]
+        if missing:
+            note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and PipelineStage "
+                     "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
+    kept = calibration.get("tied_sync_ratio") is not None and calibration.get("allreduce_bandwidth_bytes_per_s") is not None
+    source = calibration if kept else measured
+    overheads.update({k: source.get(k) for k in COLLECTIVE})
+    if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
+        p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
+        fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)
+        rate = overheads["allreduce_bandwidth_bytes_per_s"] * p / (2 * (p - 1))
+        whose = (f"as the calibrating run's last rank to reach the sum took it ({float(calibration['tied_sync_ratio']):.3f}x "
+                 "its price then), not from this link's probe" if kept else "from the link's own all-reduce")
+        note += (f"; a tied gradient's all-reduce is priced {whose} ({fixed * 1e3:.3f} ms + "
+                 f"bytes / {rate / 1e9:.3g} GB/s at {p} ranks, scaled as a ring to other rank counts)")
+    return bw, latency_s, f"{kind} {how}", note, measured["latency_s"], overheads
 
 
-@dataclass(frozen=True)
-class _StepGraph:
-    """A schedule's actions as a dependency graph. Per action: its rank's previous action (``prev``), its inputs
-    (``dep1``, ``dep2``) with the boundary each crosses (``hop1``, ``hop2``), its row in the duration table
-    (``kind_stage``), and in torch's single-stage loops the sends the rank waits for before posting the action's
-    receive (``pre``) and with it (``fused``), each named by the action consuming the last of them, whose input's
-    arrival is the send's completion (``ScheduleShape.send_waits``); ``at_end`` per rank, the same after its last action.
-    Absent entries point at a zero row. ``levels``: each action's post (its inputs' arrival) and start are two
-    nodes, grouped into levels of mutually independent nodes, as (posts, starts) action ids."""
+def estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
+    """The documented default for a profile estimated for a GPU: its link within a node from gpus.json (NVLink
+    or xGMI, one way to one peer), and the note naming the figure, its source and the link across nodes."""
+    from importlib import resources
 
-    num_actions: int
-    levels: tuple[tuple[np.ndarray, np.ndarray], ...]
-    prev: np.ndarray
-    dep1: np.ndarray
-    hop1: np.ndarray
-    dep2: np.ndarray
-    hop2: np.ndarray
-    kind_stage: np.ndarray
-    crosses: np.ndarray  # per boundary k -> k+1: 1.0 when chunks k and k+1 run on different ranks
-    last: np.ndarray  # per rank, its last action
-    pre: np.ndarray
-    fused: np.ndarray
-    at_end: np.ndarray  # per rank
-
-
-_STEP_GRAPHS: dict[tuple[str, int, int, int], _StepGraph] = {}
-
-
-def _step_graph(shape: ScheduleShape) -> _StepGraph:
-    """The step's dependency graph for a shape, built once per (schedule, p, m, v) from the shape the plan holds."""
-    key = (shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages)
-    if key not in _STEP_GRAPHS:
-        if len(_STEP_GRAPHS) >= 32:
-            _STEP_GRAPHS.pop(next(iter(_STEP_GRAPHS)))
-        _STEP_GRAPHS[key] = _build_step_graph(shape)
-    return _STEP_GRAPHS[key]
-
-
-def _longest_path_levels(deps: np.ndarray) -> np.ndarray | None:
-    """Each node's longest-path level in a DAG: 0 for a node whose dependencies are all "none", else one more than
-    its deepest dependency. ``deps[:, n]`` are node n's dependencies, N (the number of nodes) standing for none.
-    One pass in topological order (Kahn's), linear in the edges; None where the graph has a cycle."""
-    n = deps.shape[1]
-    rows, child = np.nonzero(deps < n)  # an edge parent -> child for each real dependency
-    parent = deps[rows, child]
-    indegree = np.bincount(child, minlength=n)
-    order = np.argsort(parent, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(parent, minlength=n))])
-    children = child[order].tolist()
-    first, left = starts.tolist(), indegree.tolist()
-    level = [0] * n
-    ready = [v for v in range(n) if left[v] == 0]
-    done = 0
-    while ready:
-        v = ready.pop()
-        done += 1
-        lv = level[v] + 1
-        for c in children[first[v]:first[v + 1]]:
-            if level[c] < lv:
-                level[c] = lv
-            left[c] -= 1
-            if left[c] == 0:
-                ready.append(c)
-    return np.array(level, dtype=np.int64) if done == n else None
-
-
-def _group_by(values: np.ndarray, n: int) -> list[np.ndarray]:
-    """``[np.flatnonzero(values == k) for k in range(n)]``, in one sort rather than n scans."""
-    order = np.argsort(values, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(values, minlength=n))[:-1])
-
-
-def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
-    m = shape.num_microbatches
-    S = shape.num_chunks
-    kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
-    table = np.array([(kinds[a.kind], a.stage, a.microbatch, t) for order in shape.orders for t, a in enumerate(order)],
-                     dtype=np.int64).reshape(-1, 4)
-    kind, stage, mb, pos = table.T
-    A = len(table)
-    ident = np.full((4, S, m), A)  # (kind, chunk, microbatch) -> action, A where the schedule has no such action
-    ident[kind, stage, mb] = np.arange(A)
-    grad = np.where(ident[1] < A, ident[1], ident[2])  # the action sending the input gradient: B, or I
-    none_hop = S - 1  # the zero row of the hop table
-    prev = np.where(pos > 0, np.arange(A) - 1, A)
-    dep1, hop1 = np.full(A, A), np.full(A, none_hop)
-    dep2, hop2 = np.full(A, A), np.full(A, none_hop)
-    fwd = (kind == 0) & (stage > 0)  # the forward of the chunk before, across boundary k-1
-    dep1[fwd], hop1[fwd] = ident[0, stage[fwd] - 1, mb[fwd]], stage[fwd] - 1
-    w = kind == 3  # the input gradient of the same chunk
-    dep1[w] = grad[stage[w], mb[w]]
-    back = (kind == 1) | (kind == 2)  # its own forward, and the gradient from the chunk after
-    dep1[back] = ident[0, stage[back], mb[back]]
-    nxt = back & (stage < S - 1)
-    dep2[nxt], hop2[nxt] = grad[stage[nxt] + 1, mb[nxt]], stage[nxt]
-    # the sends torch's single-stage loops wait for, each by the action consuming the last of them
-    pre, fused, at_end = np.full(A, A), np.full(A, A), np.full(shape.num_ranks, A)
-    waits = shape.send_waits
-    if waits is not None:
-        def consumer(sends: tuple[Action, ...]) -> int:
-            return int(ident[kinds[sends[-1].kind], sends[-1].stage, sends[-1].microbatch]) if sends else A
-
-        first = np.cumsum([0] + [len(o) for o in shape.orders])
-        for r, w in enumerate(waits):
-            for t in range(len(shape.orders[r])):
-                pre[first[r] + t], fused[first[r] + t] = consumer(w.before_post[t]), consumer(w.with_post[t])
-            at_end[r] = consumer(w.at_end)
-    # longest-path level of each node (the orders are deadlock-free, so the graph is acyclic): node a is action a's
-    # post, node A + a its start, node 2A "none"; nodes of one level are independent
-    none = 2 * A
-
-    def start_node(ids: np.ndarray) -> np.ndarray:
-        return np.where(ids < A, A + ids, none)
-
-    def post_node(ids: np.ndarray) -> np.ndarray:
-        return np.where(ids < A, ids, none)
-
-    post_deps = np.stack([start_node(prev), post_node(pre), start_node(dep1), start_node(dep2)])
-    start_deps = np.stack([np.arange(A), post_node(fused)])
-    level = _longest_path_levels(np.concatenate([post_deps, np.vstack([start_deps, np.full((2, A), none)])], axis=1))
-    if level is None:  # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
-        raise RuntimeError(f"the step graph of {shape.schedule} (p={shape.num_ranks}, m={m}) has a cycle")
-    depth = int(level.max()) + 1
-    levels = list(zip(_group_by(level[:A], depth), _group_by(level[A:], depth)))
-    ranks = shape.stage_ranks
-    crosses = np.array([float(ranks[k] != ranks[k + 1]) for k in range(S - 1)])
-    last = np.cumsum([len(o) for o in shape.orders]) - 1
-    return _StepGraph(A, tuple(levels), prev, dep1, hop1, dep2, hop2, kind * S + stage, crosses, last,
-                      pre, fused, at_end)
+    table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
+    gpu = str((meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")).lower()
+    row = table["gpus"].get(gpu)
+    if row is None:
+        return None, None
+    intra, inter = row["intra_node"], row.get("inter_node", table["inter_node_default"])
+    bw = float(intra["bandwidth"])
+    note = (f"no link given: boundaries priced at {gpu}'s link within a node, {intra['name']}, "
+            f"{bw / 1e9:.0f} GB/s one way ({intra['source']}); latency not modelled; across nodes "
+            f"{inter['name']} would apply, {float(inter['bandwidth']) / 1e9:.0f} GB/s ({inter['source']}): "
+            f"plan with --bandwidth {float(inter['bandwidth']) / 1e9:.0f}GB/s, or --link LINK.json measured there")
+    return bw, note

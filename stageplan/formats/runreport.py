@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from stageplan._io import check_schema, is_number, malformed, read_json, short_repr, write_json_atomic
 from stageplan.errors import SchemaError
-from stageplan.plan import check_cost_options
-from stageplan.schedules import CALL_KINDS, RESUME_GAP_S, TRANSFER_KINDS
+from stageplan.formats.plan import check_cost_options
+from stageplan.formats.schedule import CALL_KINDS, RESUME_GAP_S, TRANSFER_KINDS
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from stageplan.plan import Plan
-    from stageplan.schedules import Simulation
+    from stageplan.formats.plan import Plan
+    from stageplan.formats.timeline import Simulation
 
 RUN_SCHEMA = "stageplan.run/2"
 # run/1 named the per-rank rows "stages"; they are "ranks" since run/2. Both load.
@@ -197,7 +197,7 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     if link is not None and not (isinstance(link, dict) and all(
             is_number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
         raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null", link)
-    from stageplan.link import check_allreduce
+    from stageplan.formats.link import check_allreduce
 
     for part, fields_ in (("its link", link), ("its plan's cost_options", plan.get("cost_options"))):
         if isinstance(fields_, dict):
@@ -262,7 +262,7 @@ class RunReport:
     ``plan`` is what the run executed: boundaries, schedule, cost options, and the meta of the profile the plan was
     made from (model, factory options, device, dtype; absent in older reports), which calibrate checks.
     ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...). ``link`` is the
-    ping-pong between neighbouring ranks at the run's start (stageplan.link): backend, latency_s,
+    ping-pong between neighbouring ranks at the run's start (stageplan.running.link): backend, latency_s,
     bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
     ``layers`` holds one entry per layer: its forward and backward seconds per microbatch inside the real schedule
     (executor's per-layer clock, median over the clock's steps after the measured ones), the stage and rank that ran

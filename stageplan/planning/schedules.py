@@ -1,4 +1,5 @@
-"""Per-rank action orders of torch.distributed.pipelining schedules and an event simulator of one step."""
+"""Per-rank action orders of torch.distributed.pipelining schedules, mirrored from torch 2.13's code, and the
+schedule's shape (in-flight microbatches, live activations) once per (schedule, p, m, v)."""
 
 from __future__ import annotations
 
@@ -12,148 +13,36 @@ import numpy as np
 import numpy.typing as npt
 
 from stageplan.errors import StageplanError
+from stageplan.formats.schedule import (
+    SINGLE_STAGE,
+    ZERO_BUBBLE,
+    check_count,
+    check_microbatches,
+    interleaved_rounds,
+    normalize_schedule,
+    placement_of,
+)
+from stageplan.formats.timeline import Simulation, TimelineEvent
 
 if TYPE_CHECKING:
-    import pandas
+    pass
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "ScheduleShape",
     "SendWaits",
-    "Simulation",
-    "TimelineEvent",
     "bubble_closed_form",
     "check_microbatches",
     "normalize_schedule",
-    "one_way_delays",
     "peak_inflight",
     "rank_orders",
     "schedule_shape",
     "send_waits",
-    "simulate",
-    "stage_ranks",
 ]
-
-# Canonical names are the keys of torch 2.13 `schedules.get_schedule_class`. ScheduleDualPipeV is not
-# reproduced: its order fuses a forward and a backward into one OVERLAP_F_B action.
-SCHEDULES: tuple[str, ...] = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-)
-
-# Schedules built on torch's PipelineScheduleSingle: exactly one stage per rank.
-_SINGLE_STAGE = frozenset({"GPipe", "1F1B"})
-# Schedules that split the backward into I (input gradient) and W (weight gradient) actions.
-_ZERO_BUBBLE = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 # Share of a stage's backward time given to W in zero-bubble schedules; I gets the rest. A profile
 # measures one backward per layer (hooks cannot time the weight-gradient work alone; see FIELD.md), so
 # the split is an assumption: an even split, the I = W case the zero-bubble paper analyses.
-_WEIGHT_GRAD_SHARE = 0.5
-
-
-def _key(name: str) -> str:
-    key = name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
-    return key.removeprefix("schedule") if key != "schedule" else key
-
-
-_ALIASES: dict[str, str] = {_key(name): name for name in SCHEDULES}
-
-
-def normalize_schedule(name: str) -> str:
-    """Return the canonical torch name of a schedule, ignoring case, ``_``/``-`` and a ``Schedule`` prefix.
-
-    >>> normalize_schedule("ScheduleInterleaved1F1B"), normalize_schedule("gpipe")
-    ('Interleaved1F1B', 'GPipe')
-    """
-    if not isinstance(name, str):
-        raise StageplanError(
-            f"schedule must be a string, got {name!r} ({type(name).__name__}); use one of {', '.join(SCHEDULES)}"
-        )
-    canonical = _ALIASES.get(_key(name))
-    if canonical is None:
-        raise StageplanError(
-            f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)} "
-            "(case-insensitive, torch class names such as 'Schedule1F1B' are accepted)"
-        )
-    return canonical
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise StageplanError(f"{name} must be an integer, got {value!r}; pass a whole number >= 1")
-    if value < 1:
-        raise StageplanError(f"{name} must be >= 1, got {value}; pass a whole number >= 1")
-    return int(value)
-
-
-def _interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
-    # torch 2.13 ScheduleInterleaved1F1B/ScheduleInterleavedZeroBubble.__init__:
-    # number_of_rounds = max(1, n_microbatches // pp_group_size); n_microbatches % number_of_rounds == 0.
-    return max(1, num_microbatches // num_ranks)
-
-
-def _nearest_interleaved_microbatches(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
-    below = next(m for m in range(num_microbatches, 0, -1) if m % _interleaved_rounds(num_ranks, m) == 0)
-    above = next(
-        m
-        for m in range(num_microbatches, num_microbatches + num_ranks + 1)
-        if m % _interleaved_rounds(num_ranks, m) == 0
-    )
-    return below, above
-
-
-def check_microbatches(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
-    """Raise StageplanError where torch 2.13 would refuse these numbers for this schedule.
-
-    The rules, read in torch 2.13 ``distributed/pipelining/schedules.py`` and confirmed by building the
-    schedules:
-
-    - GPipe, 1F1B (PipelineScheduleSingle): one stage per rank, so ``virtual_stages == 1``;
-    - 1F1B: ``num_microbatches >= num_ranks`` (Schedule1F1B.__init__ raises otherwise);
-    - Interleaved1F1B, InterleavedZeroBubble: with ``rounds = max(1, m // p)``, ``m % rounds == 0``
-      (so any m < 2p and any multiple of p work); any ``virtual_stages >= 1`` is accepted;
-    - ZBVZeroBubble: exactly ``virtual_stages == 2``; any m >= 1;
-    - LoopedBFS: any m, v >= 1.
-
-    >>> check_microbatches("1F1B", 4, 8)
-    >>> check_microbatches("1F1B", 4, 2)
-    Traceback (most recent call last):
-    ...
-    stageplan.errors.StageplanError: 1F1B needs num_microbatches >= num_ranks, got num_microbatches=2 < num_ranks=4 (torch's Schedule1F1B refuses it); use at least 4 microbatches, or GPipe
-    """
-    name = normalize_schedule(schedule)
-    p = _check_count("num_ranks", num_ranks)
-    m = _check_count("num_microbatches", num_microbatches)
-    v = _check_count("virtual_stages", virtual_stages)
-    if name in _SINGLE_STAGE and v != 1:
-        raise StageplanError(
-            f"{name} runs one stage per rank, got virtual_stages={v}; "
-            "use virtual_stages=1 (--virtual-stages 1), or Interleaved1F1B/LoopedBFS for several stages per rank"
-        )
-    if name == "1F1B" and m < p:
-        raise StageplanError(
-            f"1F1B needs num_microbatches >= num_ranks, got num_microbatches={m} < num_ranks={p} "
-            f"(torch's Schedule1F1B refuses it); use at least {p} microbatches, or GPipe"
-        )
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = _interleaved_rounds(p, m)
-        if m % rounds != 0:
-            below, above = _nearest_interleaved_microbatches(p, m)
-            raise StageplanError(
-                f"{name} needs num_microbatches to be a multiple of its rounds max(1, m // p); "
-                f"got num_microbatches={m}, num_ranks={p}, rounds={rounds} "
-                f"(torch refuses it); use {below} or {above} microbatches (a multiple of {p} always works)"
-            )
-    if name == "ZBVZeroBubble" and v != 2:
-        raise StageplanError(
-            f"ZBVZeroBubble runs exactly 2 stages per rank (a V shape), got virtual_stages={v}; "
-            "use virtual_stages=2"
-        )
+WEIGHT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -167,29 +56,6 @@ class Action:
     def __str__(self) -> str:
         # torch's _Action notation, e.g. "2F0" = stage 2, forward, microbatch 0.
         return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """Per stage (length ``num_ranks * virtual_stages``), the rank that runs it.
-
-    Stage k runs on rank k % p (torch's "loop" style), except ZBVZeroBubble, which uses torch's "v"
-    style: rank r holds stages r and 2p - 1 - r.
-
-    >>> stage_ranks("Interleaved1F1B", 2, 2), stage_ranks("ZBVZeroBubble", 2, 2)
-    ((0, 1, 0, 1), (0, 1, 1, 0))
-    """
-    name = normalize_schedule(schedule)
-    p = _check_count("num_ranks", num_ranks)
-    v = _check_count("virtual_stages", virtual_stages)
-    if name == "ZBVZeroBubble":
-        check_microbatches(name, p, 1, v)
-    return _stage_ranks(name, p, v)
-
-
-def _stage_ranks(name: str, p: int, v: int) -> tuple[int, ...]:
-    if name == "ZBVZeroBubble":
-        return tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
-    return tuple(k % p for k in range(p * v))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,7 +89,7 @@ def _interleaved(p: int, m: int, v: int, rank: int, *, zero_bubble: bool) -> lis
     # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble._calculate_single_rank_operations with
     # _get_warmup_ops and _get_1f1b_rank_ops, without the None (idle) slots. The zero-bubble variant's
     # _add_bubbles_to_actions only inserts None slots, so it does not change the compute order.
-    rounds = _interleaved_rounds(p, m)
+    rounds = interleaved_rounds(p, m)
     per_round = m // rounds
     factor = 1 if zero_bubble else 2
     warmup = min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
@@ -470,7 +336,7 @@ class ScheduleShape:
         receive right before the forward or backward and waits for it; a point-to-point message moves once both
         sides have posted, on gloo and NCCL alike). torch's multi-stage runtime posts receives ahead (its RECV_F
         and RECV_B actions), so there a transfer overlaps the receiving rank's compute."""
-        return self.schedule in _SINGLE_STAGE
+        return self.schedule in SINGLE_STAGE
 
     @cached_property
     def send_waits(self) -> tuple[SendWaits, ...] | None:
@@ -484,7 +350,7 @@ class ScheduleShape:
     @property
     def zero_bubble(self) -> bool:
         """The backward is split into I and W actions (activations are held until W)."""
-        return self.schedule in _ZERO_BUBBLE
+        return self.schedule in ZERO_BUBBLE
 
     @cached_property
     def live_counts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -543,7 +409,7 @@ def schedule_shape(
 @lru_cache(maxsize=256)
 def _shape(name: str, p: int, m: int, v: int) -> ScheduleShape:
     orders = _orders(name, p, m, v)
-    return ScheduleShape(name, p, m, v, orders, _stage_ranks(name, p, v), _peak_inflight(orders, p * v))
+    return ScheduleShape(name, p, m, v, orders, placement_of(name, p, v), _peak_inflight(orders, p * v))
 
 
 def peak_inflight(
@@ -567,88 +433,9 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
     >>> round(bubble_closed_form(8, 8), 3), round(bubble_closed_form(8, 64), 3)
     (0.467, 0.099)
     """
-    p = _check_count("num_ranks", num_ranks)
-    m = _check_count("num_microbatches", num_microbatches)
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
     return (p - 1) / (m + p - 1)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Simulation.
-
-
-TRANSFER_KINDS = ("A", "G")  # a crossing's transfer in a timeline: an activation, a gradient (TimelineEvent)
-CALL_KINDS = ("F", "B", "I", "W")  # a chunk call in a timeline: the rank computes (TimelineEvent; measure.Timer.BUSY_KINDS)
-# A chunk call "after idle": its rank computed nothing for at least this long before it. Measured here (one GPT
-# block, 1 thread, two sets of rounds): after a 1 ms sleep its forward ran at its back-to-back time, after 5 ms
-# +0.26-0.39 ms, after 20-80 ms +0.5-0.64 ms (1.3-1.6x), as after 20-50 ms of busy Python; RunReport splits each
-# rank's calls at this gap.
-RESUME_GAP_S = 1e-3
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s.
-
-    Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
-    backward or W), and kind "T" its part in the all-reduce of the tied parameters' gradients (before the
-    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have none).
-    Kinds "A" and "G" are a crossing's transfer, an activation (to the receiver's forward) or a gradient (to its
-    backward) moving between ranks: ``rank``, ``stage`` and ``microbatch`` are the receiving action's, from when
-    the message starts to move to when it arrives. It occupies the link, not the rank, so it is not busy time
-    and a rank may compute meanwhile; a plan without a link or bandwidth has none."""
-
-    rank: int
-    stage: int
-    microbatch: int
-    kind: str
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """One simulated training step: makespan, per-rank busy/idle time, bubble, in-flight peaks, timeline."""
-
-    schedule: str
-    num_ranks: int
-    num_microbatches: int
-    virtual_stages: int
-    step_s: float
-    busy_s: tuple[float, ...]
-    idle_s: tuple[float, ...]
-    bubble_fraction: float
-    peak_inflight: tuple[int, ...]
-    timeline: tuple[TimelineEvent, ...]
-    # per rank, seconds its loop waits on receives: for each action fed across ranks, from the moment the rank
-    # posts (GPipe, 1F1B) or reaches (the looped schedules) that receive to the action's start (the input's
-    # arrival, and in torch's fused 1F1B batches the rank's own sends posted with it); part of its idle time
-    receive_wait_s: tuple[float, ...] = ()
-
-    def idle_before(self) -> tuple[tuple[TimelineEvent, float], ...]:
-        """Each chunk call (:data:`CALL_KINDS`) with the seconds its rank computed nothing before it: since the
-        rank's previous busy event ended (a call, its tied sum or optimizer step). A rank's first call of the step
-        counts from where its previous step ended, as in a run of many steps: the step's length less the rank's last
-        busy end, plus the call's start."""
-        out = []
-        for rank in range(self.num_ranks):
-            busy = sorted((e for e in self.timeline if e.rank == rank and e.kind not in TRANSFER_KINDS),
-                          key=lambda e: e.start_s)
-            last = max((e.end_s for e in busy), default=0.0) - self.step_s  # the previous step's, on this step's clock
-            for e in busy:
-                if e.kind in CALL_KINDS:
-                    out.append((e, max(e.start_s - last, 0.0)))
-                last = max(last, e.end_s)
-        return tuple(out)
-
-    def to_pandas(self) -> pandas.DataFrame:
-        """One row per timeline event, columns rank, stage, microbatch, kind, start_s, end_s."""
-        import pandas as pd
-
-        columns = ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
-        return pd.DataFrame(
-            [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s) for e in self.timeline],
-            columns=columns,
-        )
 
 
 def _after_the_schedule(events: list[TimelineEvent], free: list[float], busy: list[float], ranks: Sequence[int],
@@ -727,7 +514,7 @@ def simulate(
     boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). Each transfer
     with a cost is a timeline event of its own (kind "A" or "G", on the receiving rank; not busy time). In zero-bubble
     schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
-    ``_WEIGHT_GRAD_SHARE``).
+    ``WEIGHT_GRAD_SHARE``).
 
     ``optimizer_s`` has one value per stage: the seconds of one optimizer step over that stage's parameters.
     Each rank runs the sum over its stages once per step, after its last backward (or W) action, as an "O"
@@ -748,7 +535,7 @@ def simulate(
     33.75
     """
     name = normalize_schedule(schedule)
-    v = _check_count("virtual_stages", virtual_stages)
+    v = check_count("virtual_stages", virtual_stages)
     length_hint = "pass one value per stage (num_ranks * virtual_stages values)"
     fwd = _times("forward_s", forward_s, None, length_hint)
     num_stages = fwd.shape[0]
@@ -797,8 +584,8 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     duration = {
         "F": fwd.tolist(),
         "B": bwd.tolist(),
-        "I": (bwd * (1.0 - _WEIGHT_GRAD_SHARE)).tolist(),
-        "W": (bwd * _WEIGHT_GRAD_SHARE).tolist(),
+        "I": (bwd * (1.0 - WEIGHT_GRAD_SHARE)).tolist(),
+        "W": (bwd * WEIGHT_GRAD_SHARE).tolist(),
     }
     # End times: forward_end[k][i]; grad_end[k][i] = end of B or I (the action sending the gradient).
     forward_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]

@@ -21,7 +21,10 @@ from typing import Any
 import torch
 
 from stageplan.errors import RunError, StageplanError, WorkloadError
-from stageplan.link import ping_pong, probe_sizes, save_link
+from stageplan.formats.link import save_link
+from stageplan.formats.plan import Plan
+from stageplan.formats.runreport import RunReport
+from stageplan.formats.schedule import TRANSFER_KINDS
 from stageplan.materialize import Checkpoint
 from stageplan.measure import (
     LayerClock,
@@ -31,10 +34,8 @@ from stageplan.measure import (
     microbatch_size_for,
     steady_allocator,
 )
-from stageplan.plan import Plan
-from stageplan.runreport import RunReport
-from stageplan.schedules import TRANSFER_KINDS
-from stageplan.stages import (
+from stageplan.running.link import ping_pong, probe_sizes
+from stageplan.running.stages import (
     RankStages,
     batch_target,
     build_rank_stages,
@@ -522,7 +523,7 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
     optimizer and its states went with :func:`_train`), so the copies it times add no peak to the run's."""
     import torch.distributed as dist
 
-    from stageplan.profiler import retime_layers
+    from stageplan.timing import retime_layers
 
     for p in rs.unique_params:
         p.grad = None
@@ -601,7 +602,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         assert gathered is not None
         check_result = None
         if check and reference is not None:
-            from stageplan.check import compare_with_single_process
+            from stageplan.running.check import compare_with_single_process
 
             check_result = compare_with_single_process(workload, reference, gathered, options, plan.num_microbatches)
         meta = {"torch_version": torch.__version__, "device": str(device), "world_size": plan.num_ranks,

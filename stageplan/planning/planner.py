@@ -1,0 +1,410 @@
+"""plan(): Profile -> Plan. Reads the options, prices the layers (costs), finds the split (search), evaluates it and
+writes the evidence and the notes into the Plan (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from stageplan.errors import InfeasiblePlanError, PlanNote, StageplanError
+from stageplan.formats.interop import (
+    boundaries_from_megatron,
+    boundaries_from_module_fqns,
+    named_layers,
+    read_fqns,
+)
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import Profile
+from stageplan.formats.schedule import normalize_schedule
+from stageplan.planning.costs import (
+    COLLECTIVE,
+    OVERHEADS,
+    CostOptions,
+    Device,
+    LayerArrays,
+    estimated_link,
+    evaluate,
+    layer_time,
+    make_options,
+    measured_link,
+)
+from stageplan.planning.search import optimal_split, split_by_method, versus_optimal
+from stageplan.units import parse_bandwidth, parse_bytes
+
+# ------------------------------------------------------------------------------------------------------
+# Planning
+
+METHODS = ("optimal", "uniform", "parameters")
+
+
+def as_profile(profile: Profile | str | os.PathLike[str]) -> Profile:
+    return profile if isinstance(profile, Profile) else Profile.load(profile)
+
+
+def _devices(devices: Sequence[Device | float] | None) -> list[Device] | None:
+    if devices is None:
+        return None
+    return [d if isinstance(d, Device) else Device(float(d)) for d in devices]
+
+
+_FASTER_NOTE = 0.01  # objective "bottleneck" notes a faster split found when it is at least this much faster
+
+
+def _one_layer_note(profile: Profile, arr: LayerArrays, opts: CostOptions, bubble_fraction: float) -> str | None:
+    """When one layer bounds the step (largest layer >= total / p, so the lower bound is that layer), say so:
+    a balance efficiency of 1.000 then means "as good as that layer allows", not "no time lost". A note, not a
+    warning: the options are valid and the plan is the best they allow (only notes about the bubble warn)."""
+    from stageplan.planning.solver import lower_bound
+
+    times = layer_time(arr, opts)
+    speeds = [d.speed for d in opts.devices]
+    big = int(np.argmax(times))
+    largest = float(times[big]) / max(speeds)  # the lower bound's second term (solver.lower_bound)
+    share = math.fsum(times.tolist()) / sum(speeds)  # and its first: total / p
+    if opts.num_ranks < 2 or lower_bound(times, speeds) > largest:
+        return None
+    return (f"one layer bounds the step: {profile.names[big]!r} takes {largest * 1e3:.3f} ms per microbatch, at least "
+            f"total / p = {share * 1e3:.3f} ms, so no split can beat it and balance efficiency is measured against it; "
+            f"the ranks still sit idle {bubble_fraction:.0%} of the step; what helps: finer --layers (profile "
+            f"that layer as several), fewer stages, or splitting the layer itself (e.g. a vocabulary-parallel head)")
+
+
+OBJECTIVES = ("bottleneck", "step")
+
+
+def check_objective(objective: object, method: str | None = None) -> None:
+    """Refuse an unknown objective, and "step" with a method that fixes the split (uniform, parameters)."""
+    if objective not in OBJECTIVES:
+        raise StageplanError(f"objective {objective!r} is unknown; use bottleneck (the least slowest stage, the default) "
+                             "or step (the lowest predicted step), e.g. --objective step")
+    if objective == "step" and method in ("uniform", "parameters"):
+        raise StageplanError(f"objective 'step' chooses among splits, but method {method!r} fixes the split; drop "
+                             "--objective step, or plan with --method optimal")
+
+
+def _step_search_note(search: dict[str, Any]) -> str | None:
+    """What the step search says in the plan's notes: under objective "step", how far it moved the split; under
+    "bottleneck", a faster split it found (at least _FASTER_NOTE faster), with what it costs in bottleneck."""
+    if not search or search["to_boundaries"] == search["from_boundaries"]:
+        return None
+    how = f"{search['splits_evaluated']} splits simulated, {'every one that could' if search['exhaustive'] else 'descents'}"
+    gain = search["to_step_s"] / search["from_step_s"] if search["from_step_s"] > 0 else 1.0
+    moves = (f"predicted step {search['from_step_s'] * 1e3:.3f} -> {search['to_step_s'] * 1e3:.3f} ms ({gain:.3f}x), "
+             f"bottleneck {search['from_bottleneck_s'] * 1e3:.3f} -> {search['to_bottleneck_s'] * 1e3:.3f} ms")
+    if search["objective"] == "step":
+        return (f"objective step: the lowest predicted step, not the least bottleneck: {moves} ({how}; the "
+                f"least-bottleneck split was {search['from_boundaries']})")
+    if gain > 1 - _FASTER_NOTE:
+        return None
+    return (f"a split with a larger bottleneck predicts a faster step: {search['to_boundaries']}, {moves} ({how}); "
+            "the slowest stage per microbatch is not the whole step here (the optimizer steps, the tied-gradient "
+            "sync, the fill and the drain are not in it): --objective step (objective='step') plans for the step")
+
+
+def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
+               given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None,
+               time_limit_s: float = 2.0, objective: str = "bottleneck") -> Plan:
+    tie: dict[str, Any] = {}
+    search: dict[str, Any] = {}
+    if method == "optimal":
+        boundaries, solver_evidence, tie, search = optimal_split(arr, opts, objective, time_limit_s)
+    else:
+        boundaries, solver_evidence = split_by_method(method, arr, opts, given, given_as, time_limit_s)
+    ev = evaluate(arr, boundaries, opts, profile.names)
+    notes = list(ev.notes)
+    if tie and tie["to_boundaries"] != tie["from_boundaries"]:
+        how = "every one of them" if tie["exhaustive"] else "a descent from the solver's split"
+        notes.append(f"tie-break among equal-bottleneck splits: predicted step {tie['from_step_s'] * 1e3:.3f} ms -> "
+                     f"{tie['to_step_s'] * 1e3:.3f} ms ({tie['splits_evaluated']} splits simulated, {how}; the solver's "
+                     f"split was {tie['from_boundaries']})")
+    searched = _step_search_note(search)
+    if searched:
+        notes.append(searched)
+    one_layer = _one_layer_note(profile, arr, opts, ev.bubble_fraction)
+    if one_layer:
+        notes.append(one_layer)
+    versus = (versus_optimal(arr, opts, ev, given_as, given_input, time_limit_s, objective) if method == "given"
+              else {})
+    label = estimate_label(profile.meta)
+    if label:
+        notes.insert(0, label)
+    if solver_evidence.get("optimal") is False:
+        gap = ev.bottleneck_s / solver_evidence["proven_lower_bound_s"]
+        if solver_evidence.get("timed_out", True):
+            notes.append(f"interleaved solve hit its time limit ({time_limit_s:g} s): within {gap:.3f}x of the proven "
+                         "optimum; a longer --time-limit may close the gap")
+        else:  # HiGHS ended otherwise (numerical trouble, or its split missed the exact memory check by its tolerance)
+            notes.append(f"interleaved split not proven optimal: the MILP ended without a proof it could use, before "
+                         f"its time limit; the split kept is within {gap:.3f}x of the proven lower bound")
+    mb = int(meta_extra.get("microbatch_size") or profile.meta.get("microbatch_size") or 1)
+    cost_options = {"method": method, **({"objective": objective} if method in ("optimal", "given") else {}),
+                    **opts.to_json(), "microbatch_size": mb, **solver_evidence}
+    meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size", "device", "dtype",
+                 "timer", "estimate", "processes", "order")
+    pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
+    pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
+    pmeta.update(meta_extra)
+    step = ev.predicted_step_s
+    return Plan(
+        boundaries=tuple(boundaries), layer_names=tuple(profile.names), stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+        lower_bound_s=ev.lower_bound_s, balance_efficiency=ev.balance_efficiency, predicted_step_s=step,
+        bubble_fraction=ev.bubble_fraction,
+        throughput_samples_s=opts.num_microbatches * mb / step if step > 0 else math.inf,
+        rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
+        rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
+        cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+        tie_break=tie, step_search=search, versus_optimal=versus,
+    )
+
+
+def _given_split(prof: Profile, method: str | None, boundaries: Sequence[int] | None, megatron_layout: str | None,
+                 fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None
+                 ) -> tuple[tuple[int, ...] | None, str, Any]:
+    """The split the user gave (boundaries, a Megatron layout or torchtitan FQNs) as boundaries, which of the
+    three it was, and the input as given (JSON-ready); (None, "", None) when none was given."""
+    named = [k for k, v in (("boundaries", boundaries), ("megatron_layout", megatron_layout), ("fqns", fqns))
+             if v is not None]
+    if len(named) > 1:
+        raise StageplanError(f"got {' and '.join(named)}: each gives a split to score; pass only one of boundaries, "
+                             "megatron_layout and fqns")
+    if not named:
+        return None, "", None
+    if method is not None:
+        raise StageplanError(f"method {method!r} chooses a split but {named[0]} gives one; drop one of them (a given "
+                             "split is scored against the optimal plan in any case)")
+    if boundaries is not None:
+        try:
+            return tuple(int(b) for b in boundaries), "boundaries", [int(b) for b in boundaries]
+        except (TypeError, ValueError):
+            raise StageplanError(f"boundaries must be whole numbers, got {boundaries!r}; e.g. --boundaries 0,5,10") from None
+    if megatron_layout is not None:
+        if not isinstance(megatron_layout, str):
+            raise StageplanError(f"megatron_layout must be a string such as 'E,t*4|t*4,L', got {megatron_layout!r}")
+        return (boundaries_from_megatron(megatron_layout, prof.names, named_layers(prof.names, prof.meta)),
+                "megatron_layout", megatron_layout)
+    assert fqns is not None
+    parts = read_fqns(fqns) if isinstance(fqns, (str, os.PathLike)) else fqns
+    bounds = boundaries_from_module_fqns(parts, prof.names)  # checks the shape before anything is copied
+    return bounds, "fqns", [list(part) for part in parts]
+
+
+def estimate_label(meta: dict[str, Any]) -> str | None:
+    """The words that mark figures computed from an analytic estimate rather than measured."""
+    if meta.get("timer") != "analytic":
+        return None
+    gpu = (meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")
+    return (f"ESTIMATE: times are analytic (roofline) for {gpu or 'a GPU'}, not measured; roughly +-25% in absolute "
+            "time, ratios between layers are steadier")
+
+
+def rescaled_profile(profile: Profile, factor: float) -> Profile:
+    """The profile at ``factor`` x its microbatch size, assuming time and activations linear in the batch
+    (an extrapolation: see FIELD.md, pipedream #47; re-profile at the chosen size to confirm)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(x, forward_s=x.forward_s * factor, backward_s=x.backward_s * factor,
+                           backward_accumulate_s=None if x.backward_accumulate_s is None else x.backward_accumulate_s * factor,
+                           activation_bytes=int(x.activation_bytes * factor), output_bytes=int(x.output_bytes * factor))
+                   for x in profile.layers)
+    return Profile(layers, dict(profile.meta))
+
+
+def plan(
+    profile: Profile | str | os.PathLike[str],
+    num_ranks: int,
+    *,
+    num_microbatches: int | str | None = None,
+    schedule: str = "1F1B",
+    virtual_stages: int = 1,
+    memory_limit: float | str | None = None,
+    bandwidth: float | str | None = None,
+    optimizer: str = "adam",
+    devices: Sequence[Device | float] | None = None,
+    recompute: bool = False,
+    method: str | None = None,
+    boundaries: Sequence[int] | None = None,
+    precision: str | None = None,
+    megatron_layout: str | None = None,
+    fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
+    link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    time_limit_s: float = 2.0,
+    objective: str = "bottleneck",
+) -> Plan:
+    """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
+
+    ``method`` is "optimal" (the default: the exact min-max split; among splits with that bottleneck, the one
+    with the lowest simulated step), "uniform" or "parameters". Or score the split you run today (method
+    "given", the same evidence, plus ``plan.versus_optimal``: bottleneck and step ratios to the optimal plan
+    under the same options and memory headroom per rank), given by exactly one of ``boundaries``
+    (``(0, b1, ..., L)``), ``megatron_layout`` (Megatron's ``--pipeline-model-parallel-layout``, e.g.
+    ``"E,t*4|t*4,L"``: E the first layer, t each named block, L the last layer) or ``fqns`` (torchtitan's
+    ``module_fqns_per_model_part``, or the path of a JSON file holding it).
+
+    ``num_microbatches`` defaults to the profiled batch / microbatch size; ``"auto"`` tries every divisor of
+    the profiled batch (times scaled linearly from the profiled microbatch size) and ``schedule="auto"``
+    tries GPipe, 1F1B and Interleaved1F1B; the plan keeps the fastest feasible candidate and lists them all.
+    ``memory_limit`` ("40GiB" or bytes) applies to every rank without its own; ``bandwidth`` ("25GB/s" or
+    bytes/s) prices boundary traffic; ``devices`` are speeds relative to the profiled device (or Device);
+    ``precision`` (fp32, bf16, bf16-mixed, fp16-mixed) sets the bytes per parameter training holds (16 with
+    Adam in mixed precision), else the profiled parameters' bytes are used.
+
+    ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
+    link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
+    latency where the link has no exchange, :func:`stageplan.formats.link.crossing_s`) as the delay of every boundary
+    crossing, its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward, and its
+    ``chunk_forward_s`` and ``chunk_backward_s`` (PipelineStage's own code inside each chunk call) in every chunk's
+    forward and backward. A profile calibrated from a run keeps that run's chunk overheads with a link or without
+    (its layers were calibrated net of them), and its tied all-reduce where calibrate scaled it to the sum the run
+    took; without a link it keeps the run's crossing delay too, and with one the link's replaces it. A profile
+    estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
+    gpus.json (NVLink or xGMI), said in a note.
+
+    ``objective`` is what the optimal method minimises. "bottleneck" (the default): the slowest rank's time per
+    microbatch, exactly, then the lowest simulated step among splits with that bottleneck. "step": the lowest
+    simulated step whatever the bottleneck; the step also holds the optimizer steps, the tied-gradient sync and the
+    pipeline's fill and drain, so a split with a larger bottleneck can be faster. Both search the step from the
+    bottleneck-optimal split (``plan.step_search``: exhaustive over every split that could beat it when few can,
+    else descents); under "bottleneck" a split found at least 1% faster is named in a note. With a given split, the
+    objective chooses the optimal plan it is scored against.
+
+    ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan
+    that hits it says how far from the proven optimum it may be, and a tight memory limit may need longer to
+    find any split that fits.
+
+    Example (no torch needed)::
+
+        >>> from stageplan import LayerProfile, Profile, plan
+        >>> prof = Profile(tuple(LayerProfile(f"l{i}", t, t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4, 5, 6])))
+        >>> plan(prof, 2, num_microbatches=4).boundaries
+        (0, 4, 6)
+    """
+    prof = as_profile(profile)
+    given, given_as, given_input = _given_split(prof, method, boundaries, megatron_layout, fqns)
+    if given is not None:
+        method = "given"
+    elif method is None:
+        method = "optimal"
+    elif method not in METHODS:
+        raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    check_objective(objective, method)
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not 0 < time_limit_s < math.inf:
+        raise StageplanError(f"the solver's time limit must be a finite number of seconds > 0, got {time_limit_s!r}; "
+                             "e.g. --time-limit 20 (time_limit_s=20)")
+    time_limit_s = float(time_limit_s)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
+    latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
+    link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
+    calibration = prof.meta.get("calibration", {})
+    overheads: dict[str, Any] = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # and its schedule probe
+    overheads.update({k: calibration.get(k) for k in COLLECTIVE})  # and its all-reduce
+    latency_source = "fitted by calibrate from a run"
+    link_note = None
+    if link is not None:
+        if bandwidth is not None:
+            raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
+                                 "--link LINK.json for the measured link, or --bandwidth RATE")
+        bw, latency_s, latency_source, link_note, link_latency_s, overheads = measured_link(link, calibration)
+    elif bw is None and estimate_label(prof.meta):
+        bw, link_note = estimated_link(prof.meta)
+    devs = _devices(devices)
+    LayerArrays.of(prof)  # refuses NaN or negative costs before any candidate is tried
+    if len(prof) == 0:
+        raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
+    batch = int(prof.meta["batch_size"]) if prof.meta.get("batch_size") else 0
+    mb0 = int(prof.meta.get("microbatch_size") or 1)
+
+    schedules = ["1F1B", "GPipe", "Interleaved1F1B"] if schedule == "auto" else [schedule]
+    if num_microbatches == "auto":
+        if not batch:
+            raise StageplanError("num_microbatches='auto' needs the global batch size in the profile meta (batch_size); "
+                                 "pass a number of microbatches instead")
+        ms = [m for m in range(1, batch + 1) if batch % m == 0]
+    elif num_microbatches is None:
+        ms = [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_ranks]
+    elif isinstance(num_microbatches, str):
+        raise StageplanError(f"num_microbatches must be an integer or 'auto', got {num_microbatches!r}")
+    else:
+        ms = [num_microbatches]
+
+    auto = len(ms) * len(schedules) > 1
+    candidates: list[dict[str, Any]] = []
+    best: Plan | None = None
+    last_error: StageplanError | None = None
+    for sched in schedules:
+        for m in ms:
+            # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given (refused if it cannot)
+            v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
+            try:
+                mb = batch // m if num_microbatches == "auto" else mb0
+                prof_m = rescaled_profile(prof, mb / mb0) if mb != mb0 else prof
+                arr = LayerArrays.of(prof_m, m)
+                opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
+                                    optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
+                                    memory_limit_bytes=limit, recompute=recompute, precision=precision,
+                                    boundary_latency_s=latency_s, latency_source=latency_source,
+                                    link_latency_s=link_latency_s, action_s=overheads["action_s"],
+                                    chunk_forward_s=overheads["chunk_forward_s"],
+                                    chunk_backward_s=overheads["chunk_backward_s"],
+                                    allreduce_latency_s=overheads["allreduce_latency_s"],
+                                    allreduce_bandwidth_bytes_per_s=overheads["allreduce_bandwidth_bytes_per_s"])
+                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
+                                  time_limit_s, objective)
+                if link_note:
+                    cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
+            except StageplanError as exc:
+                if not auto:
+                    raise
+                # a memory limit no split meets says more than a candidate the schedule cannot run (m < p, too
+                # few layers for its chunks): keep the first kind once seen
+                if last_error is None or not isinstance(last_error, InfeasiblePlanError) or isinstance(
+                        exc, InfeasiblePlanError):
+                    last_error = exc
+                candidates.append({"schedule": sched, "num_microbatches": m, "feasible": False, "reason": str(exc)})
+                continue
+            over = [n for n in cand.notes if "over its limit" in n]
+            candidates.append({"schedule": cand.schedule, "num_microbatches": m, "virtual_stages": cand.virtual_stages,
+                               "microbatch_size": mb, "feasible": not over, "predicted_step_s": cand.predicted_step_s,
+                               "bottleneck_s": cand.bottleneck_s, "bubble_fraction": cand.bubble_fraction,
+                               **({"reason": "; ".join(over), "peak_bytes": max(cand.rank_memory_bytes)} if over else {})})
+            if over and auto:
+                continue
+            if best is None or cand.predicted_step_s < best.predicted_step_s - 1e-15:
+                best = cand
+    if best is None:
+        over_limit = [c for c in candidates if "peak_bytes" in c]
+        if over_limit:  # every candidate that could be priced was over a limit: that, not the others' errors, is why
+            closest = min(over_limit, key=lambda c: c["peak_bytes"])
+            raise InfeasiblePlanError(
+                f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the memory limits "
+                f"with method {method}; the closest, {closest['schedule']} with {closest['num_microbatches']} "
+                f"microbatch{'es' * (closest['num_microbatches'] != 1)}: {closest['reason']}; raise --memory-limit, add --stages or add --recompute"
+                + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
+        assert last_error is not None  # every candidate raised, and auto kept the last error
+        raise last_error
+    if auto:
+        notes = list(best.notes)
+        if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
+            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
+                         "re-profile at that size to confirm")
+        best = dataclasses.replace(best, candidates=tuple(candidates), notes=tuple(notes))
+    mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
+    if batch and mb_best * m_best != batch:
+        fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
+        redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
+                if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
+        best = dataclasses.replace(best, notes=(*best.notes, (
+            f"this plan prices {m_best} microbatches of {mb_best} sample{'s' * (mb_best != 1)}, a batch of {mb_best * m_best}, and the "
+            f"profiled model's batch is {batch}: stageplan run splits the model's own batch, so to run this model "
+            f"{fits}{redo}")))
+    for note in best.notes:
+        if "bubble" in note:
+            warnings.warn(note, PlanNote, stacklevel=2)
+    return best

@@ -1,0 +1,108 @@
+"""Layer-at-a-time profiling: the model stays on meta, each layer gets real weights in turn and is timed on the real
+outputs of the layers before it; at most one layer's weights are real at once."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from stageplan._progress import Progress
+from stageplan.errors import WorkloadError
+from stageplan.formats.profile import Profile
+from stageplan.layers import (
+    CutModel,
+    resolve,
+    store_outputs,
+    tensor_bytes,
+)
+from stageplan.materialize import (
+    Checkpoint,
+    meta_parameter_names,
+)
+from stageplan.measure import (
+    Timer,
+)
+from stageplan.profiling.assemble import Figures, assemble, make_figures, param_totals
+from stageplan.profiling.memory import Peaks, bytes_and_peak, fake_inputs, fake_state
+from stageplan.profiling.optimizer import layer_grads, optimizer_times
+from stageplan.profiling.signatures import layer_signature, plan_dedup
+from stageplan.timing import (
+    LayerContext,
+    make_run,
+    materialize_piece,
+    meta_cut,
+    release_,
+    stream_forward,
+    time_rounds,
+)
+
+
+def fake_chain(cut: CutModel, args: tuple[Any, ...], device: torch.device) -> tuple[list[list[Any]], list[int]]:
+    """Every piece's inputs as fake tensors (shapes, dtypes and strides; no data, no compute), and the bytes that
+    cross a boundary after each piece."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    env: dict[Any, Any] = {}
+    inputs: list[list[Any]] = []
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            fake_args = fake_inputs(args, device)
+            for k, piece in enumerate(cut.pieces):
+                values = [resolve(r, fake_args, env) for r in piece.inputs]
+                inputs.append(values)
+                out = torch.func.functional_call(piece.module, fake_state(piece.module, device), tuple(values))
+                store_outputs(env, k, out)
+    except Exception as exc:
+        raise WorkloadError(
+            f"layer {cut.pieces[len(inputs) - 1].name!r} cannot run without data ({type(exc).__name__}: {exc}); "
+            "profile it with the whole model real (streaming=False) or name layers whose shapes do not depend on values"
+        ) from exc
+    n = len(cut.pieces)
+    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, fake_args, env)) for r in cut.crossing_refs(k))
+                for k in range(n)]
+    return inputs, crossing
+
+
+def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
+    src = ctx.workload.model
+    # The user's real weights, one layer's worth at a time; FQN-keyed initialisation for a model on meta.
+    weights = None if meta_parameter_names(src) else Checkpoint(dict(src.state_dict()))
+    model, args, target, cut = meta_cut(ctx, src)
+    n = len(cut.pieces)
+    plan = plan_dedup([layer_signature(cut, k, model, values) for k, values in enumerate(fake_chain(cut, args, ctx.dev)[0])],
+                  ctx.dedup)
+    timer = Timer(ctx.dev)
+    peaks = Peaks()
+    figures: dict[int, Figures] = {}
+    crossing: list[int] = []
+    params: list[tuple[int, int]] = []
+    env: dict[Any, Any] = {}
+    measured = set(plan.measured)
+    bar = Progress(n, f"profiling {n} layers one at a time ({len(measured)} measured)", enabled=ctx.progress)
+    for k, piece in enumerate(cut.pieces):
+        bar.update(k, piece.name)
+        materialize_piece(cut, model, piece, ctx.dev, weights)
+        values = [resolve(r, args, env) for r in piece.inputs]
+        if k in measured:
+            run = make_run(piece, k, n, values, ctx.workload, target)
+            (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats, min_time_s=ctx.min_time_s / len(measured))
+            ctx.timed_rounds.append(len(s[0]))
+            act, peak = bytes_and_peak(run, ctx.dev, peaks)
+            figures[k] = make_figures(s, act, peak, optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
+            del run
+        env, keep = stream_forward(env, cut, k, values)
+        del values
+        crossing.append(0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in keep))
+        params.append(param_totals(piece.module))
+        release_(piece.module)
+        gc.collect()
+        if ctx.dev.type == "cuda":
+            peaks.note_cuda(ctx.dev)
+            torch.cuda.empty_cache()
+    bar.update(n, "done")
+    bar.close()
+    extra = {"materialized": "layer-at-a-time", "whole_model_s": None, "whole_model_iqr_s": None,
+             "whole_model": "skipped: layer-at-a-time"}
+    return assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)
