@@ -98,10 +98,9 @@ def _optimizer_as_run(prof: Profile, rep: RunReport) -> tuple[Profile, dict[str,
     A rank steps all its layers in one call, so the run gives one figure per rank: each of its layers' figure above
     the step's fixed cost (the profile's ``floor_s``, which the rank pays once) is scaled by (measured - floor) /
     the sum of those figures, so the rank's priced step equals the measured one (on the profile's footing: times
-    the rank's device speed). The profiler times each layer's step alone from a flushed cache; inside the runs of
-    stop 28 the step above the fixed cost read 0.64-0.66x that on HF GPT-2's first rank and 1.15-1.25x on its last
-    (README, Limitations). Only the optimizer
-    the run used is scaled (a plan of the calibrated profile with another optimizer prices the profiled figures).
+    the rank's device speed). The profiler times each layer's step alone from a flushed cache, and inside a run the
+    step reads off that in either direction (docs/accuracy.md), which is why the run's figure replaces it. Only the
+    optimizer the run used is scaled (a plan of the calibrated profile with another optimizer prices the profiled figures).
     Nothing changes where the run used no optimizer, the profile did not measure it, or the report did not time the
     step apart: ``measured_optimizer_step_s``, else the rank's time after its schedule less its timed tied sum."""
     opt = str(rep.run_options.get("optimizer") or (rep.plan.get("cost_options") or {}).get("optimizer") or "sgd").lower()

@@ -6,7 +6,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from stageplan._io import check_schema, is_number, malformed, read_json, short_repr, write_json_atomic
@@ -58,6 +58,37 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What a partition costs under the cost model (``planning.costs.evaluate``): everything a Plan carries besides
+    its boundaries and how it was planned. ``evaluate`` writes the cost model's notes; a Plan's evidence adds the
+    planner's (the tie-break, the step search, the bound)."""
+
+    stages: tuple[StagePlan, ...]
+    rank_time_s: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+    rank_peak_activation_bytes: tuple[float, ...]
+    bottleneck_s: float
+    lower_bound_s: float
+    balance_efficiency: float
+    predicted_step_s: float
+    bubble_fraction: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def tied_sync_s(self) -> float:
+        """Seconds of the tied-gradient all-reduce every rank joins once per step (0 when no tie spans ranks): each
+        rank's first stage holds it (``StagePlan.tied_sync_s``)."""
+        return max((st.tied_sync_s for st in self.stages), default=0.0)
+
+
+# A plan's JSON (schema stageplan.plan/2): the evidence's figures sit at its top level, beside the plan's own
+_EVIDENCE_RANKS = ("rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes")
+_PLAN_KEYS = ("boundaries", "layer_names", "stages", "bottleneck_s", "lower_bound_s", "balance_efficiency",
+              "predicted_step_s", "bubble_fraction", "throughput_samples_s", *_EVIDENCE_RANKS, "cost_options",
+              "profile_digest", "profile_meta", "candidates", "notes", "tie_break", "step_search", "versus_optimal")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Stage boundaries ``(0, b1, ..., L)`` with the evidence behind them.
 
@@ -67,21 +98,12 @@ class Plan:
 
     boundaries: tuple[int, ...]
     layer_names: tuple[str, ...]
-    stages: tuple[StagePlan, ...]
-    bottleneck_s: float
-    lower_bound_s: float
-    balance_efficiency: float
-    predicted_step_s: float
-    bubble_fraction: float
+    evidence: Evidence
     throughput_samples_s: float
-    rank_time_s: tuple[float, ...]
-    rank_memory_bytes: tuple[float, ...]
-    rank_peak_activation_bytes: tuple[float, ...]
     cost_options: dict[str, Any]
     profile_digest: str
     profile_meta: dict[str, Any] = field(default_factory=dict)
     candidates: tuple[dict[str, Any], ...] = ()
-    notes: tuple[str, ...] = ()
     # method "optimal": how the tie-break among equal-bottleneck splits moved the solver's split (boundaries and
     # predicted step before and after, splits simulated, whether every such split was)
     tie_break: dict[str, Any] = field(default_factory=dict)
@@ -92,6 +114,51 @@ class Plan:
     # method "given": the split as given, the optimal plan under the same options, bottleneck and step ratios
     # (given / optimal) and memory per rank (need, limit, headroom = limit - need)
     versus_optimal: dict[str, Any] = field(default_factory=dict)
+
+    # -- the evidence's figures, as every reader of a plan names them ------------------------------
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.evidence.notes
+
+    def with_notes(self, notes: Sequence[str]) -> Plan:
+        """This plan with ``notes`` in place of its notes (the planner adds its own to the cost model's)."""
+        return replace(self, evidence=replace(self.evidence, notes=tuple(notes)))
+
+    @property
+    def stages(self) -> tuple[StagePlan, ...]:
+        return self.evidence.stages
+
+    @property
+    def bottleneck_s(self) -> float:
+        return self.evidence.bottleneck_s
+
+    @property
+    def lower_bound_s(self) -> float:
+        return self.evidence.lower_bound_s
+
+    @property
+    def balance_efficiency(self) -> float:
+        return self.evidence.balance_efficiency
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.evidence.predicted_step_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.evidence.bubble_fraction
+
+    @property
+    def rank_time_s(self) -> tuple[float, ...]:
+        return self.evidence.rank_time_s
+
+    @property
+    def rank_memory_bytes(self) -> tuple[float, ...]:
+        return self.evidence.rank_memory_bytes
+
+    @property
+    def rank_peak_activation_bytes(self) -> tuple[float, ...]:
+        return self.evidence.rank_peak_activation_bytes
 
     # -- derived views -----------------------------------------------------------------------------
     @property
@@ -211,7 +278,7 @@ class Plan:
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {k: getattr(self, k) for k in _PLAN_KEYS}
         d["stages"] = [asdict(s) for s in self.stages]
         d["candidates"] = list(self.candidates)
         return {"schema": PLAN_SCHEMA, **d}
@@ -225,9 +292,14 @@ class Plan:
         try:
             lists = {name: _listed(data, name, source) for name in _PLAN_LISTS}
             stages = tuple(_stage(s, k, source) for k, s in enumerate(lists["stages"]))
+            evidence = Evidence(stages, lists["rank_time_s"], lists["rank_memory_bytes"],
+                                lists["rank_peak_activation_bytes"], bottleneck_s=data["bottleneck_s"],
+                                lower_bound_s=data["lower_bound_s"], balance_efficiency=data["balance_efficiency"],
+                                predicted_step_s=data["predicted_step_s"], bubble_fraction=data["bubble_fraction"],
+                                notes=lists["notes"])
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            kwargs.update(lists, stages=stages)
-            plan = cls(**kwargs)
+            kwargs.update({k: v for k, v in lists.items() if k not in (*_EVIDENCE_RANKS, "stages", "notes")})
+            plan = cls(**kwargs, evidence=evidence)
         except (KeyError, TypeError) as exc:
             raise malformed(source, exc, "regenerate it with stageplan plan") from exc
         _check_plan_fields(plan, source)

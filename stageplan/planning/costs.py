@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from stageplan.errors import StageplanError
-from stageplan.formats.plan import StagePlan
+from stageplan.formats.plan import Evidence, StagePlan
 from stageplan.formats.profile import Profile
 from stageplan.formats.schedule import normalize_schedule
 from stageplan.planning.schedules import ScheduleShape, one_way_delays, schedule_shape, simulate_shape
@@ -445,23 +445,6 @@ def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """What a partition costs under the cost model: everything a Plan carries besides its boundaries."""
-
-    stages: tuple[StagePlan, ...]
-    rank_time_s: tuple[float, ...]
-    rank_memory_bytes: tuple[float, ...]
-    rank_peak_activation_bytes: tuple[float, ...]
-    bottleneck_s: float
-    lower_bound_s: float
-    balance_efficiency: float
-    predicted_step_s: float
-    bubble_fraction: float
-    notes: tuple[str, ...]
-    tied_sync_s: float  # every rank's tied-gradient all-reduce per step (tied_sync_time)
-
-
 def per_chunk_s(opts: CostOptions) -> float:
     """Seconds per microbatch every chunk pays whatever layers it holds: torch's schedule loop around its forward
     and backward, and PipelineStage's own code inside them."""
@@ -557,7 +540,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         stages=tuple(stages), rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem,
         rank_peak_activation_bytes=tuple(peaks), bottleneck_s=bottleneck, lower_bound_s=lower,
         balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
-        bubble_fraction=sim.bubble_fraction, notes=tuple(notes), tied_sync_s=tied,
+        bubble_fraction=sim.bubble_fraction, notes=tuple(notes),
     )
 
 
@@ -601,7 +584,7 @@ def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration:
     boundaries (its bandwidth and crossing delay replace the fitted one), but the chunk overheads stay the run's,
     since its layers were calibrated net of them (another probe's would move every rank's compute off what the run
     measured), and so does the tied all-reduce where calibrate scaled it to the sum the run took
-    (``tied_sync_ratio``): the sum inside the pipeline held steadier than the probe's (README, Limitations)."""
+    (``tied_sync_ratio``): the sum inside the pipeline held steadier than the probe's (docs/accuracy.md)."""
     from stageplan.formats.link import crossing_s, load_link
 
     measured = load_link(link)

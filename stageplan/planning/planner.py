@@ -153,13 +153,9 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     pmeta.update(meta_extra)
     step = ev.predicted_step_s
     return Plan(
-        boundaries=tuple(boundaries), layer_names=tuple(profile.names), stages=ev.stages, bottleneck_s=ev.bottleneck_s,
-        lower_bound_s=ev.lower_bound_s, balance_efficiency=ev.balance_efficiency, predicted_step_s=step,
-        bubble_fraction=ev.bubble_fraction,
+        boundaries=tuple(boundaries), layer_names=tuple(profile.names), evidence=dataclasses.replace(ev, notes=tuple(notes)),
         throughput_samples_s=opts.num_microbatches * mb / step if step > 0 else math.inf,
-        rank_time_s=ev.rank_time_s, rank_memory_bytes=ev.rank_memory_bytes,
-        rank_peak_activation_bytes=ev.rank_peak_activation_bytes,
-        cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta, notes=tuple(notes),
+        cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta,
         tie_break=tie, step_search=search, versus_optimal=versus,
     )
 
@@ -206,7 +202,7 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
 
 def rescaled_profile(profile: Profile, factor: float) -> Profile:
     """The profile at ``factor`` x its microbatch size, assuming time and activations linear in the batch
-    (an extrapolation: see FIELD.md, pipedream #47; re-profile at the chosen size to confirm)."""
+    (an extrapolation: time is not linear in the batch, pipedream issue #47; re-profile at the chosen size to confirm)."""
     from dataclasses import replace
 
     layers = tuple(replace(x, forward_s=x.forward_s * factor, backward_s=x.backward_s * factor,
@@ -358,7 +354,7 @@ def plan(
                 cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
                                   time_limit_s, objective)
                 if link_note:
-                    cand = dataclasses.replace(cand, notes=(*cand.notes, link_note))
+                    cand = cand.with_notes((*cand.notes, link_note))
             except StageplanError as exc:
                 if not auto:
                     raise
@@ -394,13 +390,13 @@ def plan(
         if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
             notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
                          "re-profile at that size to confirm")
-        best = dataclasses.replace(best, candidates=tuple(candidates), notes=tuple(notes))
+        best = dataclasses.replace(best, candidates=tuple(candidates)).with_notes(notes)
     mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
     if batch and mb_best * m_best != batch:
         fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
         redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
                 if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
-        best = dataclasses.replace(best, notes=(*best.notes, (
+        best = best.with_notes((*best.notes, (
             f"this plan prices {m_best} microbatches of {mb_best} sample{'s' * (mb_best != 1)}, a batch of {mb_best * m_best}, and the "
             f"profiled model's batch is {batch}: stageplan run splits the model's own batch, so to run this model "
             f"{fits}{redo}")))
