@@ -202,20 +202,15 @@ def hf_gpt2(
     batch_size: int = 8, seed: int = 0,
 ) -> Workload:
     """HF GPT2LMHeadModel built from a small GPT2Config (never downloaded), use_cache=False."""
-    _check_positive("hf-gpt2", n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len,
-                    vocab_size=vocab_size, batch_size=batch_size)
-    tf = _transformers()
-    torch.manual_seed(seed)
-    config = tf.GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=n_head, n_positions=seq_len, vocab_size=vocab_size,
-                           use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
-    config.bos_token_id = config.eos_token_id = 0
-    model = _hf_class("HFGPT2")(config)
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
-    target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
-                   batch_size=batch_size, seed=seed)
-    return Workload(model, idx, target, _lm_loss, name="hf-gpt2", factory_options=options)
+                   batch_size=batch_size)
+    _check_positive("hf-gpt2", **options)
+    options["seed"] = seed
+    config = _transformers().GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=n_head, n_positions=seq_len,
+                                        vocab_size=vocab_size, use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0,
+                                        resid_pdrop=0.0)
+    config.bos_token_id = config.eos_token_id = 0
+    return _small_hf("hf-gpt2", "HFGPT2", config, options)
 
 
 def hf_llama(
@@ -223,20 +218,26 @@ def hf_llama(
     batch_size: int = 8, seed: int = 0,
 ) -> Workload:
     """HF LlamaForCausalLM built from a small LlamaConfig (never downloaded), use_cache=False."""
-    _check_positive("hf-llama", n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len,
-                    vocab_size=vocab_size, batch_size=batch_size)
-    tf = _transformers()
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=n_head,
-                            num_key_value_heads=n_head, intermediate_size=4 * d_model, max_position_embeddings=seq_len,
-                            vocab_size=vocab_size, use_cache=False, tie_word_embeddings=False)
-    model = _hf_class("HFLlama")(config)
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
-    target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
-                   batch_size=batch_size, seed=seed)
-    return Workload(model, idx, target, _lm_loss, name="hf-llama", factory_options=options)
+                   batch_size=batch_size)
+    _check_positive("hf-llama", **options)
+    options["seed"] = seed
+    config = _transformers().LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=n_head,
+                                         num_key_value_heads=n_head, intermediate_size=4 * d_model,
+                                         max_position_embeddings=seq_len, vocab_size=vocab_size, use_cache=False,
+                                         tie_word_embeddings=False)
+    return _small_hf("hf-llama", "HFLlama", config, options)
+
+
+def _small_hf(name: str, class_name: str, config: Any, options: dict[str, int]) -> Workload:
+    """The small HF builders' shared part: the model (weights seeded), a random token batch and its targets."""
+    seed, batch, seq, vocab = options["seed"], options["batch_size"], options["seq_len"], options["vocab_size"]
+    torch.manual_seed(seed)
+    model = _hf_class(class_name)(config)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (batch, seq), generator=gen)
+    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return Workload(model, idx, target, _lm_loss, name=name, factory_options=options)
 
 
 _PRESETS_DIR = Path(__file__).resolve().parent / "presets"
