@@ -9,6 +9,7 @@ import os
 import pathlib
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stageplan.errors import StageplanError
@@ -79,6 +80,60 @@ def measured_profile(model: str, factory_options: dict[str, Any] | None, num_mic
     return prof
 
 
+@dataclass(frozen=True)
+class LoopOptions:
+    """What compare and tune share: the model and its options, how to profile it, how to plan and run each split,
+    how often, and where to write. Their public keyword arguments fill it; each checks it before its profile."""
+
+    model: str
+    num_ranks: int
+    factory_options: dict[str, Any] | None
+    num_microbatches: int | None
+    schedule: str
+    steps: int
+    warmup: int
+    profile: Profile | str | os.PathLike[str] | None
+    output_dir: str | os.PathLike[str] | None
+    timeout_s: float
+    progress: bool
+    pin_cpus: bool
+    processes: int
+    runs: int
+    min_time_s: float
+    objective: str
+    order: str | None
+
+    def checked_output(self, *, auto_schedule: bool, written: Callable[[str], bool]) -> pathlib.Path | None:
+        """Refuse bad options before the profile (it takes minutes on a large model), and return the output folder
+        (None without one); a --profile that is one of the files ``written`` there is refused too. ``auto_schedule``:
+        the schedule "auto" is allowed (compare's plan picks it; tune refuses it)."""
+        from stageplan._io import check_output_dir
+
+        check_objective(self.objective)
+        check_runs(self.runs)
+        check_loop(self.num_ranks, self.schedule, self.steps, self.warmup, self.timeout_s, auto=auto_schedule)
+        out = check_output_dir(self.output_dir) if self.output_dir is not None else None
+        if out is not None:
+            refuse_input_among_outputs(out, self.profile, written)
+        return out
+
+    def take_profile(self, command: str) -> Profile:
+        """The given profile, or a fresh one of the model (:func:`measured_profile`)."""
+        return measured_profile(self.model, self.factory_options, self.num_microbatches, self.profile, self.progress,
+                                command, self.processes, self.timeout_s, self.min_time_s, self.order)
+
+    def plan(self, prof: Profile, *, method: str = "optimal", objective: str = "bottleneck") -> Plan:
+        return plan(prof, self.num_ranks, num_microbatches=self.num_microbatches, schedule=self.schedule,
+                    method=method, objective=objective)
+
+    def run(self, pl: Plan) -> RunReport:
+        """One run of ``pl`` on local ranks, as ``stageplan run`` does it."""
+        from stageplan.running.launch import run
+
+        return run(self.model, pl, factory_options=self.factory_options, steps=self.steps, warmup=self.warmup,
+                   timeout_s=self.timeout_s, pin_cpus=self.pin_cpus)
+
+
 def compare(
     model: str,
     num_ranks: int,
@@ -112,25 +167,19 @@ def compare(
     default: stage)."""
     from pathlib import Path
 
-    from stageplan._io import check_output_dir
-
-    check_objective(objective)
-    check_runs(runs)
-    check_loop(num_ranks, schedule, steps, warmup, timeout_s, auto=True)
-    out = check_output_dir(output_dir) if output_dir is not None else None
-    if out is not None:
-        refuse_input_among_outputs(out, profile, _is_compare_output)
-    prof = measured_profile(model, factory_options, num_microbatches, profile, progress, "compare", processes, timeout_s,
-                             min_time_s, order)
-    plans = {name: plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method=name,
-                        objective=objective if name == "optimal" else "bottleneck") for name in METHODS}
+    loop = LoopOptions(model, num_ranks, factory_options, num_microbatches, schedule, steps, warmup, profile, output_dir,
+                       timeout_s, progress, pin_cpus, processes, runs, min_time_s, objective, order)
+    out = loop.checked_output(auto_schedule=True, written=_is_compare_output)
+    prof = loop.take_profile("compare")
+    plans = {name: loop.plan(prof, method=name, objective=objective if name == "optimal" else "bottleneck")
+             for name in METHODS}
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
         "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
         "profile_digest": prof.digest(), "identical": identical, "runs": runs, "objective": objective, "methods": {}}
     if out is None:
-        _compare_runs(result, plans, None, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress, runs)
+        _compare_runs(result, plans, None, loop)
         return result
     # everything is written to a staging folder inside DIR and moved in at the end: a failed compare leaves DIR as
     # it was (it had replaced plan_optimal.json beside an old compare.json), and a finished one leaves no file of
@@ -141,7 +190,7 @@ def compare(
     out.mkdir(exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".stageplan-compare-", dir=out))
     try:
-        _compare_runs(result, plans, stage, model, factory_options, steps, warmup, timeout_s, pin_cpus, progress, runs)
+        _compare_runs(result, plans, stage, loop)
         written = {f.name for f in stage.iterdir()}
         for old in out.iterdir():
             if old.is_file() and old.name not in written and _is_compare_output(old.name):
@@ -168,13 +217,9 @@ def _is_compare_output(name: str) -> bool:
         name.startswith("timeline_") and name.endswith(".png"))
 
 
-def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.Path | None, model: str,
-                  factory_options: dict[str, Any] | None, steps: int, warmup: int, timeout_s: float, pin_cpus: bool,
-                  progress: bool, runs: int = 1) -> None:
-    """Run each distinct plan of ``plans`` ``runs`` times, in turns, into ``result``; with ``out``, write the plans,
-    the run reports (each method's median run), compare.json and the figures there."""
-    from stageplan.running.launch import run
-
+def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.Path | None, loop: LoopOptions) -> None:
+    """Run each distinct plan of ``plans`` ``loop.runs`` times, in turns, into ``result``; with ``out``, write the
+    plans, the run reports (each method's median run), compare.json and the figures there."""
     identical = bool(result["identical"])
     rows: dict[str, dict[str, Any]] = result["methods"]
     same: dict[str, str | None] = {}
@@ -185,8 +230,7 @@ def _compare_runs(result: dict[str, Any], plans: dict[str, Plan], out: pathlib.P
                       "boundaries": list(pl.boundaries), "peak_memory_bytes": list(pl.rank_memory_bytes)}
         # an identical split is the same run: measure it once
         same[name] = next((other for other in same if same[other] is None and plans[other].boundaries == pl.boundaries), None)
-    reports = {} if identical else _measured_in_turns(rows, plans, same, out, runs, progress, lambda pl: run(
-        model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s, pin_cpus=pin_cpus))
+    reports = {} if identical else _measured_in_turns(rows, plans, same, out, loop.runs, loop.progress, loop.run)
     if out is not None:
         from stageplan._io import write_json_atomic
         from stageplan.plots import plot_stage_balance, plot_timeline, save

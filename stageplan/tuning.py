@@ -9,19 +9,15 @@ from typing import Any
 
 from stageplan.calibration import calibrate
 from stageplan.comparison import (
-    check_loop,
-    check_runs,
+    LoopOptions,
     in_turns,
-    measured_profile,
     median_run,
     paired_speedup,
-    refuse_input_among_outputs,
 )
 from stageplan.errors import StageplanError
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
-from stageplan.planning.planner import check_objective, plan
 
 TUNE_SCHEMA = "stageplan.tune/1"
 # what tune -o DIR writes: the final plan, the calibrated profile it was planned from, the median runs of the final
@@ -73,23 +69,14 @@ def tune(
     (each plan's median fresh run: ``stageplan show``/``calibrate`` read them) and ``tune.json``.
     """
 
-    from stageplan._io import check_output_dir, write_json_atomic
-    from stageplan.running.launch import run
+    from stageplan._io import write_json_atomic
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
-    check_objective(objective)
-    check_runs(runs)
-    check_loop(num_ranks, schedule, steps, warmup, timeout_s)
-    out = check_output_dir(output_dir) if output_dir is not None else None
-    if out is not None:
-        refuse_input_among_outputs(out, profile, lambda name: name in TUNE_OUTPUTS)
-    prof = measured_profile(model, factory_options, num_microbatches, profile, progress, "tune", processes, timeout_s,
-                             min_time_s, order)
-
-    def measure(pl: Plan) -> RunReport:
-        return run(model, pl, factory_options=factory_options, steps=steps, warmup=warmup, timeout_s=timeout_s,
-                   pin_cpus=pin_cpus)
+    loop = LoopOptions(model, num_ranks, factory_options, num_microbatches, schedule, steps, warmup, profile, output_dir,
+                       timeout_s, progress, pin_cpus, processes, runs, min_time_s, objective, order)
+    out = loop.checked_output(auto_schedule=False, written=lambda name: name in TUNE_OUTPUTS)
+    prof = loop.take_profile("tune")
 
     def row(pl: Plan, *reps: RunReport) -> dict[str, Any]:
         step = statistics.median(r.measured_step_s for r in reps)
@@ -98,22 +85,22 @@ def tune(
         return entry if len(reps) == 1 else {**entry, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []
-    current = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, objective=objective)
+    current = loop.plan(prof, objective=objective)
     for k in range(rounds):
-        reps = [measure(current) for _ in range(runs)]
+        reps = [loop.run(current) for _ in range(runs)]
         rep = median_run(reps)
         rows.append(row(current, *reps))
         if progress:  # a line per round on stderr; the caller prints the result
             print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted {current.predicted_step_s * 1e3:.1f} ms, "
                   f"measured {rows[-1]['measured_step_s'] * 1e3:.1f} ms ({rows[-1]['error']:+.1%})", file=sys.stderr, flush=True)
         prof = calibrate(prof, rep)
-        following = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, objective=objective)
+        following = loop.plan(prof, objective=objective)
         changed = following.boundaries != current.boundaries
         current = following
         if not changed:
             break
-    uniform_plan = plan(prof, num_ranks, num_microbatches=num_microbatches, schedule=schedule, method="uniform")
-    final_runs, uniform_runs = in_turns([current, uniform_plan], runs, measure)
+    uniform_plan = loop.plan(prof, method="uniform")
+    final_runs, uniform_runs = in_turns([current, uniform_plan], runs, loop.run)
     final, uniform = row(current, *final_runs), row(uniform_plan, *uniform_runs)
     result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
               "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,

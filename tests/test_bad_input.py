@@ -14,7 +14,6 @@ import pytest
 from conftest import assert_one_line_error, run_cli
 
 import stageplan.comparison as comparison
-import stageplan.tuning as tuning
 from stageplan import planning
 from stageplan._io import write_json_atomic
 
@@ -93,7 +92,6 @@ def test_compare_and_tune_refuse_their_loop_options_before_the_profile(
         raise AssertionError("profiled before refusing")
 
     monkeypatch.setattr(comparison, "measured_profile", no_profile)
-    monkeypatch.setattr(tuning, "measured_profile", no_profile)
     code, _, err = run_cli([command, "gpt", *args, "-o", str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, words)
     assert not (tmp_path / "out").exists()
@@ -110,7 +108,6 @@ def test_compare_still_takes_schedule_auto(tmp_path: Path, monkeypatch: pytest.M
         raise Reached
 
     monkeypatch.setattr(comparison, "measured_profile", reached)
-    monkeypatch.setattr(tuning, "measured_profile", reached)
     with pytest.raises(Reached):
         run_cli(["compare", "gpt", "--stages", "2", "--schedule", "auto"], capsys)
 
