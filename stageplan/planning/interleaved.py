@@ -145,11 +145,50 @@ def solve_interleaved(
             "lower virtual_stages or profile at a finer granularity"
         )
     speeds = validate_speeds("rank_speeds", rank_speeds, p, "rank")
+    place = _validated_placement(placement, p, v)
+    bc = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, C, L, "chunk")
+    memory, limits, start, end = _validated_memory(L, p, C, memory_bytes, memory_limit_bytes, memory_start_bytes,
+                                                   memory_end_bytes)
+    live = _validate_live(activation_bytes, live_counts, memory is not None, place, L)
+    if (
+        isinstance(time_limit_s, bool)
+        or not isinstance(time_limit_s, (int, float))
+        or not (time_limit_s > 0)
+        or math.isnan(time_limit_s)
+    ):
+        raise StageplanError(f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
+
+    if v == 1:
+        return _solve_one_chunk_per_rank(c, p, speeds, place, bc, memory, limits, start, end, live)
+    time_end = None
+    if bc is not None and np.any(bc[:-1] > 0):
+        time_end = np.array(bc) * speeds[place][:, None]  # charged undivided: times the speed the row divides by
+        time_end[C - 1] = 0.0  # the last chunk sends nothing
+    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc, start, end,
+                                   live)
+
+
+def _validated_placement(placement: Sequence[int] | None, p: int, v: int) -> list[int]:
+    """Each chunk's rank: ``c % p`` by default; a given placement must give every rank v of the p*v chunks."""
+    C = p * v
     place = [c_ % p for c_ in range(C)] if placement is None else [int(r) for r in placement]
     if len(place) != C or sorted(place) != sorted(list(range(p)) * v):
         raise StageplanError(f"placement must give each of the {C} chunks a rank, every rank {v} chunks; got "
                              f"{list(placement or [])}")
-    bc = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, C, L, "chunk")
+    return place
+
+
+def _validated_memory(
+    L: int,
+    p: int,
+    C: int,
+    memory_bytes: ArrayLike | None,
+    memory_limit_bytes: ArrayLike | None,
+    memory_start_bytes: ArrayLike | None,
+    memory_end_bytes: ArrayLike | None,
+) -> tuple[FloatArray | None, FloatArray | None, FloatArray | None, FloatArray | None]:
+    """The memory rows (C, L), the limits (p,) and the start and end rows (C, L); all None without memory_bytes,
+    where a limit given alone is an error."""
     memory = limits = start = end = None
     if memory_bytes is None:
         if memory_limit_bytes is not None:
@@ -165,35 +204,27 @@ def solve_interleaved(
             end = validate_rows("memory_end_bytes", memory_end_bytes, C, L, "chunk")
         if memory_limit_bytes is not None:
             limits = validate_limits(memory_limit_bytes, p, "rank")
-    live = _validate_live(activation_bytes, live_counts, memory is not None, place, L)
-    if (
-        isinstance(time_limit_s, bool)
-        or not isinstance(time_limit_s, (int, float))
-        or not (time_limit_s > 0)
-        or math.isnan(time_limit_s)
-    ):
-        raise StageplanError(f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
+    return memory, limits, start, end
 
-    if v == 1:
-        if live is not None:  # one chunk per rank: its own peak is the rank's
-            assert memory is not None
-            memory = memory + live.upper_activations
-        sol = solve(c, p, stage_speeds=speeds[place], boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start,
-                    memory_end_bytes=end, memory_limit_bytes=None if limits is None else limits[place])
-        return InterleavedSolution(
-            boundaries=sol.boundaries,
-            rank_loads=sol.stage_costs,
-            bottleneck=sol.bottleneck,
-            lower_bound=sol.bottleneck,
-            optimal=True,
-            chunk_memory=sol.stage_memory,
-        )
-    time_end = None
-    if bc is not None and np.any(bc[:-1] > 0):
-        time_end = np.array(bc) * speeds[place][:, None]  # charged undivided: times the speed the row divides by
-        time_end[C - 1] = 0.0  # the last chunk sends nothing
-    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc, start, end,
-                                   live)
+
+def _solve_one_chunk_per_rank(
+    c: FloatArray, p: int, speeds: FloatArray, place: list[int], bc: FloatArray | None, memory: FloatArray | None,
+    limits: FloatArray | None, start: FloatArray | None, end: FloatArray | None, live: LiveActivations | None,
+) -> InterleavedSolution:
+    """v == 1: the contiguous problem, solved exactly by :func:`solve` with chunk k on rank ``place[k]``."""
+    if live is not None:  # one chunk per rank: its own peak is the rank's
+        assert memory is not None
+        memory = memory + live.upper_activations
+    sol = solve(c, p, stage_speeds=speeds[place], boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start,
+                memory_end_bytes=end, memory_limit_bytes=None if limits is None else limits[place])
+    return InterleavedSolution(
+        boundaries=sol.boundaries,
+        rank_loads=sol.stage_costs,
+        bottleneck=sol.bottleneck,
+        lower_bound=sol.bottleneck,
+        optimal=True,
+        chunk_memory=sol.stage_memory,
+    )
 
 
 def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Sequence[Sequence[int]]] | None,
@@ -223,6 +254,42 @@ def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Seq
     return LiveActivations(act, tuple(counts))
 
 
+@dataclass(frozen=True)
+class _Split:
+    """One interleaved instance, with the ways the incumbent's search and the final choice score a split."""
+
+    c: FloatArray
+    p: int
+    v: int
+    speeds: FloatArray
+    static: FloatArray | None  # the memory rows as given (the static bytes alone with live counts)
+    memory: FloatArray | None  # with live counts, each chunk at its own activation peak: what heuristics bound by
+    limits: FloatArray | None
+    time_limit_s: float
+    place: list[int]
+    time_end: FloatArray | None
+    bc: FloatArray | None
+    start: FloatArray | None
+    end: FloatArray | None
+    live: LiveActivations | None
+
+    @property
+    def time_rows(self) -> FloatArray:
+        return np.broadcast_to(self.c, (len(self.place), self.c.size))
+
+    def fits(self, bounds: list[int]) -> bool:
+        if self.static is None or self.limits is None:
+            return True
+        return bool(np.all(_exact_rank_memory(self.static, self.live, bounds, self.place, self.p, self.start,
+                                              self.end) <= self.limits))
+
+    def bottleneck_of(self, bounds: list[int]) -> float:
+        return max(_rank_loads(self.c, self.speeds, bounds, self.place, self.time_end))
+
+    def largest_chunk(self, bounds: list[int]) -> float:
+        return float((_chunk_values(self.time_rows, None, self.time_end, bounds) / self.speeds[self.place]).max())
+
+
 def _solve_interleaved_milp(
     c: FloatArray,
     p: int,
@@ -238,49 +305,60 @@ def _solve_interleaved_milp(
     end: FloatArray | None,
     live: LiveActivations | None = None,
 ) -> InterleavedSolution:
-    L = c.size
-    C = p * v
     trivial = lower_bound(c, speeds)
     static = memory
     if memory is not None and live is not None:
         memory = memory + live.upper_activations  # per chunk, its own peak: what the heuristics bound ranks by
+    split = _Split(c, p, v, speeds, static, memory, limits, time_limit_s, place, time_end, bc, start, end, live)
+    heur, upper = _incumbent(split)
+    heur_ok = bool(heur)
 
-    def fits(bounds: list[int]) -> bool:
-        if static is None or limits is None:
-            return True
-        return bool(np.all(_exact_rank_memory(static, live, bounds, place, p, start, end) <= limits))
+    result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
+                               start, end, live)
+    if result.infeasible and not heur_ok:
+        _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
+    return _best_split(split, (result.bounds, result.unchecked), result.optimal, heur, trivial, result.dual_bound,
+                       result.timed_out)
 
-    def bottleneck_of(bounds: list[int]) -> float:
-        return max(_rank_loads(c, speeds, bounds, place, time_end))
 
-    # incumbent: the contiguous optimum over p*v stages with the ranks' speeds (memory ignored, or each chunk
-    # held to a share of its rank's limit), improved by local search; it bounds the MILP
-    chunk_speeds = speeds[place]
-    starts = [list(solve(c, C, stage_speeds=chunk_speeds, boundary_costs=bc).boundaries)]
-    if memory is not None and limits is not None:
-        assert static is not None
-        for rows, share in _memory_starts(static, live, memory, place, p):
+def _incumbent_starts(s: _Split) -> list[list[int]]:
+    """Contiguous optima over p*v stages with the ranks' speeds: memory ignored, then (under limits) each chunk
+    held to a share of its rank's limit (:func:`_memory_starts`), those that exist, without repeats."""
+    C = len(s.place)
+    chunk_speeds = s.speeds[s.place]
+    starts = [list(solve(s.c, C, stage_speeds=chunk_speeds, boundary_costs=s.bc).boundaries)]
+    if s.memory is not None and s.limits is not None:
+        assert s.static is not None
+        for rows, share in _memory_starts(s.static, s.live, s.memory, s.place, s.p):
             with contextlib.suppress(InfeasiblePlanError):
-                sol = solve(c, C, stage_speeds=chunk_speeds, boundary_costs=bc, memory_bytes=rows,
-                            memory_start_bytes=start, memory_end_bytes=end, memory_limit_bytes=limits[place] * share)
+                sol = solve(s.c, C, stage_speeds=chunk_speeds, boundary_costs=s.bc, memory_bytes=rows,
+                            memory_start_bytes=s.start, memory_end_bytes=s.end,
+                            memory_limit_bytes=s.limits[s.place] * share)
                 if list(sol.boundaries) not in starts:
                     starts.append(list(sol.boundaries))
+    return starts
+
+
+def _incumbent(s: _Split) -> tuple[list[int], float]:
+    """The heuristic split that bounds the MILP and its bottleneck ([] and inf when none fits): the contiguous
+    optimum over p*v stages with the ranks' speeds (memory ignored, or each chunk held to a share of its rank's
+    limit), improved by local search."""
     heur: list[int] = []
     upper = INF
-    time_rows = np.broadcast_to(c, (C, L))
     slides = None
-    if static is not None and limits is not None:
-        slides = _Slides(static, live, start, end, limits, c, speeds, time_end, place, p, time_limit_s)
-    for first in starts:
-        if not fits(first):
+    if s.static is not None and s.limits is not None:
+        slides = _Slides(s.static, s.live, s.start, s.end, s.limits, s.c, s.speeds, s.time_end, s.place, s.p,
+                         s.time_limit_s)
+    for first in _incumbent_starts(s):
+        if not s.fits(first):
             if heur:
                 continue  # repairs are the costly part (up to 16k slides a step at 128 chunks): one that fits is enough
             assert slides is not None
             first = slides.repair(first)
-        if fits(first):
-            cand = _improve_interleaved(time_rows, p, speeds, static, limits, first, place, None, time_end, start, end,
-                                        live)
-            load = bottleneck_of(cand)
+        if s.fits(first):
+            cand = _improve_interleaved(s.time_rows, s.p, s.speeds, s.static, s.limits, first, s.place, None,
+                                        s.time_end, s.start, s.end, s.live)
+            load = s.bottleneck_of(cand)
             if load < upper:
                 heur, upper = cand, load
     if heur and slides is not None:  # slides from the best start only: at 128 chunks each costs about 1 s
@@ -288,28 +366,26 @@ def _solve_interleaved_milp(
         # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the bulk sums
         # round in another order than bottleneck_of, so the split is checked again with that same tolerance (an exact
         # test here had dropped whole faster() results over one ulp: 26.2 against 26.199999999999996)
-        if fits(quick) and _no_slower(bottleneck_of(quick), upper):
-            heur, upper = quick, bottleneck_of(quick)
-    heur_ok = bool(heur)
+        if s.fits(quick) and _no_slower(s.bottleneck_of(quick), upper):
+            heur, upper = quick, s.bottleneck_of(quick)
+    return heur, upper
 
-    result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
-                               start, end, live)
-    if result.infeasible and not heur_ok:
-        _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
+
+def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: bool, heur: list[int], trivial: float,
+                dual_bound: float, timed_out: bool) -> InterleavedSolution:
+    """The fastest of the MILP's splits (``proven``: HiGHS proved them optimal) and the incumbent ``heur``, those
+    that fit; among equal bottlenecks the one whose largest chunk is smallest. ``dual_bound``: the MILP's proven
+    bound; ``timed_out``: the MILP stopped at its time limit."""
     candidates: list[tuple[float, float, list[int], bool]] = []
-
-    def largest_chunk(bounds: list[int]) -> float:
-        return float((_chunk_values(time_rows, None, time_end, bounds) / chunk_speeds).max())
-
-    for found in (result.bounds, result.unchecked):  # the check's split and the one it refuted: the exact better
-        if found is not None and fits(found):
-            candidates.append((bottleneck_of(found), largest_chunk(found), found, result.optimal))
-    if heur_ok:
-        candidates.append((bottleneck_of(heur), largest_chunk(heur), heur, False))
+    for found in found_by_milp:  # the check's split and the one it refuted: the exact better
+        if found is not None and s.fits(found):
+            candidates.append((s.bottleneck_of(found), s.largest_chunk(found), found, proven))
+    if heur:
+        candidates.append((s.bottleneck_of(heur), s.largest_chunk(heur), heur, False))
     if not candidates:
         raise StageplanError(
-            f"no interleaved plan of {L} layers into {p} ranks x {v} virtual stages was found within "
-            f"time_limit_s={time_limit_s:g}, and infeasibility was not proven either; give the solver longer "
+            f"no interleaved plan of {s.c.size} layers into {s.p} ranks x {s.v} virtual stages was found within "
+            f"time_limit_s={s.time_limit_s:g}, and infeasibility was not proven either; give the solver longer "
             "(time_limit_s; stageplan plan --time-limit SECONDS), raise the memory limit, or use recomputation"
         )
     best = min(t[0] for t in candidates)
@@ -319,16 +395,17 @@ def _solve_interleaved_milp(
     _, _, bounds, _ = min(tied, key=lambda t: t[1])
     optimal = any(t[3] for t in tied)  # a proven optimum's bottleneck is shared by every tied split
     bottleneck = best
-    loads = _rank_loads(c, speeds, bounds, place, time_end)
-    lower = bottleneck if optimal else min(bottleneck, max(trivial, result.dual_bound))
+    loads = _rank_loads(s.c, s.speeds, bounds, s.place, s.time_end)
+    lower = bottleneck if optimal else min(bottleneck, max(trivial, dual_bound))
     return InterleavedSolution(
         boundaries=tuple(int(b) for b in bounds),
         rank_loads=loads,
         bottleneck=max(loads),
         lower_bound=lower,
         optimal=optimal,
-        chunk_memory=None if memory is None else tuple(float(x) for x in _chunk_values(memory, start, end, bounds)),
-        timed_out=result.timed_out,
+        chunk_memory=None if s.memory is None else tuple(float(x) for x in _chunk_values(s.memory, s.start, s.end,
+                                                                                         bounds)),
+        timed_out=timed_out,
     )
 
 
@@ -383,45 +460,88 @@ def _improve_interleaved(
     if p == 1:
         return bounds
     b = list(bounds)
-    vp = np.zeros((C, values.shape[1] + 1))
-    np.cumsum(values, axis=1, out=vp[:, 1:])
-    V = vp.tolist()
-    d = div.tolist()
-
-    def term(rows: FloatArray | None, ci: int, layer: int) -> float:
-        return 0.0 if rows is None else float(rows[ci, layer])
-
-    def cost_of(ci: int, i: int, j: int) -> float:
-        return V[ci][j] - V[ci][i] + term(v_start, ci, i) + term(v_end, ci, j - 1)
-
+    cost_of = _span_sums(values, v_start, v_end)
     cost = [cost_of(i, b[i], b[i + 1]) for i in range(C)]
     load = [math.fsum(cost[ci] for ci in range(C) if place[ci] == r) for r in range(p)]
-    guarded = guard_rows is not None and guard_limits is not None
-    M: list[list[float]] = []
-    lim: list[float] = []
-    cmem: list[float] = []
-    rmem: list[float] = []
-
-    def mem_of(ci: int, i: int, j: int) -> float:
-        return M[ci][j] - M[ci][i] + term(g_start, ci, i) + term(g_end, ci, j - 1)
-
-    act_prefix = None if g_live is None else np.concatenate([[0.0], np.cumsum(g_live.activation_bytes)])
-    cact: list[float] = []
-
-    def peak(r: int) -> float:  # rank r's activation peak over its order (0 without g_live)
-        if g_live is None:
-            return 0.0
-        return float((g_live.counts[r] @ np.asarray(cact)).max())
-
+    guard = None
     if guard_rows is not None and guard_limits is not None:
-        mp = np.zeros((C, guard_rows.shape[1] + 1))
-        np.cumsum(guard_rows, axis=1, out=mp[:, 1:])
-        M = mp.tolist()
-        lim = guard_limits.tolist()
-        cmem = [mem_of(i, b[i], b[i + 1]) for i in range(C)]
-        rmem = [math.fsum(cmem[ci] for ci in range(C) if place[ci] == r) for r in range(p)]
+        guard = _MemoryGuard(guard_rows, guard_limits, g_start, g_end, g_live, b, place, p)
+    _single_moves(b, place, div.tolist(), cost_of, cost, load, guard)
+    if guard_rows is not None and guard_limits is not None and not np.all(
+        _exact_rank_memory(guard_rows, g_live, b, place, p, g_start, g_end) <= guard_limits
+    ):
+        return bounds  # incremental sums drifted past a limit: keep the start
+    return b
+
+
+def _term(rows: FloatArray | None, ci: int, layer: int) -> float:
+    return 0.0 if rows is None else float(rows[ci, layer])
+
+
+def _span_sums(rows: FloatArray, start: FloatArray | None, end: FloatArray | None) -> Callable[[int, int, int], float]:
+    """f(ci, i, j): chunk ci over layers [i, j), the sum of its row of ``rows`` plus the start term of its first
+    layer and the end term of its last (from prefix sums, as Python floats)."""
+    prefix = np.zeros((rows.shape[0], rows.shape[1] + 1))
+    np.cumsum(rows, axis=1, out=prefix[:, 1:])
+    P = prefix.tolist()
+
+    def span(ci: int, i: int, j: int) -> float:
+        return P[ci][j] - P[ci][i] + _term(start, ci, i) + _term(end, ci, j - 1)
+
+    return span
+
+
+class _MemoryGuard:
+    """Each rank's memory under the single moves, kept incrementally: its chunks' bytes on ``rows`` (with their
+    start and end terms) plus, with ``live``, its exact activation peak; a move is admitted only while the ranks
+    it touches stay within ``limits``."""
+
+    def __init__(self, rows: FloatArray, limits: FloatArray, start: FloatArray | None, end: FloatArray | None,
+                 live: LiveActivations | None, b: list[int], place: list[int], p: int) -> None:
+        C = rows.shape[0]
+        self.mem_of = _span_sums(rows, start, end)
+        self.lim: list[float] = limits.tolist()
+        self.cmem = [self.mem_of(i, b[i], b[i + 1]) for i in range(C)]
+        self.rmem = [math.fsum(self.cmem[ci] for ci in range(C) if place[ci] == r) for r in range(p)]
+        self.live = live
+        self.act_prefix = None if live is None else np.concatenate([[0.0], np.cumsum(live.activation_bytes)])
+        self.cact: list[float] = []
+        if self.act_prefix is not None:
+            self.cact = [float(self.act_prefix[b[i + 1]] - self.act_prefix[b[i]]) for i in range(C)]
+
+    def peak(self, r: int) -> float:
+        """Rank r's activation peak over its order (0 without live counts)."""
+        if self.live is None:
+            return 0.0
+        return float((self.live.counts[r] @ np.asarray(self.cact)).max())
+
+    def admits(self, b: list[int], ci: int, nb: int, ra: int, rb: int) -> bool:
+        """Whether moving boundary ci to nb keeps ranks ra and rb (its chunks' ranks) within their limits; if it
+        does, the move's memory is recorded (the caller then makes the move), else nothing changes."""
+        cmem, rmem, cact, act_prefix = self.cmem, self.rmem, self.cact, self.act_prefix
+        ma = self.mem_of(ci - 1, b[ci - 1], nb)
+        mb = self.mem_of(ci, nb, b[ci + 1])
+        nmem = {ra: rmem[ra], rb: rmem[rb]}
+        nmem[ra] += ma - cmem[ci - 1]
+        nmem[rb] += mb - cmem[ci]
+        old_act = cact[ci - 1:ci + 1]
         if act_prefix is not None:
-            cact = [float(act_prefix[b[i + 1]] - act_prefix[b[i]]) for i in range(C)]
+            cact[ci - 1] = float(act_prefix[nb] - act_prefix[b[ci - 1]])
+            cact[ci] = float(act_prefix[b[ci + 1]] - act_prefix[nb])
+        if any(x + self.peak(r) > self.lim[r] for r, x in nmem.items()):
+            cact[ci - 1:ci + 1] = old_act
+            return False
+        for r, x in nmem.items():
+            rmem[r] = x
+        cmem[ci - 1], cmem[ci] = ma, mb
+        return True
+
+
+def _single_moves(b: list[int], place: list[int], d: list[float], cost_of: Callable[[int, int, int], float],
+                  cost: list[float], load: list[float], guard: _MemoryGuard | None) -> None:
+    """The descent of :func:`_improve_interleaved`, in place on ``b`` (the boundaries), ``cost`` (per chunk) and
+    ``load`` (per rank, before dividing by ``d``): until no single move lowers the larger load of its two ranks."""
+    C = len(b) - 1
     improved = True
     while improved:
         improved = False
@@ -437,33 +557,14 @@ def _improve_interleaved(
                 new[rb] += cb - cost[ci]
                 if max(x / d[r] for r, x in new.items()) >= max(load[r] / d[r] for r in new) * (1 - _TIE):
                     continue
-                if guarded:
-                    ma = mem_of(ci - 1, b[ci - 1], nb)
-                    mb = mem_of(ci, nb, b[ci + 1])
-                    nmem = {ra: rmem[ra], rb: rmem[rb]}
-                    nmem[ra] += ma - cmem[ci - 1]
-                    nmem[rb] += mb - cmem[ci]
-                    old_act = cact[ci - 1:ci + 1]
-                    if act_prefix is not None:
-                        cact[ci - 1] = float(act_prefix[nb] - act_prefix[b[ci - 1]])
-                        cact[ci] = float(act_prefix[b[ci + 1]] - act_prefix[nb])
-                    if any(x + peak(r) > lim[r] for r, x in nmem.items()):
-                        cact[ci - 1:ci + 1] = old_act
-                        continue
-                    for r, x in nmem.items():
-                        rmem[r] = x
-                    cmem[ci - 1], cmem[ci] = ma, mb
+                if guard is not None and not guard.admits(b, ci, nb, ra, rb):
+                    continue
                 for r, x in new.items():
                     load[r] = x
                 cost[ci - 1], cost[ci] = ca, cb
                 b[ci] = nb
                 improved = True
                 break
-    if guard_rows is not None and guard_limits is not None and not np.all(
-        _exact_rank_memory(guard_rows, g_live, b, place, p, g_start, g_end) <= guard_limits
-    ):
-        return bounds  # incremental sums drifted past a limit: keep the start
-    return b
 
 
 def _no_slower(bottleneck: float, upper: float) -> bool:

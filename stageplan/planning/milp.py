@@ -82,88 +82,10 @@ def interleaved_milp(
     activation peak, not a bound."""
     L = costs.size
     C = p * v
-    nc = C - 1
-    nu = L * nc
-    z = nu  # the objective variable: bottleneck (time) or peak rank memory (memory)
-    ls, cs = np.meshgrid(np.arange(L), np.arange(1, C), indexing="ij")
-
-    def var(layer: IntArray, chunk: IntArray) -> IntArray:
-        return layer * nc + (chunk - 1)
-
-    lb = np.zeros(nu + 1)
-    ub = np.ones(nu + 1)
-    ub[var(ls, cs)[ls < cs]] = 0.0  # layer l is in chunk <= l
-    lb[var(ls, cs)[cs <= ls - (L - C)]] = 1.0  # ... and in chunk >= C - L + l
-    rows: list[IntArray] = []
-    cols: list[IntArray] = []
-    vals: list[FloatArray] = []
-    row_lo: list[float] = []
-    row_hi: list[float] = []
-    n_rows = 0
-
-    def add(r: IntArray, cidx: IntArray, val: FloatArray) -> None:
-        rows.append(r)
-        cols.append(cidx)
-        vals.append(val)
-
-    # u[l, c] >= u[l-1, c]
-    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(1, C), indexing="ij")
-    ll, cc = ll2.ravel(), cc2.ravel()
-    r = n_rows + np.arange(ll.size)
-    add(r, var(ll, cc), np.ones(ll.size))
-    add(r, var(ll - 1, cc), -np.ones(ll.size))
-    row_lo += [0.0] * ll.size
-    row_hi += [INF] * ll.size
-    n_rows += ll.size
-    # u[l, c] <= u[l-1, c-1]
-    ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(2, C), indexing="ij")
-    ll, cc = ll2.ravel(), cc2.ravel()
-    r = n_rows + np.arange(ll.size)
-    add(r, var(ll - 1, cc - 1), np.ones(ll.size))
-    add(r, var(ll, cc), -np.ones(ll.size))
-    row_lo += [0.0] * ll.size
-    row_hi += [INF] * ll.size
-    n_rows += ll.size
-
-    layers = np.arange(L)
-
-    def add_rank_rows(weights: FloatArray, rhs: FloatArray, z_coef: FloatArray, start: FloatArray | None = None,
-                      end: FloatArray | None = None, ranks: Sequence[int] | None = None) -> None:
-        """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the end
-        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or ``ranks``."""
-        nonlocal n_rows
-        for rank in range(p) if ranks is None else ranks:
-            const = 0.0
-            for chunk in (c for c in range(C) if place[c] == rank):
-                # + sum_l weights[chunk, l] * u[l, chunk]   (u[., 0] = 1)
-                if chunk == 0:
-                    const += float(weights[0].sum())
-                else:
-                    add(np.full(L, n_rows), var(layers, np.full(L, chunk)), weights[chunk])
-                # - sum_l weights[chunk, l] * u[l, chunk+1]   (u[., C] = 0)
-                if chunk + 1 <= C - 1:
-                    add(np.full(L, n_rows), var(layers, np.full(L, chunk + 1)), -weights[chunk])
-                if start is not None:  # sum_{l>=1} start[chunk, l] * (u[l, chunk] - u[l-1, chunk])
-                    if chunk == 0:
-                        const += float(start[0, 0])
-                    else:
-                        coef = np.zeros(L)
-                        coef[1:] += start[chunk, 1:]
-                        coef[:-1] -= start[chunk, 1:]
-                        add(np.full(L, n_rows), var(layers, np.full(L, chunk)), coef)
-                if end is not None:  # sum_{l<=L-2} end[chunk, l] * (u[l+1, chunk+1] - u[l, chunk+1])
-                    if chunk == C - 1:
-                        const += float(end[C - 1, L - 1])
-                    else:
-                        coef = np.zeros(L)
-                        coef[1:] += end[chunk, :-1]
-                        coef[:-1] -= end[chunk, :-1]
-                        add(np.full(L, n_rows), var(layers, np.full(L, chunk + 1)), coef)
-            add(np.array([n_rows]), np.array([z]), np.array([z_coef[rank]]))
-            row_lo.append(-INF)
-            row_hi.append(float(rhs[rank]) - const)
-            n_rows += 1
-
+    rows = _Rows(L, C, p, place)
+    rows.staircase()
+    lb, ub = _variable_bounds(L, C)
+    z = rows.z
     time_scale = lower if lower > 0 else 1.0
     mem_scale = 1.0
     if memory is not None:
@@ -171,66 +93,200 @@ def interleaved_milp(
         mem_scale = max(float(whole.sum(axis=1).max()) / p, 1e-300)
     ms = None if mem_start is None else mem_start / mem_scale
     me = None if mem_end is None else mem_end / mem_scale
-
-    def add_memory_rows(rhs: FloatArray, z_coef: FloatArray) -> None:
-        assert memory is not None
-        if live is None:
-            add_rank_rows(memory / mem_scale, rhs, z_coef, ms, me)
-            return
-        for rank, vectors in enumerate(live.counts):
-            for counts in vectors:
-                rows_k = (memory + counts[:, None] * live.activation_bytes[None, :]) / mem_scale
-                add_rank_rows(rows_k, rhs, z_coef, ms, me, ranks=[rank])
     if objective == "time":
-        add_rank_rows(np.broadcast_to(costs / time_scale, (C, L)), np.zeros(p), -speeds,
-                      end=None if time_end is None else time_end / time_scale)
+        rows.rank_rows(np.broadcast_to(costs / time_scale, (C, L)), np.zeros(p), -speeds,
+                       end=None if time_end is None else time_end / time_scale)
         if memory is not None and limits is not None:
             finite = np.where(np.isfinite(limits), limits / mem_scale, 1e300)
-            add_memory_rows(finite, np.zeros(p))
+            rows.memory_rows(memory, live, mem_scale, ms, me, finite, np.zeros(p))
         lb[z] = lower / time_scale
         ub[z] = upper / time_scale * (1 + 1e-9) if math.isfinite(upper) else INF
         scale = time_scale
     else:
         assert memory is not None
-        add_memory_rows(np.zeros(p), -np.ones(p))
+        rows.memory_rows(memory, live, mem_scale, ms, me, np.zeros(p), -np.ones(p))
         lb[z] = 0.0
         ub[z] = INF
         scale = mem_scale
-    a = sparse.csr_array(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_rows, nu + 1)
-    )
-    objective_vec = np.zeros(nu + 1)
-    objective_vec[z] = 1.0
-    integrality = np.ones(nu + 1)
-    integrality[z] = 0
+    model = _Model(L, rows.nc, z, lb, ub, rows.matrix(), np.asarray(rows.lo), np.asarray(rows.hi))
+    res, unchecked = _solve_checked(model, presolve, time_limit_s)
+    dual = res.get("mip_dual_bound")
+    dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -INF
+    bounds = model.split_of(res)
+    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1,
+                       unchecked)
 
-    def highs(use_presolve: bool, seconds: float) -> Any:
-        try:
-            return milp(use_presolve, seconds)
-        except (ValueError, RuntimeError) as exc:  # HiGHS can raise (vector::reserve): an error like status 4
-            return optimize.OptimizeResult(status=_HIGHS_SOLVE_ERROR, x=None, message=str(exc))
 
-    def milp(use_presolve: bool, seconds: float) -> Any:
-        with warnings.catch_warnings():
-            # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return optimize.milp(
-                objective_vec,
-                integrality=integrality,
-                bounds=optimize.Bounds(lb, ub),
-                constraints=optimize.LinearConstraint(a, np.asarray(row_lo), np.asarray(row_hi)),
-                options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9, "presolve": use_presolve},
-            )
+def _variable_bounds(L: int, C: int) -> tuple[FloatArray, FloatArray]:
+    """Bounds of u (L x (C-1), layer-major) and of the objective variable last, which the caller sets: u is
+    binary, 0 where a layer cannot reach a chunk and 1 where it must have passed it."""
+    nc = C - 1
+    nu = L * nc
+    ls, cs = np.meshgrid(np.arange(L), np.arange(1, C), indexing="ij")
+    lb = np.zeros(nu + 1)
+    ub = np.ones(nu + 1)
+    ub[_var(ls, cs, nc)[ls < cs]] = 0.0  # layer l is in chunk <= l
+    lb[_var(ls, cs, nc)[cs <= ls - (L - C)]] = 1.0  # ... and in chunk >= C - L + l
+    return lb, ub
 
-    def split_of(result: Any) -> list[int] | None:
+
+def _var(layer: IntArray, chunk: IntArray, nc: int) -> IntArray:
+    """The column of u[layer, chunk] (chunk = 1..C-1)."""
+    return layer * nc + (chunk - 1)
+
+
+class _Rows:
+    """The MILP's constraint rows, built block by block in coordinate form: row_lo <= A x <= row_hi over
+    x = (u, z), z (the column after u) the objective variable: bottleneck (time) or peak rank memory (memory)."""
+
+    def __init__(self, L: int, C: int, p: int, place: list[int]) -> None:
+        self.L, self.C, self.p, self.place = L, C, p, place
+        self.nc = C - 1
+        self.z = L * self.nc
+        self.rows: list[IntArray] = []
+        self.cols: list[IntArray] = []
+        self.vals: list[FloatArray] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.n = 0
+
+    def add(self, r: IntArray, cidx: IntArray, val: FloatArray) -> None:
+        self.rows.append(r)
+        self.cols.append(cidx)
+        self.vals.append(val)
+
+    def staircase(self) -> None:
+        """u[l, c] >= u[l-1, c] and u[l, c] <= u[l-1, c-1]: each chunk non-empty and contiguous."""
+        L, C, nc = self.L, self.C, self.nc
+        # u[l, c] >= u[l-1, c]
+        ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(1, C), indexing="ij")
+        ll, cc = ll2.ravel(), cc2.ravel()
+        r = self.n + np.arange(ll.size)
+        self.add(r, _var(ll, cc, nc), np.ones(ll.size))
+        self.add(r, _var(ll - 1, cc, nc), -np.ones(ll.size))
+        self.lo += [0.0] * ll.size
+        self.hi += [INF] * ll.size
+        self.n += ll.size
+        # u[l, c] <= u[l-1, c-1]
+        ll2, cc2 = np.meshgrid(np.arange(1, L), np.arange(2, C), indexing="ij")
+        ll, cc = ll2.ravel(), cc2.ravel()
+        r = self.n + np.arange(ll.size)
+        self.add(r, _var(ll - 1, cc - 1, nc), np.ones(ll.size))
+        self.add(r, _var(ll, cc, nc), -np.ones(ll.size))
+        self.lo += [0.0] * ll.size
+        self.hi += [INF] * ll.size
+        self.n += ll.size
+
+    def rank_rows(self, weights: FloatArray, rhs: FloatArray, z_coef: FloatArray, start: FloatArray | None = None,
+                  end: FloatArray | None = None, ranks: Sequence[int] | None = None) -> None:
+        """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the end
+        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or ``ranks``."""
+        L, C, nc = self.L, self.C, self.nc
+        layers = np.arange(L)
+        for rank in range(self.p) if ranks is None else ranks:
+            const = 0.0
+            for chunk in (c for c in range(C) if self.place[c] == rank):
+                # + sum_l weights[chunk, l] * u[l, chunk]   (u[., 0] = 1)
+                if chunk == 0:
+                    const += float(weights[0].sum())
+                else:
+                    self.add(np.full(L, self.n), _var(layers, np.full(L, chunk), nc), weights[chunk])
+                # - sum_l weights[chunk, l] * u[l, chunk+1]   (u[., C] = 0)
+                if chunk + 1 <= C - 1:
+                    self.add(np.full(L, self.n), _var(layers, np.full(L, chunk + 1), nc), -weights[chunk])
+                if start is not None:  # sum_{l>=1} start[chunk, l] * (u[l, chunk] - u[l-1, chunk])
+                    if chunk == 0:
+                        const += float(start[0, 0])
+                    else:
+                        coef = np.zeros(L)
+                        coef[1:] += start[chunk, 1:]
+                        coef[:-1] -= start[chunk, 1:]
+                        self.add(np.full(L, self.n), _var(layers, np.full(L, chunk), nc), coef)
+                if end is not None:  # sum_{l<=L-2} end[chunk, l] * (u[l+1, chunk+1] - u[l, chunk+1])
+                    if chunk == C - 1:
+                        const += float(end[C - 1, L - 1])
+                    else:
+                        coef = np.zeros(L)
+                        coef[1:] += end[chunk, :-1]
+                        coef[:-1] -= end[chunk, :-1]
+                        self.add(np.full(L, self.n), _var(layers, np.full(L, chunk + 1), nc), coef)
+            self.add(np.array([self.n]), np.array([self.z]), np.array([z_coef[rank]]))
+            self.lo.append(-INF)
+            self.hi.append(float(rhs[rank]) - const)
+            self.n += 1
+
+    def memory_rows(self, memory: FloatArray, live: LiveActivations | None, mem_scale: float, ms: FloatArray | None,
+                    me: FloatArray | None, rhs: FloatArray, z_coef: FloatArray) -> None:
+        """Each rank's memory over ``mem_scale`` (``ms``, ``me``: the start and end terms, already over it)
+        + z_coef[r] * z <= rhs[r]; with ``live``, one row per rank and live-count vector."""
+        if live is None:
+            self.rank_rows(memory / mem_scale, rhs, z_coef, ms, me)
+            return
+        for rank, vectors in enumerate(live.counts):
+            for counts in vectors:
+                rows_k = (memory + counts[:, None] * live.activation_bytes[None, :]) / mem_scale
+                self.rank_rows(rows_k, rhs, z_coef, ms, me, ranks=[rank])
+
+    def matrix(self) -> Any:
+        """A as a sparse (rows, columns of u and z) array."""
+        return sparse.csr_array(
+            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+            shape=(self.n, self.z + 1),
+        )
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The MILP in scipy's form: x = (u, z), u (L x nc, layer-major) binary, z continuous, min z."""
+
+    L: int
+    nc: int
+    z: int
+    lb: FloatArray
+    ub: FloatArray  # the check of a proof lowers ub[z] for its own solve, and restores it
+    a: Any
+    row_lo: FloatArray
+    row_hi: FloatArray
+
+    def split_of(self, result: Any) -> list[int] | None:
+        """The chunk boundaries of HiGHS's x, or None without one (or with a staircase rounding gives no split)."""
         if result.x is None:
             return None
-        u = np.rint(result.x[:nu]).reshape(L, nc)
-        cand = [0, *(L - u.sum(axis=0)).astype(np.int64).tolist(), L]
+        u = np.rint(result.x[: self.z]).reshape(self.L, self.nc)
+        cand = [0, *(self.L - u.sum(axis=0)).astype(np.int64).tolist(), self.L]
         return cand if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)) else None
 
+
+def _highs(model: _Model, use_presolve: bool, seconds: float) -> Any:
+    try:
+        return _milp(model, use_presolve, seconds)
+    except (ValueError, RuntimeError) as exc:  # HiGHS can raise (vector::reserve): an error like status 4
+        return optimize.OptimizeResult(status=_HIGHS_SOLVE_ERROR, x=None, message=str(exc))
+
+
+def _milp(model: _Model, use_presolve: bool, seconds: float) -> Any:
+    objective_vec = np.zeros(model.z + 1)
+    objective_vec[model.z] = 1.0
+    integrality = np.ones(model.z + 1)
+    integrality[model.z] = 0
+    with warnings.catch_warnings():
+        # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return optimize.milp(
+            objective_vec,
+            integrality=integrality,
+            bounds=optimize.Bounds(model.lb, model.ub),
+            constraints=optimize.LinearConstraint(model.a, model.row_lo, model.row_hi),
+            options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9, "presolve": use_presolve},
+        )
+
+
+def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[Any, list[int] | None]:
+    """HiGHS's result within ``time_limit_s`` (with ``presolve``: solved again without it after a solve error, and
+    a proof checked without it), and the split a check refuted (``unchecked``; None when none was)."""
+    z, lb, ub = model.z, model.lb, model.ub
     began = time.perf_counter()
-    res = highs(bool(presolve), float(time_limit_s))
+    res = _highs(model, bool(presolve), float(time_limit_s))
     unchecked = None
     if presolve:
         took = time.perf_counter() - began
@@ -240,7 +296,7 @@ def interleaved_milp(
             # bound, where the same model solves without it: 2 of 51,844 random instances (3 ranks x 2 chunks,
             # 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's upper bound:
             # optimal 14). The plan had fallen back to the unproven heuristic split. So it is solved again without.
-            res = highs(False, left)
+            res = _highs(model, False, left)
         elif res.status == 0 and res.x is not None and left > 0 and res.x[z] * (1 - _VERIFY) > lb[z]:
             # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs, 5.6
             # where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34 B). So a
@@ -250,12 +306,8 @@ def interleaved_milp(
             # most what the proof took (at least _CHECK_MIN_S), so a plan takes at most about twice as long.
             claimed = ub[z]
             ub[z] = res.x[z] * (1 - _VERIFY)
-            check = highs(False, min(left, max(took, _CHECK_MIN_S)))
+            check = _highs(model, False, min(left, max(took, _CHECK_MIN_S)))
             ub[z] = claimed
-            if split_of(check) is not None:
-                unchecked, res = split_of(res), check
-    dual = res.get("mip_dual_bound")
-    dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -INF
-    bounds = split_of(res)
-    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1,
-                       unchecked)
+            if model.split_of(check) is not None:
+                unchecked, res = model.split_of(res), check
+    return res, unchecked

@@ -4,7 +4,7 @@ schedule's shape (in-flight microbatches, live activations) once per (schedule, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
@@ -40,8 +40,10 @@ __all__ = [
     "send_waits",
 ]
 # Share of a stage's backward time given to W in zero-bubble schedules; I gets the rest. A profile
-# measures one backward per layer (hooks cannot time the weight-gradient work alone; see FIELD.md), so
-# the split is an assumption: an even split, the I = W case the zero-bubble paper analyses.
+# measures one backward per layer (autograd hooks cannot time the weight-gradient work alone; torch
+# splits I from W only inside its zero-bubble stages, torch/distributed/pipelining/_backward.py), so
+# the split is an assumption: an even split, the I = W case the zero-bubble paper (Qi et al. 2024,
+# arXiv 2401.10241) analyses.
 WEIGHT_GRAD_SHARE = 0.5
 
 
@@ -428,7 +430,7 @@ def peak_inflight(
 def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
     """Idle share of a step for balanced GPipe and 1F1B without communication: (p - 1) / (m + p - 1).
 
-    Source: GPipe (Huang et al. 2019); see FIELD.md. 8 ranks and 8 microbatches give 46.7%.
+    Source: GPipe (Huang et al. 2019, arXiv 1811.06965). 8 ranks and 8 microbatches give 46.7%.
 
     >>> round(bubble_closed_form(8, 8), 3), round(bubble_closed_form(8, 64), 3)
     (0.467, 0.099)
@@ -575,30 +577,45 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
     optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none.
     ``tied_sync_s``: seconds of the tied-gradient all-reduce, a collective every rank starts once the last
     rank's last action has ended, before its optimizer step; 0: none."""
-    name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
-    num_stages = shape.num_chunks
-    orders = shape.orders
+    hop, duration = _hops_and_durations(shape, fwd, bwd, comm)
+    events, free, busy, waited = _run_orders(shape, hop, duration)
+    return _simulation(shape, events, free, busy, waited, optimizer, tied_sync_s)
+
+
+def _hops_and_durations(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray,
+                        comm: np.ndarray) -> tuple[list[float], dict[str, list[float]]]:
+    """Per boundary k -> k+1, the delay of a crossing (seconds); per action kind, each chunk's duration."""
     ranks = shape.stage_ranks
     # A boundary between two stages on one rank is a local hand-over in torch: no transfer time.
-    hop = [0.0 if ranks[k] == ranks[k + 1] else float(comm[k]) for k in range(num_stages - 1)]
+    hop = [0.0 if ranks[k] == ranks[k + 1] else float(comm[k]) for k in range(shape.num_chunks - 1)]
     duration = {
         "F": fwd.tolist(),
         "B": bwd.tolist(),
         "I": (bwd * (1.0 - WEIGHT_GRAD_SHARE)).tolist(),
         "W": (bwd * WEIGHT_GRAD_SHARE).tolist(),
     }
-    # End times: forward_end[k][i]; grad_end[k][i] = end of B or I (the action sending the gradient).
-    forward_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
-    grad_end: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
-    last = num_stages - 1
+    return hop, duration
 
+
+_Done = Callable[[Sequence[Action]], float | None]  # done(sends): when the last of them completed
+_StartAt = Callable[[Action, int, float], float | None]  # start_at(action, position, free_at)
+
+
+def _event_clock(
+    shape: ScheduleShape,
+    hop: list[float],
+    forward_end: list[list[float | None]],
+    grad_end: list[list[float | None]],
+    posted: dict[tuple[str, int, int], float],
+    arrived: dict[tuple[str, int, int], float],
+    transfers: dict[tuple[str, int, int], TimelineEvent],
+) -> tuple[_Done, _StartAt]:
+    """The two questions the event loop asks, as closures over the simulation's state (the dicts and lists
+    passed in, which they read and fill): ``done(sends)`` and ``start_at(action, position, free_at)``."""
+    ranks = shape.stage_ranks
+    last = shape.num_chunks - 1
     on_demand = shape.receives_on_demand
     waits = shape.send_waits
-    # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the moment
-    # the send feeding it completes, for the sender's own waits)
-    posted: dict[tuple[str, int, int], float] = {}
-    arrived: dict[tuple[str, int, int], float] = {}
-    transfers: dict[tuple[str, int, int], TimelineEvent] = {}  # per receiving action: its message's crossing
 
     def done(sends: Sequence[Action]) -> float | None:
         """When the last of ``sends`` completed (0.0 for none), or None while one has not."""
@@ -637,6 +654,27 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             return None
         return max(post, arrived[key], fused)
 
+    return done, start_at
+
+
+def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list[float]]
+                ) -> tuple[list[TimelineEvent], list[float], list[float], list[float]]:
+    """Run every rank's torch order, one action at a time: the timeline's compute events followed by its
+    transfers, and per rank when it is free after its last sends, its busy seconds and its receive waits."""
+    name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
+    orders = shape.orders
+    ranks = shape.stage_ranks
+    last = shape.num_chunks - 1
+    # End times: forward_end[k][i]; grad_end[k][i] = end of B or I (the action sending the gradient).
+    forward_end: list[list[float | None]] = [[None] * m for _ in range(shape.num_chunks)]
+    grad_end: list[list[float | None]] = [[None] * m for _ in range(shape.num_chunks)]
+    # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the moment
+    # the send feeding it completes, for the sender's own waits)
+    posted: dict[tuple[str, int, int], float] = {}
+    arrived: dict[tuple[str, int, int], float] = {}
+    transfers: dict[tuple[str, int, int], TimelineEvent] = {}  # per receiving action: its message's crossing
+    done, start_at = _event_clock(shape, hop, forward_end, grad_end, posted, arrived, transfers)
+
     events: list[TimelineEvent] = []
     free = [0.0] * p
     busy = [0.0] * p
@@ -674,23 +712,31 @@ def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm:
             raise RuntimeError(
                 f"simulation of {name} (p={p}, m={m}, v={v}) deadlocked at positions {position}"
             )
+    waits = shape.send_waits
     if waits is not None:  # step() returns once the rank's last sends have been received
         for rank in range(p):
             last_sends = done(waits[rank].at_end)
             assert last_sends is not None  # every action has run, so every receive has been posted
             free[rank] = max(free[rank], last_sends)
-
     events += transfers.values()
-    _after_the_schedule(events, free, busy, ranks, optimizer, float(tied_sync_s))
+    return events, free, busy, waited
+
+
+def _simulation(shape: ScheduleShape, events: list[TimelineEvent], free: list[float], busy: list[float],
+                waited: list[float], optimizer: np.ndarray | None, tied_sync_s: float) -> Simulation:
+    """The step after the schedule (tied all-reduce, optimizer steps) and the result: step time, idle shares and
+    the timeline sorted by start time."""
+    p = shape.num_ranks
+    _after_the_schedule(events, free, busy, shape.stage_ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)
     bubble = sum(idle) / (p * step) if step > 0 else 0.0
     events.sort(key=lambda e: (e.start_s, e.rank))
     return Simulation(
-        schedule=name,
+        schedule=shape.schedule,
         num_ranks=p,
-        num_microbatches=m,
-        virtual_stages=v,
+        num_microbatches=shape.num_microbatches,
+        virtual_stages=shape.virtual_stages,
         step_s=step,
         busy_s=tuple(busy),
         idle_s=idle,

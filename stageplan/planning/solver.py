@@ -286,6 +286,43 @@ def solve(
     >>> solve([1, 2, 3, 4, 5, 6], 2).stage_costs
     (10.0, 11.0)
     """
+    c, p, speeds, bcosts = _validated_times(costs, num_stages, stage_speeds, boundary_costs)
+    memory, start, end, limits = _validated_memory(
+        c.size, p, memory_bytes, memory_start_bytes, memory_end_bytes, memory_limit_bytes
+    )
+    inst = build_instance(c, p, speeds, bcosts, memory, start, end, limits)
+
+    first = run_probe(inst, INF, INF)
+    if not first.feasible:
+        assert limits is not None
+        _raise_infeasible(inst, limits)
+    assert first.bounds is not None
+
+    # Boundary and end terms force the O(pL) probes when a stage can get cheaper as its end grows (see
+    # _monotone_in_end). Dropping them relaxes the problem (every term is >= 0), and the relaxed optimum,
+    # found with the fast probes, is a lower bound that is usually attained: starting the exact search
+    # there (probed first) typically leaves one or two O(pL) probes instead of ~20.
+    relaxed: Instance | None = None
+    if start is None and (bcosts is not None or end is not None) and not fast_applies(inst, INF, INF):
+        relaxed = build_instance(c, p, speeds, None, memory, None, None, limits)
+
+    # 1. the optimal bottleneck
+    best_time, best = _least_time(inst, relaxed, first.bounds)
+    time_cap = best_time + _TIE_REL * best_time
+    util_cap = INF
+    # 2. among (near-)optimal partitions, the smallest peak memory utilisation
+    if inst.has_memory:
+        best_util, best = _least_util(inst, relaxed, time_cap, best)
+        util_cap = best_util + _TIE_REL * best_util
+    # 3. among those, the lexicographically smallest boundaries
+    bounds = lex_smallest(inst, time_cap, util_cap) or best
+    return _solution(inst, bounds)
+
+
+def _validated_times(
+    costs: ArrayLike, num_stages: int, stage_speeds: ArrayLike | None, boundary_costs: ArrayLike | None
+) -> tuple[FloatArray, int, FloatArray, FloatArray | None]:
+    """solve's time inputs, checked in order: costs (L,), the stage count (1..L), speeds (p,), boundary rows."""
     c = validate_costs(costs)
     num_layers = c.size
     p = validate_count("num_stages", num_stages, "pipeline stages")
@@ -296,6 +333,19 @@ def solve(
         )
     speeds = validate_speeds("stage_speeds", stage_speeds, p, "stage")
     bcosts = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage", view=True)
+    return c, p, speeds, bcosts
+
+
+def _validated_memory(
+    num_layers: int,
+    p: int,
+    memory_bytes: ArrayLike | None,
+    memory_start_bytes: ArrayLike | None,
+    memory_end_bytes: ArrayLike | None,
+    memory_limit_bytes: ArrayLike | None,
+) -> tuple[FloatArray | None, FloatArray | None, FloatArray | None, FloatArray | None]:
+    """solve's memory inputs as (p, L) rows (broadcast views for shared rows) and (p,) limits; all None without
+    memory_bytes, where a start, end or limit given alone is an error."""
     memory = start = end = limits = None
     if memory_bytes is None:
         for name, given in (
@@ -316,21 +366,12 @@ def solve(
             end = validate_rows("memory_end_bytes", memory_end_bytes, p, num_layers, "stage", view=True)
         if memory_limit_bytes is not None:
             limits = validate_limits(memory_limit_bytes, p, "stage")
-    inst = build_instance(c, p, speeds, bcosts, memory, start, end, limits)
+    return memory, start, end, limits
 
-    first = run_probe(inst, INF, INF)
-    if not first.feasible:
-        assert limits is not None
-        _raise_infeasible(inst, limits)
-    assert first.bounds is not None
 
-    # Boundary and end terms force the O(pL) probes when a stage can get cheaper as its end grows (see
-    # _monotone_in_end). Dropping them relaxes the problem (every term is >= 0), and the relaxed optimum,
-    # found with the fast probes, is a lower bound that is usually attained: starting the exact search
-    # there (probed first) typically leaves one or two O(pL) probes instead of ~20.
-    relaxed: Instance | None = None
-    if start is None and (bcosts is not None or end is not None) and not fast_applies(inst, INF, INF):
-        relaxed = build_instance(c, p, speeds, None, memory, None, None, limits)
+def _least_time(inst: Instance, relaxed: Instance | None, first: list[int]) -> tuple[float, list[int]]:
+    """The optimal bottleneck and a partition attaining it, searched up from the relaxed optimum when there is a
+    relaxation (``first``: the partition of the first, unbounded probe)."""
     time_lo = inst.time_lower
     if relaxed is not None:
         r_first = run_probe(relaxed, INF, INF)
@@ -339,42 +380,42 @@ def solve(
                               lambda t: run_probe(relaxed, t, INF), lambda r: r.next_time,
                               lambda b: max_time(relaxed, b), try_lo_first=True)
         time_lo = max(time_lo, r_time * (1.0 - _TIE_REL))
-
-    # 1. the optimal bottleneck
-    best_time, best = _minimise(
+    return _minimise(
         time_lo,
-        max_time(inst, first.bounds),
-        first.bounds,
+        max_time(inst, first),
+        first,
         lambda t: run_probe(inst, t, INF),
         lambda r: r.next_time,
         lambda b: max_time(inst, b),
         try_lo_first=True,
     )
-    time_cap = best_time + _TIE_REL * best_time
-    util_cap = INF
-    # 2. among (near-)optimal partitions, the smallest peak memory utilisation
-    if inst.has_memory:
-        util_lo = inst.util_lower
-        if relaxed is not None and relaxed.has_memory:
-            r_probe = run_probe(relaxed, time_cap, INF, time_events=False)
-            if r_probe.feasible and r_probe.bounds is not None:
-                r_util, _ = _minimise(relaxed.util_lower, max_util(relaxed, r_probe.bounds), r_probe.bounds,
-                                      lambda u: run_probe(relaxed, time_cap, u, time_events=False),
-                                      lambda r: r.next_util, lambda b: max_util(relaxed, b), try_lo_first=False)
-                util_lo = max(util_lo, r_util * (1.0 - _TIE_REL))
-        best_util, best = _minimise(
-            util_lo,
-            max_util(inst, best),
-            best,
-            lambda u: run_probe(inst, time_cap, u, time_events=False),
-            lambda r: r.next_util,
-            lambda b: max_util(inst, b),
-            try_lo_first=relaxed is not None,
-        )
-        util_cap = best_util + _TIE_REL * best_util
-    # 3. among those, the lexicographically smallest boundaries
-    bounds = lex_smallest(inst, time_cap, util_cap) or best
 
+
+def _least_util(inst: Instance, relaxed: Instance | None, time_cap: float,
+                best: list[int]) -> tuple[float, list[int]]:
+    """Among partitions within ``time_cap``, the smallest peak memory utilisation and a partition attaining it
+    (``best``: one within the cap), searched up from the relaxed optimum when the relaxation has memory."""
+    util_lo = inst.util_lower
+    if relaxed is not None and relaxed.has_memory:
+        r_probe = run_probe(relaxed, time_cap, INF, time_events=False)
+        if r_probe.feasible and r_probe.bounds is not None:
+            r_util, _ = _minimise(relaxed.util_lower, max_util(relaxed, r_probe.bounds), r_probe.bounds,
+                                  lambda u: run_probe(relaxed, time_cap, u, time_events=False),
+                                  lambda r: r.next_util, lambda b: max_util(relaxed, b), try_lo_first=False)
+            util_lo = max(util_lo, r_util * (1.0 - _TIE_REL))
+    return _minimise(
+        util_lo,
+        max_util(inst, best),
+        best,
+        lambda u: run_probe(inst, time_cap, u, time_events=False),
+        lambda r: r.next_util,
+        lambda b: max_util(inst, b),
+        try_lo_first=relaxed is not None,
+    )
+
+
+def _solution(inst: Instance, bounds: list[int]) -> Solution:
+    """The Solution for ``bounds``: its stage times and memory, as the instance evaluates them."""
     stage_costs = tuple(float(x) for x in stage_times(inst, bounds))
     stage_memory = tuple(float(x) for x in stage_mems(inst, bounds)) if inst.has_memory else None
     return Solution(
