@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -252,15 +252,10 @@ def plan(
     Adam in mixed precision), else the profiled parameters' bytes are used.
 
     ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
-    link instead of ``bandwidth``: its bandwidth as ``bandwidth`` would, and its fused send/receive exchange (its
-    latency where the link has no exchange, :func:`stageplan.formats.link.crossing_s`) as the delay of every boundary
-    crossing, its ``action_s`` (torch's schedule loop per chunk action) around every forward and backward, and its
-    ``chunk_forward_s`` and ``chunk_backward_s`` (PipelineStage's own code inside each chunk call) in every chunk's
-    forward and backward. A profile calibrated from a run keeps that run's chunk overheads with a link or without
-    (its layers were calibrated net of them), and its tied all-reduce where calibrate scaled it to the sum the run
-    took; without a link it keeps the run's crossing delay too, and with one the link's replaces it. A profile
-    estimated for a GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node from
-    gpus.json (NVLink or xGMI), said in a note.
+    link instead of ``bandwidth``: its bandwidth, its fused send/receive exchange as every crossing's delay, and the
+    schedule's own overheads around and inside every chunk call (docs/cost-model.md). A calibrated profile keeps its
+    run's chunk overheads and tied all-reduce, and its crossing delay unless a link replaces it. An estimate for a
+    GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node (gpus.json), in a note.
 
     ``objective`` is what the optimal method minimises. "bottleneck" (the default): the slowest rank's time per
     microbatch, exactly, then the lowest simulated step among splits with that bottleneck. "step": the lowest
@@ -283,78 +278,131 @@ def plan(
     """
     prof = as_profile(profile)
     given, given_as, given_input = _given_split(prof, method, boundaries, megatron_layout, fqns)
-    if given is not None:
-        method = "given"
-    elif method is None:
-        method = "optimal"
-    elif method not in METHODS:
-        raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    method = "given" if given is not None else _checked_method(method)
     check_objective(objective, method)
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not 0 < time_limit_s < math.inf:
-        raise StageplanError(f"the solver's time limit must be a finite number of seconds > 0, got {time_limit_s!r}; "
-                             "e.g. --time-limit 20 (time_limit_s=20)")
-    time_limit_s = float(time_limit_s)
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
-    latency_s = float(prof.meta.get("calibration", {}).get("boundary_latency_s", 0.0))
-    link_latency_s = float(prof.meta.get("calibration", {}).get("link_latency_s", 0.0))  # the calibrating run's link
-    calibration = prof.meta.get("calibration", {})
-    overheads: dict[str, Any] = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # and its schedule probe
-    overheads.update({k: calibration.get(k) for k in COLLECTIVE})  # and its all-reduce
-    latency_source = "fitted by calibrate from a run"
-    link_note = None
-    if link is not None:
-        if bandwidth is not None:
-            raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
-                                 "--link LINK.json for the measured link, or --bandwidth RATE")
-        bw, latency_s, latency_source, link_note, link_latency_s, overheads = measured_link(link, calibration)
-    elif bw is None and estimate_label(prof.meta):
-        bw, link_note = estimated_link(prof.meta)
-    devs = _devices(devices)
+    time_limit_s = _checked_time_limit(time_limit_s)
+    price = _pricing(prof, bandwidth, link)
     LayerArrays.of(prof)  # refuses NaN or negative costs before any candidate is tried
     if len(prof) == 0:
         raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
     batch = int(prof.meta["batch_size"]) if prof.meta.get("batch_size") else 0
     mb0 = int(prof.meta.get("microbatch_size") or 1)
-
     schedules = ["1F1B", "GPipe", "Interleaved1F1B"] if schedule == "auto" else [schedule]
+    ms = _microbatch_counts(num_microbatches, batch, mb0, num_ranks)
+    auto = len(ms) * len(schedules) > 1
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    devs = _devices(devices)
+
+    def candidate(sched: str, m: int) -> Plan:
+        # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
+        # (refused if it cannot)
+        v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
+        mb = batch // m if num_microbatches == "auto" else mb0
+        prof_m = rescaled_profile(prof, mb / mb0) if mb != mb0 else prof
+        opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
+                            optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
+                            recompute=recompute, precision=precision, **price.options())
+        cand = _make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given, given_as,
+                          given_input, time_limit_s, objective)
+        return cand.with_notes((*cand.notes, price.note)) if price.note else cand
+
+    best, candidates = _best_candidate(candidate, schedules, ms, auto, method)
+    if auto:
+        notes = list(best.notes)
+        if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
+            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
+                         "re-profile at that size to confirm")
+        best = dataclasses.replace(best, candidates=tuple(candidates)).with_notes(notes)
+    best = _batch_note(best, batch)
+    for note in best.notes:
+        if "bubble" in note:
+            warnings.warn(note, PlanNote, stacklevel=2)
+    return best
+
+
+def _checked_method(method: str | None) -> str:
+    if method is None:
+        return "optimal"
+    if method not in METHODS:
+        raise StageplanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    return method
+
+
+def _checked_time_limit(time_limit_s: float) -> float:
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not 0 < time_limit_s < math.inf:
+        raise StageplanError(f"the solver's time limit must be a finite number of seconds > 0, got {time_limit_s!r}; "
+                             "e.g. --time-limit 20 (time_limit_s=20)")
+    return float(time_limit_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pricing:
+    """How the boundaries and the chunks are priced: the bandwidth (bytes/s, None = free), the delay of a crossing
+    (s) and where it came from, the link's one-way latency (s) and the schedule probe's overheads (s, or None where
+    the all-reduce was not timed), and the note that says which link it is."""
+
+    bandwidth_bytes_per_s: float | None
+    boundary_latency_s: float
+    latency_source: str
+    link_latency_s: float
+    overheads: dict[str, Any]
+    note: str | None
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`make_options` that price the link."""
+        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "boundary_latency_s": self.boundary_latency_s,
+                "latency_source": self.latency_source, "link_latency_s": self.link_latency_s,
+                **{k: self.overheads[k] for k in (*OVERHEADS, *COLLECTIVE)}}
+
+
+def _pricing(prof: Profile, bandwidth: float | str | None,
+             link: Mapping[str, Any] | str | os.PathLike[str] | None) -> _Pricing:
+    """The link's pricing: a measured LINK.json, else ``bandwidth``, else (for a GPU estimate) that GPU's link
+    within a node; a calibrated profile brings its run's crossing delay and overheads (see :func:`plan`)."""
+    calibration = prof.meta.get("calibration", {})
+    bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
+    overheads: dict[str, Any] = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}  # the run's schedule probe
+    overheads.update({k: calibration.get(k) for k in COLLECTIVE})  # and its all-reduce
+    if link is not None:
+        if bandwidth is not None:
+            raise StageplanError("link and bandwidth both price the boundaries (--link and --bandwidth); give one: "
+                                 "--link LINK.json for the measured link, or --bandwidth RATE")
+        bw, latency_s, source, said, link_latency_s, overheads = measured_link(link, calibration)
+        return _Pricing(bw, latency_s, source, link_latency_s, overheads, said)
+    estimated: str | None = None
+    if bw is None and estimate_label(prof.meta):
+        bw, estimated = estimated_link(prof.meta)
+    return _Pricing(bw, float(calibration.get("boundary_latency_s", 0.0)), "fitted by calibrate from a run",
+                    float(calibration.get("link_latency_s", 0.0)), overheads, estimated)  # the calibrating run's link
+
+
+def _microbatch_counts(num_microbatches: int | str | None, batch: int, mb0: int, num_ranks: int) -> list[int]:
+    """The microbatch counts to try: the one given, every divisor of the profiled batch for "auto", else the
+    profiled batch / microbatch size (2p where the profile has no batch)."""
     if num_microbatches == "auto":
         if not batch:
             raise StageplanError("num_microbatches='auto' needs the global batch size in the profile meta (batch_size); "
                                  "pass a number of microbatches instead")
-        ms = [m for m in range(1, batch + 1) if batch % m == 0]
-    elif num_microbatches is None:
-        ms = [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_ranks]
-    elif isinstance(num_microbatches, str):
+        return [m for m in range(1, batch + 1) if batch % m == 0]
+    if num_microbatches is None:
+        return [batch // mb0 if batch and batch % mb0 == 0 else 2 * num_ranks]
+    if isinstance(num_microbatches, str):
         raise StageplanError(f"num_microbatches must be an integer or 'auto', got {num_microbatches!r}")
-    else:
-        ms = [num_microbatches]
+    return [num_microbatches]
 
-    auto = len(ms) * len(schedules) > 1
+
+def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str], ms: list[int], auto: bool,
+                    method: str) -> tuple[Plan, list[dict[str, Any]]]:
+    """The feasible candidate with the lowest predicted step over ``schedules`` x ``ms``, and a row per candidate
+    tried. With one candidate its error stands; with several, one that fails or is over a memory limit is listed
+    and skipped, and when none is left the error says why (a memory limit first)."""
     candidates: list[dict[str, Any]] = []
     best: Plan | None = None
     last_error: StageplanError | None = None
     for sched in schedules:
         for m in ms:
-            # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given (refused if it cannot)
-            v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
             try:
-                mb = batch // m if num_microbatches == "auto" else mb0
-                prof_m = rescaled_profile(prof, mb / mb0) if mb != mb0 else prof
-                arr = LayerArrays.of(prof_m, m)
-                opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
-                                    optimizer=optimizer, bandwidth_bytes_per_s=bw, devices=devs,
-                                    memory_limit_bytes=limit, recompute=recompute, precision=precision,
-                                    boundary_latency_s=latency_s, latency_source=latency_source,
-                                    link_latency_s=link_latency_s, action_s=overheads["action_s"],
-                                    chunk_forward_s=overheads["chunk_forward_s"],
-                                    chunk_backward_s=overheads["chunk_backward_s"],
-                                    allreduce_latency_s=overheads["allreduce_latency_s"],
-                                    allreduce_bandwidth_bytes_per_s=overheads["allreduce_bandwidth_bytes_per_s"])
-                cand = _make_plan(prof, arr, opts, method, {"microbatch_size": mb}, given, given_as, given_input,
-                                  time_limit_s, objective)
-                if link_note:
-                    cand = cand.with_notes((*cand.notes, link_note))
+                cand = candidate(sched, m)
             except StageplanError as exc:
                 if not auto:
                     raise
@@ -367,40 +415,37 @@ def plan(
                 continue
             over = [n for n in cand.notes if "over its limit" in n]
             candidates.append({"schedule": cand.schedule, "num_microbatches": m, "virtual_stages": cand.virtual_stages,
-                               "microbatch_size": mb, "feasible": not over, "predicted_step_s": cand.predicted_step_s,
+                               "microbatch_size": cand.cost_options["microbatch_size"], "feasible": not over,
+                               "predicted_step_s": cand.predicted_step_s,
                                "bottleneck_s": cand.bottleneck_s, "bubble_fraction": cand.bubble_fraction,
                                **({"reason": "; ".join(over), "peak_bytes": max(cand.rank_memory_bytes)} if over else {})})
             if over and auto:
                 continue
             if best is None or cand.predicted_step_s < best.predicted_step_s - 1e-15:
                 best = cand
-    if best is None:
-        over_limit = [c for c in candidates if "peak_bytes" in c]
-        if over_limit:  # every candidate that could be priced was over a limit: that, not the others' errors, is why
-            closest = min(over_limit, key=lambda c: c["peak_bytes"])
-            raise InfeasiblePlanError(
-                f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the memory limits "
-                f"with method {method}; the closest, {closest['schedule']} with {closest['num_microbatches']} "
-                f"microbatch{'es' * (closest['num_microbatches'] != 1)}: {closest['reason']}; raise --memory-limit, add --stages or add --recompute"
-                + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
-        assert last_error is not None  # every candidate raised, and auto kept the last error
-        raise last_error
-    if auto:
-        notes = list(best.notes)
-        if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
-            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
-                         "re-profile at that size to confirm")
-        best = dataclasses.replace(best, candidates=tuple(candidates)).with_notes(notes)
+    if best is not None:
+        return best, candidates
+    over_limit = [c for c in candidates if "peak_bytes" in c]
+    if over_limit:  # every candidate that could be priced was over a limit: that, not the others' errors, is why
+        closest = min(over_limit, key=lambda c: c["peak_bytes"])
+        raise InfeasiblePlanError(
+            f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the memory limits "
+            f"with method {method}; the closest, {closest['schedule']} with {closest['num_microbatches']} "
+            f"microbatch{'es' * (closest['num_microbatches'] != 1)}: {closest['reason']}; raise --memory-limit, add --stages or add --recompute"
+            + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
+    assert last_error is not None  # every candidate raised, and auto kept the last error
+    raise last_error
+
+
+def _batch_note(best: Plan, batch: int) -> Plan:
+    """Where the plan's microbatches do not make up the profiled model's batch, say how to run it."""
     mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
-    if batch and mb_best * m_best != batch:
-        fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
-        redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
-                if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
-        best = best.with_notes((*best.notes, (
-            f"this plan prices {m_best} microbatches of {mb_best} sample{'s' * (mb_best != 1)}, a batch of {mb_best * m_best}, and the "
-            f"profiled model's batch is {batch}: stageplan run splits the model's own batch, so to run this model "
-            f"{fits}{redo}")))
-    for note in best.notes:
-        if "bubble" in note:
-            warnings.warn(note, PlanNote, stacklevel=2)
-    return best
+    if not batch or mb_best * m_best == batch:
+        return best
+    fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
+    redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
+            if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
+    return best.with_notes((*best.notes, (
+        f"this plan prices {m_best} microbatches of {mb_best} sample{'s' * (mb_best != 1)}, a batch of {mb_best * m_best}, and the "
+        f"profiled model's batch is {batch}: stageplan run splits the model's own batch, so to run this model "
+        f"{fits}{redo}")))
