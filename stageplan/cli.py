@@ -256,7 +256,8 @@ def _add_tune_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                        description="Close the loop on this machine: profile, plan, run, calibrate and plan again until "
                                    "the plan stops changing (or --rounds), then measure the final plan on a fresh run "
                                    "and the uniform split once, for reference.")
-    # 20 steps: the same plan's step varied 7-14% between runs of 8 steps here, 3% between runs of 20
+    # 20 measured steps by default: on a shared 2-core CPU host one plan's median step moved 7-14% between
+    # runs of 8 steps and about 3% between runs of 20, and tune compares plans by that median
     _add_loop_args(p, steps=20, warmup=3)
     p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan), profile.json (the "

@@ -58,8 +58,9 @@ from stageplan.timing import LayerContext, distinct_params, meta_cut
 # Megatron-LM README, GPT 2B-462B on H100) and torchtitan 33-39% (Llama-3.1-8B on H100, torchtitan
 # benchmarks). An MFU is a whole-step figure, so using it per op is pessimistic for the matmuls and leaves
 # room for what this model ignores (launches, communication). With the memory-bound ops on top, a LLaMA-70B
-# block (bf16, sequence 4096, flash) comes out at 40% implied MFU on an H100 SXM. FIELD.md puts a plain MFU
-# assumption at about +-25% in absolute time, with ratios between layers steadier.
+# block (bf16, sequence 4096, flash) comes out at 40% implied MFU on an H100 SXM. The published figures span
+# 33-48%, so one MFU for every model is good to about +-25% in absolute time; ratios between layers, which the
+# solver needs, are steadier.
 DEFAULT_COMPUTE_EFFICIENCY = 0.45
 # Default memory efficiency eta_m: memory-bound kernels (elementwise, norms, softmax) typically reach
 # 60-80% of the spec-sheet HBM bandwidth (STREAM-like copies on A100/H100); 0.7 is the middle.

@@ -142,9 +142,9 @@ def profile_model(
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
     - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one layer at
-      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second:
-      two windows of the same work here differed by up to 33% (98th percentile) over 1.7 s windows and 9% over 20 s
-      (README, Limitations); the medians of rounds spread over longer average more of it out.
+      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second: on
+      a 2-core CPU host two windows of the same work differed by up to 33% (98th percentile) over 1.7 s and 9% over
+      20 s (README, Limitations); the medians of rounds spread over longer average more of it out.
     - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward in
       reverse, so that a layer's backward follows the next layer's and reads activations the rest of the model has
       since pushed out of the cache (every layer is timed in its place; identical layers share their optimizer step,
