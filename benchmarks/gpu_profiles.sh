@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for a session whose task is lent a GPU (run from the repository root on the GPU machine,
-# within about 8 minutes; the device tool passes $OUT as the output folder):
+# The GPU check, for a machine with a CUDA GPU (run from the repository root on that machine; it takes about
+# 8 minutes):
 #   bash benchmarks/gpu_profiles.sh [OUT_DIR]      (default profiles/h200)
 # 1. gpt and convnet profiled on CUDA in float32 and bfloat16 at two microbatch sizes (sum of layers vs whole);
 # 2. LLaMA-2-7B (bf16, sequence 2048, microbatch 1) profiled on CUDA one layer at a time, and estimated for the
 #    H200 from its shape alone; the per-layer estimate / measured ratios are printed (the estimate's accuracy).
-# Not yet run: no GPU was lent to the sessions that wrote it.
+# Not yet run on a GPU: its figures are not in the repository.
 set -euo pipefail
 out="${1:-profiles/h200}"
 mkdir -p "$out"

@@ -104,7 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stageplan", description="Profile, plan, run and check pipeline-parallel stage splits.")
     parser.add_argument("--version", action="version", version=f"stageplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_profile_command(sub)
+    _add_plan_command(sub)
+    _add_run_command(sub)
+    _add_link_command(sub)
+    _add_calibrate_command(sub)
+    _add_compare_command(sub)
+    _add_tune_command(sub)
+    _add_show_command(sub)
+    return parser
 
+
+def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("profile", help="profile every layer of a model -> PROFILE.json",
                        description="Time every layer's forward and backward and measure its memory at one microbatch size.")
     _add_model_args(p)
@@ -144,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
     p.add_argument("--csv", metavar="PROFILE.csv", help="also write the per-layer table as CSV")
 
+
+def _add_plan_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json",
                        description="Choose the split that minimises the slowest stage under the memory limits (or "
                                    "with --objective step the predicted step), or evaluate a split you give "
@@ -185,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "deepspeed or torchgpipe (stdout then carries only the export; the table goes to stderr)")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="where to write the plan")
 
+
+def _add_run_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("run", help="train with a plan on one process per rank; measure, optionally check",
                        description="Train with the plan on local processes (or under torchrun) and compare "
                                    "measured with predicted.")
@@ -207,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
 
+
+def _add_link_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("link", help="measure the link between neighbouring ranks -> LINK.json",
                        description="Ping-pong between ranks r and r+1 on local processes (as run starts them): latency "
                                    "and bandwidth, for stageplan plan --link.")
@@ -216,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pin_arg(p)
     p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
 
+
+def _add_calibrate_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("calibrate", help="rescale each layer's times to what a run measured of it",
                        description="Rescale each layer's forward and backward times to what a run measured of that layer "
                                    "inside the real schedule, so the next plan starts from the run.")
@@ -223,28 +242,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN.json", help="a run report written by stageplan run -o")
     p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json", help="where to write the calibrated profile")
 
+
+def _add_compare_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys",
                        description="Profile the model, plan it with optimal, uniform and parameter-balanced splits, "
                                    "run each distinct split and print predicted vs measured.")
     _add_loop_args(p, steps=10)
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
 
+
+def _add_tune_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("tune", help="profile, plan, run, calibrate, re-plan until the plan settles -> DIR/plan.json",
                        description="Close the loop on this machine: profile, plan, run, calibrate and plan again until "
                                    "the plan stops changing (or --rounds), then measure the final plan on a fresh run "
                                    "and the uniform split once, for reference.")
-    # 20 steps: the same plan's step varied 7-14% between runs of 8 steps here, 3% between runs of 20
+    # 20 measured steps by default: on a shared 2-core CPU host one plan's median step moved 7-14% between
+    # runs of 8 steps and about 3% between runs of 20, and tune compares plans by that median
     _add_loop_args(p, steps=20, warmup=3)
     p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan), profile.json (the "
                    "calibrated profile it was planned from), run_final.json and run_uniform.json (the median fresh runs) "
                    "and tune.json here")
 
+
+def _add_show_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
                        description="Print the table of a stageplan file; --plot writes the figure that fits it.")
     p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
-    return parser
 
 
 def _cmd_profile(a: argparse.Namespace) -> int:

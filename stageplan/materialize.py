@@ -25,8 +25,8 @@ def init_empty_weights() -> Iterator[None]:
 
     This is accelerate's ``init_empty_weights(include_buffers=False)`` patch of ``nn.Module.register_parameter``
     (accelerate/big_modeling.py), with one change: a parameter that is already on meta is registered as it is.
-    accelerate re-wraps it, which unties tied weights (an embedding shared with the LM head: 77 parameters
-    instead of 76, seen here).
+    accelerate re-wraps it, which unties tied weights (an embedding shared with the LM head becomes two
+    parameters, so the model counts one parameter more than it has).
     """
     original = nn.Module.register_parameter
 
@@ -173,7 +173,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors, each read straight into its own buffer. safetensors' safe_open maps the file, and the
     mapped pages count in the process's resident set on top of the copies (about the stage's size again at a
-    rank's peak, seen here), so plain reads keep a rank's peak to its own tensors."""
+    rank's peak), so plain reads keep a rank's peak to its own tensors."""
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -237,7 +237,8 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
     Each owning submodule is materialised alone (``to_empty``), filled with a defined value (normal(0, 0.02)
     for matrices, ones for 1-D weights, zeros for the rest), then initialised by the model's own rule under an
     RNG seeded by the submodule's FQN: HF models' ``_init_weights``, else the module's ``reset_parameters``.
-    Never timing uninitialised memory matters: garbage or denormals made a LLaMA layer 15x slower (FIELD.md).
+    Never timing uninitialised memory matters: it can hold denormal floats, on which CPU arithmetic runs far slower
+    (a LLaMA layer ran 15x slower on uninitialised weights, measured on a 2-core CPU host).
     The global RNG state is restored afterwards.
     """
     dev = torch.device(device)

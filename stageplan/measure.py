@@ -26,11 +26,13 @@ _ALLOCATOR_STEADY = False
 def steady_allocator() -> bool:
     """Keep freed multi-MiB buffers for reuse (glibc only; elsewhere a no-op returning False).
 
-    glibc maps large allocations fresh (mmap) above a threshold it moves at run time, and trims freed heap, so the
-    multi-MiB logits of a 16384-token head and their gradients were faulted in anew on some steps and reused on
-    others, differently from one process to the next (0 to 2,144 minor page faults per step, seen here): one
-    cause of that layer's time swinging between profiles (FIELD.md: 18.5 vs 28.7 ms). Fixed thresholds cut the
-    faults to 102-717 a step. The profiler and every rank call it, so profile and run measure alike.
+    glibc maps an allocation above ``M_MMAP_THRESHOLD`` fresh (mmap), moves that threshold at run time as such
+    blocks are freed, and trims freed heap above ``M_TRIM_THRESHOLD`` (mallopt(3)). So multi-MiB buffers, such as
+    the logits of a 16384-token head and their gradients, are faulted in anew on some steps and reused on others,
+    differently from one process to the next, and a layer that allocates them times differently from one profile
+    to the next (page faults cost kernel time on every touched page: 0 to 2,144 minor faults per step without fixed
+    thresholds, 102-717 with them, measured on a 2-core CPU host). The profiler and every rank call it, so profile
+    and run measure alike.
     """
     global _ALLOCATOR_STEADY
     if _ALLOCATOR_STEADY:
@@ -71,21 +73,23 @@ def last_level_cache_bytes(device: torch.device | str) -> int:
     return max(sizes, default=64 << 20)
 
 
-# Bytes (2 x 128 MiB). A process holds only its share of a large shared L3: a 2-vCPU VM here is shown its host's
-# 480 MiB, shared with every other core of the socket. Uncapped, the flush wrote 960 MiB before each timed step
-# (119 ms a flush against 33 ms at 256 MiB, measured here) and lifted a streamed profile's peak to 1.7 GB against
-# 0.37 GB resident. A layer whose optimizer states exceed the buffer is not flushed at all (it fits no cache).
+# Bytes (2 x 128 MiB). A process holds only its share of a large shared L3, and a virtual machine's sysfs can list
+# its host's whole L3 (480 MiB on a 2-vCPU guest), shared with every other core of the socket. Uncapped, the flush
+# wrote 960 MiB there before each timed step (119 ms a flush against 33 ms at 256 MiB) and lifted a streamed
+# profile's peak to 1.7 GB against 0.37 GB resident. A layer whose optimizer states exceed the buffer is not flushed
+# at all (it fits no cache).
 FLUSH_CAP_BYTES = 256 << 20
 
 
 class CacheFlush:
     """Evict the last-level cache before a timed call whose working set would otherwise stay in it from the last
-    repeat: an optimizer step over one layer's parameters, gradients and states (a block's 3 MiB here), timed 5 times
-    in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one step over the same
-    parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is 13.7 ms and one step over
-    all of them 13.1 ms (README, Limitations). Writes a buffer twice the cache's size, at most
-    ``FLUSH_CAP_BYTES``: a VM sees its host's whole shared L3 (480 MiB on one here), and twice that, written before
-    every timed step, made a profile's peak memory 1.3 GB above its model and cost about 0.1 s a flush."""
+    repeat: an optimizer step over one layer's parameters, gradients and states (3 MiB for a GPT block), timed 5
+    times in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one step over the
+    same parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is 13.7 ms and one step
+    over all of them 13.1 ms (README, Limitations). Writes a buffer twice the cache's size, at most
+    ``FLUSH_CAP_BYTES``: a VM can see its host's whole shared L3 (480 MiB on a 2-vCPU guest), and twice that,
+    written before every timed step, made a profile's peak memory 1.3 GB above its model and cost about 0.1 s a
+    flush."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.size_bytes = min(2 * last_level_cache_bytes(device), FLUSH_CAP_BYTES)
@@ -152,7 +156,9 @@ class _DeviceClock:
 class Timer(_DeviceClock):
     """Seconds of a callable's work on ``device``.
 
-    CPU: ``time.perf_counter`` around the call. CUDA is asynchronous (FIELD.md), so it records CUDA events:
+    CPU: ``time.perf_counter`` around the call. CUDA kernels run asynchronously to the host (a host clock around
+    the call times the launch, not the kernel: see "Asynchronous execution" in torch's CUDA semantics notes,
+    docs/source/notes/cuda.rst), so it records CUDA events:
     ``__call__`` synchronises and returns at once (the profiler), ``record`` keeps the events and ``drain``
     reads them after the step has synchronised (the executor, which must not stall the pipeline).
     Each recorded interval also keeps its wall start and the thread's CPU seconds: wall minus CPU is time
@@ -419,7 +425,9 @@ def _union_bytes(spans: dict[tuple[int, int], int]) -> int:
 
 class SavedTensorTracker:
     """Live saved-for-backward bytes, counted at the bytes the saved tensors reach: tensors and views saved on one
-    storage count once (deduplicated by storage: FIELD.md), and a view counts at its own extent, not its storage's:
+    storage count once (deduplicated by storage: a saved tensor shares its original's storage, so the same bytes
+    can be saved under several tensors, as ``torch.autograd.graph.saved_tensors_hooks`` shows them), and a view
+    counts at its own extent, not its storage's:
     the slice of a batch's target that a microbatch's loss saves counts as the microbatch's rows, not the whole
     batch. Bytes leave when the graph frees the saved tensors. Storages in ``exclude`` (the parameters) are not
     counted. ``key`` names a storage: its data pointer by default, :func:`storage_identity` for fake tensors (whose
@@ -516,7 +524,8 @@ def check_microbatch_size(batch: int, microbatch_size: object) -> int:
 
 def microbatch_size_for(batch: int, num_microbatches: int) -> int:
     """The microbatch size of a plan's m microbatches, refusing a batch that m does not divide (torch would
-    fail deep inside the loss and the other ranks would hang until the gloo timeout; FIELD.md)."""
+    fail with a shape error deep inside the loss, and the other ranks would block until the process group's
+    timeout)."""
     if batch % num_microbatches:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         raise StageplanError(

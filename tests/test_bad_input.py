@@ -1,5 +1,5 @@
-"""Bad input found by a sweep of the CLI (stop 35): each case had been a traceback, a silent wrong result or a
-clobbered file, and is now one line and exit 2, or the right result."""
+"""Bad input found by a sweep of the CLI: each case had been a traceback, a silent wrong result or a clobbered
+file, and is now one line and exit 2, or the right result."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_show_that_cannot_read_a_file_leaves_the_figure_there(tmp_path: Path,
 def test_compare_and_tune_refuse_their_loop_options_before_the_profile(
         command: str, args: list[str], words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """They were refused only after profiling the model (seconds here, minutes on a large model), with the
+    """They were refused only after profiling the model (seconds on a small model, minutes on a large one), with the
     profile's progress lines before the error and an empty -o folder left behind."""
     def no_profile(*_a: object, **_k: object) -> None:
         raise AssertionError("profiled before refusing")

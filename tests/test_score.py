@@ -27,7 +27,7 @@ from stageplan.report import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "profiles" / "cpu" / "gpt-12l-v16k.json"  # tok_emb+pos_emb, blocks.0..11, ln_f+head
-# the same model as measured on 2026-11-30, kept as a fixed file: its GPipe p = 4 split is one the tie-break moves
+# the same model in an older profile, kept as a fixed file: its GPipe p = 4 split is one the tie-break moves
 GPT_2611 = ROOT / "tests" / "data" / "old-format" / "gpt-12l-v16k.json"
 
 
@@ -57,7 +57,7 @@ E, t, L, m = "E", "t", "L", "m"
         ("E,t*4|t*4,L", [[E, t, t, t, t], [t, t, t, t, L]]),  # the case the old reader got wrong (2 + 6 layers)
         ("Ettt|ttttL", [[E, t, t, t], [t, t, t, t, L]]),
         ("Et*3|(tt|)*2,tL", [[E, t, t, t], [t, t], [t, t], [t, L]]),
-        ("Et*3|(tt|)*29,m|L", [[E, t, t, t], *[[t, t]] * 29, [m], [L]]),  # FIELD.md's example: 32 stages
+        ("Et*3|(tt|)*29,m|L", [[E, t, t, t], *[[t, t]] * 29, [m], [L]]),  # Megatron-LM's DeepSeek-V3 example: 32 stages
         ("(t*2|)*2", [[t, t], [t, t], []]),  # a group may end a stage; Megatron allows the empty last stage
         ("((t|)*2t)*2", [[t], [t], [t, t], [t], [t]]),  # nested groups (a superset of Megatron's reader)
         ("E, t t | t, L", [[E, t, t], [t, L]]),  # commas and spaces are cosmetic
@@ -372,7 +372,7 @@ def test_split_costs_price_long_steps_as_evaluate_does(schedule: str, p: int, m:
 def test_tie_break_keeps_the_solvers_split_when_it_fits_only_at_the_exact_peak() -> None:
     """The solver holds an interleaved rank to its exact activation peak; the tie-break used to list splits by the
     sum of each chunk's peak, so the solver's split (19 MiB on rank 0 by evaluate, 21 by that sum) fell out of the
-    list and a slower split with the same bottleneck was taken: 49 -> 53 ms (found by a helper's review)."""
+    list and a slower split with the same bottleneck was taken: 49 -> 53 ms."""
     MiB = 2**20
     rows = [(3, 2, 3, 2), (1, 3, 0, 0), (2, 1, 1, 1), (1, 3, 1, 2), (2, 3, 2, 2)]  # fwd ms, bwd ms, act MiB, param MiB
     prof = Profile(tuple(LayerProfile(f"l{i}", f * 1e-3, b * 1e-3, a * MiB, 0, w * MiB)

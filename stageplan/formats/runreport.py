@@ -253,6 +253,105 @@ def _transfer_starts(events: list[dict[str, Any]]) -> list[float]:
     return starts
 
 
+def _layer_rows(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+    """One row per layer rank ``g`` ran: its seconds per microbatch inside the schedule, and alone after the run
+    (``retimed``: forward, mean backward per microbatch; None where it was not retimed)."""
+    rows = []
+    for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
+        stage = next(s for s in range(plan.num_chunks) if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
+        rows.append({"index": layer, "name": plan.layer_names[layer], "stage": stage, "rank": g["rank"],
+                     "measured_forward_s": lf, "measured_backward_s": lb,
+                     "retimed_forward_s": retimed[layer][0] if layer in retimed else None,
+                     "retimed_backward_s": retimed[layer][1] if layer in retimed else None})
+    return rows
+
+
+def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, float]], *, step_s: float,
+              predicted_wait_s: float, predicted_idle_calls: int,
+              planned: dict[tuple[str, int], float]) -> dict[str, Any]:
+    """Rank ``g``'s row: the plan's prediction beside the run's medians, per microbatch (compute) or per step."""
+    m = plan.num_microbatches
+    r = g["rank"]
+    retimed_compute = _retimed_compute(plan, r, retimed)
+    overhead = g.get("overhead_s") or {}
+    pf = sum(st.forward_s for st in plan.stages if st.rank == r)
+    pb = sum(st.backward_s for st in plan.stages if st.rank == r)
+    f, b, other = g["forward_s"], g["backward_s"], g["other_s"]
+    peak = g["peak_activation_bytes"]
+    predicted_peak = plan.rank_peak_activation_bytes[r]
+    return {
+        "rank": r, "stages": g["stages"],
+        "predicted_forward_s": pf, "predicted_backward_s": pb, "predicted_compute_s": pf + pb,
+        "measured_forward_s": f / m, "measured_backward_s": b / m, "measured_compute_s": (f + b) / m,
+        "measured_compute_iqr_s": (g["forward_iqr_s"] + g["backward_iqr_s"]) / m,
+        # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
+        "measured_compute_cpu_s": g["compute_cpu_s"] / m,
+        # the chunks' time outside their layers (PipelineStage's receive, flatten, detach, send), per microbatch
+        "measured_overhead_forward_s": sum(v[0] for v in overhead.values()),
+        "measured_overhead_backward_s": sum(v[1] for v in overhead.values()),
+        # the same compute over the clock's own steps (hooks on), which its layers and overhead make up
+        "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
+        "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
+        # the rank's compute per microbatch as the plan adds it up, from its layers timed alone in the rank's
+        # process after the run: compute_ratio = machine_ratio x pipeline_ratio, the machine's speed now
+        # against the profile's, and the pipeline's own effect (inside the schedule against alone, now)
+        "retimed_compute_s": retimed_compute,
+        "machine_ratio": retimed_compute / (pf + pb) if retimed_compute and pf + pb > 0 else None,
+        "pipeline_ratio": ((f + b) / m) / retimed_compute if retimed_compute else None,
+        "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
+        # of it, the tied gradients' sum: the all-reduce, and a rank's wait in it for the last rank to arrive
+        "predicted_tied_sync_s": sum(st.tied_sync_s for st in plan.stages if st.rank == r),
+        "measured_tied_sync_s": g.get("tied_sync_s"),
+        # and the optimizer's step() alone, after the sum (the plan's: the rank's layers' figures)
+        "predicted_optimizer_step_s": sum(st.optimizer_s for st in plan.stages if st.rank == r),
+        "measured_optimizer_step_s": g.get("optimizer_step_s"),
+        # the loop's waits on its receives (activations and gradients from other ranks), per step: the
+        # simulator's from each post to the input's arrival, the run's timed around torch's wait
+        "predicted_receive_wait_s": predicted_wait_s,
+        "measured_receive_wait_s": g.get("receive_wait_s"),
+        # the step less the rank's chunk calls and its tied sum and optimizer step, as measured_idle_s counts
+        # it: waits for messages and torch's loop between the calls
+        "predicted_idle_s": plan.predicted_step_s - m * (pf + pb)
+        - sum(st.optimizer_s + st.tied_sync_s for st in plan.stages if st.rank == r),
+        # the chunk calls after idle (RESUME_GAP_S or more without computing) against those back to back:
+        # how many a step; where a (kind, stage) has both, each sort's measured / planned seconds and what the
+        # first took beyond the pace of the second (seconds a step)
+        "predicted_after_idle_calls": predicted_idle_calls,
+        **_idle_split(g.get("calls") or [], planned),
+        "predicted_peak_activation_bytes": predicted_peak,
+        "measured_peak_activation_bytes": peak,
+        # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and
+        # recomputes inside the backward, so the hooks see only part of what the plan counts: no ratio
+        "activation_ratio": (peak / predicted_peak if predicted_peak and not plan.cost_options.get("recompute")
+                             else None),
+        "predicted_memory_bytes": plan.rank_memory_bytes[r],
+        "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
+        "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
+                         if g.get("peak_memory_bytes") and plan.rank_memory_bytes[r] else None),
+    }
+
+
+def _run_timeline(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Every rank's timeline events, in seconds from the first event's start (receives as :func:`_transfer_starts`
+    draws them)."""
+    events = [e for g in ranks for e in g["timeline"]]
+    t0 = min((e["start_wall"] for e in events), default=0.0)
+    return tuple(
+        {"rank": e["rank"], "stage": e["stage"], "microbatch": e["microbatch"], "kind": e["kind"],
+         "start_s": start - t0, "end_s": e["start_wall"] - t0 + e["duration_s"]}
+        for e, start in zip(events, _transfer_starts(events))
+    )
+
+
+def _executed_plan(plan: Plan) -> dict[str, Any]:
+    """What the report keeps of the plan it ran: the split, the schedule, the cost options, the profile's meta."""
+    return {"boundaries": list(plan.boundaries), "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
+            "num_ranks": plan.num_ranks, "virtual_stages": plan.virtual_stages, "method": plan.method,
+            "stage_ranks": [st.rank for st in plan.stages],
+            "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
+            "cost_options": dict(plan.cost_options), "profile_meta": dict(plan.profile_meta)}
+
+
 @dataclass(frozen=True)
 class RunReport:
     """Medians over the measured steps (after warm-up), with IQR spreads.
@@ -341,11 +440,10 @@ class RunReport:
         per step: forward_s, backward_s, other_s, compute_cpu_s; their IQRs; peak_activation_bytes; losses;
         timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
         m = plan.num_microbatches
-        rows = []
-        layers = []
+        rows: list[dict[str, Any]] = []
+        layers: list[dict[str, Any]] = []
         busy_total = 0.0
         sim = plan.simulate()
-        predicted_waits = sim.receive_wait_s
         idle_calls = _predicted_idle_calls(sim)
         # each chunk call's seconds as the simulator prices it (a zero-bubble I is the run's B: backward_one_chunk)
         planned = {("B" if e.kind == "I" else e.kind, e.stage): e.end_s - e.start_s for e in sim.timeline
@@ -354,77 +452,10 @@ class RunReport:
             r = g["rank"]
             # the rank's layers timed alone after the run, as the profiler times them: per microbatch at m
             retimed = {int(k): (v[0], (v[1] + (m - 1) * v[2]) / m) for k, v in (g.get("retimed_layer_s") or {}).items()}
-            for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
-                stage = next(s for s in range(plan.num_chunks) if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
-                layers.append({"index": layer, "name": plan.layer_names[layer], "stage": stage, "rank": r,
-                               "measured_forward_s": lf, "measured_backward_s": lb,
-                               "retimed_forward_s": retimed[layer][0] if layer in retimed else None,
-                               "retimed_backward_s": retimed[layer][1] if layer in retimed else None})
-            retimed_compute = _retimed_compute(plan, r, retimed)
-            overhead = g.get("overhead_s") or {}
-            pf = sum(st.forward_s for st in plan.stages if st.rank == r)
-            pb = sum(st.backward_s for st in plan.stages if st.rank == r)
-            f, b, other = g["forward_s"], g["backward_s"], g["other_s"]
-            busy_total += f + b
-            peak = g["peak_activation_bytes"]
-            predicted_peak = plan.rank_peak_activation_bytes[r]
-            rows.append({
-                "rank": r, "stages": g["stages"],
-                "predicted_forward_s": pf, "predicted_backward_s": pb, "predicted_compute_s": pf + pb,
-                "measured_forward_s": f / m, "measured_backward_s": b / m, "measured_compute_s": (f + b) / m,
-                "measured_compute_iqr_s": (g["forward_iqr_s"] + g["backward_iqr_s"]) / m,
-                # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
-                "measured_compute_cpu_s": g["compute_cpu_s"] / m,
-                # the chunks' time outside their layers (PipelineStage's receive, flatten, detach, send), per microbatch
-                "measured_overhead_forward_s": sum(v[0] for v in overhead.values()),
-                "measured_overhead_backward_s": sum(v[1] for v in overhead.values()),
-                # the same compute over the clock's own steps (hooks on), which its layers and overhead make up
-                "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
-                "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
-                # the rank's compute per microbatch as the plan adds it up, from its layers timed alone in the rank's
-                # process after the run: compute_ratio = machine_ratio x pipeline_ratio, the machine's speed now
-                # against the profile's, and the pipeline's own effect (inside the schedule against alone, now)
-                "retimed_compute_s": retimed_compute,
-                "machine_ratio": retimed_compute / (pf + pb) if retimed_compute and pf + pb > 0 else None,
-                "pipeline_ratio": ((f + b) / m) / retimed_compute if retimed_compute else None,
-                "measured_idle_s": max(step_s - (f + b) - other, 0.0), "optimizer_s": other,
-                # of it, the tied gradients' sum: the all-reduce, and a rank's wait in it for the last rank to arrive
-                "predicted_tied_sync_s": sum(st.tied_sync_s for st in plan.stages if st.rank == r),
-                "measured_tied_sync_s": g.get("tied_sync_s"),
-                # and the optimizer's step() alone, after the sum (the plan's: the rank's layers' figures)
-                "predicted_optimizer_step_s": sum(st.optimizer_s for st in plan.stages if st.rank == r),
-                "measured_optimizer_step_s": g.get("optimizer_step_s"),
-                # the loop's waits on its receives (activations and gradients from other ranks), per step: the
-                # simulator's from each post to the input's arrival, the run's timed around torch's wait
-                "predicted_receive_wait_s": predicted_waits[r],
-                "measured_receive_wait_s": g.get("receive_wait_s"),
-                # the step less the rank's chunk calls and its tied sum and optimizer step, as measured_idle_s counts
-                # it: waits for messages and torch's loop between the calls
-                "predicted_idle_s": plan.predicted_step_s - m * (pf + pb)
-                - sum(st.optimizer_s + st.tied_sync_s for st in plan.stages if st.rank == r),
-                # the chunk calls after idle (RESUME_GAP_S or more without computing) against those back to back:
-                # how many a step; where a (kind, stage) has both, each sort's measured / planned seconds and what the
-                # first took beyond the pace of the second (seconds a step)
-                "predicted_after_idle_calls": idle_calls[r],
-                **_idle_split(g.get("calls") or [], planned),
-                "predicted_peak_activation_bytes": predicted_peak,
-                "measured_peak_activation_bytes": peak,
-                # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and
-                # recomputes inside the backward, so the hooks see only part of what the plan counts: no ratio
-                "activation_ratio": (peak / predicted_peak if predicted_peak and not plan.cost_options.get("recompute")
-                                     else None),
-                "predicted_memory_bytes": plan.rank_memory_bytes[r],
-                "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
-                "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
-                                 if g.get("peak_memory_bytes") and plan.rank_memory_bytes[r] else None),
-            })
-        events = [e for g in ranks for e in g["timeline"]]
-        t0 = min((e["start_wall"] for e in events), default=0.0)
-        timeline = tuple(
-            {"rank": e["rank"], "stage": e["stage"], "microbatch": e["microbatch"], "kind": e["kind"],
-             "start_s": start - t0, "end_s": e["start_wall"] - t0 + e["duration_s"]}
-            for e, start in zip(events, _transfer_starts(events))
-        )
+            layers.extend(_layer_rows(plan, g, retimed))
+            rows.append(_rank_row(plan, g, retimed, step_s=step_s, predicted_wait_s=sim.receive_wait_s[r],
+                                  predicted_idle_calls=idle_calls[r], planned=planned))
+            busy_total += g["forward_s"] + g["backward_s"]
         losses: list[float] = next((g["losses"] for g in ranks if g["losses"]), [])
         batch = m * int(run_options.get("microbatch_size") or 1)
         p = plan.num_ranks
@@ -433,11 +464,6 @@ class RunReport:
             samples_per_s=batch / step_s if step_s > 0 else 0.0,
             measured_bubble_fraction=max(0.0, 1.0 - busy_total / (p * step_s)) if step_s > 0 else 0.0,
             predicted_bubble_fraction=plan.bubble_fraction, ranks=tuple(rows), losses=tuple(losses),
-            plan={"boundaries": list(plan.boundaries), "schedule": plan.schedule, "num_microbatches": m,
-                  "num_ranks": p, "virtual_stages": plan.virtual_stages, "method": plan.method,
-                  "stage_ranks": [st.rank for st in plan.stages],
-                  "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
-                  "cost_options": dict(plan.cost_options), "profile_meta": dict(plan.profile_meta)},
-            run_options=dict(run_options), meta=meta, check=check, timeline=timeline, link=link,
-            layers=tuple(sorted(layers, key=lambda x: x["index"])),
+            plan=_executed_plan(plan), run_options=dict(run_options), meta=meta, check=check,
+            timeline=_run_timeline(ranks), link=link, layers=tuple(sorted(layers, key=lambda x: x["index"])),
         )

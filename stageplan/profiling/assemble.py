@@ -163,7 +163,7 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "dedup_spread": spread,
         "tied": tied_parameters(cut, model),
         "peak_rss_bytes": peak_rss_bytes(),
-        # other processes on the machine inflate wall-clock timings (seen here: up to 2x on 2 shared cores)
+        # other processes on the machine inflate wall-clock timings (up to 2x on a 2-core CPU host shared with them)
         "load_average_1min": os.getloadavg()[0],
     }
     meta.update(extra)

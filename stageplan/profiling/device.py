@@ -53,7 +53,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 @contextlib.contextmanager
 def default_dtype(dtype: str | torch.dtype | None) -> Iterator[None]:
     """Build under ``dtype`` as torch's default (parameters are created in it, nothing is cast), then restore it.
-    ``.to(dtype)`` on a model also casts buffers computed in float32 on purpose (RoPE ``inv_freq``; FIELD.md)."""
+    ``.to(dtype)`` on a model also casts floating buffers, including those it computes in float32 on purpose (HF
+    LLaMA's rotary ``inv_freq``: cast to bfloat16 it loses precision, and the rotary angles come out wrong)."""
     dt = parse_dtype(dtype)
     before = torch.get_default_dtype()
     if dt is not None:

@@ -58,8 +58,9 @@ from stageplan.timing import LayerContext, distinct_params, meta_cut
 # Megatron-LM README, GPT 2B-462B on H100) and torchtitan 33-39% (Llama-3.1-8B on H100, torchtitan
 # benchmarks). An MFU is a whole-step figure, so using it per op is pessimistic for the matmuls and leaves
 # room for what this model ignores (launches, communication). With the memory-bound ops on top, a LLaMA-70B
-# block (bf16, sequence 4096, flash) comes out at 40% implied MFU on an H100 SXM. FIELD.md puts a plain MFU
-# assumption at about +-25% in absolute time, with ratios between layers steadier.
+# block (bf16, sequence 4096, flash) comes out at 40% implied MFU on an H100 SXM. The published figures span
+# 33-48%, so one MFU for every model is good to about +-25% in absolute time; ratios between layers, which the
+# solver needs, are steadier.
 DEFAULT_COMPUTE_EFFICIENCY = 0.45
 # Default memory efficiency eta_m: memory-bound kernels (elementwise, norms, softmax) typically reach
 # 60-80% of the spec-sheet HBM bandwidth (STREAM-like copies on A100/H100); 0.7 is the middle.
@@ -348,14 +349,6 @@ def estimate_module(
     - ``loss_fn``: called on the output (under fake mode) to give the scalar that backward starts from;
       without it backward starts from a gradient of ones on every output that requires grad.
     """
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-        UnsupportedFakeTensorException,
-    )
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
     if attention not in _ATTENTION:
         raise StageplanError(f"attention must be one of {', '.join(_ATTENTION)}, got {attention!r}")
@@ -367,28 +360,83 @@ def estimate_module(
     peak, bandwidth = spec.peak_flops(key), spec.memory_bandwidth
 
     params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
     param_count = sum(p.numel() for p in params.values())
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    run = _run_fake(module, args_t, kwargs_d, attention=attention, loss_fn=loss_fn,
+                    inputs_require_grad=inputs_require_grad)
 
+    def total_time(ops: list[tuple[int, int]]) -> float:
+        return sum(max(f / (eta_c * peak), b / (eta_m * bandwidth)) for f, b in ops)
+
+    fwd, bwd = run.ops["forward"], run.ops["backward"]
+    method: dict[str, Any] = {
+        "model": "per-op roofline max(flops/(eta_c*peak), bytes/(eta_m*bandwidth)) over the aten ops of a "
+                 "fake-tensor forward and backward; saved bytes via saved_tensors_hooks deduplicated by storage",
+        "gpu": spec.name,
+        "dtype": key,
+        "peak_flops": peak,
+        "memory_bandwidth": bandwidth,
+        "compute_efficiency": eta_c,
+        "memory_efficiency": eta_m,
+        "attention": attention,
+        "attention_causal_halving": False,
+        "sdpa_calls": run.sdpa_calls,
+        "ops": {"forward": len(fwd), "backward": len(bwd)},
+        "sources": {"gpu": spec.source, **_EFFICIENCY_SOURCES},
+    }
+    return LayerEstimate(
+        forward_s=total_time(fwd), backward_s=total_time(bwd),
+        activation_bytes=int(run.saved_bytes), output_bytes=int(run.output_bytes),
+        param_bytes=int(param_bytes), param_count=int(param_count),
+        forward_flops=sum(f for f, _ in fwd), backward_flops=sum(f for f, _ in bwd),
+        forward_bytes_moved=sum(b for _, b in fwd), backward_bytes_moved=sum(b for _, b in bwd),
+        method=method,
+    )
+
+
+@dataclass(frozen=True)
+class _FakeRun:
+    """What one forward and backward on fake tensors recorded: (flops, bytes) per aten op of each phase, the bytes
+    saved for backward, the output's bytes, and the F.scaled_dot_product_attention calls."""
+
+    ops: dict[str, list[tuple[int, int]]]
+    saved_bytes: int
+    output_bytes: int
+    sdpa_calls: int
+
+
+def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """Called inside fake_mode: a fake CPU tensor with ``t``'s shape, strides and dtype, and no data."""
+    x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return x.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
+
+
+def _run_fake(module: nn.Module, args_t: tuple[Any, ...], kwargs_d: dict[str, Any], *, attention: str,
+              loss_fn: Callable[[Any], torch.Tensor] | None, inputs_require_grad: bool) -> _FakeRun:
+    """Run ``module`` forward and backward on fake CPU tensors like its parameters, buffers and inputs, under the
+    ``attention`` SDPA backend, recording every aten op; WorkloadError for a layer whose shapes need data."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedFakeTensorException,
+    )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
     sdpa_calls = _SdpaCalls()
-
-    def fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        # Allocated inside fake_mode: a fake CPU tensor with t's shape, strides and dtype, no data.
-        x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-        return x.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
-
     backend = SDPBackend.FLASH_ATTENTION if attention == "flash" else SDPBackend.MATH
     try:
         with fake_mode:
-            state = {n: fake_like(p, p.requires_grad) for n, p in params.items()}
-            state.update({n: fake_like(b, False) for n, b in buffers.items()})
+            state = {n: _fake_like(p, p.requires_grad) for n, p in params.items()}
+            state.update({n: _fake_like(b, False) for n, b in buffers.items()})
             tracker = SavedTensorTracker({storage_identity(t) for t in state.values()}, key=storage_identity)
-            f_args = tree_map(lambda x: fake_like(x, inputs_require_grad) if isinstance(x, torch.Tensor) else x,
+            f_args = tree_map(lambda x: _fake_like(x, inputs_require_grad) if isinstance(x, torch.Tensor) else x,
                               args_t)
-            f_kwargs = tree_map(lambda x: fake_like(x, False) if isinstance(x, torch.Tensor) else x, kwargs_d)
+            f_kwargs = tree_map(lambda x: _fake_like(x, False) if isinstance(x, torch.Tensor) else x, kwargs_d)
 
             with recorder, sdpa_kernel(backend), sdpa_calls:
                 recorder.phase = "forward"
@@ -415,34 +463,7 @@ def estimate_module(
             raise StageplanError(f"the flash SDPA kernel cannot run {type(module).__name__}'s attention ({exc}); "
                                  "use attention='math'") from exc
         raise
-
-    def total_time(ops: list[tuple[int, int]]) -> float:
-        return sum(max(f / (eta_c * peak), b / (eta_m * bandwidth)) for f, b in ops)
-
-    fwd, bwd = recorder.ops["forward"], recorder.ops["backward"]
-    method: dict[str, Any] = {
-        "model": "per-op roofline max(flops/(eta_c*peak), bytes/(eta_m*bandwidth)) over the aten ops of a "
-                 "fake-tensor forward and backward; saved bytes via saved_tensors_hooks deduplicated by storage",
-        "gpu": spec.name,
-        "dtype": key,
-        "peak_flops": peak,
-        "memory_bandwidth": bandwidth,
-        "compute_efficiency": eta_c,
-        "memory_efficiency": eta_m,
-        "attention": attention,
-        "attention_causal_halving": False,
-        "sdpa_calls": sdpa_calls.calls,
-        "ops": {"forward": len(fwd), "backward": len(bwd)},
-        "sources": {"gpu": spec.source, **_EFFICIENCY_SOURCES},
-    }
-    return LayerEstimate(
-        forward_s=total_time(fwd), backward_s=total_time(bwd),
-        activation_bytes=int(saved_bytes), output_bytes=int(output_bytes),
-        param_bytes=int(param_bytes), param_count=int(param_count),
-        forward_flops=sum(f for f, _ in fwd), backward_flops=sum(f for f, _ in bwd),
-        forward_bytes_moved=sum(b for _, b in fwd), backward_bytes_moved=sum(b for _, b in bwd),
-        method=method,
-    )
+    return _FakeRun(recorder.ops, saved_bytes, output_bytes, sdpa_calls.calls)
 
 
 ESTIMATE_ACCURACY = "roughly ±25% in absolute time; ratios between layers are what the solver needs"

@@ -53,11 +53,11 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
     rank's step does after its backward.
 
     ``grads`` (one per parameter, from :func:`layer_grads`: one microbatch's, where a step reads the sum over m, so
-    an embedding has a few more zero rows here than in the step) are the gradients the step reads; without them,
+    an embedding has a few more zero rows in it than in the step) are the gradients the step reads; without them,
     gradients of ones. The values matter: an embedding's gradient is zero on every row its batch does not use (97%
     of a 16384-token table at 512 tokens), Adam's ``exp_avg_sq`` stays zero there, and torch's CPU ``sqrt`` of a
-    zero takes 8x its time on a non-zero here (2.68 against 0.32 ms over 2M floats; numpy 0.61 ms either way), so
-    that table's Adam step took 10.7 ms with its real gradient against 5.4 ms with ones."""
+    zero can take 8x its time on a non-zero (2.68 against 0.32 ms over 2M floats, numpy 0.61 ms either way, measured
+    on a 2-core CPU host), so that table's Adam step took 10.7 ms with its real gradient against 5.4 ms with ones."""
     given = list(grads) if grads is not None else [None] * len(params)
     trained = [(p, g) for p, g in zip(params, given) if p.requires_grad and (grads is None or g is not None)]
     if not trained:
@@ -89,10 +89,10 @@ def optimizer_floors(device: torch.device, timer: Timer, repeats: int) -> dict[s
     """Per optimizer, the seconds of one ``step()`` over a single 8-element parameter, timed as
     :func:`optimizer_times` times a layer's (from a flushed cache): the fixed cost of a step (Python, the
     dispatcher, the optimizer's own state, cold after the flush), which every layer's figure carries once and a
-    rank pays once, since it steps all its layers in one ``step()``. Here: 0.31 ms for SGD and 0.51 ms for Adam
-    against 0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so it is per step, not per tensor;
-    summed over the convnet's 9 trained layers the per-layer figures came to 13.9 ms of Adam against 10.1 ms for one
-    flushed step over the whole model (the GPT: 22.6 against 19.8 ms). Measured once per process and device (about
+    rank pays once, since it steps all its layers in one ``step()``. Measured on a 2-core CPU host: 0.31 ms for SGD
+    and 0.51 ms for Adam against 0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so it is per
+    step, not per tensor; summed over the convnet's 9 trained layers the per-layer figures came to 13.9 ms of Adam
+    against 10.1 ms for one flushed step over the whole model (the GPT: 22.6 against 19.8 ms). Measured once per process and device (about
     0.7 s of flushes): it is the machine's and the process's, not the model's."""
     key = str(device)
     if key not in _FLOORS:

@@ -4,10 +4,11 @@ layers are measured once."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -141,9 +142,9 @@ def profile_model(
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
     - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one layer at
-      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second:
-      two windows of the same work here differed by up to 33% (98th percentile) over 1.7 s windows and 9% over 20 s
-      (README, Limitations); the medians of rounds spread over longer average more of it out.
+      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second: on
+      a 2-core CPU host two windows of the same work differed by up to 33% (98th percentile) over 1.7 s and 9% over
+      20 s (README, Limitations); the medians of rounds spread over longer average more of it out.
     - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward in
       reverse, so that a layer's backward follows the next layer's and reads activations the rest of the model has
       since pushed out of the cache (every layer is timed in its place; identical layers share their optimizer step,
@@ -157,33 +158,12 @@ def profile_model(
     check_min_time(min_time_s)
     check_order(order)
     estimate = is_estimate_device(device)
-    gpu: Any = None
     if estimate:
-        from stageplan.profiling.estimate import (
-            DEFAULT_COMPUTE_EFFICIENCY,
-            DEFAULT_MEMORY_EFFICIENCY,
-            parse_estimate_device,
-        )
-
-        gpu = parse_estimate_device(str(device))
-        if min_time_s:
-            raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate measures "
-                                 "nothing; drop --min-time, or measure on a device you have")
-        if order is not None:
-            raise StageplanError(f"order ({order}) is the order layers are timed in, and an estimate times nothing; "
-                                 "drop --order, or measure on a device you have")
+        gpu: Any = _estimate_target(device, min_time_s, order, compute_efficiency, memory_efficiency)
         dev = torch.device("cpu")  # fake CPU tensors stand in for the target's (see stageplan.profiling.estimate)
-        for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
-                                     ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0.0 < float(value) <= 1.0):
-                raise StageplanError(f"{name} must be a fraction in (0, 1], got {value!r}; e.g. {default}")
     else:
-        dev = parse_device(device)
-        for name, value in (("compute_efficiency", compute_efficiency), ("memory_efficiency", memory_efficiency)):
-            if value is not None:
-                raise StageplanError(f"{name} ({value}) applies to estimates only; use it with --device estimate:GPU "
-                                     "(e.g. estimate:h100-sxm), or drop it when measuring")
+        gpu = None
+        dev = _measured_device(device, compute_efficiency, memory_efficiency)
     dt = parse_dtype(dtype)
     if not isinstance(dedup, bool) or (streaming is not None and not isinstance(streaming, bool)):
         raise StageplanError(f"streaming must be True, False or None and dedup True or False, got streaming={streaming!r}, "
@@ -201,34 +181,84 @@ def profile_model(
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
 
     steady_allocator()  # reuse large buffers, as every rank does: see measure.steady_allocator
+    with _one_thread_rng_restored(dev):
+        ctx = LayerContext(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup,
+                           float(min_time_s), order)
+        if estimate:
+            return profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
+        return _profile_measured(ctx, streaming, order)
+
+
+def _estimate_target(device: str | torch.device, min_time_s: float, order: str | None,
+                     compute_efficiency: float | None, memory_efficiency: float | None) -> Any:
+    """The GpuSpec an 'estimate:NAME' device names; StageplanError for an option that only a measurement uses, or
+    an efficiency that is not a fraction in (0, 1]."""
+    from stageplan.profiling.estimate import (
+        DEFAULT_COMPUTE_EFFICIENCY,
+        DEFAULT_MEMORY_EFFICIENCY,
+        parse_estimate_device,
+    )
+
+    gpu = parse_estimate_device(str(device))
+    if min_time_s:
+        raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate measures "
+                             "nothing; drop --min-time, or measure on a device you have")
+    if order is not None:
+        raise StageplanError(f"order ({order}) is the order layers are timed in, and an estimate times nothing; "
+                             "drop --order, or measure on a device you have")
+    for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
+                                 ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.0 < float(value) <= 1.0):
+            raise StageplanError(f"{name} must be a fraction in (0, 1], got {value!r}; e.g. {default}")
+    return gpu
+
+
+def _measured_device(device: str | torch.device, compute_efficiency: float | None,
+                     memory_efficiency: float | None) -> torch.device:
+    """The device to measure on; StageplanError for an option that only an estimate uses."""
+    dev = parse_device(device)
+    for name, value in (("compute_efficiency", compute_efficiency), ("memory_efficiency", memory_efficiency)):
+        if value is not None:
+            raise StageplanError(f"{name} ({value}) applies to estimates only; use it with --device estimate:GPU "
+                                 "(e.g. estimate:h100-sxm), or drop it when measuring")
+    return dev
+
+
+@contextlib.contextmanager
+def _one_thread_rng_restored(dev: torch.device) -> Iterator[None]:
+    """One intra-op thread on the CPU, as each pipeline rank will run; torch's thread count and the CPU and CUDA
+    random states are restored on the way out, so that profiling leaves the caller's process as it found it."""
     rng_cpu = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads = torch.get_num_threads()
     if dev.type == "cpu":
-        torch.set_num_threads(1)  # one intra-op thread, as each pipeline rank will run
+        torch.set_num_threads(1)
     try:
-        ctx = LayerContext(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup,
-                       float(min_time_s), order)
-        if estimate:
-            return profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
-        memory: dict[str, Any] = {}
-        if streaming is None:
-            need, acts = whole_model_bytes(workload.model, mb_args_cpu, dt)
-            free = free_bytes(dev)
-            streaming = need > free
-            memory = {"rule": "layer at a time when 2 x parameters + activations > free memory",
-                      "whole_model_bytes": need, "activation_bytes": acts, "free_bytes": free}
-        if streaming:
-            check_order(order, streaming)
-            ctx.order = "layer"
-            return profile_streaming(ctx, memory)
-        ctx.order = order or "stage"
-        return _profile_whole(ctx, memory)
+        yield
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(rng_cpu)
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)
+
+
+def _profile_measured(ctx: LayerContext, streaming: bool | None, order: str | None) -> Profile:
+    """Measure the whole model materialised, or one layer at a time (``streaming``; None: when the whole model
+    would not fit in the device's free memory)."""
+    memory: dict[str, Any] = {}
+    if streaming is None:
+        need, acts = whole_model_bytes(ctx.workload.model, ctx.mb_args_cpu, ctx.dt)
+        free = free_bytes(ctx.dev)
+        streaming = need > free
+        memory = {"rule": "layer at a time when 2 x parameters + activations > free memory",
+                  "whole_model_bytes": need, "activation_bytes": acts, "free_bytes": free}
+    if streaming:
+        check_order(order, streaming)
+        ctx.order = "layer"
+        return profile_streaming(ctx, memory)
+    ctx.order = order or "stage"
+    return _profile_whole(ctx, memory)
 
 
 def check_min_time(min_time_s: object) -> None:

@@ -61,9 +61,9 @@ def pin_rank_cpus(local_rank: int, local_world: int) -> list[int] | None:
     the block. Returns the block; None where affinity is not available (not Linux) or cannot be set, and, with
     nothing changed, where there are fewer CPUs than local ranks.
 
-    Why: unpinned, the kernel put a rank's gloo thread behind the other rank's compute thread on the other core;
-    posting a send or receive then blocked 2.7-6.3 ms and a gpt 1F1B m=8 step swung 140-168 ms. Pinned, the same
-    run's steps were 142.7-145.6 ms (README, limitations)."""
+    Why: unpinned, the kernel can queue a rank's gloo thread behind the other rank's compute thread on the other
+    core. Measured on a 2-core CPU host, posting a send or receive then blocked 2.7-6.3 ms and a gpt 1F1B m=8 step
+    ranged over 140-168 ms; pinned, the same run's steps were 142.7-145.6 ms (README, limitations)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
@@ -115,14 +115,16 @@ def short_comm_slices(slice_ns: int = COMM_SLICE_NS) -> int:
     kernel or platform has no per-thread slice: Linux before 6.12 ignores it for normal tasks, and reads it back as
     0, so nothing is claimed there).
 
-    Why: Linux's EEVDF scheduler lets a running thread finish its slice (1.4 ms on this 2-CPU VM) before a thread
-    that wakes on its CPU may run, unless the waking thread's own slice is shorter. A gloo send posted before its
-    receiver was ready waits for the receiver's "ready" message, which gloo's loop thread on the sender handles;
-    with the sender's compute thread busy on the same CPU, that took up to a slice or more. ``make bench``
-    (sender busy 10 ms after posting, receiver posting 0.5 ms later, 3 alternations of 20 crossings, four
-    benches): at the kernel's slice 31-57 of 60 crossings took over 1 ms (medians 1.3-3.2 ms, worst 5.2 ms); at
-    0.1 ms 0-1 of 60 (medians 0.11-0.13 ms). In a traced convnet GPipe step the receiving rank had sat idle 1.6-2.6
-    ms on two such crossings; the bench's whole steps moved 0.92-1.03x, inside the noise (README, limitations)."""
+    Why: Linux's EEVDF scheduler lets a running thread finish its slice (the base slice of kernel/sched/fair.c,
+    which grows with the CPU count: 1.4 ms on a 2-CPU host) before a thread that wakes on its CPU may run, unless
+    the waking thread's own slice is shorter (per-thread slices since Linux 6.12, set through ``sched_setattr``).
+    A gloo send posted before its receiver was ready waits for the receiver's "ready" message, which gloo's loop
+    thread on the sender handles; with the sender's compute thread busy on the same CPU, that took up to a slice or
+    more. Measured on a 2-core CPU host by ``make bench`` (sender busy 10 ms after posting, receiver posting 0.5 ms
+    later, 3 alternations of 20 crossings): at the kernel's slice 31-57 of 60 crossings took over 1 ms (medians
+    1.3-3.2 ms, worst 5.2 ms); at 0.1 ms 0-1 of 60 (medians 0.11-0.13 ms). In a traced convnet GPipe step the
+    receiving rank sat idle 1.6-2.6 ms on such crossings; the bench's whole steps moved 0.92-1.03x, inside the
+    noise (README, limitations)."""
     import platform
 
     number = _SYS_SCHED_SETATTR.get(platform.machine())
@@ -185,7 +187,9 @@ def _device(backend: str, rank: int, world_size: int, pin: bool) -> tuple[torch.
         torch.cuda.set_device(device)
         return device, None
     cpus = pin_rank_cpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if pin else None
-    torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each (FIELD.md: 2.2x slower with two)
+    # ranks share the cores: one intra-op thread each (with two busy ranks on two cores, a rank ran 2.2x slower with
+    # two intra-op threads than with one, measured on a 2-core CPU host)
+    torch.set_num_threads(1)
     steady_allocator()  # the profiler measured with large buffers reused; so does the run
     return torch.device("cpu"), cpus
 
@@ -223,7 +227,8 @@ class _Instruments:
     timer: Timer
     tracker: SavedTensorTracker
     clock: LayerClock
-    tracking: bool = True  # the hooks run in warm-up steps only (they cost ~6% of a small stage, seen here)
+    # the hooks run in warm-up steps only (they cost about 6% of a small stage's time, measured on a 2-core CPU host)
+    tracking: bool = True
     # per receive waited on, the wall time torch posted it: (kind, stage, microbatch) -> time.time()
     posted: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
@@ -358,9 +363,10 @@ def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments)
     """The rank's torch schedule, and the factor that turns its recorded losses back into the microbatches' own.
 
     The step's gradient is the mean over microbatches. torch's schedules get it by dividing every parameter's
-    gradient by m after the last backward (``scale_grads=True``, their default): one more pass over all of a
-    rank's gradients, inside ``step()`` and outside any chunk call, which the cost model does not price (1.3-2.9
-    ms a step over the bench models' gradients here). Dividing each microbatch's loss by m instead gives the same
+    gradient by m after the last backward (``scale_grads=True``, their default in
+    torch/distributed/pipelining/schedules.py): one more pass over all of a rank's gradients, inside ``step()`` and
+    outside any chunk call, which the cost model does not price (1.3-2.9 ms a step over the bench models' gradients,
+    measured on a 2-core CPU host). Dividing each microbatch's loss by m instead gives the same
     gradient, as the single-process reference computes it (``(loss / m).backward()``), at the cost of one scalar
     op. Where a torch release has no ``scale_grads``, the schedule is built as torch builds it, and the factor is 1."""
     import inspect
@@ -518,9 +524,11 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
     """The rank's layers timed after its run as the profiler timed them (in its order), in this process
     (:func:`retime_layers`):
     {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each alone
-    on the machine as the profile was taken (timed at once, the GPT's first rank read its blocks 1.41x the profile
-    while the second timed its LM head beside it, and its run 0.80x that). The run's gradients go first (the
-    optimizer and its states went with :func:`_train`), so the copies it times add no peak to the run's."""
+    on the machine as the profile was taken: ranks timed at the same time share the cores and the memory bandwidth,
+    and read slower than both the profile and the run (a GPT's first rank read its blocks 1.41x the profile while
+    the second rank timed its LM head beside it, and its run 0.80x that; measured on a 2-core CPU host). The run's
+    gradients go first (the optimizer and its states went with :func:`_train`), so the copies it times add no peak
+    to the run's."""
     import torch.distributed as dist
 
     from stageplan.timing import retime_layers

@@ -390,7 +390,7 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
     if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
         _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors", timeout_s)
         # the real build's data: a factory drawing its inputs from the global RNG after building its model would
-        # draw other numbers when the model's initialisation ran on meta (FIELD.md)
+        # draw other numbers when the model's initialisation ran on meta, where initialising draws no random numbers
         data = torch.load(run_dir / "data.pt", weights_only=False)
         meta.inputs, meta.target = data["inputs"], data["target"]
         return meta, str(run_dir / "weights.safetensors"), "the factory (built once, saved, freed)"
@@ -426,7 +426,7 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
                       stacklevel=3)
     backend = _backend(backend, plan.num_ranks)
     # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
-    # microbatch here): the step and compute medians come from steps without them
+    # microbatch, measured on a 2-core CPU host): the step and compute medians come from steps without them
     clock_steps = min(5, max(2, steps // 4))
     return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
             "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,

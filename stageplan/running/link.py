@@ -33,37 +33,42 @@ SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays 
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
 MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
 # Round trips per size before timing (connection set-up, first touch of the buffers, waking idle CPUs), and timed
-# ones (median taken). 2 and 5 once read a 2105 us latency where the same machine's next four probes read 63-80 us:
-# at least 3 of the 5 fell in one slow spell, and the bench priced every crossing of 24 plans with it. The 25 round
-# trips at a large size cost about 0.1 s at 4 MiB and 0.35 s at 16 MiB per pair on gloo here.
+# ones (median taken). A short probe can fall inside one slow spell of a shared host, and a plan prices every
+# crossing with what it reads: with 2 warm-up and 5 timed round trips, the median latency read 2.1 ms against
+# 63-80 us (measured on a 2-core CPU host). The 25 round trips at a large size cost about 0.1 s at 4 MiB and 0.35 s
+# at 16 MiB per pair on gloo (measured on the same host).
 WARMUP = 10
 REPEATS = 15
 # Timed round trips of a message of at most SMALL_MAX_BYTES (the latency probe and the fused exchange): a median
-# over 60 that cost about 6 ms, where 15 of them still read 1.6-2.0 ms medians in 3 of 14 probes here (a gloo round
-# trip on this VM stalls about 2 ms now and then, most often in its first few: 3-10 of 220, 1-6 of them first)
+# over 60, about 6 ms in all. A gloo round trip on a shared CPU host stalls about 2 ms now and then, most often in
+# the first few (3-10 of 220, measured on a 2-core CPU host), which a median of 15 small round trips did not
+# outlast in 3 of 14 probes (1.6-2.0 ms medians).
 SMALL_REPEATS = 60
 SMALL_MAX_BYTES = 64 * 2**10
 # Work before each timed message, as a rank computes its chunk between receiving and sending: 16 matmuls of
-# 128 x 128 floats on the CPU, about 1 ms here (60 us each). Back to back with the message before, a fused exchange
-# between two pinned gloo ranks took 3.7-4.0 ms (median of 40-50, five probes on one VM, whose scheduler tick is
-# 4 ms) where the same exchange after a barrier took 0.09-0.10 ms and after 0.3-2 ms of compute 0.16-0.33 ms; priced
-# at 3.9 ms a crossing, that VM's plans over-predicted every run's step by 12-49 ms against a replay with the run's
-# own layer times. Round trips back to back there read a 1.4-1.9 ms latency in 2 of 6 probes (46 us in the others).
+# 128 x 128 floats on the CPU, about 1 ms (60 us each, measured on a 2-core CPU host). Messages sent back to back
+# time the OS scheduler, not the link: on a host whose scheduler tick is 4 ms, a fused exchange between two pinned
+# gloo ranks took 3.7-4.0 ms back to back, against 0.09-0.10 ms after a barrier and 0.16-0.33 ms after 0.3-2 ms of
+# compute, and plans priced at the back-to-back figure over-predicted their runs' steps by 12-49 ms; back-to-back
+# round trips likewise read a 1.4-1.9 ms latency in 2 of 6 probes, 46 us in the others (measured on a 2-core CPU
+# host, medians of 40-50).
 GAP_MATMULS = 16
 # The schedule probe (:func:`schedule_overheads`): torch's GPipe over a 16-float linear layer per rank, microbatches
 # per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
 # writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
-# what the chunk evicted (median of 60-70 gaps here): 68 us after none, 117 us after 1 MiB, 142-145 us after 4-16
-# MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens of MiB. It takes 0.63-0.66 s
-# (and 0.86 s to import torch's pipelining the first time, which a run imports anyway).
+# what the chunk evicted (medians of 60-70 gaps, measured on a 2-core CPU host): 68 us after none, 117 us after
+# 1 MiB, 142-145 us after 4-16 MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens
+# of MiB. The probe takes 0.63-0.66 s (and 0.86 s to import torch's pipelining the first time, which a run imports
+# anyway).
 ACTION_MICROBATCHES = 8
 ACTION_WARMUP = 1
 ACTION_STEPS = 3
 ACTION_EVICT_BYTES = 64 * 2**20
 # The all-reduce probe (:func:`allreduce_probe`): every rank all-reduces a buffer of each size after a barrier, as
-# the tied gradient's sync starts once every rank is there. Priced from the point-to-point fit, gloo's all-reduce
-# of 1, 4 and 16 MiB between two pinned CPU ranks here took 2.1-4.7x the ring model (3.9-5.4 ms against 1.49 ms
-# at 4 MiB, two tries; the half-buffer add each rank does in it, 0.05 ms): the collective itself is timed.
+# the tied gradient's sync starts once every rank is there. The collective itself is timed because the ring model
+# priced from the point-to-point fit is far off on gloo: its all-reduce of 1, 4 and 16 MiB between two pinned CPU
+# ranks took 2.1-4.7x the model's time (3.9-5.4 ms against 1.49 ms at 4 MiB, of which the half-buffer add each rank
+# does is 0.05 ms; measured on a 2-core CPU host).
 ALLREDUCE_SIZES = (SMALL_BYTES, LARGE_BYTES)
 ALLREDUCE_REPEATS = 15
 
@@ -225,7 +230,7 @@ def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = AC
     - ``action_s``: the gap between one chunk call and the next, over the first rank's forwards and the last rank's
       backwards. Between two such calls torch's loop builds the P2P ops, posts the send (``_batch_p2p``), leaves one
       ``record_function`` and enters the next, its code and data cold after the chunk. 0.2-0.4 ms between chunk
-      calls were traced in real runs here: 54-85 us of ``record_function``, 57-110 us posting a send, 12 us per
+      calls were traced in real runs on a 2-core CPU host: 54-85 us of ``record_function``, 57-110 us posting a send, 12 us per
       list of ops built.
     - ``chunk_forward_s`` and ``chunk_backward_s``: each chunk call's time outside its module, over every rank's
       forwards and backwards: PipelineStage's own code (retrieving and detaching the received inputs, flattening

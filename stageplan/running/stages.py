@@ -239,12 +239,15 @@ def _recompute(module: nn.Module) -> None:
 
 def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
                     group: Any = None, across: Sequence[bool] | None = None) -> None:
-    """Sum a tied parameter's gradients over every stage that holds a copy (each copy's own gradient is only
-    its stage's share: 2e-2 off, seen here). A tie the plan puts on two or more ranks (``across``, from
-    :func:`ties_across_ranks`; None: every tie) is summed with an all-reduce every rank joins (ranks without a
-    copy contribute zeros; a rank's one copy is summed in place, as the link's all-reduce probe times it: through a
-    buffer, the sum into it and a copy back, HF GPT-2's 4 MiB tie took its last rank 4.06 ms against 2.92 ms in
-    place, medians of 8 runs each); a tie on one rank is summed over that rank's copies, with no communication."""
+    """Sum a tied parameter's gradients over every stage that holds a copy: each copy's own gradient is only its
+    stage's share, so every copy is wrong alone (by about 2e-2 for a tied embedding and LM head) and their sum is
+    the tie's gradient, as Megatron-LM sums the word embedding's gradients between its first and last stage
+    (``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py). A tie the plan puts
+    on two or more ranks (``across``, from :func:`ties_across_ranks`; None: every tie) is summed with an all-reduce
+    every rank joins (ranks without a copy contribute zeros). A rank's one contiguous copy is summed in place, as
+    the link's all-reduce probe times it, since a buffer adds the sum into it and a copy back: HF GPT-2's 4 MiB tie
+    took its last rank 4.06 ms through a buffer against 2.92 ms in place (medians of 8 runs each, measured on a
+    2-core CPU host). A tie on one rank is summed over that rank's copies, with no communication."""
     import torch.distributed as dist
 
     for g, (names, original) in enumerate(ties):
