@@ -213,24 +213,13 @@ def rescaled_profile(profile: Profile, factor: float) -> Profile:
 
 
 def plan(
-    profile: Profile | str | os.PathLike[str],
-    num_ranks: int,
-    *,
-    num_microbatches: int | str | None = None,
-    schedule: str = "1F1B",
-    virtual_stages: int = 1,
-    memory_limit: float | str | None = None,
-    bandwidth: float | str | None = None,
-    optimizer: str = "adam",
-    devices: Sequence[Device | float] | None = None,
-    recompute: bool = False,
-    method: str | None = None,
-    boundaries: Sequence[int] | None = None,
-    precision: str | None = None,
-    megatron_layout: str | None = None,
+    profile: Profile | str | os.PathLike[str], num_ranks: int, *, num_microbatches: int | str | None = None,
+    schedule: str = "1F1B", virtual_stages: int = 1, memory_limit: float | str | None = None,
+    bandwidth: float | str | None = None, optimizer: str = "adam", devices: Sequence[Device | float] | None = None,
+    recompute: bool = False, method: str | None = None, boundaries: Sequence[int] | None = None,
+    precision: str | None = None, megatron_layout: str | None = None,
     fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
-    link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
-    time_limit_s: float = 2.0,
+    link: Mapping[str, Any] | str | os.PathLike[str] | None = None, time_limit_s: float = 2.0,
     objective: str = "bottleneck",
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
@@ -257,17 +246,12 @@ def plan(
     run's chunk overheads and tied all-reduce, and its crossing delay unless a link replaces it. An estimate for a
     GPU (``--device estimate:GPU``) planned with neither gets that GPU's link within a node (gpus.json), in a note.
 
-    ``objective`` is what the optimal method minimises. "bottleneck" (the default): the slowest rank's time per
-    microbatch, exactly, then the lowest simulated step among splits with that bottleneck. "step": the lowest
-    simulated step whatever the bottleneck; the step also holds the optimizer steps, the tied-gradient sync and the
-    pipeline's fill and drain, so a split with a larger bottleneck can be faster. Both search the step from the
-    bottleneck-optimal split (``plan.step_search``: exhaustive over every split that could beat it when few can,
-    else descents); under "bottleneck" a split found at least 1% faster is named in a note. With a given split, the
-    objective chooses the optimal plan it is scored against.
-
-    ``time_limit_s`` bounds each MILP solve of an interleaved or V plan (``virtual_stages`` > 1; HiGHS): a plan
-    that hits it says how far from the proven optimum it may be, and a tight memory limit may need longer to
-    find any split that fits.
+    ``objective`` is what the optimal method minimises: "bottleneck" (the default), the slowest rank's time per
+    microbatch exactly, then the lowest simulated step among splits with that bottleneck; or "step", the lowest
+    simulated step whatever the bottleneck (the step also holds the optimizer steps, the tied-gradient sync, the fill
+    and the drain). Both search from the bottleneck-optimal split (``plan.step_search``); under "bottleneck" a split
+    at least 1% faster is named in a note. ``time_limit_s`` bounds each MILP solve of an interleaved or V plan
+    (``virtual_stages`` > 1); a plan that hits it says how far from the proven optimum it may be.
 
     Example (no torch needed)::
 
@@ -308,11 +292,10 @@ def plan(
 
     best, candidates = _best_candidate(candidate, schedules, ms, auto, method)
     if auto:
-        notes = list(best.notes)
+        best = dataclasses.replace(best, candidates=tuple(candidates))
         if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
-            notes.append(f"times scaled linearly from microbatch size {mb0} to {best.cost_options['microbatch_size']}; "
-                         "re-profile at that size to confirm")
-        best = dataclasses.replace(best, candidates=tuple(candidates)).with_notes(notes)
+            best = best.with_notes((*best.notes, f"times scaled linearly from microbatch size {mb0} to "
+                                    f"{best.cost_options['microbatch_size']}; re-profile at that size to confirm"))
     best = _batch_note(best, batch)
     for note in best.notes:
         if "bubble" in note:
