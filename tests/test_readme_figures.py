@@ -18,25 +18,6 @@ README_MAX_LINES = 300
 FIGURE = re.compile(r"(?<![\d.,])\d+(?:\.\d+)?\s?(?:%|×|x\b|ms\b|µs\b|s\b|GiB\b|GB\b|MiB\b|KiB\b)")
 TEAM_WORDS = re.compile(r"\bstops? [0-9]|\bthis stop\b|\blent\b|FIELD\.md", re.IGNORECASE)
 
-# Files the package restructuring (running in parallel) is rewording: each still holds such words today. Remove a
-# path once it is clean; the last test fails on an entry that no longer needs to be here.
-PENDING: frozenset[str] = frozenset({
-    "benchmarks/bench_profiler.py",
-    "benchmarks/gpu_profiles.sh",
-    "stageplan/api.py",
-    "stageplan/estimate.py",
-    "stageplan/executor.py",
-    "stageplan/launch.py",
-    "stageplan/materialize.py",
-    "stageplan/measure.py",
-    "stageplan/profiler.py",
-    "stageplan/schedules.py",
-    "tests/test_bad_input.py",
-    "tests/test_estimate.py",
-    "tests/test_score.py",
-})
-
-
 def figures(text: str) -> set[str]:
     """Every figure in ``text``, whitespace removed (a figure wrapped across lines, or "2.2 ms" against "2.2ms",
     is the same figure)."""
@@ -103,11 +84,6 @@ def _with_team_words() -> dict[str, list[str]]:
 
 
 def test_no_tracked_file_speaks_of_the_teams_working_history() -> None:
-    found = {name: hits for name, hits in _with_team_words().items() if name not in PENDING}
+    found = _with_team_words()
     assert not found, "words of the team's working history (stop N, this stop, lent, the field notes) in: " + "; ".join(
         f"{name} line {hits[0]}" for name, hits in sorted(found.items()))
-
-
-def test_every_pending_file_still_needs_its_exemption() -> None:
-    stale = sorted(PENDING - set(_with_team_words()))
-    assert not stale, f"clean or gone, so remove from PENDING in {THIS}: {stale}"
