@@ -130,7 +130,7 @@ def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (medians are taken)")
     p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
                    help="time more rounds than --repeats until they span SECONDS, so that the medians average out a "
-                   "shared machine's drift (here up to 33%% between 1.7 s windows of the same work, 9%% between 20 s ones)")
+                   "shared machine's drift (docs/accuracy.md)")
     p.add_argument("--streaming", action="store_true", default=None,
                    help="profile one layer at a time from a model on meta, never holding the whole model "
                    "(default: chosen when the whole model would not fit in free memory)")
@@ -147,8 +147,7 @@ def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                    help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach (default: 0.7)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="profile N times, each in a fresh process, one after the other, and keep each layer's median: "
-                   "a process's memory layout shifts all its timings alike (here one GPT block 1.06-1.16 ms over 18 "
-                   "processes); 1 profiles in this process")
+                   "a process's memory layout shifts all its timings alike; 1 profiles in this process")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="with --processes: seconds before a profiling process is ended")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")

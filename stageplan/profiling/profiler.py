@@ -170,7 +170,7 @@ def profile_model(
                              f"dedup={dedup!r}")
     if dev.type == "cpu" and not estimate and dt in (torch.float16, torch.bfloat16):
         warnings.warn(f"profiling in {str(dt).replace('torch.', '')} on the CPU: most CPU kernels have no fast half-precision "
-                      "path (float16 ran about 20x slower than float32 here), so these times will not predict a GPU; "
+                      "path (float16 can run many times slower than float32), so these times will not predict a GPU; "
                       "profile on the GPU you will train on, or estimate for it (--device estimate:NAME)", stacklevel=2)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     if workload.model is None and workload.model_fn is not None:  # a model only ever built on meta (model_fn)
