@@ -1,23 +1,25 @@
-"""Executor benchmark: how well a plan predicts its run on this machine, before any calibration, and after tune.
+"""Executor benchmark: how well a plan predicts its run
+on this machine, before any calibration, and after tune.
 
-Three models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 16384-token vocabulary (its LM head
-costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration (model, m, schedule) is
-profiled just before its runs, with its rounds spread over PROFILE_S seconds, planned optimal and uniform, and each
-distinct split run for at least RUN_S seconds of steps: this shared host's speed drifts by the second (two windows
-of the same work differed by up to 33% over 1.7 s windows and 9% over 20 s, 98th percentile) and over minutes (two
-10 s profiles of one model two minutes apart, 15% on every layer alike). Printed per run: predicted and measured step, and per
-rank measured / predicted compute by wall clock and by thread CPU time side by side (wall above CPU is time the
-rank was preempted), that compute error split in two (each rank's layers timed alone after the run, the ranks in
-turns, against the plan: the machine now against at the profile; and the run against them: the pipeline's own
-effect), with the 1-minute load average at the run's start and the machine's own drift (a fixed kernel
-timed just before the run against just after the profile). Then the medians and worst cases against the
-goals (compute: median <= 10%, worst <= 20%; step: median <= 15%, worst <= 25%), the optimal-over-uniform gains
-predicted and measured, and stageplan tune on the gpt (m = 4, 8): the final plan's prediction error on fresh runs
-(TUNE_RUNS of them, the final plan and uniform in turns, medians) and its measured gain over uniform (the median of
-the gains of runs side by side) against the predicted one, with the spread of the final plan's own runs (the same
-plan run again: what no prediction can beat). Then the noise floor: one GPT split profiled, priced and run five
-times over, and the least worst-case error the pairs' spread leaves any one factor on the model's predictions. Last, the
-GPT's plan with ranks pinned to their own CPUs against placed by the OS, alternating; and the optimal method's two
+Three models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 16384-token vocabulary (its LM
+head costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration (model, m,
+schedule) is profiled just before its runs, with its rounds spread over PROFILE_S seconds, planned optimal and
+uniform, and each distinct split run for at least RUN_S seconds of steps: this shared host's speed drifts by
+the second (two windows of the same work differed by up to 33% over 1.7 s windows and 9% over 20 s, 98th
+percentile) and over minutes (two 10 s profiles of one model two minutes apart, 15% on every layer alike).
+Printed per run: predicted and measured step, and per rank measured / predicted compute by wall clock and by
+thread CPU time side by side (wall above CPU is time the rank was preempted), that compute error split in two
+(each rank's layers timed alone after the run, the ranks in turns, against the plan: the machine now against
+at the profile; and the run against them: the pipeline's own effect), with the 1-minute load average at the
+run's start and the machine's own drift (a fixed kernel timed just before the run against just after the
+profile). Then the medians and worst cases against the goals (compute: median <= 10%, worst <= 20%; step:
+median <= 15%, worst <= 25%), the optimal-over-uniform gains predicted and measured, and stageplan tune on the
+gpt (m = 4, 8): the final plan's prediction error on fresh runs (TUNE_RUNS of them, the final plan and uniform
+in turns, medians) and its measured gain over uniform (the median of the gains of runs side by side) against
+the predicted one, with the spread of the final plan's own runs (the same plan run again: what no prediction
+can beat). Then the noise floor: one GPT split profiled, priced and run five times over, and the least
+worst-case error the pairs' spread leaves any one factor on the model's predictions. Last, the GPT's plan with
+ranks pinned to their own CPUs against placed by the OS, alternating; and the optimal method's two
 objectives (the least bottleneck, the lowest predicted step), run in turns where their splits differ.
 """
 
@@ -35,7 +37,8 @@ from stageplan.report import format_table
 from stageplan.zoo import build_workload
 
 STEPS, WARMUP = 20, 3  # the same plan's step varied 7-14% between runs of 8 steps here, 3% at 20
-RUN_S = 8.0  # at least this many seconds of measured steps per run (more steps than STEPS where a step is short)
+# at least this many seconds of measured steps per run (more steps than STEPS where a step is short)
+RUN_S = 8.0
 PROFILE_S = 10.0  # each profile's timed rounds span at least this (stageplan profile --min-time)
 TUNE_RUNS = 3  # tune's final plan and uniform, run in turns (stageplan tune --runs)
 MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {}), ("hf-gpt2", {})]
@@ -56,9 +59,9 @@ def _steps(pl: stageplan.Plan) -> int:
 
 def _machine_speed() -> float:
     """The machine's own speed now: median seconds of a fixed pair of kernels (a 256x256 matmul and a 2M-float
-    multiply-sum, one thread) over half a second. Timed after each profile and before each run, its ratio says how
-    much of a run's miss is the shared host itself drifting: on an idle 2-core VM here it moved 418-528 us and
-    1073-1467 us (2-second medians, 30 s) with nothing else running."""
+    multiply-sum, one thread) over half a second. Timed after each profile and before each run, its ratio says
+    how much of a run's miss is the shared host itself drifting: on an idle 2-core VM here it moved 418-528 us
+    and 1073-1467 us (2-second medians, 30 s) with nothing else running."""
     import torch
 
     threads = torch.get_num_threads()
@@ -78,22 +81,26 @@ def _machine_speed() -> float:
     return statistics.median(times)
 
 
-def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport, link: dict | None) -> list[str]:
-    """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers inside
-    the pipeline against their profiled times, its chunks' overhead outside the layers beyond what the plan priced
-    for it, its optimizer step (and tied sync) against the prediction, and the rest (waiting on the other rank, transfers, preemption). Then the whole miss
-    split in two by replaying the split with every rank's measured layer times: compute on all ranks, and the waits and
-    transfers the simulator does not see. With a tie across
-    ranks, a rank that finishes its backward first waits inside the all-reduce: the simulator counts that wait as
-    idle, this split counts it under the optimizer."""
+def _decompose(
+    profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.RunReport, link: dict | None
+) -> list[str]:
+    """Where measured - predicted step goes, on the rank the plan predicts busiest (ms per step): its layers
+    inside the pipeline against their profiled times, its chunks' overhead outside the layers beyond what the
+    plan priced for it, its optimizer step (and tied sync) against the prediction, and the rest (waiting on
+    the other rank, transfers, preemption). Then the whole miss split in two by replaying the split with every
+    rank's measured layer times: compute on all ranks, and the waits and transfers the simulator does not see.
+    With a tie across ranks, a rank that finishes its backward first waits inside the all-reduce: the
+    simulator counts that wait as idle, this split counts it under the optimizer."""
     m = pl.num_microbatches
     busy = {r["rank"]: r["predicted_compute_s"] for r in rep.ranks}
     r = max(busy, key=lambda k: busy[k])
     row = next(x for x in rep.ranks if x["rank"] == r)
     layers = [x for x in rep.layers if x["rank"] == r]
-    d_layers = m * sum(x["measured_forward_s"] - profile.layers[x["index"]].forward_s + x["measured_backward_s"]
+    d_layers = m * sum(x["measured_forward_s"] - profile.layers[x["index"]].forward_s
+                       + x["measured_backward_s"]
                        - profile.layers[x["index"]].backward_per_microbatch_s(m) for x in layers)
-    # the chunks' overhead outside their layers (the clock's hooks included) beyond what the plan priced for it
+    # the chunks' overhead outside their layers (the clock's
+    # hooks included) beyond what the plan priced for it
     overhead = m * (row["measured_overhead_forward_s"] + row["measured_overhead_backward_s"]
                     - sum(st.chunk_s for st in pl.stages if st.rank == r))
     predicted_other = sum(st.optimizer_s + st.tied_sync_s for st in pl.stages if st.rank == r)
@@ -104,41 +111,46 @@ def _decompose(profile: stageplan.Profile, pl: stageplan.Plan, rep: stageplan.Ru
     # (calibrate, per layer), simulated with the same link; what stays is waiting and transfers
     replayed = stageplan.plan(stageplan.calibrate(profile, rep), 2, num_microbatches=m, schedule=pl.schedule,
                               boundaries=pl.boundaries, link=link).predicted_step_s
-    # of the rest, the rank's loop blocked on its receives beyond what the simulator has it wait (timed in the run)
+    # of the rest, the rank's loop blocked on its receives
+    # beyond what the simulator has it wait (timed in the run)
     d_waits = (row.get("measured_receive_wait_s") or 0.0) - (row.get("predicted_receive_wait_s") or 0.0)
-    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, d_waits, replayed - pl.predicted_step_s,
+    return [f"{x * 1e3:+.1f}" for x in (miss, d_layers, overhead, d_other, rest, d_waits,
+                                        replayed - pl.predicted_step_s,
                                         rep.measured_step_s - replayed)] + [str(r)]
 
 
 def _tied_sync(rep: stageplan.RunReport) -> list[str] | None:
-    """The tied gradients' sum where the plan priced one: its price, each rank's measured time, and the least of them
-    (the rank that reached the all-reduce last, so its time is the collective's own) over the price; None where no
-    sync was priced."""
+    """The tied gradients' sum where the plan priced one: its price, each rank's measured time, and the least
+    of them (the rank that reached the all-reduce last, so its time is the collective's own) over the price;
+    None where no sync was priced."""
     predicted = max((r.get("predicted_tied_sync_s") or 0.0) for r in rep.ranks)
     measured = [r.get("measured_tied_sync_s") for r in rep.ranks]
     if predicted <= 0 or any(x is None for x in measured):
         return None
-    return [f"{predicted * 1e3:.2f}", " ".join(f"{x * 1e3:.2f}" for x in measured), f"{min(measured) / predicted:.3f}"]
+    return [f"{predicted * 1e3:.2f}", " ".join(f"{x * 1e3:.2f}" for x in measured),
+            f"{min(measured) / predicted:.3f}"]
 
 
 def _floor(values: list[float]) -> float:
-    """The least worst-case error any one correction can leave over ``values`` (measured / predicted ratios of the
-    same procedure repeated): scaling every prediction by c, the worst |v/c - 1| is least at c = the midpoint of
-    the smallest and largest ratio, which leaves (max - min) / (max + min). A goal's worst-case line below this
-    cannot hold on these pairs for any one factor applied to the model's predictions."""
+    """The least worst-case error any one correction can leave over ``values`` (measured / predicted ratios of
+    the same procedure repeated): scaling every prediction by c, the worst |v/c - 1| is least at c = the
+    midpoint of the smallest and largest ratio, which leaves (max - min) / (max + min). A goal's worst-case
+    line below this cannot hold on these pairs for any one factor applied to the model's predictions."""
     return (max(values) - min(values)) / (max(values) + min(values))
 
 
 def noise_floor(link: dict, pairs: int = 5) -> None:
-    """The bench's own procedure repeated on one split: ``pairs`` times, profile the gpt (vocab 16384, microbatch
-    for m = 4, rounds over PROFILE_S), price the same split (GPipe m = 4, the first pair's optimal) from that
-    profile, and run it at once. Each rank's compute and the step as measured / predicted per pair, the fixed
-    kernel at each run, and the floor (:func:`_floor`) that the pairs' spread puts under any model's worst case."""
+    """The bench's own procedure repeated on one split: ``pairs`` times, profile the gpt (vocab 16384,
+    microbatch for m = 4, rounds over PROFILE_S), price the same split (GPipe m = 4, the first pair's optimal)
+    from that profile, and run it at once. Each rank's compute and the step as measured / predicted per pair,
+    the fixed kernel at each run, and the floor (:func:`_floor`) that the pairs' spread puts under any model's
+    worst case."""
     model, options = MODELS[0]
     workload = build_workload(model, options)
     rows, per_rank, steps, split = [], {}, [], None
     for i in range(pairs):
-        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // 4, min_time_s=PROFILE_S)
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // 4,
+                                          min_time_s=PROFILE_S)
         pl = stageplan.plan(profile, 2, num_microbatches=4, schedule="GPipe", link=link, boundaries=split)
         split = pl.boundaries
         kernel = _machine_speed()
@@ -146,30 +158,34 @@ def noise_floor(link: dict, pairs: int = 5) -> None:
         for r in rep.ranks:
             per_rank.setdefault(r["rank"], []).append(r["compute_ratio"])
         steps.append(rep.step_ratio)
-        rows.append([i + 1, f"{kernel * 1e6:.0f}", f"{pl.predicted_step_s * 1e3:.1f}", f"{rep.measured_step_s * 1e3:.1f}",
+        rows.append([i + 1, f"{kernel * 1e6:.0f}", f"{pl.predicted_step_s * 1e3:.1f}",
+                     f"{rep.measured_step_s * 1e3:.1f}",
                      _pct(rep.step_ratio - 1), " ".join(_pct(r["compute_ratio"] - 1) for r in rep.ranks)])
-    print(f"\nnoise floor: {model} {options} GPipe m = 4, split {' '.join(map(str, split or ()))}: {pairs} times, profiled "
-          f"(rounds over >= {PROFILE_S:g} s), priced and run at once, as each configuration above")
+    print(f"\nnoise floor: {model} {options} GPipe m = 4, split {' '.join(map(str, split or ()))}: {pairs} "
+          f"times, profiled (rounds over >= {PROFILE_S:g} s), priced and run at once, as each configuration "
+          f"above")
     print(format_table(["pair", "fixed kernel us", "predicted ms", "measured ms", "step error",
                         "compute error per rank (wall)"], rows))
     for rank, ratios in sorted(per_rank.items()):
-        print(f"  rank {rank} compute: measured / predicted {min(ratios):.3f}-{max(ratios):.3f}; the least worst error "
-              f"any fixed correction leaves over these pairs: {_floor(ratios):.1%} (goal line: worst <= 20%)")
-    print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; the least worst error any fixed correction "
-          f"leaves: {_floor(steps):.1%} (goal line: worst <= 25%)")
+        print(f"  rank {rank} compute: measured / predicted {min(ratios):.3f}-{max(ratios):.3f}; the least "
+              f"worst error any fixed correction leaves over these pairs: {_floor(ratios):.1%} (goal line: "
+              f"worst <= 20%)")
+    print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; the least worst error any fixed "
+          f"correction leaves: {_floor(steps):.1%} (goal line: worst <= 25%)")
 
 
 ORDER_CASES = [("gpt", {"vocab_size": 16384}, "1F1B", 4, (0, 4, 8)), ("hf-gpt2", {}, "1F1B", 8, (0, 3, 6))]
-ORDER_TURNS = 4  # profiles per order, in turns, merged per layer (the host swung 25% between two 10 s profiles)
+# profiles per order, in turns, merged per layer (the host swung 25% between two 10 s profiles)
+ORDER_TURNS = 4
 
 
 def orders(link: dict, pairs: int = 2) -> None:
-    """The profile's two orders (stageplan profile --order) against the same runs: for each case (the splits whose
-    first rank missed most in earlier benches), ``pairs`` times, ORDER_TURNS short profiles per order (rounds over
-    PROFILE_S / ORDER_TURNS seconds each) taken in turns and merged per layer (the median), so that the host's swings
-    fall on both orders alike; then the split priced from each and run once. Per rank, its layers' forward and
-    backward inside the run (the layer clock) against each profile's: the forwards are timed alike in both orders
-    and show the host's level, the backwards show what the order changes."""
+    """The profile's two orders (stageplan profile --order) against the same runs: for each case (the splits
+    whose first rank missed most in earlier benches), ``pairs`` times, ORDER_TURNS short profiles per order
+    (rounds over PROFILE_S / ORDER_TURNS seconds each) taken in turns and merged per layer (the median), so
+    that the host's swings fall on both orders alike; then the split priced from each and run once. Per rank,
+    its layers' forward and backward inside the run (the layer clock) against each profile's: the forwards are
+    timed alike in both orders and show the host's level, the backwards show what the order changes."""
     from stageplan.formats.profile import merge_profiles
 
     rows, errors = [], {"stage": [], "layer": []}
@@ -179,8 +195,10 @@ def orders(link: dict, pairs: int = 2) -> None:
             taken: dict[str, list[stageplan.Profile]] = {"stage": [], "layer": []}
             for _turn in range(ORDER_TURNS):
                 for order in taken:
-                    taken[order].append(stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
-                                                                min_time_s=PROFILE_S / ORDER_TURNS, order=order))
+                    taken[order].append(stageplan.profile_model(workload,
+                                                                microbatch_size=workload.batch_size // m,
+                                                                min_time_s=PROFILE_S / ORDER_TURNS,
+                                                                order=order))
             profiles = {order: merge_profiles(ps) for order, ps in taken.items()}
             plans = {order: stageplan.plan(p, 2, num_microbatches=m, schedule=schedule, link=link,
                                            boundaries=list(split)) for order, p in profiles.items()}
@@ -189,7 +207,8 @@ def orders(link: dict, pairs: int = 2) -> None:
             row = [model, schedule, m, " ".join(map(str, split))]
             for order, p in profiles.items():
                 pl = plans[order]
-                priced = [sum(st.forward_s + st.backward_s for st in pl.stages if st.rank == r["rank"]) for r in rep.ranks]
+                priced = [sum(st.forward_s + st.backward_s for st in pl.stages if st.rank == r["rank"])
+                          for r in rep.ranks]
                 ratios = [r["measured_compute_s"] / x for r, x in zip(rep.ranks, priced)]
                 errors[order] += [abs(x - 1) for x in ratios]
                 inside = {r["rank"]: [0.0, 0.0, 0.0, 0.0] for r in rep.ranks}
@@ -203,34 +222,37 @@ def orders(link: dict, pairs: int = 2) -> None:
                 row += [" ".join(_pct(x - 1) for x in ratios),
                         " ".join(f"{t[0] / t[1]:.2f}/{t[2] / t[3]:.2f}" for _, t in sorted(inside.items()))]
             rows.append(row)
-    print(f"\norders: each split profiled {ORDER_TURNS} times in each order (stageplan profile --order), in turns, rounds "
-          f"over >= {PROFILE_S / ORDER_TURNS:g} s each, merged per order (median per layer), and run once; each rank's "
-          "compute error against each order's price, and its layers' forward / backward inside the run against each")
+    print(f"\norders: each split profiled {ORDER_TURNS} times in each order (stageplan profile --order), in "
+          f"turns, rounds over >= {PROFILE_S / ORDER_TURNS:g} s each, merged per order (median per layer), "
+          "and run once; each rank's compute error against each order's price, and its layers' forward / "
+          "backward inside the run against each")
     print(format_table(["model", "schedule", "m", "split", "against --order stage", "inside / stage fwd/bwd",
                         "against --order layer", "inside / layer fwd/bwd"], rows))
     for order, errs in errors.items():
-        print(f"  --order {order}: |measured/predicted - 1| median {statistics.median(errs):.1%}, worst {max(errs):.1%} "
-              f"over {len(errs)} rank runs")
+        print(f"  --order {order}: |measured/predicted - 1| median {statistics.median(errs):.1%}, worst "
+              f"{max(errs):.1%} over {len(errs)} rank runs")
 
 
-# The objectives' cases: (model, options, schedule, m, virtual stages); each is run only where the two objectives split
-# it differently
-OBJECTIVE_CASES = [("convnet", {}, "1F1B", 4, 1), ("convnet", {}, "GPipe", 4, 1), ("gpt", {"vocab_size": 16384}, "1F1B", 4, 1),
+# The objectives' cases: (model, options, schedule, m, virtual stages); each is run only where the two
+# objectives split it differently
+OBJECTIVE_CASES = [("convnet", {}, "1F1B", 4, 1), ("convnet", {}, "GPipe", 4, 1),
+                   ("gpt", {"vocab_size": 16384}, "1F1B", 4, 1),
                    ("gpt", {"vocab_size": 16384}, "Interleaved1F1B", 4, 2)]
 
 
 def objectives(link: dict, pairs: int = 5) -> None:
     """The optimal method's two objectives (stageplan plan --objective) on the same profile: where the lowest
-    predicted step is another split than the least bottleneck, predicted at least 1% faster (a smaller gain is within
-    the runs' spread here), both run ``pairs`` times in turns. Printed: each plan's predicted step and every run's
-    measured step, and the step plan's gain over the bottleneck plan, predicted and measured (the median of the
-    gains of runs side by side, and the ratio of the two median steps)."""
+    predicted step is another split than the least bottleneck, predicted at least 1% faster (a smaller gain is
+    within the runs' spread here), both run ``pairs`` times in turns. Printed: each plan's predicted step and
+    every run's measured step, and the step plan's gain over the bottleneck plan, predicted and measured (the
+    median of the gains of runs side by side, and the ratio of the two median steps)."""
     rows = []
     for model, options, schedule, m, v in OBJECTIVE_CASES:
         workload = build_workload(model, options)
-        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m, min_time_s=PROFILE_S)
-        plans = {o: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, virtual_stages=v, link=link,
-                                   objective=o) for o in ("bottleneck", "step")}
+        profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
+                                          min_time_s=PROFILE_S)
+        plans = {o: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                                   link=link, objective=o) for o in ("bottleneck", "step")}
         row = [model, schedule, m, *(" ".join(map(str, pl.boundaries)) for pl in plans.values()),
                *(f"{pl.predicted_step_s * 1e3:.1f}" for pl in plans.values())]
         predicted = plans["bottleneck"].predicted_step_s / plans["step"].predicted_step_s
@@ -241,24 +263,27 @@ def objectives(link: dict, pairs: int = 5) -> None:
         measured: dict[str, list[float]] = {o: [] for o in plans}
         for _ in range(pairs):
             for o, pl in plans.items():
-                measured[o].append(stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options,
-                                                 retime=False).measured_step_s)
+                measured[o].append(stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP,
+                                                 factory_options=options, retime=False).measured_step_s)
         gain = statistics.median(b / s for b, s in zip(measured["bottleneck"], measured["step"]))
         medians = statistics.median(measured["bottleneck"]) / statistics.median(measured["step"])
-        rows.append([*row, *(" ".join(f"{x * 1e3:.1f}" for x in measured[o]) for o in plans), f"{predicted:.3f}",
-                     f"{gain:.3f}", f"{medians:.3f}"])
+        rows.append([*row, *(" ".join(f"{x * 1e3:.1f}" for x in measured[o]) for o in plans),
+                     f"{predicted:.3f}", f"{gain:.3f}", f"{medians:.3f}"])
     print(f"\nobjectives: the optimal method's least bottleneck (default) against its lowest predicted step "
-          f"(--objective step), one profile each (rounds over >= {PROFILE_S:g} s), both splits run {pairs} times in "
-          "turns where the step split is predicted >= 1% faster; gain = bottleneck plan's step / step plan's "
-          "(measured: the median of the pairs' gains, and the ratio of the two plans' median steps)")
-    print(format_table(["model", "schedule", "m", "bottleneck split", "step split", "predicted ms", "predicted ms",
-                        "measured ms, each run", "measured ms, each run", "predicted gain", "measured gain (pairs)",
-                        "(medians)"], rows))
+          f"(--objective step), one profile each (rounds over >= {PROFILE_S:g} s), both splits run {pairs} "
+          "times in turns where the step split is predicted >= 1% faster; gain = bottleneck plan's step / "
+          "step plan's (measured: the median of the pairs' gains, and the ratio of the two plans' median "
+          "steps)")
+    print(format_table(["model", "schedule", "m", "bottleneck split", "step split", "predicted ms",
+                        "predicted ms",
+                        "measured ms, each run", "measured ms, each run", "predicted gain",
+                        "measured gain (pairs)", "(medians)"], rows))
 
 
 def placement(link: dict, pairs: int = 2) -> None:
-    """Ranks pinned to their own CPUs against placed by the OS: one GPT plan (vocab 16384, m = 8, optimal), run
-    pinned and unpinned alternately, ``pairs`` times per schedule, so the machine's drift falls on both alike."""
+    """Ranks pinned to their own CPUs against placed by the OS: one GPT plan (vocab 16384, m = 8, optimal),
+    run pinned and unpinned alternately, ``pairs`` times per schedule, so the machine's drift falls on both
+    alike."""
     options = MODELS[0][1]
     workload = build_workload("gpt", options)
     profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // 8)
@@ -268,19 +293,26 @@ def placement(link: dict, pairs: int = 2) -> None:
         errors: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(pairs):
             for pin in (True, False):
-                rep = stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP, factory_options=options, pin_cpus=pin)
+                rep = stageplan.run("gpt", pl, steps=STEPS, warmup=WARMUP, factory_options=options,
+                                    pin_cpus=pin)
                 errors[pin].append(rep.step_ratio - 1)
-        ratios.append(statistics.median(1 + e for e in errors[False]) / statistics.median(1 + e for e in errors[True]))
+        ratios.append(statistics.median(1 + e for e in errors[False])
+                      / statistics.median(1 + e for e in errors[True]))
         rows.append([schedule, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
-                     " ".join(map(_pct, errors[True])), " ".join(map(_pct, errors[False])), f"{ratios[-1]:.3f}"])
-    print(f"\nplacement: gpt {options} m = 8 optimal, each rank pinned to its own CPUs (the default) or placed by the OS "
-          f"(--no-pin), alternating, {pairs} runs each; step error = measured / predicted - 1")
-    print(format_table(["schedule", "split", "predicted ms", "pinned", "unpinned", "unpinned / pinned (median step)"], rows))
+                     " ".join(map(_pct, errors[True])), " ".join(map(_pct, errors[False])),
+                     f"{ratios[-1]:.3f}"])
+    print(f"\nplacement: gpt {options} m = 8 optimal, each rank pinned to its own CPUs (the default) or "
+          f"placed by the OS (--no-pin), alternating, {pairs} runs each; step error = measured / predicted - "
+          f"1")
+    print(format_table(
+        ["schedule", "split", "predicted ms", "pinned", "unpinned", "unpinned / pinned (median step)"], rows))
 
 
-def _crossing_rank(rank: int, slice_ns: int, port: int, out: object, crossings: int = 20, warmup: int = 5) -> None:
-    """One side of :func:`crossings`: rank 0 posts a 4 KiB send and computes for 10 ms; rank 1 posts its receive
-    0.5 ms after the send and records how long the message took from then (ms)."""
+def _crossing_rank(
+    rank: int, slice_ns: int, port: int, out: object, crossings: int = 20, warmup: int = 5
+) -> None:
+    """One side of :func:`crossings`: rank 0 posts a 4 KiB send and computes for 10 ms; rank 1 posts its
+    receive 0.5 ms after the send and records how long the message took from then (ms)."""
     import torch
     import torch.distributed as dist
 
@@ -335,9 +367,10 @@ def _crossing_run(slice_ns: int, port: int, timeout_s: float = 120.0) -> list[fl
 
 
 def crossings(pairs: int = 3) -> None:
-    """A send posted while its receiver is not ready yet, the sender then computing: how long the message takes
-    from the moment the receiver posts, with gloo's threads at the kernel's slice and at the executor's 0.1 ms
-    (stageplan.running.executor.short_comm_slices), alternating ``pairs`` times; 20 crossings per run."""
+    """A send posted while its receiver is not ready yet, the sender then computing: how long the message
+    takes from the moment the receiver posts, with gloo's threads at the kernel's slice and at the executor's
+    0.1 ms (stageplan.running.executor.short_comm_slices), alternating ``pairs`` times; 20 crossings per
+    run."""
     from stageplan.running.executor import COMM_SLICE_NS
 
     got: dict[int, list[float]] = {0: [], COMM_SLICE_NS: []}
@@ -348,20 +381,24 @@ def crossings(pairs: int = 3) -> None:
     rows = [[name, f"{statistics.median(d):.3f}", f"{sum(x > 1.0 for x in d)} of {len(d)}", f"{max(d):.2f}"]
             for name, d in (("kernel's slice", got[0]), ("0.1 ms (the default)", got[COMM_SLICE_NS]))]
     ratio = statistics.median(got[0]) / statistics.median(got[COMM_SLICE_NS])
-    print("\ncrossings: a 4 KiB send posted 0.5 ms before its receive, the sender computing 10 ms; time from the receive's "
-          f"post to the message (ms), gloo's threads at each slice, alternating, {pairs} runs of 20 each")
+    print("\ncrossings: a 4 KiB send posted 0.5 ms before its receive, the sender computing 10 ms; time from "
+          f"the receive's post to the message (ms), gloo's threads at each slice, alternating, {pairs} runs "
+          f"of 20 each")
     print(format_table(["comm threads' slice", "median ms", "over 1 ms", "worst ms"], rows))
     print(f"kernel's slice / 0.1 ms, median: {ratio:.2f}")
 
 
 def slices_in_pipelines(pairs: int = 2) -> None:
-    """The same plans run with gloo's threads at the kernel's slice and at 0.1 ms, alternating: the step and its
-    error against the prediction (the plans' crossings are priced the same either way)."""
+    """The same plans run with gloo's threads at the kernel's slice and at 0.1 ms, alternating: the step and
+    its error against the prediction (the plans' crossings are priced the same either way)."""
     from stageplan.running.launch import measure_link
 
     link = measure_link(2)
     rows = []
-    for model, m, schedule, method in (("convnet", 8, "GPipe", "uniform"), ("hf-gpt2", 8, "GPipe", "optimal")):
+    for model, m, schedule, method in (
+        ("convnet", 8, "GPipe", "uniform"),
+        ("hf-gpt2", 8, "GPipe", "optimal"),
+    ):
         options = dict(MODELS)[model]
         workload = build_workload(model, options)
         profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m)
@@ -377,10 +414,11 @@ def slices_in_pipelines(pairs: int = 2) -> None:
                 steps[value].append(rep.measured_step_s)
         kernel, short = statistics.median(steps["0"]), statistics.median(steps[""])
         rows.append([model, schedule, m, method, f"{pl.predicted_step_s * 1e3:.1f}",
-                     " ".join(f"{x * 1e3:.1f}" for x in steps["0"]), " ".join(f"{x * 1e3:.1f}" for x in steps[""]),
+                     " ".join(f"{x * 1e3:.1f}" for x in steps["0"]),
+                     " ".join(f"{x * 1e3:.1f}" for x in steps[""]),
                      f"{kernel / short:.3f}", _pct(short / pl.predicted_step_s - 1)])
-    print(f"\nslices in pipelines: each plan run with gloo's threads at the kernel's slice and at 0.1 ms, alternating, "
-          f"{pairs} runs each")
+    print(f"\nslices in pipelines: each plan run with gloo's threads at the kernel's slice and at 0.1 ms, "
+          f"alternating, {pairs} runs each")
     print(format_table(["model", "schedule", "m", "method", "predicted ms", "kernel's slice ms", "0.1 ms ms",
                         "kernel's / 0.1 ms (median step)", "step error at 0.1 ms"], rows))
 
@@ -399,10 +437,12 @@ def main() -> None:
         workload = build_workload(model, options)
         for m in (4, 8):
             for schedule in ("GPipe", "1F1B"):
-                profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m, min_time_s=PROFILE_S)
+                profile = stageplan.profile_model(workload, microbatch_size=workload.batch_size // m,
+                                                  min_time_s=PROFILE_S)
                 at_profile = _machine_speed()
                 speeds.append(at_profile)
-                plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k, link=link)
+                plans = {k: stageplan.plan(profile, 2, num_microbatches=m, schedule=schedule, method=k,
+                                           link=link)
                          for k in ("optimal", "uniform")}
                 if model == MODELS[0][0] and schedule == "1F1B":
                     tune_steps[m] = _steps(plans["optimal"])
@@ -414,7 +454,8 @@ def main() -> None:
                         continue
                     at_run = _machine_speed()
                     speeds.append(at_run)
-                    reports[name] = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=options)
+                    reports[name] = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP,
+                                                  factory_options=options)
                     rep = reports[name]
                     err_step.append(abs(rep.step_ratio - 1))
                     walls, cpus, machines, pipes = [], [], [], []
@@ -427,114 +468,141 @@ def main() -> None:
                     err_cpu += [abs(x) for x in cpus]
                     err_machine += [abs(x) for x in machines]
                     err_pipe += [abs(x) for x in pipes]
-                    runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)), f"{pl.predicted_step_s * 1e3:.1f}",
-                                 f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1), " ".join(map(_pct, walls)),
-                                 " ".join(map(_pct, cpus)), " ".join(map(_pct, machines)), " ".join(map(_pct, pipes)),
-                                 _pct(at_run / at_profile - 1),
+                    runs.append([model, schedule, m, name, " ".join(map(str, pl.boundaries)),
+                                 f"{pl.predicted_step_s * 1e3:.1f}",
+                                 f"{rep.measured_step_s * 1e3:.1f}", _pct(rep.step_ratio - 1),
+                                 " ".join(map(_pct, walls)),
+                                 " ".join(map(_pct, cpus)), " ".join(map(_pct, machines)),
+                                 " ".join(map(_pct, pipes)), _pct(at_run / at_profile - 1),
                                  f"{rep.meta.get('load_average_1min', float('nan')):.2f}"])
                     parts.append([model, schedule, m, name, *_decompose(profile, pl, rep, link)])
                     for r in rep.ranks:
                         beyond = r.get("after_idle_excess_s")
                         excess = (r["measured_compute_s"] - r["predicted_compute_s"]) * m
-                        idle_rows.append([model, schedule, m, name, r["rank"], r.get("predicted_after_idle_calls"),
-                                          _x(r.get("measured_after_idle_calls")), _x(r.get("after_idle_ratio")),
+                        idle_rows.append([model, schedule, m, name, r["rank"],
+                                          r.get("predicted_after_idle_calls"),
+                                          _x(r.get("measured_after_idle_calls")),
+                                          _x(r.get("after_idle_ratio")),
                                           _x(r.get("back_to_back_ratio")), _x(r["compute_ratio"]),
-                                          "-" if beyond is None else f"{beyond * 1e3:+.2f}", f"{excess * 1e3:+.2f}"])
+                                          "-" if beyond is None else f"{beyond * 1e3:+.2f}",
+                                          f"{excess * 1e3:+.2f}"])
                         if beyond is not None:
-                            idle_pairs.append((r["after_idle_ratio"] / r["back_to_back_ratio"], beyond, excess))
+                            idle_pairs.append(
+                                (r["after_idle_ratio"] / r["back_to_back_ratio"], beyond, excess))
                     tied = _tied_sync(rep)
                     if tied is not None:
                         syncs.append([model, schedule, m, name, *tied])
                 opt, uni = reports["optimal"], reports["uniform"]
-                gains.append([model, schedule, m, f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
+                gains.append([model, schedule, m,
+                              f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
-    print(f"2 ranks, each configuration profiled just before its runs (rounds over >= {PROFILE_S:g} s), runs of >= {STEPS} "
-          f"measured steps and >= {RUN_S:g} s after {WARMUP} warm-up; no calibration; plans priced with the link measured first "
-          f"({link['latency_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; a crossing priced at the larger of that latency and the fused exchange's "
-          f"{link.get('exchange_s', 0.0) * 1e6:.0f} us; torch's loop {link.get('action_s', 0.0) * 1e6:.0f} us a chunk action, PipelineStage "
-          f"{link.get('chunk_forward_s', 0.0) * 1e6:.0f} / {link.get('chunk_backward_s', 0.0) * 1e6:.0f} us a forward / backward: the "
-          "replays below price crossings and loop with these); load = 1-minute load average at the run's start; "
-          "compute error in two per rank: the rank's layers timed alone after the run (ranks in turns, as the profiler "
-          "times them) against the plan (the machine now against at the profile), and the run against them (the "
-          "pipeline's own effect; the two multiply to the compute error); "
-          "kernel = a fixed kernel's time just before the run / just after the profile (the host's own drift)")
-    print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms", "step error",
-                        "compute error per rank (wall)", "(thread CPU)", "machine now", "pipeline", "kernel", "load"],
+    print(f"2 ranks, each configuration profiled just before its runs (rounds over >= {PROFILE_S:g} s), runs "
+          f"of >= {STEPS} measured steps and >= {RUN_S:g} s after {WARMUP} warm-up; no calibration; plans "
+          f"priced with the link measured first ({link['latency_s'] * 1e6:.0f} us, "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; a crossing priced at the larger of that latency "
+          f"and the fused exchange's {link.get('exchange_s', 0.0) * 1e6:.0f} us; torch's loop "
+          f"{link.get('action_s', 0.0) * 1e6:.0f} us a chunk action, PipelineStage "
+          f"{link.get('chunk_forward_s', 0.0) * 1e6:.0f} / {link.get('chunk_backward_s', 0.0) * 1e6:.0f} us "
+          f"a forward / backward: the "
+          "replays below price crossings and loop with these); load = 1-minute load average at the run's "
+          "start; compute error in two per rank: the rank's layers timed alone after the run (ranks in "
+          "turns, as the profiler times them) against the plan (the machine now against at the profile), and "
+          "the run against them (the pipeline's own effect; the two multiply to the compute error); "
+          "kernel = a fixed kernel's time just before the run / just after the profile (the host's own "
+          "drift)")
+    print(format_table(["model", "schedule", "m", "method", "split", "predicted ms", "measured ms",
+                        "step error",
+                        "compute error per rank (wall)", "(thread CPU)", "machine now", "pipeline", "kernel",
+                        "load"],
                        runs))
-    print(f"\nper-rank compute, |measured/predicted - 1| by wall clock: median {statistics.median(err_wall):.1%}, "
-          f"worst {max(err_wall):.1%} over {len(err_wall)} rank runs (goal: median <= 10%, worst <= 20%)")
-    print(f"per-rank compute, |thread CPU/predicted - 1|:             median {statistics.median(err_cpu):.1%}, "
-          f"worst {max(err_cpu):.1%}")
+    print(f"\nper-rank compute, |measured/predicted - 1| by wall clock: median "
+          f"{statistics.median(err_wall):.1%}, worst {max(err_wall):.1%} over {len(err_wall)} rank runs "
+          f"(goal: median <= 10%, worst <= 20%)")
+    print(f"per-rank compute, |thread CPU/predicted - 1|:             median "
+          f"{statistics.median(err_cpu):.1%}, worst {max(err_cpu):.1%}")
     print(f"  of it, the machine now against at the profile, |alone after the run/predicted - 1|: median "
-          f"{statistics.median(err_machine):.1%}, worst {max(err_machine):.1%}; the pipeline, |measured/alone after "
-          f"the run - 1|: median {statistics.median(err_pipe):.1%}, worst {max(err_pipe):.1%}")
-    print(f"step, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, worst {max(err_step):.1%} over "
-          f"{len(err_step)} runs (goal: median <= 15%, worst <= 25%)")
+          f"{statistics.median(err_machine):.1%}, worst {max(err_machine):.1%}; the pipeline, "
+          f"|measured/alone after the run - 1|: median {statistics.median(err_pipe):.1%}, worst "
+          f"{max(err_pipe):.1%}")
+    print(f"step, |measured/predicted - 1|: median {statistics.median(err_step):.1%}, worst "
+          f"{max(err_step):.1%} over {len(err_step)} runs (goal: median <= 15%, worst <= 25%)")
     print(f"the machine's fixed kernel over the bench: {min(speeds) * 1e6:.0f}-{max(speeds) * 1e6:.0f} us "
-          f"(median {statistics.median(speeds) * 1e6:.0f} us; slowest / fastest {max(speeds) / min(speeds):.2f})")
-    print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its layers inside the "
-          "pipeline minus their profiled times, its chunks' overhead outside the layers minus the priced, its optimizer step and tied sync "
-          "minus the predicted, and the rest (waiting, transfers, preemption), of which its loop's timed waits on receives "
-          "minus the simulator's")
-    print("then the whole miss in two: the split replayed with every rank's layers at their measured times (calibrate, "
-          "per layer) minus the prediction, and the measured step minus that replay (waits and transfers)")
-    print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer", "rest",
-                        "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
-    print(f"\neach rank's chunk calls after >= {RESUME_GAP_S * 1e3:g} ms without computing (a receive's wait, the barrier) against those "
-          "back to back, in the same runs: calls a step (predicted, measured); where a stage's forwards or backwards ran "
-          "both ways in a step, measured / planned seconds of each (medians over steps) and what the calls after idle "
-          "took a step beyond the back-to-back pace; the rank's compute ratio and its whole compute excess a step (ms)")
+          f"(median {statistics.median(speeds) * 1e6:.0f} us; slowest / fastest "
+          f"{max(speeds) / min(speeds):.2f})")
+    print("\nwhere measured - predicted step goes (ms per step), on the rank the plan predicts busiest: its "
+          "layers inside the pipeline minus their profiled times, its chunks' overhead outside the layers "
+          "minus the priced, its optimizer step and tied sync minus the predicted, and the rest (waiting, "
+          "transfers, preemption), of which its loop's timed waits on receives minus the simulator's")
+    print("then the whole miss in two: the split replayed with every rank's layers at their measured times "
+          "(calibrate, per layer) minus the prediction, and the measured step minus that replay (waits and "
+          "transfers)")
+    print(format_table(["model", "schedule", "m", "method", "miss", "layers", "chunk overhead", "optimizer",
+                        "rest", "of it, receive waits", "compute, all ranks", "waits", "rank"], parts))
+    print(f"\neach rank's chunk calls after >= {RESUME_GAP_S * 1e3:g} ms without computing (a receive's "
+          "wait, the barrier) against those back to back, in the same runs: calls a step (predicted, "
+          "measured); where a stage's forwards or backwards ran both ways in a step, measured / planned "
+          "seconds of each (medians over steps) and what the calls after idle took a step beyond the "
+          "back-to-back pace; the rank's compute ratio and its whole compute excess a step (ms)")
     print(format_table(["model", "schedule", "m", "method", "rank", "after idle pred", "meas", "after idle x",
                         "back to back x", "compute x", "beyond ms", "excess ms"], idle_rows))
     if idle_pairs:
         ratio = statistics.median(a for a, _, _ in idle_pairs)
-        print(f"  over {len(idle_pairs)} rank runs with both sorts: a run's after-idle median over its back-to-back median, "
-              f"the median of those {ratio:.3f} "
-              f"({min(a for a, _, _ in idle_pairs):.3f}-{max(a for a, _, _ in idle_pairs):.3f}); beyond the pace median "
-              f"{statistics.median(b for _, b, _ in idle_pairs) * 1e3:+.2f} ms a step, against a compute excess median "
-              f"{statistics.median(c for _, _, c in idle_pairs) * 1e3:+.2f} ms")
+        print(f"  over {len(idle_pairs)} rank runs with both sorts: a run's after-idle median over its "
+              f"back-to-back median, the median of those {ratio:.3f} "
+              f"({min(a for a, _, _ in idle_pairs):.3f}-{max(a for a, _, _ in idle_pairs):.3f}); beyond the "
+              f"pace median {statistics.median(b for _, b, _ in idle_pairs) * 1e3:+.2f} ms a step, against a "
+              f"compute excess median {statistics.median(c for _, _, c in idle_pairs) * 1e3:+.2f} ms")
     if syncs:
         ratios = [float(row[-1]) for row in syncs]
-        print("\nthe tied gradients' all-reduce per step, priced from the link's all-reduce probe: measured on the rank "
-              "that reaches it last (it waits for no one), and on each rank (the others' include their wait for it)")
-        print(format_table(["model", "schedule", "m", "method", "predicted ms", "measured ms per rank", "last rank's / predicted"],
+        print("\nthe tied gradients' all-reduce per step, priced from the link's all-reduce probe: measured "
+              "on the rank that reaches it last (it waits for no one), and on each rank (the others' include "
+              "their wait for it)")
+        print(format_table(["model", "schedule", "m", "method", "predicted ms", "measured ms per rank",
+                            "last rank's / predicted"],
                            syncs))
-        print(f"  last rank's / predicted: median {statistics.median(ratios):.3f}, {min(ratios):.3f}-{max(ratios):.3f} over "
-              f"{len(ratios)} runs")
+        print(f"  last rank's / predicted: median {statistics.median(ratios):.3f}, "
+              f"{min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} runs")
     print("\noptimal over uniform: predicted and measured step ratio")
     print(format_table(["model", "schedule", "m", "predicted", "measured"], gains))
 
     tuned, tune_parts = [], []
     for m in (4, 8):
         with tempfile.TemporaryDirectory() as tmp:
-            result = stageplan.tune("gpt", 2, factory_options=MODELS[0][1], num_microbatches=m, schedule="1F1B",
+            result = stageplan.tune("gpt", 2, factory_options=MODELS[0][1], num_microbatches=m,
+                                    schedule="1F1B",
                                     steps=tune_steps[m], warmup=WARMUP, runs=TUNE_RUNS, min_time_s=PROFILE_S,
                                     output_dir=tmp)
-            # where each plan's median fresh run left tune's calibrated prediction (tune prices without a link: its
-            # calibration fits the crossings' delay from the runs)
+            # where each plan's median fresh run left tune's calibrated prediction (tune prices without a
+            # link: its calibration fits the crossings' delay from the runs)
             calibrated = stageplan.Profile.load(os.path.join(tmp, "profile.json"))
             for name in ("final", "uniform"):
                 pl = stageplan.plan(calibrated, 2, num_microbatches=m, schedule="1F1B",
                                     boundaries=result[name]["boundaries"])
                 rep = stageplan.RunReport.load(os.path.join(tmp, f"run_{name}.json"))
-                tune_parts.append([m, name, _pct(result[name]["error"]), *_decompose(calibrated, pl, rep, None)])
+                tune_parts.append(
+                    [m, name, _pct(result[name]["error"]), *_decompose(calibrated, pl, rep, None)])
         first, final, uni = result["rounds"][0], result["final"], result["uniform"]
         predicted_gain = uni["predicted_step_s"] / final["predicted_step_s"]
         measured_gain = result["final_over_uniform_measured"]
         again = final.get("measured_steps_s") or [final["measured_step_s"]]
-        tuned.append([m, tune_steps[m], len(result["rounds"]), " ".join(map(str, first["boundaries"])), _pct(first["error"]),
+        tuned.append([m, tune_steps[m], len(result["rounds"]), " ".join(map(str, first["boundaries"])),
+                      _pct(first["error"]),
                       " ".join(map(str, final["boundaries"])), f"{final['predicted_step_s'] * 1e3:.1f}",
                       " ".join(f"{x * 1e3:.1f}" for x in again), _pct(final["error"]),
                       f"{max(again) / min(again) - 1:.1%}", f"{predicted_gain:.3f}",
-                      f"{measured_gain:.3f}", f"{(measured_gain - 1) / (predicted_gain - 1):.0%}" if predicted_gain > 1 else "-"])
-    print(f"\nstageplan tune gpt {MODELS[0][1]} --stages 2 --schedule 1F1B --runs {TUNE_RUNS} --min-time {PROFILE_S:g}: "
-          f"the final plan measured on {TUNE_RUNS} fresh runs in turns with uniform (goal: |error| <= 5%, the median run's; "
-          "measured gain >= 90% of predicted where the prediction is >= 1.2x; same plan: its fresh runs' slowest / fastest - 1)")
-    print(format_table(["m", "steps", "rounds", "first split", "first error", "final split", "final predicted ms",
+                      f"{measured_gain:.3f}",
+                      f"{(measured_gain - 1) / (predicted_gain - 1):.0%}" if predicted_gain > 1 else "-"])
+    print(f"\nstageplan tune gpt {MODELS[0][1]} --stages 2 --schedule 1F1B --runs {TUNE_RUNS} --min-time "
+          f"{PROFILE_S:g}: the final plan measured on {TUNE_RUNS} fresh runs in turns with uniform (goal: "
+          "|error| <= 5%, the median run's; measured gain >= 90% of predicted where the prediction is >= "
+          "1.2x; same plan: its fresh runs' slowest / fastest - 1)")
+    print(format_table(["m", "steps", "rounds", "first split", "first error", "final split",
+                        "final predicted ms",
                         "final measured ms", "final error", "same plan", "predicted gain", "measured gain",
                         "gain realised"], tuned))
-    print("\nwhere tune's gain went: each plan's median fresh run against tune's calibrated prediction (ms per step, as "
-          "the decomposition above; measured / predicted gain is about (1 + uniform error) / (1 + final error))")
+    print("\nwhere tune's gain went: each plan's median fresh run against tune's calibrated prediction (ms "
+          "per step, as the decomposition above; measured / predicted gain is about (1 + uniform error) / (1 "
+          "+ final error))")
     print(format_table(["m", "plan", "error", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], tune_parts))
     noise_floor(link)
@@ -543,7 +611,8 @@ def main() -> None:
     placement(link)
     crossings()
     slices_in_pipelines()
-    print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s (load average now {os.getloadavg()[0]:.2f})")
+    print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s (load average now "
+          f"{os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""Models bigger than the machine: profile LLaMA-2-7B layer at a time on this CPU (27 GB of fp32 parameters on a
-24 GiB machine), and estimate LLaMA-2-70B for an H100 SXM without running it. Prints wall time, peak RSS and
+"""Models bigger than the machine: profile LLaMA-2-7B layer at a time on this CPU (27 GB of fp32 parameters on
+a 24 GiB machine), and estimate LLaMA-2-70B for an H100 SXM without running it. Prints wall time, peak RSS and
 how many blocks were measured once for all. Not a unit test: each part runs in a fresh process (peak RSS is a
 process's own), and the 7B part takes minutes.
 
     python benchmarks/bench_large.py            # both parts
     python benchmarks/bench_large.py --part 70b # one part
 
-Goals: 7B (seq 128, microbatch 1, streaming, dedup, default repeats): peak RSS <= 8 GB, <= 15 minutes, 32 blocks,
-30 of them measured_as the second (the first two are measured: the first follows another kind of layer). 70B (seq 4096, microbatch 1 of a batch of 8, bfloat16, estimate:h100-sxm):
+Goals: 7B (seq 128, microbatch 1, streaming, dedup, default repeats): peak RSS <= 8 GB, <= 15 minutes, 32
+blocks, 30 of them measured_as the second (the first two are measured: the first follows another kind of
+layer). 70B (seq 4096, microbatch 1 of a batch of 8, bfloat16, estimate:h100-sxm):
 <= 2 minutes, peak RSS <= 4 GB; the profile is written to profiles/estimate/llama2-70b-h100-sxm.json.
 """
 
@@ -46,8 +47,8 @@ def _llama_workload(size: str, *, seq_len: int, batch_size: int, dtype: str) -> 
 
     if "hf" in BUILTINS:
         with default_dtype(dtype), init_empty_weights():
-            return build_workload("hf", {"preset": f"llama2-{size}", "seq_len": seq_len, "batch_size": batch_size,
-                                         "dtype": dtype})
+            return build_workload("hf", {"preset": f"llama2-{size}", "seq_len": seq_len,
+                                         "batch_size": batch_size, "dtype": dtype})
     import transformers
 
     class LlamaLogits(transformers.LlamaForCausalLM):
@@ -65,7 +66,8 @@ def _llama_workload(size: str, *, seq_len: int, batch_size: int, dtype: str) -> 
     def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
-    return Workload(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), lm_loss, name=f"llama2-{size}",
+    return Workload(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), lm_loss,
+                    name=f"llama2-{size}",
                     factory_options={"preset": f"llama2-{size}", "seq_len": seq_len, "batch_size": batch_size,
                                      "dtype": dtype})
 
@@ -80,15 +82,18 @@ def part_7b() -> None:
     t0 = time.perf_counter()
     wl = _llama_workload("7b", seq_len=128, batch_size=8, dtype="float32")  # microbatches of 1 are profiled
     print(f"  built on meta: {parameter_bytes(wl.model) / 1e9:.1f} GB of fp32 parameters, "
-          f"{free_bytes(torch.device('cpu')) / 1e9:.1f} GB free; {time.perf_counter() - t0:.1f} s", flush=True)
+          f"{free_bytes(torch.device('cpu')) / 1e9:.1f} GB free; {time.perf_counter() - t0:.1f} s",
+          flush=True)
     prof = profile_model(wl, microbatch_size=1, progress=True)  # streaming chosen by the memory rule
     wall = time.perf_counter() - t0
     blocks = [x for x in prof.layers if ".layers." in f".{x.name}"]
     second = blocks[1].name if len(blocks) > 1 else None
     reused = sum(1 for x in blocks if x.measured_as == second)
     spread = prof.meta.get("dedup_spread") or {}
-    print(f"  materialized: {prof.meta['materialized']} ({prof.meta.get('memory_check', {}).get('rule', 'forced')})")
-    print(f"  wall time {wall:.0f} s (goal <= 900 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 8 GB)")
+    print(f"  materialized: {prof.meta['materialized']} "
+          f"({prof.meta.get('memory_check', {}).get('rule', 'forced')})")
+    print(
+        f"  wall time {wall:.0f} s (goal <= 900 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 8 GB)")
     print(f"  {len(blocks)} blocks (goal 32), {reused} measured_as {second} (goal 30); "
           f"{prof.meta['layers_measured']} of {len(prof)} layers measured; "
           f"spread {spread.get('layer')} / {spread.get('vs')}: fwd {spread.get('forward_ratio', 0):.3f}, "
@@ -107,16 +112,18 @@ def part_70b() -> None:
     t0 = time.perf_counter()
     # A batch of 8 sequences, profiled per microbatch of 1: plans default to 8 microbatches.
     wl = _llama_workload("70b", seq_len=4096, batch_size=8, dtype="bfloat16")
-    print(f"  built on meta: {parameter_bytes(wl.model) / 2 / 1e9:.2f} B parameters; {time.perf_counter() - t0:.1f} s",
+    print(f"  built on meta: {parameter_bytes(wl.model) / 2 / 1e9:.2f} B parameters; "
+          f"{time.perf_counter() - t0:.1f} s",
           flush=True)
     prof = profile_model(wl, microbatch_size=1, device="estimate:h100-sxm")
     wall = time.perf_counter() - t0
     ESTIMATE_OUT.parent.mkdir(parents=True, exist_ok=True)
     prof.save(ESTIMATE_OUT)
     blocks = [x for x in prof.layers if ".layers." in f".{x.name}"]
-    print(f"  wall time {wall:.1f} s (goal <= 120 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 4 GB)")
-    print(f"  {len(blocks)} blocks, {sum(1 for x in blocks if x.measured_as)} reusing another block's figures; "
-          f"{prof.meta['layers_measured']} of {len(prof)} layers estimated")
+    print(
+        f"  wall time {wall:.1f} s (goal <= 120 s); peak RSS {peak_rss_bytes() / 1e9:.2f} GB (goal <= 4 GB)")
+    print(f"  {len(blocks)} blocks, {sum(1 for x in blocks if x.measured_as)} reusing another block's "
+          f"figures; {prof.meta['layers_measured']} of {len(prof)} layers estimated")
     for x in prof.layers[:2] + prof.layers[-1:]:
         print(f"  {x.name:22s} fwd {x.forward_s * 1e3:8.2f} ms  bwd {x.backward_s * 1e3:8.2f} ms  "
               f"act {x.activation_bytes / 2**30:6.2f} GiB  params {x.param_bytes / 2**30:6.2f} GiB")

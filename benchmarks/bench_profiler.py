@@ -1,17 +1,18 @@
-"""Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512` in each order (stage,
-the default, and layer, in turns), the per-layer spread (IQR/median) and the sum-of-layers / whole-model ratio; then
-repeatability: the skewed gpt (16384-token head, microbatch 2) profiled twice, each in its own process, one after the
-other, and each layer's two figures compared (its forward and mean backward per microbatch at the profile's m, what
-the planner adds up; goal: within 5% for every layer above 1 ms or above 2% of the model's time); then the same with
+"""Profiler benchmark: wall time of `stageplan profile gpt --set n_layer=12 --set d_model=512` in each order
+(stage, the default, and layer, in turns), the per-layer spread (IQR/median) and the sum-of-layers /
+whole-model ratio; then repeatability: the skewed gpt (16384-token head, microbatch 2) profiled twice, each in
+its own process, one after the other, and each layer's two figures compared (its forward and mean backward per
+microbatch at the profile's m, what the planner adds up; goal: within 5% for every layer above 1 ms or above
+2% of the model's time); then the same with
 --min-time 20 (each profile's rounds spread over 20 s: a shared machine's speed drifts by the second), with
---processes 3, each profile the median of three fresh processes (a process's memory layout offsets all its timings
-alike), and with --order layer (each backward right after its own forward, identical layers measured once, against
-the default stage order's every layer in its place). Each pair is also split into what moved every layer alike (the
-machine's speed: the ratio of the two sums of layers) and what moved a layer against the others (its share of the
-sum: what moves a plan), with the 2- and 4-rank plans of both profiles, and set beside fixed work with no stageplan
-code, shaped like the model's layers (a matmul, a block-sized Linear, the embedding's memory-bound backward), run in
-a fresh process before, between and after the two profiles: how far identical work moves between fresh processes on
-this host in the same minutes, the floor under the line."""
+--processes 3, each profile the median of three fresh processes (a process's memory layout offsets all its
+timings alike), and with --order layer (each backward right after its own forward, identical layers measured
+once, against the default stage order's every layer in its place). Each pair is also split into what moved
+every layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer against
+the others (its share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles, and set
+beside fixed work with no stageplan code, shaped like the model's layers (a matmul, a block-sized Linear, the
+embedding's memory-bound backward), run in a fresh process before, between and after the two profiles: how far
+identical work moves between fresh processes on this host in the same minutes, the floor under the line."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ def _profile(args: list[str], out: Path) -> float:
     return time.perf_counter() - t0
 
 
-# Fixed work with no stageplan code, near the skewed GPT's layers (width 128, a 16384-token vocabulary; 256 rows, its
-# microbatch of 2 x 64 tokens doubled): a 256x256 matmul; a block-sized Linear(128, 512) forward and backward; and the
-# embedding's backward, which zeroes a 16384 x 128 gradient (8 MiB), adds 256 rows into it and adds it into the
-# accumulated one, streaming from memory. One thread, round-robin for SECONDS, each figure the median of 10-call rounds.
+# Fixed work with no stageplan code, near the skewed GPT's layers (width 128, a 16384-token vocabulary; 256
+# rows, its microbatch of 2 x 64 tokens doubled): a 256x256 matmul; a block-sized Linear(128, 512) forward and
+# backward; and the embedding's backward, which zeroes a 16384 x 128 gradient (8 MiB), adds 256 rows into it
+# and adds it into the accumulated one, streaming from memory. One thread, round-robin for SECONDS, each
+# figure the median of 10-call rounds.
 _FIXED_WORK = """
 import json, statistics, sys, time, torch
 torch.set_num_threads(1)
@@ -65,28 +67,30 @@ print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 
 def _fixed_work(seconds: float) -> dict[str, float]:
-    """Median seconds of each piece of _FIXED_WORK over ``seconds`` in a fresh process. Run before, between and after
-    a pair of profiles, its neighbouring readings are two fresh processes doing identical work in the same minutes:
-    the floor under two profiles' agreement on this host. Measured on a 2-core CPU host, of 19 neighbouring pairs of
-    twenty default profiles with this work between them, 7 agreed within 5% on every counted layer, and the work
-    itself held 5% on all three pieces in 7 of 19."""
-    out = subprocess.run([sys.executable, "-c", _FIXED_WORK, str(seconds)], check=True, capture_output=True, text=True)
+    """Median seconds of each piece of _FIXED_WORK over ``seconds`` in a fresh process. Run before, between
+    and after a pair of profiles, its neighbouring readings are two fresh processes doing identical work in
+    the same minutes: the floor under two profiles' agreement on this host. Measured on a 2-core CPU host, of
+    19 neighbouring pairs of twenty default profiles with this work between them, 7 agreed within 5% on every
+    counted layer, and the work itself held 5% on all three pieces in 7 of 19."""
+    out = subprocess.run([sys.executable, "-c", _FIXED_WORK, str(seconds)], check=True, capture_output=True,
+                         text=True)
     return json.loads(out.stdout)
 
 
 def _planned_s(layer: LayerProfile, m: int) -> float:
-    """What the planner adds up for a layer per microbatch: its forward and its mean backward over m microbatches
-    (one into empty grads, m - 1 accumulating)."""
+    """What the planner adds up for a layer per microbatch: its forward and its mean backward over m
+    microbatches (one into empty grads, m - 1 accumulating)."""
     return layer.forward_s + layer.backward_per_microbatch_s(m)
 
 
 def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float, float, float]:
-    """Each layer's figures side by side, over the layers that count (above 1 ms, or above 2% of the model's time):
-    the worst difference of a layer's time as the planner adds it up (forward and mean backward per microbatch at
-    the profile's m); the worst of its forward, backward and accumulating backward taken apart (stricter: a 0.4 ms
-    forward counts with its layer); and the pair split in two. A profile's rounds time every layer in turn, so a
-    change in the machine's speed moves all its layers alike: the ratio of the two sums - 1. What is left, the worst
-    relative change of a layer's share of its profile's sum, is what moves a plan's boundaries."""
+    """Each layer's figures side by side, over the layers that count (above 1 ms, or above 2% of the model's
+    time): the worst difference of a layer's time as the planner adds it up (forward and mean backward per
+    microbatch at the profile's m); the worst of its forward, backward and accumulating backward taken apart
+    (stricter: a 0.4 ms forward counts with its layer); and the pair split in two. A profile's rounds time
+    every layer in turn, so a change in the machine's speed moves all its layers alike: the ratio of the two
+    sums - 1. What is left, the worst relative change of a layer's share of its profile's sum, is what moves a
+    plan's boundaries."""
     m = max(1, int(a.meta["batch_size"]) // int(a.meta["microbatch_size"]))  # the plan's default
     total_a, total_b = sum(_planned_s(x, m) for x in a.layers), sum(_planned_s(y, m) for y in b.layers)
     rows, worst, worst_part, worst_share = [], 0.0, 0.0, 0.0
@@ -102,21 +106,26 @@ def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float, flo
         if counts:
             worst, worst_part = max(worst, abs(t)), max(worst_part, abs(f), abs(bw), abs(acc))
             worst_share = max(worst_share, abs((t_y / total_b) / (t_x / total_a) - 1))
-        rows.append([x.name, f"{x.forward_s * 1e3:.2f}", f"{y.forward_s * 1e3:.2f}", f"{f:+.1%}", f"{x.backward_s * 1e3:.2f}",
-                     f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", f"{acc:+.1%}", f"{t:+.1%}", "yes" if counts else "no"])
+        rows.append([x.name, f"{x.forward_s * 1e3:.2f}", f"{y.forward_s * 1e3:.2f}", f"{f:+.1%}",
+                     f"{x.backward_s * 1e3:.2f}",
+                     f"{y.backward_s * 1e3:.2f}", f"{bw:+.1%}", f"{acc:+.1%}", f"{t:+.1%}",
+                     "yes" if counts else "no"])
     return rows, worst, worst_part, total_b / total_a - 1, worst_share
 
 
 def repeatability(tmp: Path) -> None:
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
-    headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff", "accumulating diff",
-               "layer diff", "counts"]
-    floors: dict[str, list[float]] = {}  # each piece's moves between neighbouring fixed-work processes, in order
+    headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff",
+               "accumulating diff", "layer diff", "counts"]
+    # each piece's moves between neighbouring fixed-work processes, in order
+    floors: dict[str, list[float]] = {}
     worsts: list[float] = []
     for processes, spread, order in ((1, 0, None), (1, 20, None), (3, 0, None), (1, 0, "layer")):
-        more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)] if spread else []) \
+        more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)]
+                                                                             if spread else []) \
             + (["--order", order] if order else [])
-        a_path, b_path = tmp / f"a{processes}-{spread}-{order}.json", tmp / f"b{processes}-{spread}-{order}.json"
+        a_path, b_path = tmp / f"a{processes}-{spread}-{order}.json", tmp / (f"b{processes}-{spread}-{order}"
+                                                                             f".json")
         window = float(max(10, spread))  # a profile's length in this mode (each process's, with --processes)
         kernel = [_fixed_work(window)]
         wall = _profile(args + more, a_path)
@@ -125,35 +134,45 @@ def repeatability(tmp: Path) -> None:
         kernel.append(_fixed_work(window))
         a, b = Profile.load(a_path), Profile.load(b_path)
         rows, worst, worst_part, host, worst_share = _compare(a, b)
-        how = "each in its own process" if processes == 1 else f"each the median of {processes} fresh processes"
+        how = "each in its own process" if processes == 1 else (f"each the median of {processes} fresh "
+                                                                f"processes")
         how += f", rounds over >= {spread} s" if spread else ""
-        print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; ms)")
+        print(f"\nrepeatability: stageplan profile {' '.join(args + more)}, twice, {how} ({wall:.0f} s each; "
+              f"ms)")
         print(format_table(headers, rows))
-        print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or backwards "
-              f"apart: {worst_part:.1%}; load average at the starts "
+        print(f"  worst difference of a counted layer's time: {worst:.1%} (goal <= 5%); of its forward or "
+              f"backwards apart: {worst_part:.1%}; load average at the starts "
               f"{a.meta['load_average_1min']:.2f}, {b.meta['load_average_1min']:.2f}")
-        print(f"  split into what moved every layer alike and what moved one layer: the second profile's sum of layers "
-              f"{host:+.1%} on the first's; a counted layer's share of the sum moved by at most {worst_share:.1%}")
-        print(f"  fixed work (no stageplan code) over {window:.0f} s in a fresh process before, between and after the "
-              f"two profiles (us; the moves between neighbours):")
+        print(f"  split into what moved every layer alike and what moved one layer: the second profile's sum "
+              f"of layers {host:+.1%} on the first's; a counted layer's share of the sum moved by at most "
+              f"{worst_share:.1%}")
+        print(f"  fixed work (no stageplan code) over {window:.0f} s in a fresh process before, between and "
+              f"after the two profiles (us; the moves between neighbours):")
         for name in kernel[0]:
             reads = [k[name] for k in kernel]
             moves = [reads[i + 1] / reads[i] - 1 for i in range(2)]
             floors.setdefault(name, []).extend(moves)
-            print(f"    {name:<9} {', '.join(f'{r * 1e6:.0f}' for r in reads)} ({moves[0]:+.1%}, {moves[1]:+.1%})")
+            print(f"    {name:<9} {', '.join(f'{r * 1e6:.0f}' for r in reads)} ({moves[0]:+.1%}, "
+                  f"{moves[1]:+.1%})")
         worsts.append(worst)
         for ranks in (2, 4):
             pa, pb = stageplan.plan(a, ranks), stageplan.plan(b, ranks)
             same = "the same" if pa.boundaries == pb.boundaries else "different"
-            print(f"  plan, {ranks} ranks 1F1B: {list(pa.boundaries)} and {list(pb.boundaries)} ({same}); predicted "
-                  f"step {pa.predicted_step_s * 1e3:.1f} and {pb.predicted_step_s * 1e3:.1f} ms")
-    together = [max(map(abs, moves)) for moves in zip(*floors.values())]  # each neighbouring pair's worst piece
-    print(f"\nrepeatability over the {len(worsts)} pairs: a counted layer's worst difference {min(worsts):.1%}-"
-          f"{max(worsts):.1%}, within 5% in {sum(w <= 0.05 for w in worsts)} of {len(worsts)}; identical work in "
-          f"neighbouring fresh processes beside them within 5% in: " + ", ".join(
-              f"{name} {sum(abs(x) <= 0.05 for x in xs)} of {len(xs)} (at most {max(map(abs, xs)):.1%} apart)"
-              for name, xs in floors.items()) + f"; all three at once {sum(x <= 0.05 for x in together)} of "
-          f"{len(together)}")
+            print(f"  plan, {ranks} ranks 1F1B: {list(pa.boundaries)} and {list(pb.boundaries)} ({same}); "
+                  f"predicted step {pa.predicted_step_s * 1e3:.1f} and {pb.predicted_step_s * 1e3:.1f} ms")
+    # each neighbouring pair's worst piece
+    together = [max(map(abs, moves)) for moves in zip(*floors.values())]
+    print(
+        f"\nrepeatability over the {len(worsts)} pairs: a counted layer's worst difference "
+        f"{min(worsts):.1%}-{max(worsts):.1%}, within 5% in {sum(w <= 0.05 for w in worsts)} of "
+        f"{len(worsts)}; identical work in neighbouring fresh processes beside them within 5% in: "
+        + ", ".join(
+            f"{name} {sum(abs(x) <= 0.05 for x in xs)} of {len(xs)} (at most {max(map(abs, xs)):.1%} apart)"
+            for name, xs in floors.items()
+        )
+        + f"; all three at once {sum(x <= 0.05 for x in together)} of "
+        f"{len(together)}"
+    )
 
 
 def main() -> None:
@@ -162,13 +181,16 @@ def main() -> None:
         for i in range(2):  # the two orders in turns, twice: the machine's drift falls on both alike
             for order in walls:
                 out = Path(tmp) / f"gpt-large-{order}-{i}.json"
-                walls[order].append(_profile(["gpt", "--set", "n_layer=12", "--set", "d_model=512", "--order", order], out))
+                walls[order].append(
+                    _profile(["gpt", "--set", "n_layer=12", "--set", "d_model=512", "--order", order], out))
                 prof = Profile.load(out)
-                spreads = [(x.forward_iqr_s + x.backward_iqr_s) / (x.forward_s + x.backward_s) for x in prof.layers]
+                spreads = [(x.forward_iqr_s + x.backward_iqr_s) / (x.forward_s + x.backward_s)
+                           for x in prof.layers]
                 print(f"stageplan profile gpt --set n_layer=12 --set d_model=512 --order {order}")
-                print(f"  wall time {walls[order][-1]:.1f} s ({len(prof)} layers, {prof.meta['warmup']} warm-up + "
-                      f"{prof.meta['repeats']} rounds)")
-                print(f"  per-layer spread IQR/median: median {statistics.median(spreads):.1%}, max {max(spreads):.1%} "
+                print(f"  wall time {walls[order][-1]:.1f} s ({len(prof)} layers, {prof.meta['warmup']} "
+                      f"warm-up + {prof.meta['repeats']} rounds)")
+                print(f"  per-layer spread IQR/median: median {statistics.median(spreads):.1%}, max "
+                      f"{max(spreads):.1%} "
                       "(goal <= 5%)")
                 print(f"  sum of layers / whole model: {prof.sum_vs_whole:.3f}; load average at the start "
                       f"{prof.meta['load_average_1min']:.2f}")

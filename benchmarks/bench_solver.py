@@ -1,4 +1,5 @@
-"""Benchmark stageplan.planning.solver: speed (medians, ratio against an O(L^2 p) DP) and plan quality vs baselines.
+"""Benchmark stageplan.planning.solver: speed (medians,
+ratio against an O(L^2 p) DP) and plan quality vs baselines.
 
 Run: python benchmarks/bench_solver.py  (about 10 s on 2 cores; prints plain-text tables).
 """
@@ -87,7 +88,8 @@ def solve_planner(inp: dict[str, Any], p: int) -> Solution:
 
 
 def binding_limit(num_layers: int, p: int, seed: int) -> float:
-    """A limit that binds: 30% of the way from the smallest feasible limit to the unconstrained plan's peak."""
+    """A limit that binds: 30% of the way from the smallest
+    feasible limit to the unconstrained plan's peak."""
     free = solve_planner(planner_inputs(num_layers, p, seed), p)
     peak = max(free.stage_memory or ())
     smallest = 0.0
@@ -130,7 +132,8 @@ def speed_section() -> None:
     print("== speed (median wall time) ==")
     print(f"the planner's real input at L={num_layers} p={p}: 1F1B memory rows (p, L) + boundary buffers "
           "(memory_end_bytes = 2 x output_bytes), boundary_costs zero;")
-    print("medians of 45 solves and 5 runs (best of 2) of the O(L^2 p) numpy DP on the same terms, interleaved")
+    print(
+        "medians of 45 solves and 5 runs (best of 2) of the O(L^2 p) numpy DP on the same terms, interleaved")
     limit = binding_limit(num_layers, p, seed=0)
     print(f"{'case':<26} {'solve':>9} {'DP ref':>9} {'ratio':>7} {'target':>7}  ok   same bottleneck")
     for name, lim in (("no memory limit", None), ("binding memory limit", limit)):
@@ -219,7 +222,8 @@ def quality_section() -> None:
     for method, values in ratios.items():
         arr = np.asarray(values)
         share = 100.0 * float(np.mean(arr <= 1 + 1e-9))
-        print(f"{method:<15} {share:>9.1f}% {np.median(arr):>8.3f} {np.quantile(arr, 0.9):>8.3f} {arr.max():>8.3f}")
+        print(f"{method:<15} {share:>9.1f}% {np.median(arr):>8.3f} {np.quantile(arr, 0.9):>8.3f} "
+              f"{arr.max():>8.3f}")
     print()
 
 

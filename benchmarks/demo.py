@@ -1,6 +1,6 @@
-"""make demo: profile the built-in skewed GPT, measure the link between 2 local ranks, plan 2 stages (optimal and
-uniform) priced with it, run both on 2 local CPU processes, and print predicted vs measured plus the measured
-speed-up of optimal over uniform."""
+"""make demo: profile the built-in skewed GPT, measure the link between 2 local ranks, plan 2 stages (optimal
+and uniform) priced with it, run both on 2 local CPU processes, and print predicted vs measured plus the
+measured speed-up of optimal over uniform."""
 
 from __future__ import annotations
 
@@ -29,34 +29,37 @@ def main() -> None:
     from stageplan.running.launch import measure_link
 
     link = measure_link(2, output=OUT / "link.json")
-    print(f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
-          f"fused exchange {link['exchange_s'] * 1e6:.0f} us, torch's schedule loop "
+    print(f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} "
+          f"GB/s, fused exchange {link['exchange_s'] * 1e6:.0f} us, torch's schedule loop "
           f"{link.get('action_s', 0.0) * 1e6:.0f} us per chunk action")
 
     print("\n== 2. plan 2 stages, 1F1B, 4 microbatches, priced with that link: optimal vs the baselines")
-    plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m, link=link) for m in METHODS}
+    plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m, link=link)
+             for m in METHODS}
     print(compare_table(plans))
 
     reports = {}
     for step, method in (("3a", "optimal"), ("3b", "uniform")):
-        print(f"\n== {step}. run the {method} plan on 2 CPU processes (gloo, one thread each), checked against one process")
+        print(f"\n== {step}. run the {method} plan on 2 CPU processes (gloo, one thread each), checked "
+              f"against one process")
         plans[method].save(OUT / f"plan_{method}.json")
-        reports[method] = stageplan.run("gpt", plans[method], steps=8, warmup=2, check=True, factory_options=OPTIONS,
-                                        output=OUT / f"run_{method}.json")
+        reports[method] = stageplan.run("gpt", plans[method], steps=8, warmup=2, check=True,
+                                        factory_options=OPTIONS, output=OUT / f"run_{method}.json")
         print(run_table(reports[method]))
 
     opt, uni = reports["optimal"], reports["uniform"]
     print("\n== 4. predicted vs measured")
     for method, rep in reports.items():
-        print(f"{method:>8}: step predicted {rep.predicted_step_s * 1e3:7.2f} ms, measured {rep.measured_step_s * 1e3:7.2f} ms, "
-              f"measured/predicted {rep.step_ratio:.3f}")
+        print(f"{method:>8}: step predicted {rep.predicted_step_s * 1e3:7.2f} ms, measured "
+              f"{rep.measured_step_s * 1e3:7.2f} ms, measured/predicted {rep.step_ratio:.3f}")
     print(f"measured speed-up of optimal over uniform: {uni.measured_step_s / opt.measured_step_s:.3f}x "
           f"(predicted {uni.predicted_step_s / opt.predicted_step_s:.3f}x)")
     print(f"files in {OUT}/; demo took {time.perf_counter() - start:.0f} s")
-    print("\nnext: look at the plan's figure (stageplan show out/demo/plan_optimal.json --plot out/demo/plan.png),\n"
-          "the measured timeline (stageplan show out/demo/run_optimal.json --plot out/demo/run.png), and\n"
-          "notebooks/03_predicted_vs_measured.ipynb (make jupyter); measured/predicted far from 1 means the\n"
-          "profile's conditions differ from the run's: stageplan calibrate PROFILE RUN -o CALIBRATED closes the loop")
+    print("\nnext: look at the plan's figure (stageplan show out/demo/plan_optimal.json --plot "
+          "out/demo/plan.png),\nthe measured timeline (stageplan show out/demo/run_optimal.json --plot "
+          "out/demo/run.png), and\nnotebooks/03_predicted_vs_measured.ipynb (make jupyter); "
+          "measured/predicted far from 1 means the\nprofile's conditions differ from the run's: stageplan "
+          "calibrate PROFILE RUN -o CALIBRATED closes the loop")
 
 
 if __name__ == "__main__":

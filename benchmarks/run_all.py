@@ -13,7 +13,7 @@ import bench_simulator
 import bench_solver
 
 if __name__ == "__main__":
-    for name, module in [("solver", bench_solver), ("simulator", bench_simulator), ("profiler", bench_profiler),
-                         ("executor", bench_executor)]:
+    for name, module in [("solver", bench_solver), ("simulator", bench_simulator),
+                         ("profiler", bench_profiler), ("executor", bench_executor)]:
         print(f"\n===== {name} =====", flush=True)
         module.main()

@@ -1,8 +1,9 @@
 """stageplan: profile a model per layer, plan pipeline stages exactly, run and check the plan.
 
 ``import stageplan`` does not import torch (nor scipy): planning from a stored profile works without them.
-The torch-backed functions (``profile_model``, ``profile_in_processes``, ``run``, ``build_pipeline``) are the real
-functions of ``stageplan.profiling`` and ``stageplan.running``, re-exported lazily (PEP 562): torch is imported on
+The torch-backed functions (``profile_model``, ``profile_in_processes``, ``run``, ``build_pipeline``) are the
+real functions of ``stageplan.profiling`` and ``stageplan.running``, re-exported lazily (PEP 562): torch is
+imported on
 first access.
 """
 
@@ -54,8 +55,8 @@ __all__ = [
 ]
 
 # The torch edge, loaded on first access.
-_LAZY = {"profile_model": "stageplan.profiling", "run": "stageplan.running", "profile_in_processes": "stageplan.running",
-         "build_pipeline": "stageplan.running"}
+_LAZY = {"profile_model": "stageplan.profiling", "run": "stageplan.running",
+         "profile_in_processes": "stageplan.running", "build_pipeline": "stageplan.running"}
 
 
 def __getattr__(name: str) -> Any:

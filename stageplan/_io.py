@@ -34,26 +34,35 @@ def check_output_path(path: str | os.PathLike[str], inputs: Any = ()) -> Path:
         raise StageplanError("the output path is empty; give a file name such as out.json")
     p = Path(path)
     for given in inputs:
-        if isinstance(given, (str, os.PathLike)) and Path(given).exists() and p.exists() and os.path.samefile(given, p):
-            raise StageplanError(f"output {str(p)!r} is this command's input {str(given)!r}; writing it would replace "
-                                 "what it was made from: give another -o path")
+        if (
+            isinstance(given, (str, os.PathLike))
+            and Path(given).exists()
+            and p.exists()
+            and os.path.samefile(given, p)
+        ):
+            raise StageplanError(f"output {str(p)!r} is this command's input {str(given)!r}; writing it "
+                                 "would replace what it was made from: give another -o path")
     if _written_in_place(p):
         if not os.access(p, os.W_OK):
             raise StageplanError(f"cannot write {str(p)!r} (not writable); choose a writable place")
         return p
-    target = Path(os.path.realpath(p)) if p.is_symlink() else p  # a link is written through: check where it goes
+    # a link is written through: check where it goes
+    target = Path(os.path.realpath(p)) if p.is_symlink() else p
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
-        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
+        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it "
+                             f"first or choose another path")
     if target.is_dir():
-        raise StageplanError(f"output path {str(p)!r} is a folder; give a file name such as {str(p / 'out.json')!r}")
+        raise StageplanError(
+            f"output path {str(p)!r} is a folder; give a file name such as {str(p / 'out.json')!r}")
     _probe_writable(parent, f"{str(p)!r}")
     return p
 
 
 def _written_in_place(p: Path) -> bool:
-    """An existing device, pipe or path under /dev or /proc (``-o /dev/null``, ``/dev/stdout``): written to as open() would;
-    a temporary file renamed over it would replace the device, or the file a shell redirected stdout to."""
+    """An existing device, pipe or path under /dev or /proc (``-o /dev/null``, ``/dev/stdout``): written to as
+    open() would; a temporary file renamed over it would replace the device, or the file a shell redirected
+    stdout to."""
     return p.exists() and (str(p).startswith(("/dev/", "/proc/")) or not (p.is_file() or p.is_dir()))
 
 
@@ -66,7 +75,8 @@ def check_output_dir(path: str | os.PathLike[str]) -> Path:
         raise StageplanError(f"output folder {str(p)!r} is a file; give a folder name")
     parent = p if p.is_dir() else (p.parent if str(p.parent) else Path("."))
     if not parent.is_dir():
-        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it first or choose another path")
+        raise StageplanError(f"output folder {str(parent)!r} does not exist (for {str(p)!r}); create it "
+                             f"first or choose another path")
     _probe_writable(parent, f"the folder {str(p)!r}")
     return p
 
@@ -91,8 +101,8 @@ def default_mode() -> int:
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write`` on a temporary file in the same folder, then os.replace it over ``path``: a reader never
-    sees a half-written file, and a failure leaves what was there before. A symbolic link is written through to
-    the file it names (the link stays); a device, a pipe or a path under /dev or /proc (``-o /dev/null``,
+    sees a half-written file, and a failure leaves what was there before. A symbolic link is written through
+    to the file it names (the link stays); a device, a pipe or a path under /dev or /proc (``-o /dev/null``,
     ``/dev/stdout``) is written to as open() would, not replaced by a file."""
     p = check_output_path(path)
     if _written_in_place(p):
@@ -101,7 +111,8 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         return
     if p.is_symlink():
         p = Path(os.path.realpath(p))
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent) if str(p.parent) else ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp",
+                               dir=str(p.parent) if str(p.parent) else ".")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -120,8 +131,8 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
 
 
 def is_number(value: Any, *, finite: bool = True) -> bool:
-    """A JSON number (int or float, not true/false), and finite unless ``finite`` is False: what every loader's
-    field checks start from."""
+    """A JSON number (int or float, not true/false), and finite unless ``finite`` is False: what every
+    loader's field checks start from."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and (not finite or math.isfinite(value)))
 
@@ -148,18 +159,22 @@ def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
         inside = sorted(q.name for q in p.glob("*.json"))
         more = f" and {len(inside) - 4} more" if len(inside) > 4 else ""
         raise StageplanError(f"{what} {str(p)!r} is a folder, not a file; give the file inside it"
-                             + (f" (it holds {', '.join(inside[:4])}{more})" if inside else " (it holds no .json file)"))
+                             + (f" (it holds {', '.join(inside[:4])}{more})" if inside
+                                else " (it holds no .json file)"))
     if not p.is_file():
         raise StageplanError(f"{what} file {str(p)!r} does not exist; check the path")
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SchemaError(f"{what} file {str(p)!r} is not valid JSON ({exc}); regenerate it with stageplan") from exc
+        raise SchemaError(
+            f"{what} file {str(p)!r} is not valid JSON ({exc}); regenerate it with stageplan"
+        ) from exc
     except RecursionError as exc:  # json's decoder recurses once per nesting level
-        raise SchemaError(f"{what} file {str(p)!r} nests its JSON deeper than Python reads; no stageplan file nests "
-                          "more than a few levels: regenerate it with stageplan") from exc
+        raise SchemaError(f"{what} file {str(p)!r} nests its JSON deeper than Python reads; no stageplan "
+                          "file nests more than a few levels: regenerate it with stageplan") from exc
     if not isinstance(data, dict):
-        raise SchemaError(f"{what} file {str(p)!r} holds a {type(data).__name__}, not a JSON object; regenerate it with stageplan")
+        raise SchemaError(f"{what} file {str(p)!r} holds a {type(data).__name__}, not a JSON object; "
+                          f"regenerate it with stageplan")
     return data
 
 
@@ -174,12 +189,13 @@ def check_schema(data: dict[str, Any], expected: str, what: str) -> None:
             f"{what} has schema {got!r} but this stageplan reads {expected!r}; "
             "use the stageplan version that wrote it, or regenerate the file"
         )
-    raise SchemaError(f"{what} has schema {got!r}, expected {expected!r}; this is not a stageplan {kind.split('.')[-1]} file")
+    raise SchemaError(f"{what} has schema {got!r}, expected {expected!r}; this is not a stageplan "
+                      f"{kind.split('.')[-1]} file")
 
 
 def save_or_keep(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``obj.save(path)`` for a finished result; if that write fails now (the disk filled, the folder went away),
-    keep the result in a named temporary file and say where, instead of losing the work."""
+    """``obj.save(path)`` for a finished result; if that write fails now (the disk filled, the folder went
+    away), keep the result in a named temporary file and say where, instead of losing the work."""
     try:
         obj.save(path)
     except (OSError, StageplanError) as exc:

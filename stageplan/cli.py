@@ -1,4 +1,5 @@
-"""Command line: stageplan profile | plan | run | link | compare | tune | show | calibrate. Parsing and printing only."""
+"""Command line: stageplan profile | plan | run | link | compare
+| tune | show | calibrate. Parsing and printing only."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from stageplan.errors import PlanNote, RunError, StageplanError
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" only where X says something: not to a help text that says its default in words, and
-    not None (an option that is off unless given) or False (a flag)."""
+    """Appends "(default: X)" only where X says something: not to a help text that says its default in words,
+    and not None (an option that is off unless given) or False (a flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -41,7 +42,8 @@ def parse_set(items: Sequence[str] | None) -> dict[str, Any]:
     for item in items or []:
         key, sep, raw = item.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
-            raise StageplanError(f"--set expects key=value with a Python identifier as key, got {item!r}; e.g. --set n_layer=12")
+            raise StageplanError(f"--set expects key=value with a Python identifier as key, got {item!r}; "
+                                 f"e.g. --set n_layer=12")
         out[key.strip()] = _parse_value(raw.strip())
     return out
 
@@ -59,49 +61,54 @@ def _parse_value(raw: str) -> Any:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama, hf with --set preset=NAME or "
-                   "--set config=PATH) or package.module:factory")
+    p.add_argument("model", help="built-in name (gpt, convnet, hf-gpt2, hf-llama, hf with --set preset=NAME "
+                   "or --set config=PATH) or package.module:factory")
     p.add_argument("--set", dest="factory_options", action="append", metavar="KEY=VALUE", default=None,
                    help="an option for the model's factory, e.g. --set n_layer=12 (repeatable)")
 
 
 def _add_pin_arg(p: argparse.ArgumentParser) -> None:
-    # the default is set apart (first, so the flag keeps SUPPRESS) and the help does not read "(default: True)"
-    # beside a flag that turns pinning off
+    # the default is set apart (first, so the flag keeps SUPPRESS) and the help does not read "(default:
+    # True)" beside a flag that turns pinning off
     p.set_defaults(pin_cpus=True)
     p.add_argument("--no-pin", dest="pin_cpus", action="store_false", default=argparse.SUPPRESS,
-                   help="let the OS place the ranks instead of each CPU rank on its own block of CPUs (two jobs on "
-                        "one machine would share those blocks)")
+                   help="let the OS place the ranks instead of each CPU rank on its own block of CPUs (two "
+                        "jobs on one machine would share those blocks)")
 
 
 def _add_loop_args(p: argparse.ArgumentParser, *, steps: int, warmup: int = 2) -> None:
     """What compare and tune share: the model, the pipeline, and how each run is measured."""
     _add_model_args(p)
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
-    p.add_argument("--microbatches", type=int, default=None, help="m (default: 4 microbatches of a quarter of the batch)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="m (default: 4 microbatches of a quarter of the batch)")
     p.add_argument("--schedule", default="1F1B", help="schedule of every run")
     p.add_argument("--steps", type=int, default=steps, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=warmup, help="steps before measuring")
-    p.add_argument("--runs", type=int, default=1, metavar="K", help="run the plans measured side by side (compare: "
-                   "every method's; tune: the final and the uniform) K times each, in turns (A B A B ...), and take "
-                   "medians: a shared machine drifts over minutes, and in turns it drifts on every plan alike; tune "
-                   "also runs each round's plan K times and calibrates from its median run")
-    p.add_argument("--profile", default=None, metavar="PROFILE.json", help="start from this profile instead of profiling")
-    p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the median "
-                   "(as stageplan profile --processes)")
+    p.add_argument("--runs", type=int, default=1, metavar="K", help="run the plans measured side by side "
+                   "(compare: every method's; tune: the final and the uniform) K times each, in turns (A B A "
+                   "B ...), and take medians: a shared machine drifts over minutes, and in turns it drifts "
+                   "on every plan alike; tune also runs each round's plan K times and calibrates from its "
+                   "median run")
+    p.add_argument("--profile", default=None, metavar="PROFILE.json",
+                   help="start from this profile instead of profiling")
+    p.add_argument("--processes", type=int, default=1, help="profile in N fresh processes, per layer the "
+                   "median (as stageplan profile --processes)")
     p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
                    help="spread the profile's timed rounds over SECONDS (as stageplan profile --min-time)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run's ranks (or, with --processes, a profiling process) are ended")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds before a run's ranks (or, with --processes, a profiling process) are ended")
     _add_pin_arg(p)
-    p.add_argument("--objective", default="bottleneck", help="what the optimal plans minimise: bottleneck or step "
-                   "(as stageplan plan --objective)")
+    p.add_argument("--objective", default="bottleneck", help="what the optimal plans minimise: bottleneck or "
+                   "step (as stageplan plan --objective)")
     p.add_argument("--order", choices=["stage", "layer"], default=None,
                    help="how the profile times its layers (as stageplan profile --order; default: stage)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stageplan", description="Profile, plan, run and check pipeline-parallel stage splits.")
+    parser = _Parser(prog="stageplan",
+                     description="Profile, plan, run and check pipeline-parallel stage splits.")
     parser.add_argument("--version", action="version", version=f"stageplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_profile_command(sub)
@@ -117,37 +124,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("profile", help="profile every layer of a model -> PROFILE.json",
-                       description="Time every layer's forward and backward and measure its memory at one microbatch size.")
+                       description="Time every layer's forward and backward and measure its memory at one "
+                                   "microbatch size.")
     _add_model_args(p)
-    p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the layers "
-                   "(default: found automatically)")
-    p.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch (default: a quarter of the batch)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; or estimate:GPU (e.g. estimate:h100-sxm) to "
-                   "estimate every layer for a GPU you do not have, running nothing")
+    p.add_argument("--layers", nargs="+", metavar="PATTERN", help="module FQNs or glob patterns naming the "
+                   "layers (default: found automatically)")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="samples per microbatch (default: a quarter of the batch)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; or estimate:GPU (e.g. "
+                   "estimate:h100-sxm) to estimate every layer for a GPU you do not have, running nothing")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="parameter and input dtype: the model is built under it as torch's default (default: the model's own)")
+                   help="parameter and input dtype: the model is built under it as torch's default (default: "
+                        "the model's own)")
     p.add_argument("--warmup", type=int, default=5, help="rounds run before timing")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (medians are taken)")
     p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
-                   help="time more rounds than --repeats until they span SECONDS, so that the medians average out a "
-                   "shared machine's drift (docs/accuracy.md)")
+                   help="time more rounds than --repeats until they span SECONDS, so that the medians "
+                   "average out a shared machine's drift (docs/accuracy.md)")
     p.add_argument("--streaming", action="store_true", default=None,
                    help="profile one layer at a time from a model on meta, never holding the whole model "
                    "(default: chosen when the whole model would not fit in free memory)")
-    p.add_argument("--no-dedup", action="store_true", help="measure every layer, identical ones too (default: "
-                   "with --order layer, identical layers are measured once and their rows say measured_as; in the stage "
-                   "order, those between identical neighbours pool their rounds)")
+    p.add_argument("--no-dedup", action="store_true", help="measure every layer, identical ones too "
+                   "(default: with --order layer, identical layers are measured once and their rows say "
+                   "measured_as; in the stage order, those between identical neighbours pool their rounds)")
     p.add_argument("--order", choices=["stage", "layer"], default=None,
-                   help="stage: time the layers as a stage runs them, every forward in turn and then every backward "
-                   "in reverse (a backward follows the next layer's, its activations no longer in cache); layer: each "
-                   "backward right after its own forward (default: stage, layer with --streaming)")
+                   help="stage: time the layers as a stage runs them, every forward in turn and then every "
+                   "backward in reverse (a backward follows the next layer's, its activations no longer in "
+                   "cache); layer: each backward right after its own forward (default: stage, layer with "
+                   "--streaming)")
     p.add_argument("--compute-efficiency", type=float, default=None, metavar="FRACTION",
-                   help="with --device estimate:GPU: the fraction of peak FLOP/s matmuls reach (default: 0.45)")
+                   help="with --device estimate:GPU: the fraction of peak FLOP/s matmuls reach (default: "
+                        "0.45)")
     p.add_argument("--memory-efficiency", type=float, default=None, metavar="FRACTION",
-                   help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach (default: 0.7)")
+                   help="with --device estimate:GPU: the fraction of memory bandwidth other ops reach "
+                        "(default: 0.7)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
-                   help="profile N times, each in a fresh process, one after the other, and keep each layer's median: "
-                   "a process's memory layout shifts all its timings alike; 1 profiles in this process")
+                   help="profile N times, each in a fresh process, one after the other, and keep each "
+                   "layer's median: a process's memory layout shifts all its timings alike; 1 profiles in "
+                   "this process")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="with --processes: seconds before a profiling process is ended")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
@@ -157,44 +171,53 @@ def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def _add_plan_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("plan", help="choose stage boundaries for a profile -> PLAN.json",
-                       description="Choose the split that minimises the slowest stage under the memory limits (or "
-                                   "with --objective step the predicted step), or evaluate a split you give "
-                                   "(--boundaries).")
+                       description="Choose the split that minimises the slowest stage under the memory "
+                                   "limits (or with --objective step the predicted step), or evaluate a "
+                                   "split you give (--boundaries).")
     p.add_argument("profile", metavar="PROFILE.json", help="a profile written by stageplan profile")
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks (p)")
-    p.add_argument("--microbatches", default=None, help="m, or 'auto' (default: batch / profiled microbatch size)")
-    p.add_argument("--schedule", default="1F1B", help="1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
-                   "ZBVZeroBubble, or auto")
-    p.add_argument("--virtual-stages", type=int, default=1, help="v chunks per rank (interleaved schedules only)")
+    p.add_argument("--microbatches", default=None,
+                   help="m, or 'auto' (default: batch / profiled microbatch size)")
+    p.add_argument("--schedule", default="1F1B", help="1F1B, GPipe, Interleaved1F1B, LoopedBFS, "
+                   "InterleavedZeroBubble, ZBVZeroBubble, or auto")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="v chunks per rank (interleaved schedules only)")
     p.add_argument("--memory-limit", default=None, help="per-rank memory, e.g. 40GiB (default: unlimited)")
     p.add_argument("--bandwidth", default=None, help="link bandwidth between stages, e.g. 25GB/s; B is a "
-                   "byte and b a bit: 400Gb/s = 400Gbit/s = 400Gbps = 50GB/s (default: communication not modelled)")
-    p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link: its "
-                   "bandwidth prices boundary bytes, its fused send/receive exchange (or latency) delays every crossing "
-                   "(instead of --bandwidth)")
-    p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
-    p.add_argument("--device-speeds", default=None, help="comma-separated speed per rank, relative to the profiled device")
+                   "byte and b a bit: 400Gb/s = 400Gbit/s = 400Gbps = 50GB/s (default: communication not "
+                   "modelled)")
+    p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link: "
+                   "its bandwidth prices boundary bytes, its fused send/receive exchange (or latency) delays "
+                   "every crossing (instead of --bandwidth)")
+    p.add_argument("--optimizer", default="adam",
+                   help="none, sgd, momentum, adam or adamw (sets the memory it holds)")
+    p.add_argument("--device-speeds", default=None,
+                   help="comma-separated speed per rank, relative to the profiled device")
     p.add_argument("--recompute", action="store_true", help="activation recomputation (checkpointing)")
-    p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per parameter "
-                   "held in training (mixed with Adam: 16) (default: the profiled parameters' bytes)")
+    p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per "
+                   "parameter held in training (mixed with Adam: 16) (default: the profiled parameters' "
+                   "bytes)")
     p.add_argument("--method", default=None, help="optimal, uniform or parameters (default: optimal)")
-    p.add_argument("--objective", default="bottleneck", help="what the optimal method minimises: bottleneck (the "
-                   "slowest rank per microbatch, then the lowest predicted step among ties) or step (the lowest "
-                   "predicted step, with the optimizer steps, tied sync, fill and drain; default: bottleneck)")
+    p.add_argument("--objective", default="bottleneck", help="what the optimal method minimises: bottleneck "
+                   "(the slowest rank per microbatch, then the lowest predicted step among ties) or step "
+                   "(the lowest predicted step, with the optimizer steps, tied sync, fill and drain; "
+                   "default: bottleneck)")
     p.add_argument("--boundaries", default=None, metavar="0,B1,...,L",
                    help="score this split against the optimal plan instead of choosing one (method 'given')")
     p.add_argument("--megatron-layout", default=None, metavar="LAYOUT",
-                   help="score Megatron's --pipeline-model-parallel-layout, e.g. 'E,t*5|t*6,L' (E = the first layer, "
-                        "t = each named block, L = the last layer; | between stages, *n repeats, (...)*n repeats a group)")
+                   help="score Megatron's --pipeline-model-parallel-layout, e.g. 'E,t*5|t*6,L' (E = the "
+                        "first layer, t = each named block, L = the last layer; | between stages, *n "
+                        "repeats, (...)*n repeats a group)")
     p.add_argument("--fqns", default=None, metavar="FQNS.json",
-                   help="score torchtitan's module_fqns_per_model_part: a JSON list of lists of module FQNs, one list "
-                        "per stage (as --export torchtitan prints it)")
+                   help="score torchtitan's module_fqns_per_model_part: a JSON list of lists of module FQNs, "
+                        "one list per stage (as --export torchtitan prints it)")
     p.add_argument("--time-limit", type=float, default=2.0, metavar="SECONDS",
-                   help="the solver's time per MILP solve of an interleaved or V plan (--virtual-stages > 1); a plan "
-                        "that hits it says how close to the proven optimum it is")
+                   help="the solver's time per MILP solve of an interleaved or V plan (--virtual-stages > "
+                        "1); a plan that hits it says how close to the proven optimum it is")
     p.add_argument("--compare", action="store_true", help="also print every method side by side")
-    p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, megatron, "
-                   "deepspeed or torchgpipe (stdout then carries only the export; the table goes to stderr)")
+    p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, "
+                   "megatron, deepspeed or torchgpipe (stdout then carries only the export; the table goes "
+                   "to stderr)")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="where to write the plan")
 
 
@@ -206,26 +229,32 @@ def _add_run_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by stageplan plan")
     p.add_argument("--steps", type=int, default=20, help="measured training steps")
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
-    p.add_argument("--optimizer", default=None, help="none, sgd, momentum, adam or adamw (default: the plan's)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 for sgd/momentum, 1e-3 for adam/adamw)")
-    p.add_argument("--check", action="store_true", help="compare with single-process training; exit 1 on FAIL")
+    p.add_argument("--optimizer", default=None,
+                   help="none, sgd, momentum, adam or adamw (default: the plan's)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: 0.05 for sgd/momentum, 1e-3 for adam/adamw)")
+    p.add_argument("--check", action="store_true",
+                   help="compare with single-process training; exit 1 on FAIL")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
     _add_pin_arg(p)
-    p.add_argument("--no-retime", dest="retime", action="store_false", help="skip timing each rank's layers alone "
-                   "after the run (which splits its compute ratio into the machine's and the pipeline's; a later rank "
-                   "first runs the earlier layers forward once, reading their weights)")
-    p.add_argument("--log-dir", default=None, help="folder for per-rank logs (default: a temporary folder, removed)")
-    p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model folder: each rank "
-                   "reads only its own tensors (default: the factory's own weights, built once and saved)")
+    p.add_argument("--no-retime", dest="retime", action="store_false", help="skip timing each rank's layers "
+                   "alone after the run (which splits its compute ratio into the machine's and the "
+                   "pipeline's; a later rank first runs the earlier layers forward once, reading their "
+                   "weights)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for per-rank logs (default: a temporary folder, removed)")
+    p.add_argument("--weights", default=None, metavar="PATH", help="a .safetensors file or an HF model "
+                   "folder: each rank reads only its own tensors (default: the factory's own weights, built "
+                   "once and saved)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
 
 
 def _add_link_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("link", help="measure the link between neighbouring ranks -> LINK.json",
-                       description="Ping-pong between ranks r and r+1 on local processes (as run starts them): latency "
-                                   "and bandwidth, for stageplan plan --link.")
+                       description="Ping-pong between ranks r and r+1 on local processes (as run starts "
+                                   "them): latency and bandwidth, for stageplan plan --link.")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks (pairs r, r+1 are measured)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
@@ -235,38 +264,43 @@ def _add_link_command(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def _add_calibrate_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("calibrate", help="rescale each layer's times to what a run measured of it",
-                       description="Rescale each layer's forward and backward times to what a run measured of that layer "
-                                   "inside the real schedule, so the next plan starts from the run.")
+                       description="Rescale each layer's forward and backward times to what a run measured "
+                                   "of that layer inside the real schedule, so the next plan starts from the "
+                                   "run.")
     p.add_argument("profile", metavar="PROFILE.json", help="the profile the run's plan was made from")
     p.add_argument("run", metavar="RUN.json", help="a run report written by stageplan run -o")
-    p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json", help="where to write the calibrated profile")
+    p.add_argument("-o", "--output", required=True, metavar="CALIBRATED.json",
+                   help="where to write the calibrated profile")
 
 
 def _add_compare_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("compare", help="profile, plan with every method, run each: what balancing buys",
-                       description="Profile the model, plan it with optimal, uniform and parameter-balanced splits, "
-                                   "run each distinct split and print predicted vs measured.")
+                       description="Profile the model, plan it with optimal, uniform and parameter-balanced "
+                                   "splits, run each distinct split and print predicted vs measured.")
     _add_loop_args(p, steps=10)
-    p.add_argument("-o", "--output", default=None, metavar="DIR", help="write compare.json, plans, runs and plots here")
+    p.add_argument("-o", "--output", default=None, metavar="DIR",
+                   help="write compare.json, plans, runs and plots here")
 
 
 def _add_tune_command(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser("tune", help="profile, plan, run, calibrate, re-plan until the plan settles -> DIR/plan.json",
-                       description="Close the loop on this machine: profile, plan, run, calibrate and plan again until "
-                                   "the plan stops changing (or --rounds), then measure the final plan on a fresh run "
-                                   "and the uniform split once, for reference.")
+    p = sub.add_parser("tune",
+                       help="profile, plan, run, calibrate, re-plan until the plan settles -> DIR/plan.json",
+                       description="Close the loop on this machine: profile, plan, run, calibrate and plan "
+                                   "again until the plan stops changing (or --rounds), then measure the "
+                                   "final plan on a fresh run and the uniform split once, for reference.")
     # 20 measured steps by default: on a shared 2-core CPU host one plan's median step moved 7-14% between
     # runs of 8 steps and about 3% between runs of 20, and tune compares plans by that median
     _add_loop_args(p, steps=20, warmup=3)
     p.add_argument("--rounds", type=int, default=3, help="most calibrate-and-re-plan rounds")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan), profile.json (the "
-                   "calibrated profile it was planned from), run_final.json and run_uniform.json (the median fresh runs) "
-                   "and tune.json here")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="write plan.json (the final plan), "
+                   "profile.json (the calibrated profile it was planned from), run_final.json and "
+                   "run_uniform.json (the median fresh runs) and tune.json here")
 
 
 def _add_show_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("show", help="print a profile, plan, run report or compare.json (optionally plot it)",
-                       description="Print the table of a stageplan file; --plot writes the figure that fits it.")
+                       description="Print the table of a stageplan file; --plot writes the figure that fits "
+                                   "it.")
     p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
 
@@ -281,21 +315,28 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     if a.csv:
         check_output_path(a.csv)
         if os.path.realpath(a.csv) == os.path.realpath(a.output):
-            raise StageplanError(f"-o and --csv both name {a.output!r}, and the CSV would replace the profile; give "
-                                 "the CSV its own path, e.g. --csv profile.csv")
+            raise StageplanError(f"-o and --csv both name {a.output!r}, and the CSV would replace the "
+                                 "profile; give the CSV its own path, e.g. --csv profile.csv")
     options = parse_set(a.factory_options)
-    measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats, "layers": a.layers,
+    measure = {"device": a.device, "dtype": a.dtype, "warmup": a.warmup, "repeats": a.repeats,
+               "layers": a.layers,
                "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
                "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time,
                "order": a.order}
     if a.processes != 1:
         from stageplan.running.launch import profile_in_processes
 
-        prof = profile_in_processes(a.model, options, processes=a.processes, microbatch_size=a.microbatch_size,
+        prof = profile_in_processes(a.model, options, processes=a.processes,
+                                    microbatch_size=a.microbatch_size,
                                     progress=not a.quiet, timeout_s=a.timeout, **measure)
     else:
-        workload = build_workload_for_profile(a.model, options, device=a.device, dtype=a.dtype, streaming=a.streaming)
-        mb = a.microbatch_size if a.microbatch_size is not None else default_microbatch_size(workload.batch_size)
+        workload = build_workload_for_profile(a.model, options, device=a.device, dtype=a.dtype,
+                                              streaming=a.streaming)
+        mb = (
+            a.microbatch_size
+            if a.microbatch_size is not None
+            else default_microbatch_size(workload.batch_size)
+        )
         prof = profile_model(workload, microbatch_size=mb, progress=not a.quiet, **measure)
     save_or_keep(prof, a.output)
     if a.csv:
@@ -326,7 +367,8 @@ def _load_any(path: str) -> tuple[str, Any]:
     if schema.startswith("stageplan.compare/"):
         _check_compare(data, path)
         return "compare", data
-    raise StageplanError(f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run and compare files")
+    raise StageplanError(
+        f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run and compare files")
 
 
 def _check_compare(data: dict[str, Any], path: str) -> None:
@@ -365,8 +407,8 @@ def _plot(kind: str, obj: Any, path: str) -> None:
 
     check_figure_path(path)
     if kind == "compare":
-        raise StageplanError("show --plot draws profiles, plans and run reports, and this file is a compare result: "
-                             f"stageplan compare -o DIR writes its figures; drop --plot {path}")
+        raise StageplanError("show --plot draws profiles, plans and run reports, and this file is a compare "
+                             f"result: stageplan compare -o DIR writes its figures; drop --plot {path}")
     if kind == "profile":
         ax = plot_layer_costs(obj)
     elif kind == "plan":
@@ -389,7 +431,8 @@ def _cmd_show(a: argparse.Namespace) -> int:
     from stageplan.report import compare_run_table, plan_table, profile_table, run_table
 
     kind, obj = _load_any(a.path)
-    tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table, "compare": compare_run_table}
+    tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table,
+                              "compare": compare_run_table}
     table = tables[kind](obj)  # first: a file it cannot read leaves an existing figure as it was
     if a.plot is not None:
         _plot(kind, obj, a.plot)
@@ -403,7 +446,8 @@ def _speeds(text: str | None) -> list[float] | None:
     try:
         return [float(x) for x in text.split(",")]
     except ValueError:
-        raise StageplanError(f"--device-speeds must be comma-separated numbers, got {text!r}; e.g. --device-speeds 1,1,0.5,0.5") from None
+        raise StageplanError(f"--device-speeds must be comma-separated numbers, got {text!r}; e.g. "
+                             f"--device-speeds 1,1,0.5,0.5") from None
 
 
 def _ints(text: str | None, flag: str, example: str) -> list[int] | None:
@@ -412,7 +456,8 @@ def _ints(text: str | None, flag: str, example: str) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise StageplanError(f"{flag} must be comma-separated whole numbers, got {text!r}; e.g. {flag} {example}") from None
+        raise StageplanError(f"{flag} must be comma-separated whole numbers, got {text!r}; e.g. {flag} "
+                             f"{example}") from None
 
 
 def _microbatches(text: str | None) -> int | str | None:
@@ -421,7 +466,8 @@ def _microbatches(text: str | None) -> int | str | None:
     try:
         return int(text)
     except ValueError:
-        raise StageplanError(f"--microbatches must be an integer or auto, got {text!r}; e.g. --microbatches 8") from None
+        raise StageplanError(f"--microbatches must be an integer or auto, got {text!r}; e.g. --microbatches "
+                             f"8") from None
 
 
 # What to do with each export, printed beside it (on stderr, so that stdout carries only the export).
@@ -445,24 +491,29 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from stageplan.planning.planner import METHODS, plan
     from stageplan.report import compare_table, plan_table
 
-    warnings.simplefilter("ignore", PlanNote)  # the report prints the plan's notes (main's catch_warnings scopes this)
+    # the report prints the plan's notes (main's catch_warnings scopes this)
+    warnings.simplefilter("ignore", PlanNote)
     if a.output is not None:
         check_output_path(a.output, (a.profile, a.link, a.fqns))
     if a.export is not None and a.export not in EXPORTS:
         raise StageplanError(f"unknown export {a.export!r}; use one of {', '.join(EXPORTS)}")
     prof = Profile.load(a.profile)
     opts: dict[str, Any] = dict(num_microbatches=_microbatches(a.microbatches), schedule=a.schedule,
-                                virtual_stages=a.virtual_stages, memory_limit=a.memory_limit, bandwidth=a.bandwidth,
-                                optimizer=a.optimizer, devices=_speeds(a.device_speeds), recompute=a.recompute,
+                                virtual_stages=a.virtual_stages, memory_limit=a.memory_limit,
+                                bandwidth=a.bandwidth,
+                                optimizer=a.optimizer, devices=_speeds(a.device_speeds),
+                                recompute=a.recompute,
                                 precision=a.precision, link=a.link, time_limit_s=a.time_limit)
-    result = plan(prof, a.stages, method=a.method, objective=a.objective, boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
+    result = plan(prof, a.stages, method=a.method, objective=a.objective,
+                  boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None
     table_out = sys.stderr if export is not None else sys.stdout
     print(plan_table(result), file=table_out)
     if a.compare:
         print(file=table_out)
-        print(compare_table({m: plan(prof, a.stages, method=m, objective=a.objective if m == "optimal" else "bottleneck",
+        print(compare_table({m: plan(prof, a.stages, method=m,
+                                     objective=a.objective if m == "optimal" else "bottleneck",
                                          **opts) for m in METHODS}), file=table_out)
     if a.output is not None:
         save_or_keep(result, a.output)
@@ -474,7 +525,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ
+                                                      for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -484,8 +536,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from stageplan.running.launch import run, torchrun_main
     from stageplan.zoo import build_workload
 
-    kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr, check=a.check,
-                                  backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus, retime=a.retime)
+    kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr,
+                                  check=a.check,
+                                  backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus,
+                                  retime=a.retime)
     factory_options = parse_set(a.factory_options)
     if a.output is not None:
         from stageplan._io import check_output_path
@@ -516,7 +570,8 @@ def _cmd_link(a: argparse.Namespace) -> int:
     print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
           f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)"
-          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action" if link.get("action_s") else "")
+          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action"
+             if link.get("action_s") else "")
           + (f"; PipelineStage {link['chunk_forward_s'] * 1e6:.0f} us inside each chunk's forward, "
              f"{link['chunk_backward_s'] * 1e6:.0f} us inside its backward"
              if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None else "")
@@ -541,18 +596,20 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
         import statistics
 
         factors = cal["forward_factors"] + cal["backward_factors"]
-        how = (f"each layer's forward and backward scaled to what the run measured of it (factors {min(factors):.3f} to "
-               f"{max(factors):.3f}, median {statistics.median(factors):.3f})")
+        how = (f"each layer's forward and backward scaled to what the run measured of it (factors "
+               f"{min(factors):.3f} to {max(factors):.3f}, median {statistics.median(factors):.3f})")
     else:
-        how = (f"layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} (measured / predicted; "
-               f"not per layer: {cal.get('why', 'the run report has no per-layer times')})")
+        how = (f"layer times scaled per rank by {', '.join(f'{f:.3f}' for f in cal['rank_factors'])} "
+               f"(measured / predicted; not per layer: "
+               f"{cal.get('why', 'the run report has no per-layer times')})")
     if cal.get("tied_sync_ratio") is not None:
-        how += (f"; the tied gradients' all-reduce at {cal['tied_sync_ratio']:.3f}x its price, as the run's last rank "
-                f"to reach it took it ({cal['tied_sync_measured_s'] * 1e3:.3f} ms)")
+        how += (f"; the tied gradients' all-reduce at {cal['tied_sync_ratio']:.3f}x its price, as the run's "
+                f"last rank to reach it took it ({cal['tied_sync_measured_s'] * 1e3:.3f} ms)")
     if cal.get("optimizer_factors") is not None:
         how += (f"; the {cal['optimizer']} step per rank at "
-                f"{', '.join('-' if f is None else f'{f:.3f}x' for f in cal['optimizer_factors'])} its profile above the fixed "
-                f"cost, as the run's ranks took it ({', '.join(f'{t * 1e3:.3f}' for t in cal['optimizer_measured_s'])} ms)")
+                f"{', '.join('-' if f is None else f'{f:.3f}x' for f in cal['optimizer_factors'])} its "
+                f"profile above the fixed cost, as the run's ranks took it "
+                f"({', '.join(f'{t * 1e3:.3f}' for t in cal['optimizer_measured_s'])} ms)")
     print(f"wrote {a.output}: {how}; boundary latency {cal['boundary_latency_s'] * 1e3:.3f} ms per crossing")
     return 0
 
@@ -561,10 +618,12 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     from stageplan.comparison import compare
     from stageplan.report import compare_run_table
 
-    result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
-                     schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile, output_dir=a.output,
-                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes, runs=a.runs,
-                     min_time_s=a.min_time, objective=a.objective, order=a.order)
+    result = compare(a.model, a.stages, factory_options=parse_set(a.factory_options),
+                     num_microbatches=a.microbatches,
+                     schedule=a.schedule, steps=a.steps, warmup=a.warmup, profile=a.profile,
+                     output_dir=a.output,
+                     timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus, processes=a.processes,
+                     runs=a.runs, min_time_s=a.min_time, objective=a.objective, order=a.order)
     print(compare_run_table(result))
     if a.output is not None:
         print(f"wrote {a.output}/compare.json and figures")
@@ -574,32 +633,35 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 def _cmd_tune(a: argparse.Namespace) -> int:
     from stageplan.tuning import TUNE_OUTPUTS, tune
 
-    result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options), num_microbatches=a.microbatches,
+    result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options),
+                  num_microbatches=a.microbatches,
                   schedule=a.schedule, rounds=a.rounds, steps=a.steps, warmup=a.warmup, profile=a.profile,
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
-                  processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective, order=a.order)
+                  processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective,
+                  order=a.order)
     for k, r in enumerate(result["rounds"], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms" + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))
+              f"measured {r['measured_step_s'] * 1e3:.1f} ms"
+              + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))
     how = "a fresh run" if a.runs == 1 else f"the median of {a.runs} fresh runs, the two plans in turns"
     for name in ("final", "uniform"):
         r = result[name]
         print(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
-    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction error "
-          f"{result['final_prediction_error']:+.1%}")
+    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction "
+          f"error {result['final_prediction_error']:+.1%}")
     print(f"wrote {', '.join(f'{a.output}/{name}' for name in TUNE_OUTPUTS)}")
     return 0
 
 
-COMMANDS = {"compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile, "plan": _cmd_plan, "run": _cmd_run, "link": _cmd_link,
-            "calibrate": _cmd_calibrate, "show": _cmd_show}
+COMMANDS = {"compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile, "plan": _cmd_plan,
+            "run": _cmd_run, "link": _cmd_link, "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 
 class _Terminated(BaseException):
-    """SIGTERM or SIGHUP, raised where the main thread is, so that every rank is ended and every temporary folder
-    removed on the way out, as on Ctrl-C (the ranks run in their own sessions: a signal to the launcher alone
-    left them running, with the weights in /tmp)."""
+    """SIGTERM or SIGHUP, raised where the main thread is, so that every rank is ended and every temporary
+    folder removed on the way out, as on Ctrl-C (the ranks run in their own sessions: a signal to the launcher
+    alone left them running, with the weights in /tmp)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -625,7 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _warn_in_one_line
             return _main(argv)
     except _Terminated as exc:
-        print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; any rank processes it started were ended",
+        print(f"stageplan: terminated by {signal.Signals(exc.signum).name}; any rank processes it started "
+              f"were ended",
               file=sys.stderr)
         return 128 + exc.signum
     finally:
@@ -635,15 +698,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _warn_in_one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                       file: Any = None, line: str | None = None) -> None:
-    """A warning as the CLI's other lines read: ``stageplan: warning: ...``, without Python's file, line and source."""
+    """A warning as the CLI's other lines read: ``stageplan:
+    warning: ...``, without Python's file, line and source."""
     print(f"stageplan: warning: {message}", file=sys.stderr if file is None else file, flush=True)
 
 
 def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``--boundaries -1,4,8`` -> ``--boundaries=-1,4,8``: argparse reads a value that starts with a minus and is not
-    a plain number as another option, and would refuse the flag as missing its value instead of letting the value's own
-    check name the rule it breaks. Only the subcommand's options that take one value are joined, named in full or by
-    a prefix that names one of its options alone (as argparse reads ``--bound`` for ``--boundaries``)."""
+    """``--boundaries -1,4,8`` -> ``--boundaries=-1,4,8``: argparse reads a value that starts with a minus and
+    is not a plain number as another option, and would refuse the flag as missing its value instead of letting
+    the value's own check name the rule it breaks. Only the subcommand's options that take one value are
+    joined, named in full or by a prefix that names one of its options alone (as argparse reads ``--bound``
+    for ``--boundaries``)."""
     subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
     command = next((i for i, arg in enumerate(argv) if arg in subs), None)
     if command is None:

@@ -32,8 +32,8 @@ class WorkloadError(StageplanError):
 
 
 class PlanNote(UserWarning):
-    """A plan's note that an API caller should not miss (a bubble from too few microbatches). The plan keeps it in
-    ``notes``; the CLI's plan report prints it there, so the CLI does not warn it a second time."""
+    """A plan's note that an API caller should not miss (a bubble from too few microbatches). The plan keeps
+    it in ``notes``; the CLI's plan report prints it there, so the CLI does not warn it a second time."""
 
 
 class RunError(RuntimeError):

@@ -3,8 +3,9 @@
 Two cutting paths, one interface:
 - ``nn.Sequential``: each child is a layer; a piece is a slice of the children.
 - any other model: named modules (FQNs or glob patterns; by default the children of the largest
-  ``nn.ModuleList``, or failing that of the largest child ``nn.Sequential``) become layers, the code before the first and after the last one become layers
-  of their own, and torch.export-based splitting (``torch.distributed.pipelining``) hands each piece
+  ``nn.ModuleList``, or failing that of the largest child ``nn.Sequential``) become layers, the code before
+  the first and after the last one become layers of their own, and torch.export-based splitting
+  (``torch.distributed.pipelining``) hands each piece
   exactly the tensors that cross its boundary (skip connections included).
 """
 
@@ -118,14 +119,16 @@ def resolve_layer_names(model: nn.Module, layers: Sequence[str] | None) -> list[
         names = _largest_container(model, nn.ModuleList) or _largest_container(model, nn.Sequential)
         if not names:
             raise WorkloadError(
-                f"cannot find layers in {type(model).__name__}: it is not an nn.Sequential and has no nn.ModuleList "
-                "and no child nn.Sequential; name the layers explicitly, e.g. --layers 'encoder.blocks.*'"
+                f"cannot find layers in {type(model).__name__}: it is not an nn.Sequential and has no "
+                "nn.ModuleList and no child nn.Sequential; name the layers explicitly, e.g. --layers "
+                "'encoder.blocks.*'"
             )
         return names
     all_names = [name for name, _ in model.named_modules() if name]
     chosen: list[str] = []
     for pattern in layers:
-        hits = [n for n in all_names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+        hits = [n for n in all_names if fnmatch.fnmatchcase(n, pattern)
+                and n.count(".") == pattern.count(".")]
         if not hits:
             sample = ", ".join(n for n in all_names if n.count(".") <= 1)[:300]
             raise WorkloadError(
@@ -139,7 +142,8 @@ def resolve_layer_names(model: nn.Module, layers: Sequence[str] | None) -> list[
         for b in chosen:
             if a != b and b.startswith(a + "."):
                 raise WorkloadError(
-                    f"layer {b!r} is inside layer {a!r}; layers must not nest; pick one level, e.g. only {a!r}'s children"
+                    f"layer {b!r} is inside layer {a!r}; layers must not nest; pick one level, e.g. only "
+                    f"{a!r}'s children"
                 )
     return chosen
 
@@ -221,9 +225,9 @@ def _export_split(model: nn.Module, example_args: tuple[Any, ...], split_before:
         try:
             pipe = trace(example_args)
         except Exception:
-            # A model whose parameters are on meta (built without memory) traces with real inputs as long as its
-            # first op makes meta tensors (an embedding); a first op mixing a real input with a meta weight (a
-            # Linear) needs meta inputs, and some models need real ones (pytorch #156541): try both.
+            # A model whose parameters are on meta (built without memory) traces with real inputs as long as
+            # its first op makes meta tensors (an embedding); a first op mixing a real input with a meta
+            # weight (a Linear) needs meta inputs, and some models need real ones (pytorch #156541): try both.
             if not any(p.device.type == "meta" for p in model.parameters()):
                 raise
             pipe = trace(tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in example_args))
@@ -231,10 +235,12 @@ def _export_split(model: nn.Module, example_args: tuple[Any, ...], split_before:
         reason = _first_sentence(str(exc)) or type(exc).__name__
         raise WorkloadError(
             f"torch.export cannot split {type(model).__name__} ({type(exc).__name__}: {reason}); "
-            "name layers explicitly with --layers (modules whose forward exports cleanly), or wrap the model in an nn.Sequential"
+            "name layers explicitly with --layers (modules whose forward exports cleanly), or wrap the model "
+            "in an nn.Sequential"
         ) from exc
     # Unflattened pieces run through torch.fx.Interpreter by default (about 40% slower than eager on a small
-    # transformer block, measured on a 2-core CPU host); the generated code path runs the same graph at eager speed.
+    # transformer block, measured on a 2-core CPU host); the generated code path runs the same graph at eager
+    # speed.
     for mod in pipe.split_gm.modules():
         if hasattr(mod, "_run_with_interpreter"):
             mod._run_with_interpreter = False
@@ -254,7 +260,8 @@ def _pieces_from_pipe(pipe: Any, names: list[str]) -> CutModel:
         elif node.op == "call_module":
             k = len(pieces)
             refs = [producer[a.name] for a in node.args]
-            pieces.append(Piece(names[k] if k < len(names) else f"piece{k}", pipe.split_gm.get_submodule(node.target), refs))
+            pieces.append(Piece(names[k] if k < len(names) else f"piece{k}",
+                                pipe.split_gm.get_submodule(node.target), refs))
             producer[node.name] = ("out", k, None)
         elif node.op == "call_function":  # operator.getitem on a piece's tuple output
             src, idx = node.args
@@ -268,7 +275,8 @@ def _pieces_from_pipe(pipe: Any, names: list[str]) -> CutModel:
     tuple_producers = {r[1] for p in pieces for r in p.inputs if r[0] == "out" and r[2] is not None}
     tuple_producers |= {r[1] for r in outputs if r[0] == "out" and r[2] is not None}
     for p in pieces:
-        p.inputs = [("out", r[1], 0) if r[0] == "out" and r[2] is None and r[1] in tuple_producers else r for r in p.inputs]
+        p.inputs = [("out", r[1], 0) if r[0] == "out" and r[2] is None and r[1] in tuple_producers else r
+                    for r in p.inputs]
     return CutModel(pieces, outputs, "export")
 
 
@@ -283,13 +291,17 @@ def _group_names(module: nn.Module, fallback: str, depth: int) -> str:
     return "+".join(tops) if tops else fallback
 
 
-def cut_layers(model: nn.Module, example_args: tuple[Any, ...], layers: Sequence[str] | None = None) -> CutModel:
+def cut_layers(
+    model: nn.Module, example_args: tuple[Any, ...], layers: Sequence[str] | None = None
+) -> CutModel:
     """Cut ``model`` into its layers. ``example_args`` are microbatch-sized inputs (used for export)."""
     if isinstance(model, nn.Sequential) and not layers:
         children = list(model.named_children())
-        pieces = [Piece(name, mod, [("arg", i) for i in range(len(example_args))] if k == 0 else [("out", k - 1, None)])
+        pieces = [Piece(name, mod,
+                        [("arg", i) for i in range(len(example_args))] if k == 0 else [("out", k - 1, None)])
                   for k, (name, mod) in enumerate(children)]
-        return CutModel(pieces, [("out", len(pieces) - 1, None)], "sequential", [name for name, _ in children])
+        return CutModel(pieces, [("out", len(pieces) - 1, None)], "sequential",
+                        [name for name, _ in children])
     names = resolve_layer_names(model, layers)
     pipe = _export_split(model, example_args, names, names[-1])
     n = pipe.num_stages
@@ -300,15 +312,17 @@ def cut_layers(model: nn.Module, example_args: tuple[Any, ...], layers: Sequence
         # Either nothing runs before the first named module or nothing after the last one. The pieces keep the
         # model's module FQNs, parameter-free ones too (a leading ReLU, Flatten or Dropout has no parameters).
         first = cut.pieces[0].module
-        first_mods = {n for n, _ in first.named_modules()} | {k.rsplit(".", 1)[0] for k in used_parameters(first)}
+        first_mods = {n for n, _ in first.named_modules()} | {k.rsplit(".", 1)[0]
+                                                              for k in used_parameters(first)}
         starts_with_first = any(m == names[0] or m.startswith(names[0] + ".") for m in first_mods)
         labels = [*names, ""] if starts_with_first else ["", *names]
     elif n == len(names):
         labels = list(names)
     else:
         raise WorkloadError(
-            f"splitting {type(model).__name__} at {len(names)} named layers gave {n} pieces, not {len(names)} to "
-            f"{len(names) + 2}; a named module may run more than once or not at all; name modules that each run once, in order"
+            f"splitting {type(model).__name__} at {len(names)} named layers gave {n} pieces, not "
+            f"{len(names)} to {len(names) + 2}; a named module may run more than once or not at all; name "
+            f"modules that each run once, in order"
         )
     for i, piece in enumerate(cut.pieces):
         if not labels[i]:
@@ -323,7 +337,8 @@ def cut_layers(model: nn.Module, example_args: tuple[Any, ...], layers: Sequence
 def cut_stages(model: nn.Module, example_args: tuple[Any, ...], layer_names: Sequence[str],
                boundaries: Sequence[int], layers: Sequence[str] | None = None) -> CutModel:
     """Cut ``model`` into stages at ``boundaries`` over its layers (named ``layer_names``), by the same
-    rules as :func:`cut_layers`: slices for Sequential, export splitting at the stage-start layers otherwise."""
+    rules as :func:`cut_layers`: slices for Sequential, export splitting at the stage-start layers
+    otherwise."""
     bounds = list(boundaries)
     if isinstance(model, nn.Sequential) and not layers:
         from collections import OrderedDict
@@ -359,8 +374,9 @@ def cut_stages(model: nn.Module, example_args: tuple[Any, ...], layer_names: Seq
 
 
 def retarget_devices(cut: CutModel, device: torch.device) -> None:
-    """A model on meta can only be traced with meta tensors flowing, so its exported pieces carry ``device=meta``
-    constants (``arange``, ``.to(device)``, metadata asserts): point them at the device the pieces run on."""
+    """A model on meta can only be traced with meta tensors flowing, so its exported pieces carry
+    ``device=meta`` constants (``arange``, ``.to(device)``, metadata asserts): point them at the device the
+    pieces run on."""
     from torch.fx.node import map_aggregate
 
     def fix(a: Any) -> Any:

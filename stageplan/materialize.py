@@ -1,5 +1,6 @@
-"""Models bigger than the machine: build with parameters on meta, then give real tensors only to the parameters
-a layer or a stage uses, from a checkpoint or from a deterministic initialisation keyed by FQN (torch)."""
+"""Models bigger than the machine: build with parameters on meta, then give real tensors only to the
+parameters a layer or a stage uses, from a checkpoint or from a deterministic initialisation keyed by FQN
+(torch)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def init_empty_weights() -> Iterator[None]:
     """Inside the block, every parameter a module registers is put on the meta device; buffers and every other
     tensor (the example inputs a factory builds beside its model) stay real.
 
-    This is accelerate's ``init_empty_weights(include_buffers=False)`` patch of ``nn.Module.register_parameter``
-    (accelerate/big_modeling.py), with one change: a parameter that is already on meta is registered as it is.
-    accelerate re-wraps it, which unties tied weights (an embedding shared with the LM head becomes two
+    This is accelerate's ``init_empty_weights(include_buffers=False)`` patch of
+    ``nn.Module.register_parameter`` (accelerate/big_modeling.py), with one change: a parameter that is
+    already on meta is registered as it is. accelerate re-wraps it, which unties tied weights (an embedding
+    shared with the LM head becomes two
     parameters, so the model counts one parameter more than it has).
     """
     original = nn.Module.register_parameter
@@ -55,8 +57,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def meta_model(workload: Any) -> nn.Module:
-    """The workload's model with parameters on meta: built by its ``model_fn`` inside :func:`init_empty_weights`,
-    or a weightless copy of its real model. Never a second real copy."""
+    """The workload's model with parameters on meta: built by its ``model_fn`` inside
+    :func:`init_empty_weights`, or a weightless copy of its real model. Never a second real copy."""
     if workload.model is not None:
         return meta_copy(workload.model)
     with init_empty_weights():
@@ -67,7 +69,8 @@ def meta_model(workload: Any) -> nn.Module:
 
 
 def real_model(workload: Any) -> nn.Module:
-    """The workload's model for real: its model, or what its ``model_fn`` builds (the user's own initialisation)."""
+    """The workload's model for real: its model, or what its
+    ``model_fn`` builds (the user's own initialisation)."""
     if workload.model is not None:
         return workload.model
     model = workload.model_fn()
@@ -117,18 +120,22 @@ class Checkpoint:
                     if not isinstance(weight_map, dict):
                         raise TypeError(f"weight_map is {type(weight_map).__name__}, not an object")
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise StageplanError(f"{str(index)!r} is not an HF safetensors index ({exc}); "
-                                         "point --weights at a .safetensors file or an HF model folder") from None
+                    raise StageplanError(
+                        f"{str(index)!r} is not an HF safetensors index ({exc}); "
+                        "point --weights at a .safetensors file or an HF model folder"
+                    ) from None
                 self._files = {k: path / v for k, v in weight_map.items()}
             elif single.is_file():
                 self._files = dict.fromkeys(self._keys_of(single), single)
             else:
-                raise StageplanError(f"folder {str(path)!r} has neither model.safetensors.index.json nor model.safetensors; "
-                                     "point --weights at a .safetensors file or an HF model folder")
+                raise StageplanError(f"folder {str(path)!r} has neither model.safetensors.index.json nor "
+                                     "model.safetensors; point --weights at a .safetensors file or an HF "
+                                     "model folder")
         elif path.is_file():
             self._files = dict.fromkeys(self._keys_of(path), path)
         else:
-            raise StageplanError(f"weights {str(path)!r} do not exist; give a .safetensors file or an HF model folder")
+            raise StageplanError(
+                f"weights {str(path)!r} do not exist; give a .safetensors file or an HF model folder")
 
     @staticmethod
     def _keys_of(path: Path) -> list[str]:
@@ -171,9 +178,9 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 
 def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors, each read straight into its own buffer. safetensors' safe_open maps the file, and the
-    mapped pages count in the process's resident set on top of the copies (about the stage's size again at a
-    rank's peak), so plain reads keep a rank's peak to its own tensors."""
+    """The named tensors, each read straight into its own buffer. safetensors' safe_open maps the file, and
+    the mapped pages count in the process's resident set on top of the copies (about the stage's size again at
+    a rank's peak), so plain reads keep a rank's peak to its own tensors."""
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -183,14 +190,15 @@ def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
             entry = header[name]
             dtype = _ST_DTYPES.get(entry["dtype"])
             if dtype is None:
-                raise StageplanError(f"tensor {name!r} in {str(path)!r} has dtype {entry['dtype']}, which stageplan cannot "
-                                     f"read; use one of {', '.join(_ST_DTYPES)}")
+                raise StageplanError(f"tensor {name!r} in {str(path)!r} has dtype {entry['dtype']}, which "
+                                     f"stageplan cannot read; use one of {', '.join(_ST_DTYPES)}")
             start, end = entry["data_offsets"]
             t = torch.empty(entry["shape"], dtype=dtype)
             f.seek(base + start)
             buffer = t.reshape(-1).view(torch.uint8).numpy().data  # the tensor's own bytes, written in place
             if f.readinto(buffer) != end - start:
-                raise StageplanError(f"{str(path)!r} ends inside tensor {name!r}; the file is truncated: save it again")
+                raise StageplanError(
+                    f"{str(path)!r} ends inside tensor {name!r}; the file is truncated: save it again")
             out[name] = t
     return out
 
@@ -198,18 +206,21 @@ def _read_safetensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
 def save_checkpoint(model: nn.Module, path: str | Path) -> None:
     """The model's parameters and persistent buffers as safetensors, each tied tensor stored once (under its
     first name), as HF stores a tied LM head: safetensors refuses shared tensors."""
-    save_tensors([*model.named_parameters(remove_duplicate=False), *model.state_dict(keep_vars=True).items()], path)
+    save_tensors([*model.named_parameters(remove_duplicate=False), *model.state_dict(keep_vars=True).items()],
+                 path)
 
 
 def save_tensors(named: Iterable[tuple[str, torch.Tensor]], path: str | os.PathLike[str]) -> None:
-    """Named tensors as safetensors, each stored once: names that share memory (a tie, or a state dict's detached
-    aliases of one tied parameter) keep the first name; a reader resolves the others through the model's ties."""
+    """Named tensors as safetensors, each stored once: names that share memory (a tie, or a state dict's
+    detached aliases of one tied parameter) keep the first name; a reader resolves the others through the
+    model's ties."""
     from safetensors.torch import save_file
 
     seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
     tensors: dict[str, torch.Tensor] = {}
     for name, t in named:
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(x) for x in t.shape), t.dtype)
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(x) for x in t.shape),
+               t.dtype)
         if name in tensors or key in seen:
             continue
         seen.add(key)
@@ -237,8 +248,8 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
     Each owning submodule is materialised alone (``to_empty``), filled with a defined value (normal(0, 0.02)
     for matrices, ones for 1-D weights, zeros for the rest), then initialised by the model's own rule under an
     RNG seeded by the submodule's FQN: HF models' ``_init_weights``, else the module's ``reset_parameters``.
-    Never timing uninitialised memory matters: it can hold denormal floats, on which CPU arithmetic runs far slower
-    (a LLaMA layer ran 15x slower on uninitialised weights, measured on a 2-core CPU host).
+    Never timing uninitialised memory matters: it can hold denormal floats, on which CPU arithmetic runs far
+    slower (a LLaMA layer ran 15x slower on uninitialised weights, measured on a 2-core CPU host).
     The global RNG state is restored afterwards.
     """
     dev = torch.device(device)
@@ -260,7 +271,8 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
             with torch.no_grad():
                 for leaf, p in sub.named_parameters(recurse=False):
                     if p.dim() >= 2:
-                        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))
+                        p.copy_(
+                            torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))
                     elif leaf.endswith("weight"):
                         p.fill_(1.0)
                     else:
@@ -289,8 +301,9 @@ def real_parameters(model: nn.Module, fqns: Iterable[str], device: torch.device 
     names = list(dict.fromkeys(fqns))
     aliases = tied_names(model)
     if weights is None:
-        # a tied parameter is initialised once, under its first name, and every alias gets that tensor: the stages
-        # that hold an embedding and the LM head tied to it start from the same values, as the reference does
+        # a tied parameter is initialised once, under its first name, and every alias gets that tensor: the
+        # stages that hold an embedding and the LM head tied to it start from the same values, as the
+        # reference does
         first = {n: min(aliases.get(n, [n]), key=_registration_order(model).__getitem__) for n in names}
         made = initialize_by_fqn(model, sorted(set(first.values())), device, seed=seed)
         return {n: made[first[n]] for n in names}
@@ -310,7 +323,8 @@ def real_parameters(model: nn.Module, fqns: Iterable[str], device: torch.device 
     tensors = weights.read(source.values())
     out = {}
     for fqn, key in source.items():
-        t = tensors[key] if weights.owns_tensors else tensors[key].detach().clone()  # never train the caller's tensors
+        # never train the caller's tensors
+        t = tensors[key] if weights.owns_tensors else tensors[key].detach().clone()
         expected = _meta_parameter(model, fqn)
         if tuple(t.shape) != tuple(expected.shape):
             raise StageplanError(f"weights tensor {key!r} has shape {tuple(t.shape)}, the model's {fqn!r} "
@@ -328,9 +342,9 @@ def _meta_parameter(model: nn.Module, fqn: str) -> torch.Tensor:
 
 
 def materialize_(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Replace ``module``'s meta parameters, named by the original model's FQNs, with the given tensors, which it
-    takes over (pass fresh ones, as :func:`real_parameters` returns; a parameter used under two names stays one
-    parameter). Buffers are left as they are: they were built real."""
+    """Replace ``module``'s meta parameters, named by the original model's FQNs, with the given tensors, which
+    it takes over (pass fresh ones, as :func:`real_parameters` returns; a parameter used under two names stays
+    one parameter). Buffers are left as they are: they were built real."""
     made: dict[int, nn.Parameter] = {}
     for name, p in list(module.named_parameters(remove_duplicate=False)):
         if p.device.type != "meta":

@@ -1,4 +1,5 @@
-"""The one instrument: timer (CPU/CUDA), per-layer clock, median/IQR, saved-bytes tracker, microbatch slices (torch).
+"""The one instrument: timer (CPU/CUDA), per-layer clock,
+median/IQR, saved-bytes tracker, microbatch slices (torch).
 
 The profiler and the executor both measure with this module, so that a measured / predicted ratio away
 from 1 is the cost model's doing, not a difference between two instruments.
@@ -27,11 +28,12 @@ def steady_allocator() -> bool:
     """Keep freed multi-MiB buffers for reuse (glibc only; elsewhere a no-op returning False).
 
     glibc maps an allocation above ``M_MMAP_THRESHOLD`` fresh (mmap), moves that threshold at run time as such
-    blocks are freed, and trims freed heap above ``M_TRIM_THRESHOLD`` (mallopt(3)). So multi-MiB buffers, such as
-    the logits of a 16384-token head and their gradients, are faulted in anew on some steps and reused on others,
-    differently from one process to the next, and a layer that allocates them times differently from one profile
-    to the next (page faults cost kernel time on every touched page: 0 to 2,144 minor faults per step without fixed
-    thresholds, 102-717 with them, measured on a 2-core CPU host). The profiler and every rank call it, so profile
+    blocks are freed, and trims freed heap above ``M_TRIM_THRESHOLD`` (mallopt(3)). So multi-MiB buffers, such
+    as the logits of a 16384-token head and their gradients, are faulted in anew on some steps and reused on
+    others, differently from one process to the next, and a layer that allocates them times differently from
+    one profile to the next (page faults cost kernel time on every touched page: 0 to 2,144 minor faults per
+    step without fixed thresholds, 102-717 with them, measured on a 2-core CPU host). The profiler and every
+    rank call it, so profile
     and run measure alike.
     """
     global _ALLOCATOR_STEADY
@@ -46,9 +48,13 @@ def steady_allocator() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-        # 32 MiB, glibc's own ceiling for its moving threshold: whole weight matrices above it stay mapped (returned to
-        # the system when freed, as layer-at-a-time profiling needs), the activations below it are reused
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+        # 32 MiB, glibc's own ceiling for its moving threshold: whole weight matrices above it stay mapped
+        # (returned to the system when freed, as layer-at-a-time profiling needs), the activations below it
+        # are reused
+        ok = (
+            libc.mallopt(m_mmap_threshold, 32 << 20) == 1
+            and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+        )
     except (OSError, AttributeError):
         return False
     _ALLOCATOR_STEADY = ok
@@ -73,23 +79,23 @@ def last_level_cache_bytes(device: torch.device | str) -> int:
     return max(sizes, default=64 << 20)
 
 
-# Bytes (2 x 128 MiB). A process holds only its share of a large shared L3, and a virtual machine's sysfs can list
-# its host's whole L3 (480 MiB on a 2-vCPU guest), shared with every other core of the socket. Uncapped, the flush
-# wrote 960 MiB there before each timed step (119 ms a flush against 33 ms at 256 MiB) and lifted a streamed
-# profile's peak to 1.7 GB against 0.37 GB resident. A layer whose optimizer states exceed the buffer is not flushed
-# at all (it fits no cache).
+# Bytes (2 x 128 MiB). A process holds only its share of a large shared L3, and a virtual machine's sysfs can
+# list its host's whole L3 (480 MiB on a 2-vCPU guest), shared with every other core of the socket. Uncapped,
+# the flush wrote 960 MiB there before each timed step (119 ms a flush against 33 ms at 256 MiB) and lifted a
+# streamed profile's peak to 1.7 GB against 0.37 GB resident. A layer whose optimizer states exceed the buffer
+# is not flushed at all (it fits no cache).
 FLUSH_CAP_BYTES = 256 << 20
 
 
 class CacheFlush:
-    """Evict the last-level cache before a timed call whose working set would otherwise stay in it from the last
-    repeat: an optimizer step over one layer's parameters, gradients and states (3 MiB for a GPT block), timed 5
-    times in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one step over the
-    same parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is 13.7 ms and one step
-    over all of them 13.1 ms (README, Limitations). Writes a buffer twice the cache's size, at most
-    ``FLUSH_CAP_BYTES``: a VM can see its host's whole shared L3 (480 MiB on a 2-vCPU guest), and twice that,
-    written before every timed step, made a profile's peak memory 1.3 GB above its model and cost about 0.1 s a
-    flush."""
+    """Evict the last-level cache before a timed call whose working set would otherwise stay in it from the
+    last repeat: an optimizer step over one layer's parameters, gradients and states (3 MiB for a GPT block),
+    timed 5 times in a row, ran from cache at 8.4 ms summed over GPT's layers, where the pipeline rank's one
+    step over the same parameters, after a backward that evicted them, took 11.8 ms; with a flush the sum is
+    13.7 ms and one step over all of them 13.1 ms (README, Limitations). Writes a buffer twice the cache's
+    size, at most ``FLUSH_CAP_BYTES``: a VM can see its host's whole shared L3 (480 MiB on a 2-vCPU guest),
+    and twice that, written before every timed step, made a profile's peak memory 1.3 GB above its model and
+    cost about 0.1 s a flush."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.size_bytes = min(2 * last_level_cache_bytes(device), FLUSH_CAP_BYTES)
@@ -120,9 +126,10 @@ def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator[int]:
-    """Round numbers 0, 1, 2, ...: ``warmup`` rounds, then timed rounds, at least ``repeats`` of them and more until
-    the timed ones have spanned ``min_time_s`` seconds of wall clock (what ``profile --min-time`` asks for: a shared
-    machine's speed drifts by the second, and medians over rounds spread further apart average more of it out).
+    """Round numbers 0, 1, 2, ...: ``warmup`` rounds, then timed rounds, at least ``repeats`` of them and more
+    until the timed ones have spanned ``min_time_s`` seconds of wall clock (what ``profile --min-time`` asks
+    for: a shared machine's speed drifts by the second, and medians over rounds spread further apart average
+    more of it out).
 
     >>> list(timed_rounds(2, 3))
     [0, 1, 2, 3, 4]
@@ -137,8 +144,9 @@ def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator
 
 
 class _DeviceClock:
-    """A point in time on the device's own clock, and the seconds between two: ``time.perf_counter`` on CPU; on CUDA
-    an event recorded on the current stream (read after a synchronisation), so intervals are the stream's."""
+    """A point in time on the device's own clock, and the seconds between two: ``time.perf_counter`` on CPU;
+    on CUDA an event recorded on the current stream (read after a synchronisation), so intervals are the
+    stream's."""
 
     cuda: bool
 
@@ -156,28 +164,31 @@ class _DeviceClock:
 class Timer(_DeviceClock):
     """Seconds of a callable's work on ``device``.
 
-    CPU: ``time.perf_counter`` around the call. CUDA kernels run asynchronously to the host (a host clock around
-    the call times the launch, not the kernel: see "Asynchronous execution" in torch's CUDA semantics notes,
-    docs/source/notes/cuda.rst), so it records CUDA events:
+    CPU: ``time.perf_counter`` around the call. CUDA kernels run asynchronously to the host (a host clock
+    around the call times the launch, not the kernel: see "Asynchronous execution" in torch's CUDA semantics
+    notes, docs/source/notes/cuda.rst), so it records CUDA events:
     ``__call__`` synchronises and returns at once (the profiler), ``record`` keeps the events and ``drain``
     reads them after the step has synchronised (the executor, which must not stall the pipeline).
     Each recorded interval also keeps its wall start and the thread's CPU seconds: wall minus CPU is time
     the process was preempted by others.
     """
 
-    # the chunk calls, as the executor records them (the simulator's are schedules.CALL_KINDS, with a zero-bubble
-    # backward's input half as "I" where the run records "B"): the rank computes; any other interval is idle
+    # the chunk calls, as the executor records them (the simulator's are schedules.CALL_KINDS, with a
+    # zero-bubble backward's input half as "I" where the run records "B"): the rank computes; any other
+    # interval is idle
     BUSY_KINDS = ("F", "B", "W")
 
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self._events: list[tuple[str, int, int, Any, Any, float, float]] = []
-        self._busy_end: Any = None  # where the rank last stopped computing: perf_counter seconds, or a CUDA event
+        # where the rank last stopped computing: perf_counter seconds, or a CUDA event
+        self._busy_end: Any = None
 
     def mark(self) -> None:
-        """The rank's own work outside the chunk calls (its optimizer step) ends now: the idle gap of the next chunk
-        call counts from here, through the barrier that starts the next step and the executor's bookkeeping between
-        (draining this timer, the losses, the progress line, clearing the gradients), which is not the model's."""
+        """The rank's own work outside the chunk calls (its optimizer step) ends now: the idle gap of the next
+        chunk call counts from here, through the barrier that starts the next step and the executor's
+        bookkeeping between (draining this timer, the losses, the progress line, clearing the gradients),
+        which is not the model's."""
         self._events.append(("", -1, -1, None, self._now(), time.time(), 0.0))
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -207,9 +218,10 @@ class Timer(_DeviceClock):
 
     def drain(self) -> list[tuple[str, int, int, float, float, float, float | None]]:
         """(kind, stage, microbatch, wall start, seconds, thread CPU seconds, idle before) of the recorded
-        intervals. Idle before, for a chunk call (:attr:`BUSY_KINDS`): the seconds since the rank's previous chunk
-        call ended or its last :meth:`mark`, on the device's own clock (CUDA events: the stream's gap, not the
-        host's), across drains; None for other intervals and for the first call with nothing before it."""
+        intervals. Idle before, for a chunk call (:attr:`BUSY_KINDS`): the seconds since the rank's previous
+        chunk call ended or its last :meth:`mark`, on the device's own clock (CUDA events: the stream's gap,
+        not the host's), across drains; None for other intervals and for the first call with nothing before
+        it."""
         if self.cuda:
             torch.cuda.synchronize()
         out = []
@@ -240,13 +252,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 class LayerClock(_DeviceClock):
     """Each layer's forward and backward seconds inside a running pipeline chunk, from hooks on its module.
 
-    A phase (one chunk's forward, backward or loss call, opened by :meth:`phase`) collects stamps: a layer's forward
-    runs from its forward pre-hook to its forward hook; its backward from the moment the gradient of its output is
-    ready (a tensor hook on the output) to the moment the gradient of its input is ready (a tensor hook on the input;
-    for a first layer whose input needs no gradient, the last of its parameters' post-accumulate hooks). Layers
-    without a module of their own (the code before the first or after the last named module) get the span between
-    their stamped neighbours, or the phase's edges. What no layer covers is the chunk's overhead (the
-    PipelineStage machinery around the layers). CPU: ``time.perf_counter``; CUDA: events, read by :meth:`drain`.
+    A phase (one chunk's forward, backward or loss call, opened by :meth:`phase`) collects stamps: a layer's
+    forward runs from its forward pre-hook to its forward hook; its backward from the moment the gradient of
+    its output is ready (a tensor hook on the output) to the moment the gradient of its input is ready (a
+    tensor hook on the input; for a first layer whose input needs no gradient, the last of its parameters'
+    post-accumulate hooks). Layers without a module of their own (the code before the first or after the last
+    named module) get the span between their stamped neighbours, or the phase's edges. What no layer covers is
+    the chunk's overhead (the
+    PipelineStage machinery around the layers). CPU: ``time.perf_counter``; CUDA: events, read by
+    :meth:`drain`.
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -256,7 +270,8 @@ class LayerClock(_DeviceClock):
         self._module_hooks: list[Any] = []  # registered only while enabled: nothing runs in the other steps
         self._stamps: list[tuple[int, str, Any]] | None = None
         self._phases: list[tuple[str, int, Any, Any, list[tuple[int, str, Any]]]] = []
-        self._handles: list[Any] = []  # tensor hooks of this step (a stage's receive buffers persist across steps)
+        # tensor hooks of this step (a stage's receive buffers persist across steps)
+        self._handles: list[Any] = []
 
     def _stamp(self, layer: int, edge: str) -> None:
         if self._stamps is not None:
@@ -281,9 +296,9 @@ class LayerClock(_DeviceClock):
             self._module_hooks = []
 
     def attach(self, layer: int, module: torch.nn.Module, params: Sequence[torch.nn.Parameter] = ()) -> None:
-        """Stamp layer ``layer`` each time ``module`` runs (forward) and its gradients flow (backward), while the
-        clock is enabled. ``params``: the layer's own parameters (not shared with another layer), for a first layer
-        whose input needs no grad."""
+        """Stamp layer ``layer`` each time ``module`` runs (forward) and its gradients flow (backward), while
+        the clock is enabled. ``params``: the layer's own parameters (not shared with another layer), for a
+        first layer whose input needs no grad."""
         self._targets.append((layer, module, [p for p in params if p.requires_grad]))
         if self._enabled:
             self._hook(layer, module, self._targets[-1][2])
@@ -325,11 +340,14 @@ class LayerClock(_DeviceClock):
             self._stamps = None
             self._phases.append((kind, stage, begin, end, stamps))
 
-    def drain(self, layers_of: Callable[[int], Sequence[int]]) -> list[tuple[str, int, dict[int, float], float]]:
-        """Per phase of the step: (kind, stage, {layer: seconds}, overhead seconds), and the step's tensor hooks
-        removed. ``layers_of(stage)``: the stage's layer indices in order. A loss phase is all the last layer's, and
-        on the stage that computed a loss the start of its backward (the loss's own backward) is its last layer's
-        too, as the profile counts it; a weight-gradient phase is reported whole, as overhead."""
+    def drain(
+        self, layers_of: Callable[[int], Sequence[int]]
+    ) -> list[tuple[str, int, dict[int, float], float]]:
+        """Per phase of the step: (kind, stage, {layer: seconds}, overhead seconds), and the step's tensor
+        hooks removed. ``layers_of(stage)``: the stage's layer indices in order. A loss phase is all the last
+        layer's, and on the stage that computed a loss the start of its backward (the loss's own backward) is
+        its last layer's too, as the profile counts it; a weight-gradient phase is reported whole, as
+        overhead."""
         if self.cuda:
             torch.cuda.synchronize()
         for handle in self._handles:
@@ -356,27 +374,31 @@ class LayerClock(_DeviceClock):
         self._phases = []
         return out
 
-    def _spans(self, kind: str, stamps: list[tuple[int, str, Any]], begin: Any) -> dict[int, tuple[float, float]]:
+    def _spans(
+        self, kind: str, stamps: list[tuple[int, str, Any]], begin: Any
+    ) -> dict[int, tuple[float, float]]:
         """{layer: (start, end)} seconds after the phase's begin."""
         at: dict[int, dict[str, float]] = {}
         for layer, edge, stamp in stamps:
             t = self._seconds(begin, stamp)
             edges = at.setdefault(layer, {})
-            # the last of several outputs' gradients starts the backward; the first input whose gradient is ready
-            # ends it (an input shared with later layers, such as an encoder's memory, is ready only after them)
+            # the last of several outputs' gradients starts the backward; the first input whose gradient is
+            # ready ends it (an input shared with later layers, such as an encoder's memory, is ready only
+            # after them)
             pick = min if edge == "b1" else max
             edges[edge] = pick(edges.get(edge, t), t)
         spans = {}
         for layer, e in at.items():
-            start, stop = (e.get("f0"), e.get("f1")) if kind == "F" else (e.get("b0"), e.get("b1", e.get("bp")))
+            start, stop = (e.get("f0"), e.get("f1")) if kind == "F" else (e.get("b0"),
+                                                                          e.get("b1", e.get("bp")))
             if start is not None and stop is not None and stop >= start:
                 spans[layer] = (start, stop)
         return spans
 
 
 def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], total: float) -> dict[int, float]:
-    """Seconds per layer of one phase: stamped layers their span; each run of unstamped layers (in execution order)
-    the gap between its stamped neighbours (or the phase's edges), in equal shares."""
+    """Seconds per layer of one phase: stamped layers their span; each run of unstamped layers (in execution
+    order) the gap between its stamped neighbours (or the phase's edges), in equal shares."""
     times: dict[int, float] = {}
     run: list[int] = []
     prev_end = 0.0
@@ -392,7 +414,8 @@ def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], tota
             start, stop = spans[layer]
             if run:
                 flush(start)
-            start = max(start, prev_end)  # never before the previous layer ended (spans clamped, never overlapping)
+            # never before the previous layer ended (spans clamped, never overlapping)
+            start = max(start, prev_end)
             times[layer] = max(stop - start, 0.0)
             prev_end = max(stop, prev_end)
         else:
@@ -403,8 +426,8 @@ def _fill_gaps(order: Sequence[int], spans: dict[int, tuple[float, float]], tota
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a tensor can reach: [offset, offset + extent) (a strided view's extent is from its
-    first to its last element)."""
+    """The bytes of its storage a tensor can reach: [offset, offset + extent) (a strided view's extent is from
+    its first to its last element)."""
     elem = t.element_size()
     start = int(t.storage_offset()) * elem
     if t.numel() == 0:
@@ -424,16 +447,18 @@ def _union_bytes(spans: dict[tuple[int, int], int]) -> int:
 
 
 class SavedTensorTracker:
-    """Live saved-for-backward bytes, counted at the bytes the saved tensors reach: tensors and views saved on one
-    storage count once (deduplicated by storage: a saved tensor shares its original's storage, so the same bytes
-    can be saved under several tensors, as ``torch.autograd.graph.saved_tensors_hooks`` shows them), and a view
-    counts at its own extent, not its storage's:
-    the slice of a batch's target that a microbatch's loss saves counts as the microbatch's rows, not the whole
-    batch. Bytes leave when the graph frees the saved tensors. Storages in ``exclude`` (the parameters) are not
-    counted. ``key`` names a storage: its data pointer by default, :func:`storage_identity` for fake tensors (whose
-    data pointers are all 0)."""
+    """Live saved-for-backward bytes, counted at the bytes the saved tensors reach: tensors and views saved on
+    one storage count once (deduplicated by storage: a saved tensor shares its original's storage, so the same
+    bytes can be saved under several tensors, as ``torch.autograd.graph.saved_tensors_hooks`` shows them), and
+    a view counts at its own extent, not its storage's:
+    the slice of a batch's target that a microbatch's loss saves counts as the microbatch's rows, not the
+    whole batch. Bytes leave when the graph frees the saved tensors. Storages in ``exclude`` (the parameters)
+    are not counted. ``key`` names a storage: its data pointer by default, :func:`storage_identity` for fake
+    tensors (whose data pointers are all 0)."""
 
-    def __init__(self, exclude: set[int] | None = None, key: Callable[[torch.Tensor], int] | None = None) -> None:
+    def __init__(
+        self, exclude: set[int] | None = None, key: Callable[[torch.Tensor], int] | None = None
+    ) -> None:
         self.exclude = exclude or set()
         self.key = key or (lambda t: t.untyped_storage().data_ptr())
         self.live = 0
@@ -483,7 +508,8 @@ class SavedTensorTracker:
 
 def storage_identity(t: torch.Tensor) -> int:
     """A storage's identity that also works for fake tensors (data_ptr 0): its StorageImpl, as torch's own
-    fake-tensor code keys storages. The tracker keeps saved tensors alive, so no identity is reused meanwhile."""
+    fake-tensor code keys storages. The tracker keeps saved tensors alive, so no identity is reused
+    meanwhile."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return int(StorageWeakRef(t.untyped_storage()).cdata)
@@ -515,10 +541,12 @@ def saved_bytes(fn: Callable[[], Any], exclude_ptrs: set[int]) -> tuple[int, Any
 def check_microbatch_size(batch: int, microbatch_size: object) -> int:
     """Refuse a microbatch size that is not a positive divisor of the batch."""
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
-        raise StageplanError(f"microbatch size must be a positive integer, got {microbatch_size!r}; e.g. --microbatch-size 2")
+        raise StageplanError(
+            f"microbatch size must be a positive integer, got {microbatch_size!r}; e.g. --microbatch-size 2")
     if batch % microbatch_size:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise StageplanError(f"microbatch size {microbatch_size} does not divide the batch of {batch}; use one of {divisors}")
+        raise StageplanError(
+            f"microbatch size {microbatch_size} does not divide the batch of {batch}; use one of {divisors}")
     return microbatch_size
 
 
@@ -529,9 +557,9 @@ def microbatch_size_for(batch: int, num_microbatches: int) -> int:
     if batch % num_microbatches:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         raise StageplanError(
-            f"the batch of {batch} does not divide into the plan's {num_microbatches} microbatches (torch would fail deep "
-            f"inside the loss and the other ranks would hang); use a batch that is a multiple of {num_microbatches}, "
-            f"or plan with one of {divisors} microbatches"
+            f"the batch of {batch} does not divide into the plan's {num_microbatches} microbatches (torch "
+            f"would fail deep inside the loss and the other ranks would hang); use a batch that is a "
+            f"multiple of {num_microbatches}, or plan with one of {divisors} microbatches"
         )
     return batch // num_microbatches
 

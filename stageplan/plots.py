@@ -26,7 +26,8 @@ COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
-MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860", "activations": "#DD8452", "buffers": "#55A868"}
+MEMORY_COLORS = {"params": "#4C72B0", "grads": "#8172B3", "master": "#64B5CD", "optimizer": "#937860",
+                 "activations": "#DD8452", "buffers": "#55A868"}
 
 
 def _axes(ax: Axes | None, size: tuple[float, float] = (7.0, 4.0)) -> Axes:
@@ -92,8 +93,8 @@ def plot_stage_balance(plans: Plan | Mapping[str, Plan], ax: Axes | None = None)
     title = ", ".join(f"{name}: {p.balance_efficiency:.2f}" for name, p in group.items())
     ax.set_title(f"stage balance (efficiency {title}){_estimated(first)}", fontsize=9)
     handles, _ = ax.get_legend_handles_labels()
-    ax.legend(handles=handles + method_handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              borderaxespad=0.0)
+    ax.legend(handles=handles + method_handles, fontsize=LEGEND_PT, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax
 
 
@@ -112,13 +113,15 @@ def plot_memory(plan: Plan, ax: Axes | None = None) -> Axes:
         bottom = [a + b for a, b in zip(bottom, vals)]
     for st in plan.stages:
         if st.memory_limit_bytes is not None:
-            line = ax.hlines(st.memory_limit_bytes / 2**20, st.index - 0.4, st.index + 0.4, colors="red", linestyles="-")
+            line = ax.hlines(st.memory_limit_bytes / 2**20, st.index - 0.4, st.index + 0.4, colors="red",
+                             linestyles="-")
             line.set_label("limit" if st.index == 0 else "_nolegend_")
     for st in plan.stages:
-        ax.annotate(f"x{st.inflight}", (st.index, bottom[st.index]), xytext=(0, 2), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=LABEL_PT)
+        ax.annotate(f"x{st.inflight}", (st.index, bottom[st.index]), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=LABEL_PT)
     limits = [st.memory_limit_bytes / 2**20 for st in plan.stages if st.memory_limit_bytes is not None]
-    ax.set_ylim(0, max([*bottom, *limits, 1e-9]) * 1.12)  # headroom for the in-flight counts over the tallest bar
+    # headroom for the in-flight counts over the tallest bar
+    ax.set_ylim(0, max([*bottom, *limits, 1e-9]) * 1.12)
     ax.set_xticks(xs)
     ax.set_xlabel("stage")
     ax.set_ylabel("MiB")
@@ -142,8 +145,8 @@ def plot_layer_costs(profile: Profile, plan: Plan | None = None, ax: Axes | None
     ax.set_xticks(xs)
     ax.set_xticklabels([x.name for x in profile.layers], rotation=60, ha="right", fontsize=LABEL_PT)
     ax.set_ylabel("ms per microbatch")
-    ax.set_title(f"per-layer cost ({profile.meta.get('model', '')}, microbatch {profile.meta.get('microbatch_size', '?')})"
-                 f"{_estimated(profile)}",
+    ax.set_title(f"per-layer cost ({profile.meta.get('model', '')}, microbatch "
+                 f"{profile.meta.get('microbatch_size', '?')}){_estimated(profile)}",
                  fontsize=9)
     ax.legend(fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return ax
@@ -154,8 +157,8 @@ def _timeline_rows(source: Simulation | RunReport | Sequence[Mapping[str, Any]])
         return [dict(r) for r in source.timeline]
     timeline = getattr(source, "timeline", None)
     if timeline is not None and not isinstance(source, (list, tuple)):
-        return [{"rank": e.rank, "stage": e.stage, "microbatch": e.microbatch, "kind": e.kind, "start_s": e.start_s,
-                 "end_s": e.end_s} for e in timeline]
+        return [{"rank": e.rank, "stage": e.stage, "microbatch": e.microbatch, "kind": e.kind,
+                 "start_s": e.start_s, "end_s": e.end_s} for e in timeline]
     return [dict(r) for r in source]  # type: ignore[union-attr]
 
 
@@ -171,17 +174,18 @@ def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
     """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync and the optimizer step
-    coloured, idle in grey, microbatches labelled. A crossing's transfer (kinds "A" and "G", an activation or a
-    gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the link, and the rank
-    may compute meanwhile. A run's bar runs from when the message could start to move (the later of the
+    coloured, idle in grey, microbatches labelled. A crossing's transfer (kinds "A" and "G", an activation or
+    a gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the link, and the
+    rank may compute meanwhile. A run's bar runs from when the message could start to move (the later of the
     receive's post and the producing call's end) to when the receiving rank's wait for it returned.
-    ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage, microbatch,
-    kind, start_s, end_s.
+    ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage,
+    microbatch, kind, start_s, end_s.
 
     For a RunReport the title always ends with the plotted step's span and the median step, e.g.
-    ``measured timeline (last step): 87.0 ms (median step 99.0 ms)``: one step is shown, the report's figures are
-    medians, and the span runs from the first forward to the end of the last rank's optimizer step (a run
-    records its step's tail, the tied all-reduce and the optimizer step, as "T" and "O" events; reports written
+    ``measured timeline (last step): 87.0 ms (median step 99.0 ms)``: one step is shown, the report's figures
+    are medians, and the span runs from the first forward to the end of the last rank's optimizer step (a run
+    records its step's tail, the tied all-reduce and the optimizer step, as "T" and "O" events; reports
+    written
     before that end at the last backward).
     """
     ax = _axes(ax, (9.0, 3.0))
@@ -199,11 +203,13 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
             ax.broken_barh([(start, stop - start)], (int(r["rank"]) + 0.42, 0.12), facecolors=COLORS["comm"],
                            edgecolors="white", linewidth=0.3)
             continue
-        ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8), facecolors=COLORS.get(str(r["kind"]), "grey"),
-                       edgecolors="white", linewidth=0.5)
-        label = "" if str(r["kind"]) in ("O", "T") else str(r["microbatch"])  # the step's tail has no microbatch
+        ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8),
+                       facecolors=COLORS.get(str(r["kind"]), "grey"), edgecolors="white", linewidth=0.5)
+        # the step's tail has no microbatch
+        label = "" if str(r["kind"]) in ("O", "T") else str(r["microbatch"])
         if label and _fits(ax, stop - start, end * 1e3, label):
-            ax.text((start + stop) / 2, int(r["rank"]), label, ha="center", va="center", fontsize=LABEL_PT, color="white")
+            ax.text((start + stop) / 2, int(r["rank"]), label, ha="center", va="center", fontsize=LABEL_PT,
+                    color="white")
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -211,13 +217,16 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
     ax.set_xlim(0, end * 1e3)
     from matplotlib.patches import Patch
 
-    kinds = sorted({"X" if str(r["kind"]) in TRANSFER_KINDS else str(r["kind"]) for r in rows}, key="FBIWXTO".find)
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "X": "transfer", "T": "tied sync",
-             "O": "optimizer"}
-    handles = [Patch(color=COLORS["comm"] if k == "X" else COLORS.get(k, "grey"), label=names.get(k, k)) for k in kinds]
+    kinds = sorted({"X" if str(r["kind"]) in TRANSFER_KINDS else str(r["kind"]) for r in rows},
+                   key="FBIWXTO".find)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "X": "transfer",
+             "T": "tied sync", "O": "optimizer"}
+    handles = [Patch(color=COLORS["comm"] if k == "X" else COLORS.get(k, "grey"), label=names.get(k, k))
+               for k in kinds]
     handles.append(Patch(color=COLORS["idle"], label="idle"))
     # Outside the axes: inside, any corner covers some rank's work (rank 0's last backwards, top right).
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)
     if isinstance(source, RunReport):
         facts = f"{end * 1e3:.1f} ms (median step {source.measured_step_s * 1e3:.1f} ms)"
         ax.set_title(f"{title or 'measured timeline (last step)'}: {facts}", fontsize=9)
@@ -227,8 +236,8 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
 
 
 def _spread(wanted: Sequence[float], gap: float, low: float, high: float) -> list[float]:
-    """Positions as near ``wanted`` (ascending) as allows ``gap`` between neighbours, inside [low, high] where they
-    fit: pushed up from below, then back down from the top."""
+    """Positions as near ``wanted`` (ascending) as allows ``gap`` between neighbours, inside [low, high] where
+    they fit: pushed up from below, then back down from the top."""
     out: list[float] = []
     for w in wanted:
         out.append(max(w, low, out[-1] + gap) if out else max(w, low))
@@ -240,9 +249,10 @@ def _spread(wanted: Sequence[float], gap: float, low: float, high: float) -> lis
 
 
 def _label_points(ax: Axes, labels: Sequence[tuple[float, float, str, str]]) -> None:
-    """Write each (x, y, text, colour) label beside its point, on the far side of the y = x line (left of points
-    above it, right of those below), spread out so that no two labels overlap and they stay inside the axes: the
-    ranks of a balanced plan sit almost on one spot. A label moved away from its point gets a thin leader line."""
+    """Write each (x, y, text, colour) label beside its point, on the far side of the y = x line (left of
+    points above it, right of those below), spread out so that no two labels overlap and they stay inside the
+    axes: the ranks of a balanced plan sit almost on one spot. A label moved away from its point gets a thin
+    leader line."""
     ax.apply_aspect()  # final box, so data -> display is right (up to the layout's scaling)
     to_pt = 72 / ax.figure.dpi
     box = ax.get_window_extent()
@@ -252,23 +262,26 @@ def _label_points(ax: Axes, labels: Sequence[tuple[float, float, str, str]]) -> 
                       for x, y, text, color in labels if (y >= x) == above)
         wanted = [y_pt + (gap / 2 if above else -gap / 2) for y_pt, *_ in side]
         placed = _spread(wanted, gap, box.y0 * to_pt + gap, box.y1 * to_pt - gap)
-        # a column of moved labels stands further off, so that the leaders slope away from the labels below them
+        # a column of moved labels stands further off, so that
+        # the leaders slope away from the labels below them
         dx = 14 if any(abs(at - y_pt) > gap for at, (y_pt, *_) in zip(placed, side)) else 6
         for (y_pt, x, y, text, color), at in zip(side, placed):
             moved = abs(at - y_pt) > gap
             ax.annotate(text, (x, y), xytext=(-dx if above else dx, at - y_pt), textcoords="offset points",
                         ha="right" if above else "left", va="center", fontsize=LABEL_PT, color=color,
                         # the leader leaves from the label's corner nearest the point, so it crosses no label
-                        arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.5, "shrinkA": 1, "shrinkB": 3,
-                                    "relpos": (1.0 if above else 0.0, 0.0 if at > y_pt else 1.0)} if moved else None)
+                        arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.5, "shrinkA": 1,
+                                    "shrinkB": 3,
+                                    "relpos": (1.0 if above else 0.0, 0.0 if at > y_pt else 1.0)} if moved
+                        else None)
 
 
 def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axes | None = None) -> Axes:
     """Scatter of measured against predicted ms: per-rank compute per microbatch (dots, each marked with its
     rank) and the step (squares), with the y = x line. Where a run timed each rank's layers alone after it
-    (``retimed_compute_s``), a hollow circle at that figure and a line from it to the measured dot: the circle's
-    height over y = x is the machine's drift since the profile, the line the pipeline's own share. Log axes (a
-    step is many microbatches long) ticked at 1, 2, 5 x 10^k with plain numbers."""
+    (``retimed_compute_s``), a hollow circle at that figure and a line from it to the measured dot: the
+    circle's height over y = x is the machine's drift since the profile, the line the pipeline's own share.
+    Log axes (a step is many microbatches long) ticked at 1, 2, 5 x 10^k with plain numbers."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax = _axes(ax, (6.5, 4.5))
@@ -281,12 +294,13 @@ def plot_predicted_vs_measured(reports: RunReport | Sequence[RunReport], ax: Axe
         px = [r["predicted_compute_s"] * 1e3 for r in rep.ranks]
         my = [r["measured_compute_s"] * 1e3 for r in rep.ranks]
         ax.scatter(px, my, marker="o", color=f"C{i}", label=f"{method} per-rank compute")
-        labels += [(x, y, f"rank {row.get('rank', k)}", f"C{i}") for k, (row, x, y) in enumerate(zip(rep.ranks, px, my))]
+        labels += [(x, y, f"rank {row.get('rank', k)}", f"C{i}") for k,
+                   (row, x, y) in enumerate(zip(rep.ranks, px, my))]
         alone = [(x, row["retimed_compute_s"] * 1e3, y) for row, x, y in zip(rep.ranks, px, my)
                  if row.get("retimed_compute_s")]
         if alone:
-            ax.scatter([a[0] for a in alone], [a[1] for a in alone], marker="o", facecolors="none", edgecolors=f"C{i}",
-                       label=f"{method}: its layers alone after the run")
+            ax.scatter([a[0] for a in alone], [a[1] for a in alone], marker="o", facecolors="none",
+                       edgecolors=f"C{i}", label=f"{method}: its layers alone after the run")
             ax.vlines([a[0] for a in alone], [a[1] for a in alone], [a[2] for a in alone], colors=f"C{i}",
                       linewidth=0.8)
             pts += [a[1] for a in alone]

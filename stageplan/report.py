@@ -13,7 +13,8 @@ from stageplan.formats.schedule import RESUME_GAP_S
 MiB = 1024.0**2
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[bool] | None = None) -> str:
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                 right: Sequence[bool] | None = None) -> str:
     """Aligned plain-text table; numbers right-aligned."""
     cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -41,7 +42,8 @@ def ratio(x: float | None) -> str:
 
 
 def figure(x: float | None, spec: str = ".3g") -> str:
-    """A number as ``spec``, or '-' where a report holds null (a NaN or infinity written to JSON, a field not read)."""
+    """A number as ``spec``, or '-' where a report holds null
+    (a NaN or infinity written to JSON, a field not read)."""
     return "-" if x is None else format(x, spec)
 
 
@@ -65,38 +67,44 @@ def profile_table(profile: Profile) -> str:
     lines = [table]
     whole = meta.get("whole_model_s")
     if whole:
-        lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = {ratio(profile.sum_vs_whole)} "
+        lines.append(f"whole model fwd+bwd {ms(whole)} ms; sum of layers / whole = "
+                     f"{ratio(profile.sum_vs_whole)} "
                      "(near 1: timing layers alone misses little of the whole model's time)")
     elif meta.get("whole_model"):
         lines.append(f"whole model not timed ({meta['whole_model']}): no sum-of-layers / whole ratio")
     estimate = meta.get("estimate")
     if meta.get("timer") == "analytic" and isinstance(estimate, dict):
-        lines.append(f"times are analytic estimates for {estimate.get('gpu')} (compute efficiency {estimate.get('eta_c')}, "
-                     f"memory efficiency {estimate.get('eta_m')}, {estimate.get('attention', 'flash')} attention): "
-                     f"{estimate.get('accuracy')}; activation and output bytes are exact")
+        lines.append(f"times are analytic estimates for {estimate.get('gpu')} (compute efficiency "
+                     f"{estimate.get('eta_c')}, memory efficiency {estimate.get('eta_m')}, "
+                     f"{estimate.get('attention', 'flash')} attention): {estimate.get('accuracy')}; "
+                     f"activation and output bytes are exact")
     else:
-        lines.append("spread % = (fwd IQR + bwd IQR) / (fwd + bwd) over the timed rounds: how much a layer's time varied; "
-                     "act = bytes saved for backward per microbatch, out = bytes crossing to the next layer")
+        lines.append("spread % = (fwd IQR + bwd IQR) / (fwd + bwd) over the timed rounds: how much a layer's "
+                     "time varied; act = bytes saved for backward per microbatch, out = bytes crossing to "
+                     "the next layer")
     reused = sum(1 for x in profile.layers if x.measured_as)
     if reused:
         line = (f"measured as = the identical layer whose times and act bytes a row reuses "
                 f"({len(profile.layers) - reused} distinct of {len(profile.layers)} layers)")
         spread_check = meta.get("dedup_spread")
         if isinstance(spread_check, dict) and spread_check.get("forward_ratio") is not None:
-            line += (f"; {spread_check['layer']} / {spread_check['vs']}: fwd {ratio(spread_check['forward_ratio'])}, "
-                     f"bwd {ratio(spread_check.get('backward_ratio'))}")
+            line += (f"; {spread_check['layer']} / {spread_check['vs']}: fwd "
+                     f"{ratio(spread_check['forward_ratio'])}, bwd "
+                     f"{ratio(spread_check.get('backward_ratio'))}")
         lines.append(line)
     pooled = meta.get("pooled_layers")
     if isinstance(pooled, list) and pooled and all(isinstance(g, list) for g in pooled):
-        lines.append("pooled: " + "; ".join(", ".join(map(str, g)) for g in pooled) + " (identical layers between "
-                     "identical neighbours, timed in a stage's order: each group's times are the medians over all its "
-                     "members' rounds)")
+        lines.append("pooled: " + "; ".join(", ".join(map(str, g)) for g in pooled) + " (identical layers "
+                     "between identical neighbours, timed in a stage's order: each group's times are the "
+                     "medians over all its members' rounds)")
     procs = meta.get("processes")
     if isinstance(procs, dict) and isinstance(procs.get("range"), list) and procs["range"]:
         widest = max(procs["range"], key=lambda r: max(r.get("forward", 0.0), r.get("backward", 0.0)))
-        lines.append(f"times are the median over {procs.get('count')} processes; the widest range between them: "
-                     f"{widest.get('layer')} fwd {widest.get('forward', 0.0):.1%}, bwd {widest.get('backward', 0.0):.1%}")
-    desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads", "repeats",
+        lines.append(f"times are the median over {procs.get('count')} processes; the widest range between "
+                     f"them: {widest.get('layer')} fwd {widest.get('forward', 0.0):.1%}, bwd "
+                     f"{widest.get('backward', 0.0):.1%}")
+    desc = ", ".join(f"{k}={meta[k]}" for k in ("model", "device", "dtype", "microbatch_size", "threads",
+                                                "repeats",
                                                  "materialized", "order") if meta.get(k) is not None)
     if desc:
         lines.append(desc)
@@ -104,17 +112,18 @@ def profile_table(profile: Profile) -> str:
 
 
 def plan_table(plan: Plan) -> str:
-    """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm and
-    time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step; "tied sync ms" (shown
-    when the plan puts a tied parameter on two or more ranks) is the rank's tied-gradient all-reduce, once per
-    step before the optimizer step, on the rank's first stage; "chunk ms" (shown when the link timed it) is what
-    PipelineStage spends inside the stage's forward and backward outside its layers, part of fwd and bwd; "loop ms"
-    (likewise) is what torch's schedule spends around the stage's forward and backward, outside them."""
+    """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm
+    and time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step; "tied sync ms"
+    (shown when the plan puts a tied parameter on two or more ranks) is the rank's tied-gradient all-reduce,
+    once per step before the optimizer step, on the rank's first stage; "chunk ms" (shown when the link timed
+    it) is what PipelineStage spends inside the stage's forward and backward outside its layers, part of fwd
+    and bwd; "loop ms" (likewise) is what torch's schedule spends around the stage's forward and backward,
+    outside them."""
     tied = plan.tied_sync_s > 0
     loop = any(st.action_s > 0 for st in plan.stages)
     chunk = any(st.chunk_s > 0 for st in plan.stages)
-    headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", *(["chunk ms"] if chunk else []), "comm ms",
-               *(["loop ms"] if loop else []),
+    headers = ["stage", "rank", "layers", "n", "fwd ms", "bwd ms", *(["chunk ms"] if chunk else []),
+               "comm ms", *(["loop ms"] if loop else []),
                "time ms", "% of bottleneck",
                *(["tied sync ms"] if tied else []), "optimizer ms", "in flight", "mem MiB", "limit MiB"]
     rows = []
@@ -122,13 +131,15 @@ def plan_table(plan: Plan) -> str:
         span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]} .. {st.layers[-1]}"
         rows.append([st.index, st.rank, span, len(st.layers), ms(st.forward_s), ms(st.backward_s),
                      *([ms(st.chunk_s)] if chunk else []), ms(st.comm_s),
-                     *([ms(st.action_s)] if loop else []), ms(st.time_s), f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
-                     *([ms(st.tied_sync_s)] if tied else []), ms(st.optimizer_s), st.inflight, mib(st.memory["total"]),
-                     mib(st.memory_limit_bytes)])
+                     *([ms(st.action_s)] if loop else []), ms(st.time_s),
+                     f"{100 * st.time_s / plan.bottleneck_s:.1f}" if plan.bottleneck_s else "",
+                     *([ms(st.tied_sync_s)] if tied else []), ms(st.optimizer_s), st.inflight,
+                     mib(st.memory["total"]), mib(st.memory_limit_bytes)])
     right = [True, True, False] + [True] * (len(headers) - 3)
     lines = [format_table(headers, rows, right=right)]
     kinds = [k for k in plan.stages[0].memory if k != "total"]
-    mem_rows = [[st.index, *(mib(st.memory.get(k, 0.0)) for k in kinds), mib(st.memory["total"])] for st in plan.stages]
+    mem_rows = [[st.index, *(mib(st.memory.get(k, 0.0)) for k in kinds), mib(st.memory["total"])]
+                for st in plan.stages]
     precision = plan.cost_options.get("precision")
     lines.append(f"memory by kind, MiB ({'precision ' + precision if precision else 'as profiled'}, "
                  f"optimizer {plan.cost_options.get('optimizer')}):")
@@ -142,21 +153,22 @@ def plan_table(plan: Plan) -> str:
     )
     lines.append(
         f"bottleneck {ms(plan.bottleneck_s)} ms, lower bound {ms(plan.lower_bound_s)} ms, balance efficiency "
-        f"{plan.balance_efficiency:.3f}, predicted step {ms(plan.predicted_step_s)} ms, bubble {100 * plan.bubble_fraction:.1f}%, "
+        f"{plan.balance_efficiency:.3f}, predicted step {ms(plan.predicted_step_s)} ms, bubble "
+        f"{100 * plan.bubble_fraction:.1f}%, "
         + ("no throughput (a step predicted at 0 s)" if plan.throughput_samples_s is None else
            f"{plan.throughput_samples_s:.1f} samples/s")
     )
     lines.append(f"boundaries {list(plan.boundaries)}")
     if tied:
-        lines.append(f"tied-gradient all-reduce {ms(plan.tied_sync_s)} ms per step on every rank, before its optimizer "
-                     "step (a tied parameter is on two or more ranks)")
+        lines.append(f"tied-gradient all-reduce {ms(plan.tied_sync_s)} ms per step on every rank, before its "
+                     "optimizer step (a tied parameter is on two or more ranks)")
     if plan.versus_optimal:
         lines.extend(_versus_optimal_lines(plan))
     lines.extend(f"note: {n}" for n in plan.notes)
     if plan.candidates:
         lines.append("candidates:")
-        crow = [[c["schedule"], c["num_microbatches"], c.get("microbatch_size", ""), "yes" if c["feasible"] else "no",
-                 ms(c.get("predicted_step_s"))] for c in plan.candidates]
+        crow = [[c["schedule"], c["num_microbatches"], c.get("microbatch_size", ""),
+                 "yes" if c["feasible"] else "no", ms(c.get("predicted_step_s"))] for c in plan.candidates]
         lines.append(format_table(["schedule", "m", "mb size", "feasible", "step ms"], crow,
                                   right=[False, True, True, False, True]))
     return "\n".join(lines)
@@ -166,7 +178,8 @@ GIVEN_AS = {"boundaries": "--boundaries", "megatron_layout": "--megatron-layout"
 
 
 def _versus_optimal_lines(plan: Plan) -> list[str]:
-    """A given split's distance from the optimal plan: bottleneck and step ratios, memory headroom per rank."""
+    """A given split's distance from the optimal plan:
+    bottleneck and step ratios, memory headroom per rank."""
     v = plan.versus_optimal
     given = v.get("given")
     shown = f"{len(given)} parts" if v.get("given_as") == "fqns" and isinstance(given, list) else given
@@ -178,10 +191,11 @@ def _versus_optimal_lines(plan: Plan) -> list[str]:
     else:
         lines.append(f"  optimal boundaries {v['optimal_boundaries']}; bottleneck {ms(plan.bottleneck_s)} vs "
                      f"{ms(v['optimal_bottleneck_s'])} ms = {ratio(v['bottleneck_ratio'])}x; predicted step "
-                     f"{ms(plan.predicted_step_s)} vs {ms(v['optimal_predicted_step_s'])} ms = {ratio(v['step_ratio'])}x")
+                     f"{ms(plan.predicted_step_s)} vs {ms(v['optimal_predicted_step_s'])} ms = "
+                     f"{ratio(v['step_ratio'])}x")
         if any(room is not None and room < 0 for room in v["memory_headroom_bytes"]):
-            lines.append("  the given split does not fit in memory (negative headroom below) and the optimal plan does, "
-                         "so a ratio under 1 is the price of fitting")
+            lines.append("  the given split does not fit in memory (negative headroom below) and the optimal "
+                         "plan does, so a ratio under 1 is the price of fitting")
     optimal_need = v.get("optimal_rank_memory_bytes") or [None] * len(v["rank_memory_bytes"])
     rows = [[r, mib(need), mib(limit) if limit is not None else "none",
              mib(room) if room is not None else "", mib(opt)]
@@ -196,84 +210,105 @@ def _versus_optimal_lines(plan: Plan) -> list[str]:
 def compare_table(plans: dict[str, Plan]) -> str:
     """Every method side by side with ratios to optimal."""
     ref = plans["optimal"]
-    headers = ["method", "boundaries", "bottleneck ms", "x optimal", "step ms", "x optimal", "efficiency", "max mem MiB"]
+    headers = ["method", "boundaries", "bottleneck ms", "x optimal", "step ms", "x optimal", "efficiency",
+               "max mem MiB"]
     rows = []
     for name, p in plans.items():
-        rows.append([name, " ".join(map(str, p.boundaries)), ms(p.bottleneck_s), ratio(p.bottleneck_s / ref.bottleneck_s),
-                     ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s), ratio(p.balance_efficiency),
-                     mib(max(p.rank_memory_bytes))])
+        rows.append([name, " ".join(map(str, p.boundaries)), ms(p.bottleneck_s),
+                     ratio(p.bottleneck_s / ref.bottleneck_s),
+                     ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s),
+                     ratio(p.balance_efficiency), mib(max(p.rank_memory_bytes))])
     return format_table(headers, rows, right=[False, False] + [True] * 6)
 
 
 def run_table(report: RunReport) -> str:
     """Predicted vs measured, per rank and for the step, with ratios; then the check result."""
-    headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "(cpu ms)", "idle ms pred", "idle ms meas",
-               "act MiB pred", "act MiB meas", "ratio"]
+    headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "(cpu ms)", "idle ms pred",
+               "idle ms meas", "act MiB pred", "act MiB meas", "ratio"]
     rows = []
     for r in report.ranks:
-        rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]), ms(r["measured_compute_s"]),
-                     ratio(r.get("compute_ratio")), ms(r.get("measured_compute_cpu_s")), ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
+        rows.append([r["rank"], ",".join(map(str, r["stages"])), ms(r["predicted_compute_s"]),
+                     ms(r["measured_compute_s"]),
+                     ratio(r.get("compute_ratio")), ms(r.get("measured_compute_cpu_s")),
+                     ms(r["predicted_idle_s"]), ms(r["measured_idle_s"]),
                      mib(r["predicted_peak_activation_bytes"]), mib(r["measured_peak_activation_bytes"]),
                      ratio(r.get("activation_ratio"))])
     lines = [format_table(headers, rows)]
     lines.append(
         f"step: predicted {ms(report.predicted_step_s)} ms, measured {ms(report.measured_step_s)} ms "
         f"(IQR {ms(report.measured_step_iqr_s)}), ratio {ratio(report.step_ratio)}; "
-        f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured {100 * report.measured_bubble_fraction:.1f}%; "
-        f"{report.samples_per_s:.1f} samples/s; load average {figure(report.meta.get('load_average_1min'), '.2f')}"
+        f"bubble predicted {100 * report.predicted_bubble_fraction:.1f}%, measured "
+        f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
+        f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
     if "cpus_per_rank" in report.meta:
         placed = report.meta["cpus_per_rank"]
-        lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" if c else f"rank {r} not pinned"
-                                                    for r, c in enumerate(placed))
+        lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" if c
+                                                    else f"rank {r} not pinned" for r, c in enumerate(placed))
                                           if any(placed) else "not pinned (the OS places the ranks)"))
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")
     if report.layers:
-        lines.append("\nlayers inside the schedule (ms per microbatch, median over the clock's steps; what stageplan "
-                     "calibrate starts from):")
+        lines.append("\nlayers inside the schedule (ms per microbatch, median over the clock's steps; what "
+                     "stageplan calibrate starts from):")
         alone = any(x.get("retimed_forward_s") is not None for x in report.layers)
         lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"]
                                   + (["alone after: forward", "backward"] if alone else []),
                                   [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
                                     ms(x["measured_backward_s"])]
-                                   + ([ms(x.get("retimed_forward_s")), ms(x.get("retimed_backward_s"))] if alone else [])
+                                   + ([ms(x.get("retimed_forward_s")), ms(x.get("retimed_backward_s"))]
+                                      if alone else [])
                                    for x in report.layers]))
-        lines.append("chunk overhead outside the layers (ms per microbatch, forward + backward): " + ", ".join(
-            f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + {ms(r.get('measured_overhead_backward_s'))}"
-            for r in report.ranks))
+        lines.append(
+            "chunk overhead outside the layers (ms per microbatch, forward + backward): "
+            + ", ".join(
+                f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + "
+                f"{ms(r.get('measured_overhead_backward_s'))}"
+                for r in report.ranks
+            )
+        )
     if any(r.get("retimed_compute_s") is not None for r in report.ranks):
-        lines.append("compute ratio in two (compute ms per microbatch from the rank's layers timed alone after the run, "
-                     "in its process, as the profiler times them): " + "; ".join(
+        lines.append("compute ratio in two (compute ms per microbatch from the rank's layers timed alone "
+                     "after the run, in its process, as the profiler times them): " + "; ".join(
                          f"rank {r['rank']} {ms(r.get('retimed_compute_s'))}, the machine now x"
                          f"{ratio(r.get('machine_ratio'))} the profile's, inside the pipeline x"
                          f"{ratio(r.get('pipeline_ratio'))} alone" for r in report.ranks))
     if any(r.get("predicted_tied_sync_s") for r in report.ranks):
-        lines.append("tied gradients' all-reduce (ms per step; a rank that gets there before the last one waits in it "
-                     "for that rank's last backward, which the prediction counts as idle): " + ", ".join(
-                         f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
-                         f"{ms(r.get('measured_tied_sync_s'))}" for r in report.ranks))
+        lines.append(
+            "tied gradients' all-reduce (ms per step; a rank that gets there before the last one "
+            "waits in it for that rank's last backward, which the prediction counts as idle): "
+            + ", ".join(
+                f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
+                f"{ms(r.get('measured_tied_sync_s'))}"
+                for r in report.ranks
+            )
+        )
     if any(r.get("measured_optimizer_step_s") is not None for r in report.ranks):
-        lines.append("optimizer step (ms per step, after the tied sum; what stageplan calibrate scales each rank's "
-                     "layers' figures to): " + ", ".join(
+        lines.append("optimizer step (ms per step, after the tied sum; what stageplan calibrate scales each "
+                     "rank's layers' figures to): " + ", ".join(
                          f"rank {r['rank']} predicted {ms(r.get('predicted_optimizer_step_s'))}, measured "
                          f"{ms(r.get('measured_optimizer_step_s'))}" for r in report.ranks))
     if any(r.get("measured_receive_wait_s") is not None for r in report.ranks):
-        lines.append("waits on receives (ms per step; the loop blocked on an activation or gradient from another rank, "
-                     "part of the idle time): " + ", ".join(
+        lines.append("waits on receives (ms per step; the loop blocked on an activation or gradient from "
+                     "another rank, part of the idle time): " + ", ".join(
                          f"rank {r['rank']} predicted {ms(r.get('predicted_receive_wait_s'))}, measured "
                          f"{ms(r.get('measured_receive_wait_s'))}" for r in report.ranks))
     if any(r.get("measured_after_idle_calls") is not None for r in report.ranks):
-        lines.append(f"chunk calls after the rank computed nothing for >= {RESUME_GAP_S * 1e3:g} ms, against those back "
-                     "to back (calls a step predicted / measured; where a stage's forwards or backwards ran both ways "
-                     "in a step, measured / planned seconds of each and what the first took a step beyond the "
-                     "second's pace): " + "; ".join(
-                         f"rank {r['rank']} {figure(r.get('predicted_after_idle_calls'))} / "
-                         f"{figure(r.get('measured_after_idle_calls'))} after idle x{ratio(r.get('after_idle_ratio')) or '-'}, "
-                         f"back to back x{ratio(r.get('back_to_back_ratio')) or '-'}, "
-                         f"{ms(r.get('after_idle_excess_s')) + ' ms' if r.get('after_idle_excess_s') is not None else '-'}"
-                         for r in report.ranks))
+        lines.append(
+            f"chunk calls after the rank computed nothing for >= {RESUME_GAP_S * 1e3:g} ms, against "
+            "those back to back (calls a step predicted / measured; where a stage's forwards or "
+            "backwards ran both ways in a step, measured / planned seconds of each and what the "
+            "first took a step beyond the second's pace): "
+            + "; ".join(
+                f"rank {r['rank']} {figure(r.get('predicted_after_idle_calls'))} / "
+                f"{figure(r.get('measured_after_idle_calls'))} after idle "
+                f"x{ratio(r.get('after_idle_ratio')) or '-'}, back to back "
+                f"x{ratio(r.get('back_to_back_ratio')) or '-'}, "
+                + ("-" if r.get("after_idle_excess_s") is None else f"{ms(r['after_idle_excess_s'])} ms")
+                for r in report.ranks
+            )
+        )
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"
@@ -286,8 +321,10 @@ def run_table(report: RunReport) -> str:
 
 
 def compare_run_table(result: dict[str, Any]) -> str:
-    """The `stageplan compare` table: predicted and measured step, speed-up over uniform, efficiency, memory."""
-    headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.", "peak MiB per rank"]
+    """The `stageplan compare` table: predicted and measured
+    step, speed-up over uniform, efficiency, memory."""
+    headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.",
+               "peak MiB per rank"]
     rows = []
     for name, r in result["methods"].items():
         measured = r.get("measured_step_s")
@@ -298,8 +335,8 @@ def compare_run_table(result: dict[str, Any]) -> str:
     table = format_table(headers, rows, right=[False, False, True, True, True, True, True])
     runs = int(result.get("runs") or 1)
     if runs > 1 and not result.get("identical"):
-        table += (f"\nmeasured: each plan's median over {runs} runs, the plans in turns; speed-up: the median of the "
-                  "speed-ups of runs side by side")
+        table += (f"\nmeasured: each plan's median over {runs} runs, the plans in turns; speed-up: the "
+                  "median of the speed-ups of runs side by side")
     if result.get("identical"):
         table += ("\nall methods give the same boundaries: nothing to compare, so nothing was run "
                   "(try more --stages, another schedule, or a model whose layers differ in cost)")

@@ -1,6 +1,6 @@
-"""Layer timing both the profiler and a run's retiming use (torch): a layer cut from a meta copy, given real weights,
-run forward, backward into empty grads and backward accumulating, in rounds over all the layers timed; medians
-and spreads with :mod:`stageplan.measure`."""
+"""Layer timing both the profiler and a run's retiming use (torch): a layer cut from a meta copy, given real
+weights, run forward, backward into empty grads and backward accumulating, in rounds over all the layers
+timed; medians and spreads with :mod:`stageplan.measure`."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> An
 
 
 def grad_tensors(out: Any) -> list[torch.Tensor]:
-    flat = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
+    flat = [out] if isinstance(out, torch.Tensor) else [
+        t for t in (out if isinstance(out, (tuple, list)) else []) if isinstance(t, torch.Tensor)]
     return [t for t in flat if t.requires_grad]
 
 
@@ -79,7 +80,8 @@ class LayerRun:
 
 
 def param_identity(p: nn.Parameter) -> int:
-    # by storage for real tensors (an exported piece can hold two objects on one tied storage), by object on meta
+    # by storage for real tensors (an exported piece can hold
+    # two objects on one tied storage), by object on meta
     return p.data_ptr() if p.device.type != "meta" else id(p)
 
 
@@ -87,7 +89,9 @@ def distinct_params(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     return list({param_identity(p): p for p in params}.values())
 
 
-def make_run(piece: Piece, k: int, n: int, values: Sequence[Any], workload: Workload, target: Any) -> LayerRun:
+def make_run(
+    piece: Piece, k: int, n: int, values: Sequence[Any], workload: Workload, target: Any
+) -> LayerRun:
     params = distinct_params(list(used_parameters(piece.module).values()))
     inputs: list[Any] = []
     for v in values:
@@ -128,12 +132,13 @@ def fwd_bwd_time(timer: Timer, run: LayerRun) -> tuple[float, float, float]:
 
 
 def chain_time(timer: Timer, runs: Sequence[LayerRun]) -> list[tuple[float, float, float]]:
-    """The runs in a stage's order: every forward in turn, then every backward in reverse, each timed (into empty
-    grads), then the same again with the backwards accumulating. A stage runs a layer's backward after the next
-    layer's, with the rest of the model's forwards and backwards since its own forward; timed right after its own
-    forward (:func:`fwd_bwd_time`) it reads its saved activations hot. Here, in one process: the GPT's blocks'
-    backward 1.05-1.12x their hot figure, the block before its 16384-token head 1.34x (the head's backward evicts
-    it), the head 1.03x. Returns, per run, (forward, backward, accumulating backward)."""
+    """The runs in a stage's order: every forward in turn, then every backward in reverse, each timed (into
+    empty grads), then the same again with the backwards accumulating. A stage runs a layer's backward after
+    the next layer's, with the rest of the model's forwards and backwards since its own forward; timed right
+    after its own forward (:func:`fwd_bwd_time`) it reads its saved activations hot. Here, in one process: the
+    GPT's blocks' backward 1.05-1.12x their hot figure, the block before its 16384-token head 1.34x (the
+    head's backward evicts it), the head 1.03x. Returns, per run, (forward, backward, accumulating
+    backward)."""
 
     def backward(run: LayerRun, out: Any) -> float:
         tensors = grad_tensors(out)
@@ -172,9 +177,9 @@ def time_rounds(runs: Sequence[LayerRun], timer: Timer, warmup: int, repeats: in
     """Rounds: each round times every run's forward and backward (and the whole model once), so that a load
     change on the machine hits all of them alike (medians are taken across rounds). Timed rounds go on past
     ``repeats`` until they span ``min_time_s`` seconds, so that the medians average over the machine's own
-    drift rather than catch one moment of it. ``chain``: the runs in a stage's order (:func:`chain_time`), else
-    each backward right after its own forward (:func:`fwd_bwd_time`). Returns, per run, [forward, backward,
-    accumulating backward] samples, and the whole-model samples."""
+    drift rather than catch one moment of it. ``chain``: the runs in a stage's order (:func:`chain_time`),
+    else each backward right after its own forward (:func:`fwd_bwd_time`). Returns, per run, [forward,
+    backward, accumulating backward] samples, and the whole-model samples."""
     samples: list[list[list[float]]] = [[[], [], []] for _ in runs]
     whole_times: list[float] = []
     for rnd in timed_rounds(warmup, repeats, min_time_s):
@@ -197,9 +202,9 @@ def time_rounds(runs: Sequence[LayerRun], timer: Timer, warmup: int, repeats: in
 
 
 def cast_parameters_(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """Give ``model``'s floating parameters (meta or real; ties kept) and persistent floating buffers ``dtype``.
-    Non-persistent buffers keep theirs: they are computed at construction on purpose (RoPE ``inv_freq`` in
-    float32), as when the model is built under torch.set_default_dtype."""
+    """Give ``model``'s floating parameters (meta or real; ties kept) and persistent floating buffers
+    ``dtype``. Non-persistent buffers keep theirs: they are computed at construction on purpose (RoPE
+    ``inv_freq`` in float32), as when the model is built under torch.set_default_dtype."""
     if dtype is None:
         return model
     made: dict[int, nn.Parameter] = {}
@@ -217,8 +222,8 @@ def cast_parameters_(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
 
 
 def typed_meta_copy(model: nn.Module, dtype: torch.dtype | None, buffers_to: torch.device) -> nn.Module:
-    """A copy of ``model`` with its parameters on meta (never a second real copy) in ``dtype``, and its buffers
-    (small: built real) on ``buffers_to``."""
+    """A copy of ``model`` with its parameters on meta (never a second real copy) in ``dtype``, and its
+    buffers (small: built real) on ``buffers_to``."""
     meta = cast_parameters_(meta_copy(model), dtype)
     for mod in meta.modules():
         for name, b in list(mod._buffers.items()):
@@ -228,7 +233,8 @@ def typed_meta_copy(model: nn.Module, dtype: torch.dtype | None, buffers_to: tor
 
 
 def piece_fqns(cut: CutModel, piece: Piece) -> dict[str, str]:
-    """The piece's meta parameters: its own name -> the model's FQN (a Sequential child's names are its own)."""
+    """The piece's meta parameters: its own name -> the
+    model's FQN (a Sequential child's names are its own)."""
     prefix = f"{piece.name}." if cut.method == "sequential" else ""
     return {name: prefix + name for name in meta_parameter_names(piece.module)}
 
@@ -250,9 +256,9 @@ def check_order(order: object, streaming: bool | None = None) -> None:
     if order not in (None, *ORDERS):
         raise StageplanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}; e.g. --order stage")
     if order == "stage" and streaming:
-        raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile holds one "
-                             "layer at a time; use --order layer with --streaming (or let it choose), or profile the "
-                             "whole model where it fits")
+        raise StageplanError("order 'stage' times every layer in one chain, and a layer-at-a-time profile "
+                             "holds one layer at a time; use --order layer with --streaming (or let it "
+                             "choose), or profile the whole model where it fits")
 
 
 @dataclass
@@ -272,13 +278,17 @@ class LayerContext:
     timed_rounds: list[int] = field(default_factory=list)  # per time_rounds call: the rounds it timed
 
     def target(self) -> Any:
-        t = self.workload.target[: self.mb] if isinstance(self.workload.target, torch.Tensor) else self.workload.target
+        t = (
+            self.workload.target[: self.mb]
+            if isinstance(self.workload.target, torch.Tensor)
+            else self.workload.target
+        )
         return to_device(t, self.dev, None)
 
 
 def meta_cut(ctx: LayerContext, src: nn.Module) -> tuple[nn.Module, Any, Any, CutModel]:
-    """A weightless copy of ``src`` in the profile's dtype, cut into layers, with the microbatch and target on the
-    device: what layer-at-a-time profiling and estimation start from."""
+    """A weightless copy of ``src`` in the profile's dtype, cut into layers, with the microbatch and target on
+    the device: what layer-at-a-time profiling and estimation start from."""
     model = typed_meta_copy(src, ctx.dt, ctx.dev)
     model.train()
     args = to_device(ctx.mb_args_cpu, ctx.dev, ctx.dt)
@@ -287,9 +297,11 @@ def meta_cut(ctx: LayerContext, src: nn.Module) -> tuple[nn.Module, Any, Any, Cu
     return model, args, ctx.target(), cut
 
 
-def materialize_piece(cut: CutModel, model: nn.Module, piece: Piece, dev: torch.device, weights: Checkpoint | None,
+def materialize_piece(cut: CutModel, model: nn.Module, piece: Piece, dev: torch.device,
+                      weights: Checkpoint | None,
                        seed: int = 0) -> None:
-    """Give one piece of a cut of the meta ``model`` its real parameters: from ``weights``, else initialised by FQN."""
+    """Give one piece of a cut of the meta ``model`` its real
+    parameters: from ``weights``, else initialised by FQN."""
     fqns = piece_fqns(cut, piece)
     tensors = real_parameters(model, fqns.values(), dev, weights=weights, seed=seed)
     materialize_(piece.module, {local: tensors[fqn] for local, fqn in fqns.items()})
@@ -297,9 +309,9 @@ def materialize_piece(cut: CutModel, model: nn.Module, piece: Piece, dev: torch.
 
 def stream_forward(env: dict[Any, Any], cut: CutModel, k: int,
                     values: Sequence[Any]) -> tuple[dict[Any, Any], list[Any]]:
-    """Run piece ``k`` forward on ``values`` without grad and keep, of ``env`` and its outputs, only what later
-    pieces read: the new env and those refs (one layer at a time, the real outputs streamed to the layers that need
-    them)."""
+    """Run piece ``k`` forward on ``values`` without grad and keep, of ``env`` and its outputs, only what
+    later pieces read: the new env and those refs (one layer at a time, the real outputs streamed to the
+    layers that need them)."""
     with torch.no_grad():
         store_outputs(env, k, cut.pieces[k].module(*values))
     keep = cut.crossing_refs(k)
@@ -310,20 +322,21 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
                   device: torch.device | str, *, layers_arg: Sequence[str] | None = None,
                   weights: Checkpoint | None = None, seed: int = 0, warmup: int = 1,
                   repeats: int = 5, order: str | None = "layer") -> dict[int, list[float]]:
-    """Time ``layers`` (indices into the profile's ``layer_names``) of ``workload`` as the profiler times a layer,
-    in this process and now: each alone, forward, backward into empty grads and backward accumulating, in rounds
-    over all of them (a change in the machine's speed hits them alike; medians over ``repeats`` rounds after
-    ``warmup``). A pipeline rank calls it on its own layers after its run (:mod:`stageplan.running.executor`), so that the
-    layers' times inside the pipeline against the profile split in two: this process's speed now against the
-    profile's (the machine drifts by the minute), and what the pipeline itself adds (inside against now).
+    """Time ``layers`` (indices into the profile's ``layer_names``) of ``workload`` as the profiler times a
+    layer, in this process and now: each alone, forward, backward into empty grads and backward accumulating,
+    in rounds over all of them (a change in the machine's speed hits them alike; medians over ``repeats``
+    rounds after ``warmup``). A pipeline rank calls it on its own layers after its run
+    (:mod:`stageplan.running.executor`), so that the layers' times inside the pipeline against the profile
+    split in two: this process's speed now against the profile's (the machine drifts by the minute), and what
+    the pipeline itself adds (inside against now).
 
-    The model is cut as the profile cut it (``layers_arg``: its ``--layers``); layers before the first asked for are
-    materialised one at a time and run forward only, to give the asked-for ones their real inputs; parameters come
-    from ``weights``, else initialised by FQN with ``seed`` (a rank's starting weights: values do not move a dense
-    layer's time). ``order`` is the profile's (:func:`profile_model`; None, a profile without one, is 'layer'):
-    under 'stage' the layers run as one chain
-    together with the layer after each contiguous group (as the profile's chain runs it there, and a stage's last
-    layer's backward follows it), timed but not returned. Returns {layer: [forward_s, backward_s,
+    The model is cut as the profile cut it (``layers_arg``: its ``--layers``); layers before the first asked
+    for are materialised one at a time and run forward only, to give the asked-for ones their real inputs;
+    parameters come from ``weights``, else initialised by FQN with ``seed`` (a rank's starting weights: values
+    do not move a dense layer's time). ``order`` is the profile's (:func:`profile_model`; None, a profile
+    without one, is 'layer'): under 'stage' the layers run as one chain
+    together with the layer after each contiguous group (as the profile's chain runs it there, and a stage's
+    last layer's backward follows it), timed but not returned. Returns {layer: [forward_s, backward_s,
     backward_accumulate_s]}."""
     if not layers:
         return {}
@@ -332,7 +345,8 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
         order = "layer"
     dev = torch.device(device)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
-    ctx = LayerContext(workload, microbatch_size, dev, None, warmup, repeats, layers_arg, False, mb_args_cpu, False)
+    ctx = LayerContext(workload, microbatch_size, dev, None, warmup, repeats, layers_arg, False, mb_args_cpu,
+                       False)
     src = workload.model
     if weights is None and not meta_parameter_names(src):
         weights = Checkpoint(dict(src.state_dict()))
@@ -343,8 +357,8 @@ def retime_layers(workload: Workload, layer_names: Sequence[str], layers: Sequen
             return ", ".join(list(xs)[:4]) + (", ..." if len(xs) > 4 else "")
 
         raise StageplanError(f"the model cuts into {len(names)} layers here ({some(names)}) and the plan has "
-                             f"{len(layer_names)} ({some(layer_names)}): its profile is of another model or another "
-                             "--layers; profile this model and plan again")
+                             f"{len(layer_names)} ({some(layer_names)}): its profile is of another model or "
+                             "another --layers; profile this model and plan again")
     wanted = sorted(set(int(k) for k in layers))
     n = len(cut.pieces)
     timed = set(wanted)

@@ -1,4 +1,5 @@
-"""stageplan tune: run the plan, calibrate the profile from the run, plan again, until the split stops moving."""
+"""stageplan tune: run the plan, calibrate the profile
+from the run, plan again, until the split stops moving."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
 
 TUNE_SCHEMA = "stageplan.tune/1"
-# what tune -o DIR writes: the final plan, the calibrated profile it was planned from, the median runs of the final
-# and the uniform plans, and the record of the rounds
+# what tune -o DIR writes: the final plan, the calibrated profile it was planned from, the median runs of the
+# final and the uniform plans, and the record of the rounds
 TUNE_OUTPUTS = ("plan.json", "profile.json", "run_final.json", "run_uniform.json", "tune.json")
 
 
@@ -47,25 +48,27 @@ def tune(
     order: str | None = None,
 ) -> dict[str, Any]:
     """Close the loop: profile, plan, run, calibrate, plan again, until the plan stops changing or after
-    ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run, not on
-    the runs it was calibrated on) and the uniform split once, for reference. ``runs`` > 1 runs each round's plan
-    that many times and calibrates from its median run (:func:`median_run`: one run's window catches one moment of
-    a drifting machine), and runs the final and uniform plans that many times in turns (:func:`in_turns`): the final
-    error is its median run's, and the final-over-uniform gain the median of the gains of runs side by side;
-    ``measured_steps_s`` lists every run.
+    ``rounds`` rounds; then run the final plan once more (its prediction error is measured on that fresh run,
+    not on the runs it was calibrated on) and the uniform split once, for reference. ``runs`` > 1 runs each
+    round's plan that many times and calibrates from its median run (:func:`median_run`: one run's window
+    catches one moment of a drifting machine), and runs the final and uniform plans that many times in turns
+    (:func:`in_turns`): the final error is its median run's, and the final-over-uniform gain the median of the
+    gains of runs side by side; ``measured_steps_s`` lists every run.
 
-    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between runs of
-    one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that spread.
+    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between
+    runs of one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that
+    spread.
 
     ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``min_time_s`` spreads the
-    profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as :func:`stageplan.run`
-    does. ``objective`` is every round's plan's (:func:`plan`): "step" tunes for the lowest predicted step.
-    ``order`` is the first profile's (:func:`stageplan.profile_model`: stage, the default, or layer); each run's
-    retiming follows it.
+    profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as
+    :func:`stageplan.run` does. ``objective`` is every round's plan's (:func:`plan`): "step" tunes for the
+    lowest predicted step. ``order`` is the first profile's (:func:`stageplan.profile_model`: stage, the
+    default, or layer); each run's retiming follows it.
 
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
-    "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json`` (the
-    calibrated profile it and the uniform reference were priced from), ``run_final.json`` and ``run_uniform.json``
+    "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json``
+    (the calibrated profile it and the uniform reference were priced from), ``run_final.json`` and
+    ``run_uniform.json``
     (each plan's median fresh run: ``stageplan show``/``calibrate`` read them) and ``tune.json``.
     """
 
@@ -73,15 +76,16 @@ def tune(
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise StageplanError(f"rounds must be an integer >= 1, got {rounds!r}; e.g. --rounds 3")
-    loop = LoopOptions(model, num_ranks, factory_options, num_microbatches, schedule, steps, warmup, profile, output_dir,
+    loop = LoopOptions(model, num_ranks, factory_options, num_microbatches, schedule, steps, warmup, profile,
+                       output_dir,
                        timeout_s, progress, pin_cpus, processes, runs, min_time_s, objective, order)
     out = loop.checked_output(auto_schedule=False, written=lambda name: name in TUNE_OUTPUTS)
     prof = loop.take_profile("tune")
 
     def row(pl: Plan, *reps: RunReport) -> dict[str, Any]:
         step = statistics.median(r.measured_step_s for r in reps)
-        entry = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s, "measured_step_s": step,
-                 "error": step / pl.predicted_step_s - 1.0}
+        entry = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s,
+                 "measured_step_s": step, "error": step / pl.predicted_step_s - 1.0}
         return entry if len(reps) == 1 else {**entry, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []
@@ -91,8 +95,10 @@ def tune(
         rep = median_run(reps)
         rows.append(row(current, *reps))
         if progress:  # a line per round on stderr; the caller prints the result
-            print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted {current.predicted_step_s * 1e3:.1f} ms, "
-                  f"measured {rows[-1]['measured_step_s'] * 1e3:.1f} ms ({rows[-1]['error']:+.1%})", file=sys.stderr, flush=True)
+            print(f"tune round {k + 1}: boundaries {list(current.boundaries)}, predicted "
+                  f"{current.predicted_step_s * 1e3:.1f} ms, measured "
+                  f"{rows[-1]['measured_step_s'] * 1e3:.1f} ms "
+                  f"({rows[-1]['error']:+.1%})", file=sys.stderr, flush=True)
         prof = calibrate(prof, rep)
         following = loop.plan(prof, objective=objective)
         changed = following.boundaries != current.boundaries
@@ -102,7 +108,8 @@ def tune(
     uniform_plan = loop.plan(prof, method="uniform")
     final_runs, uniform_runs = in_turns([current, uniform_plan], runs, loop.run)
     final, uniform = row(current, *final_runs), row(uniform_plan, *uniform_runs)
-    result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {}, "num_ranks": num_ranks,
+    result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {},
+              "num_ranks": num_ranks,
               "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,
               "final": final, "uniform": uniform, "runs": runs, "objective": objective,
               "final_over_uniform_measured": paired_speedup(uniform_runs, final_runs),

@@ -56,17 +56,19 @@ def parse_bandwidth(text: str | float | int) -> float:
         except StageplanError:  # say it in bandwidth's words: the text as given, a rate as the example
             m = _RE.match(t) if isinstance(t, str) else None
             if m and m.group(2).lower() not in _UNITS:
-                raise StageplanError(f"cannot read the unit of bandwidth {text!r}; use {_RATE_EXAMPLE}") from None
+                raise StageplanError(
+                    f"cannot read the unit of bandwidth {text!r}; use {_RATE_EXAMPLE}"
+                ) from None
             if isinstance(t, str) and not m:
                 raise StageplanError(f"cannot read bandwidth {text!r}; use a number with a unit such as "
                                      f"{_RATE_EXAMPLE}") from None
             rate = -1.0  # read, and not positive
     if not (math.isfinite(rate) and rate > 0):
-        raise StageplanError(f"bandwidth must be a positive rate, got {text!r}; use a number with a unit such as "
-                             f"{_RATE_EXAMPLE}")
+        raise StageplanError(f"bandwidth must be a positive rate, got {text!r}; use a number with a unit "
+                             f"such as {_RATE_EXAMPLE}")
     if rate < MIN_BANDWIDTH:  # a unit slip: a link slower than a modem prices every crossing in hours
-        raise StageplanError(f"bandwidth must be at least 1 kB/s, got {text!r} ({rate:g} bytes/s); use a number with "
-                             f"a unit such as {_RATE_EXAMPLE}")
+        raise StageplanError(f"bandwidth must be at least 1 kB/s, got {text!r} ({rate:g} bytes/s); use a "
+                             f"number with a unit such as {_RATE_EXAMPLE}")
     return rate
 
 
@@ -106,5 +108,6 @@ def format_limits(limits: Iterable[float], what: str) -> str:
         return f"the memory limit of {format_bytes(values[0])} per {what}"
     finite = [x for x in values if math.isfinite(x)]
     unit, scale = _unit_for(max(finite) if finite else 1.0)
-    parts = [("inf" if not math.isfinite(x) else (f"{x:g}" if unit == "B" else f"{x / scale:.2f}")) for x in values]
+    parts = [("inf" if not math.isfinite(x) else (f"{x:g}" if unit == "B" else f"{x / scale:.2f}"))
+             for x in values]
     return f"the per-{what} memory limits [{', '.join(parts)}] {unit}"

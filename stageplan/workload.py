@@ -24,7 +24,8 @@ class Workload:
     ``factory_options`` records how a factory built it (saved in profile metadata).
 
     For a model bigger than the machine, pass ``model=None`` and ``model_fn``, a function that builds the
-    ``nn.Module``: stageplan calls it with parameters on meta and materialises only a layer (to profile it) or a
+    ``nn.Module``: stageplan calls it with parameters on meta and materialises only a layer (to profile it) or
+    a
     rank's stage (to run it). The inputs stay small and real.
     """
 
@@ -38,8 +39,9 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.model is None and self.model_fn is None:
-            raise WorkloadError("a Workload needs a model, or model_fn (a function building it) for a model too big "
-                                "to build here; pass Workload(model, inputs) or Workload(None, inputs, model_fn=build)")
+            raise WorkloadError("a Workload needs a model, or model_fn (a function building it) for a model "
+                                "too big to build here; pass Workload(model, inputs) or Workload(None, "
+                                "inputs, model_fn=build)")
 
     def input_tuple(self) -> tuple[Any, ...]:
         return tuple(self.inputs) if isinstance(self.inputs, (tuple, list)) else (self.inputs,)

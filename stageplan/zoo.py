@@ -1,4 +1,5 @@
-"""Built-in workloads: a skewed GPT in plain torch, a conv stack, and HF causal LMs built from a config or a preset."""
+"""Built-in workloads: a skewed GPT in plain torch, a conv
+stack, and HF causal LMs built from a config or a preset."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ class _Block(nn.Module):
 class GPT(nn.Module):
     """A GPT-style decoder: token + position embedding, a ModuleList of blocks, final norm and LM head."""
 
-    def __init__(self, *, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tied: bool) -> None:
+    def __init__(
+        self, *, n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int, tied: bool
+    ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
@@ -60,7 +63,8 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02)
+                nn.init.normal_(p,
+                                std=0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -78,7 +82,8 @@ def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 def _check_positive(name: str, **values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise WorkloadError(f"{name}: option {key} must be a positive integer, got {value!r}; pass --set {key}=N with N >= 1")
+            raise WorkloadError(f"{name}: option {key} must be a positive integer, got {value!r}; pass --set "
+                                f"{key}=N with N >= 1")
 
 
 def gpt(
@@ -97,12 +102,16 @@ def gpt(
     _check_positive("gpt", n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len,
                     vocab_size=vocab_size, batch_size=batch_size)
     if d_model % n_head:
-        raise WorkloadError(f"gpt: d_model ({d_model}) must be divisible by n_head ({n_head}); pick d_model = k * n_head")
-    if not isinstance(tied, bool) and tied not in (0, 1):  # bool("no") is True: a word would build a tied model
-        raise WorkloadError(f"gpt: option tied must be true or false, got {tied!r}; pass --set tied=true or --set tied=false")
+        raise WorkloadError(
+            f"gpt: d_model ({d_model}) must be divisible by n_head ({n_head}); pick d_model = k * n_head")
+    if not isinstance(tied, bool) and tied not in (0, 1):
+        # bool("no") is True: a word would build a tied model
+        raise WorkloadError(
+            f"gpt: option tied must be true or false, got {tied!r}; pass --set tied=true or --set tied=false")
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = GPT(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size, tied=bool(tied))
+    model = GPT(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
+                tied=bool(tied))
     idx = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     target = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
     options = dict(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len, vocab_size=vocab_size,
@@ -110,12 +119,15 @@ def gpt(
     return Workload(model, idx, target, _lm_loss, name="gpt", factory_options=options)
 
 
-def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_classes: int = 10, seed: int = 0) -> Workload:
+def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_classes: int = 10,
+            seed: int = 0) -> Workload:
     """A conv stack (nn.Sequential): early layers are activation-heavy (wide maps, few channels),
     late layers parameter-heavy (narrow maps, many channels, dense head)."""
-    _check_positive("convnet", batch_size=batch_size, image_size=image_size, width=width, num_classes=num_classes)
+    _check_positive("convnet", batch_size=batch_size, image_size=image_size, width=width,
+                    num_classes=num_classes)
     if image_size % 16:
-        raise WorkloadError(f"convnet: image_size ({image_size}) must be a multiple of 16 (four 2x poolings); use 32, 64, ...")
+        raise WorkloadError(f"convnet: image_size ({image_size}) must be a multiple of 16 (four 2x "
+                            f"poolings); use 32, 64, ...")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
 
@@ -141,7 +153,8 @@ def convnet(*, batch_size: int = 16, image_size: int = 64, width: int = 16, num_
     )
     x = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (batch_size,), generator=gen)
-    options = dict(batch_size=batch_size, image_size=image_size, width=width, num_classes=num_classes, seed=seed)
+    options = dict(batch_size=batch_size, image_size=image_size, width=width, num_classes=num_classes,
+                   seed=seed)
     return Workload(model, x, y, F.cross_entropy, name="convnet", factory_options=options)
 
 
@@ -169,8 +182,9 @@ def _hf_class(name: str) -> type:
 
         namespace: dict[str, Any] = {"forward": forward, "__module__": __name__, "__qualname__": name}
         # transformers reads a class's module to judge it (custom code? may it pick attention and MoE-experts
-        # kernels?). This class lives here, so answer as the wrapped class would: otherwise MoE models fall back
-        # to a per-expert Python loop that torch.export cannot trace, and init skips parameter-free modules.
+        # kernels?). This class lives here, so answer as the wrapped class would: otherwise MoE models fall
+        # back to a per-expert Python loop that torch.export cannot trace, and init skips parameter-free
+        # modules.
         namespace["is_custom_code"] = classmethod(lambda cls: base.is_custom_code())
         for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
             if hasattr(base, probe):
@@ -207,8 +221,8 @@ def hf_gpt2(
     _check_positive("hf-gpt2", **options)
     options["seed"] = seed
     config = _transformers().GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=n_head, n_positions=seq_len,
-                                        vocab_size=vocab_size, use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0,
-                                        resid_pdrop=0.0)
+                                        vocab_size=vocab_size, use_cache=False, attn_pdrop=0.0,
+                                        embd_pdrop=0.0, resid_pdrop=0.0)
     config.bos_token_id = config.eos_token_id = 0
     return _small_hf("hf-gpt2", "HFGPT2", config, options)
 
@@ -222,16 +236,23 @@ def hf_llama(
                    batch_size=batch_size)
     _check_positive("hf-llama", **options)
     options["seed"] = seed
-    config = _transformers().LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, num_attention_heads=n_head,
+    config = _transformers().LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model,
+                                         num_attention_heads=n_head,
                                          num_key_value_heads=n_head, intermediate_size=4 * d_model,
-                                         max_position_embeddings=seq_len, vocab_size=vocab_size, use_cache=False,
-                                         tie_word_embeddings=False)
+                                         max_position_embeddings=seq_len, vocab_size=vocab_size,
+                                         use_cache=False, tie_word_embeddings=False)
     return _small_hf("hf-llama", "HFLlama", config, options)
 
 
 def _small_hf(name: str, class_name: str, config: Any, options: dict[str, int]) -> Workload:
-    """The small HF builders' shared part: the model (weights seeded), a random token batch and its targets."""
-    seed, batch, seq, vocab = options["seed"], options["batch_size"], options["seq_len"], options["vocab_size"]
+    """The small HF builders' shared part: the model (weights
+    seeded), a random token batch and its targets."""
+    seed, batch, seq, vocab = (
+        options["seed"],
+        options["batch_size"],
+        options["seq_len"],
+        options["vocab_size"],
+    )
     torch.manual_seed(seed)
     model = _hf_class(class_name)(config)
     gen = torch.Generator().manual_seed(seed)
@@ -296,7 +317,8 @@ def _read_config_fields(config: str | None, preset: str | None) -> tuple[dict[st
 
 
 def _hf_config_and_class(tf: Any, fields: dict[str, Any], where: str) -> tuple[Any, type]:
-    """The transformers config built from ``fields`` and the causal-LM class AutoModelForCausalLM picks for it."""
+    """The transformers config built from ``fields`` and the
+    causal-LM class AutoModelForCausalLM picks for it."""
     from transformers import CONFIG_MAPPING
 
     model_type = fields.pop("model_type", None)
@@ -305,7 +327,8 @@ def _hf_config_and_class(tf: Any, fields: dict[str, Any], where: str) -> tuple[A
     if model_type not in CONFIG_MAPPING:
         raise WorkloadError(
             f"hf: {where} has model_type {model_type!r}, which transformers {tf.__version__} does not know; "
-            "use a model type it ships (llama, mistral, qwen2, gpt2, opt, gemma, ...); remote code is never run"
+            "use a model type it ships (llama, mistral, qwen2, gpt2, opt, gemma, ...); remote code is never "
+            "run"
         )
     try:
         hf_config = CONFIG_MAPPING[model_type].from_dict(fields)
@@ -316,7 +339,8 @@ def _hf_config_and_class(tf: Any, fields: dict[str, Any], where: str) -> tuple[A
     if type(hf_config) not in mapping:
         raise WorkloadError(
             f"hf: {where} describes a {model_type} model, which is not a causal language model "
-            f"(AutoModelForCausalLM has no class for {type(hf_config).__name__}); use a decoder-only model's config"
+            f"(AutoModelForCausalLM has no class for {type(hf_config).__name__}); use a decoder-only model's "
+            f"config"
         )
     candidates = mapping[type(hf_config)]
     if isinstance(candidates, (tuple, list)):  # several classes: prefer the one the config names
@@ -357,7 +381,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build under ``dtype`` as torch's default (parameters are created in it; nothing is cast), then restore."""
+    """Build under ``dtype`` as torch's default (parameters
+    are created in it; nothing is cast), then restore."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -404,18 +429,19 @@ def hf(
             setattr(hf_config, key, 0.0)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(max_positions, int) and seq_len > max_positions:
-        raise WorkloadError(f"hf: seq_len ({seq_len}) exceeds the model's max_position_embeddings ({max_positions}) "
-                            f"in {where}; pass --set seq_len=N with N <= {max_positions}")
+        raise WorkloadError(f"hf: seq_len ({seq_len}) exceeds the model's max_position_embeddings "
+                            f"({max_positions}) in {where}; pass --set seq_len=N with N <= {max_positions}")
     vocab_size = getattr(hf_config, "vocab_size", None)
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise WorkloadError(f"hf: {where} gives no positive vocab_size ({vocab_size!r}); set vocab_size in the config")
+        raise WorkloadError(
+            f"hf: {where} gives no positive vocab_size ({vocab_size!r}); set vocab_size in the config")
     cls = _hf_class("HF" + model_class.__name__)
     attention = "sdpa"
     if not getattr(model_class, "_supports_sdpa", False):  # e.g. Bloom, GPT-Neo, Gemma 2 in transformers 5
         attention = "eager"
-        warnings.warn(f"hf: {model_class.__name__} does not support attn_implementation='sdpa' in transformers "
-                      f"{tf.__version__}; built with 'eager' attention, whose saved activations include the full "
-                      "attention matrix", stacklevel=2)
+        warnings.warn(f"hf: {model_class.__name__} does not support attn_implementation='sdpa' in "
+                      f"transformers {tf.__version__}; built with 'eager' attention, whose saved activations "
+                      "include the full attention matrix", stacklevel=2)
     torch_dtype = _DTYPES[dtype]
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the caller's RNG state is left as it was
@@ -427,13 +453,17 @@ def hf(
             model = cls._from_config(hf_config, attn_implementation=attention, dtype=torch_dtype)  # type: ignore[attr-defined]
         except MemoryError:
             raise
-        except Exception as exc:  # transformers refuses bad shapes and unsupported attention with assorted types
-            raise WorkloadError(f"hf: transformers cannot build {model_class.__name__} from {where} "
-                                f"({type(exc).__name__}: {_one_line(exc)}); fix the config, or pick a preset") from exc
+        except Exception as exc:
+            # transformers refuses bad shapes and unsupported attention with assorted types
+            raise WorkloadError(
+                f"hf: transformers cannot build {model_class.__name__} from {where} "
+                f"({type(exc).__name__}: {_one_line(exc)}); fix the config, or pick a preset"
+            ) from exc
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
     idx, target = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    options = dict(config=config, preset=preset, seq_len=seq_len, batch_size=batch_size, seed=seed, dtype=dtype, meta=meta)
+    options = dict(config=config, preset=preset, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                   dtype=dtype, meta=meta)
     return Workload(model, idx, target, _lm_loss, name="hf", factory_options=options)
 
 
@@ -485,14 +515,16 @@ def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload
     if unknown:
         allowed = [k for k, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         raise WorkloadError(
-            f"model {spec!r} takes no option {', '.join(map(repr, unknown))}; its options are: {', '.join(allowed) or '(none)'}"
+            f"model {spec!r} takes no option {', '.join(map(repr, unknown))}; its options are: "
+            f"{', '.join(allowed) or '(none)'}"
         )
     try:
         workload = factory(**options)
     except WorkloadError:
         raise
     except TypeError as exc:
-        raise WorkloadError(f"model {spec!r} could not be built with options {options}: {exc}; check the --set values") from exc
+        raise WorkloadError(f"model {spec!r} could not be built with options {options}: {exc}; check the "
+                            f"--set values") from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
             f"factory {spec!r} returned {type(workload).__name__}, not a stageplan.Workload; "

@@ -210,7 +210,7 @@ def test_an_interrupted_run_removes_the_weights(tmp_path: Path, monkeypatch: pyt
 
 
 def _ranks_of(folder: Path) -> list[int]:
-    """Processes whose command line names ``folder`` (the ranks: python -m stageplan.running.launch RUN_DIR ...)."""
+    """Processes whose command line names ``folder`` (the ranks: python -m stageplan.running.rank RUN_DIR ...)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -218,7 +218,7 @@ def _ranks_of(folder: Path) -> list[int]:
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "stageplan.running.launch" in cmd and str(folder) in cmd:
+            if "stageplan.running.rank" in cmd and str(folder) in cmd:
                 pids.append(int(proc.name))
     return pids
 

@@ -1,5 +1,5 @@
-"""LINK.json: a measured link between pipeline ranks (latency, bandwidth, the schedule's overheads, the all-reduce), read
-and checked without torch; :mod:`stageplan.running.link` measures it."""
+"""LINK.json: a measured link between pipeline ranks (latency, bandwidth, the schedule's overheads, the
+all-reduce), read and checked without torch; :mod:`stageplan.running.link` measures it."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ LINK_SCHEMA = "stageplan.link/1"
 
 
 def crossing_s(link: Mapping[str, Any]) -> float:
-    """Seconds one boundary crossing costs beyond its bytes: the fused exchange where the link measured it (the
-    schedule's own way of crossing), else the one-way latency; never less than the latency.
+    """Seconds one boundary crossing costs beyond its bytes: the fused exchange where the link measured it
+    (the schedule's own way of crossing), else the one-way latency; never less than the latency.
 
     >>> crossing_s({"latency_s": 7e-5, "exchange_s": 3e-4}), crossing_s({"latency_s": 7e-5})
     (0.0003, 7e-05)
     """
     latency = float(link["latency_s"])
     exchange = link.get("exchange_s")
-    return max(latency, float(exchange)) if isinstance(exchange, (int, float)) and math.isfinite(exchange) else latency
+    return (
+        max(latency, float(exchange))
+        if isinstance(exchange, (int, float)) and math.isfinite(exchange)
+        else latency
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -41,28 +45,32 @@ def _seconds(value: Any) -> bool:
 
 def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
     """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
-    ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds >= 0
-    and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where given, an
-    integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated profile, the
-    cost model's options)."""
+    ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds
+    >= 0 and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where
+    given, an integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated
+    profile, the cost model's options)."""
     latency: Any = fields.get("allreduce_latency_s")
     bandwidth: Any = fields.get("allreduce_bandwidth_bytes_per_s")
     if (latency is None) != (bandwidth is None) or (latency is not None and not (
             _seconds(latency) and _seconds(bandwidth) and bandwidth > 0)):
-        raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and allreduce_bandwidth_bytes_per_s = "
-                          f"{bandwidth!r}; both must be numbers (seconds >= 0 and bytes/s > 0), or both absent; {remedy}")
+        raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and "
+                          f"allreduce_bandwidth_bytes_per_s = {bandwidth!r}; both must be numbers (seconds "
+                          f">= 0 and bytes/s > 0), or both absent; {remedy}")
     ranks: Any = fields.get("allreduce_ranks")
     if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2):
-        raise SchemaError(f"{source} has allreduce_ranks = {short_repr(ranks)}; the all-reduce is timed over 2 or "
-                          f"more ranks, so it must be an integer >= 2, or absent; {remedy}")
+        raise SchemaError(f"{source} has allreduce_ranks = {short_repr(ranks)}; the all-reduce is timed over "
+                          f"2 or more ranks, so it must be an integer >= 2, or absent; {remedy}")
 
 
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a bandwidth
-    > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action), ``chunk_forward_s``
-    and ``chunk_backward_s`` (PipelineStage's seconds inside each chunk call), where present, seconds >= 0.
+    """A LINK.json (path) or its dict, checked: schema stageplan.link/1, a latency >= 0 seconds and a
+    bandwidth > 0 bytes/s; ``exchange_s``, ``action_s`` (the schedule loop's seconds per chunk action),
+    ``chunk_forward_s`` and ``chunk_backward_s`` (PipelineStage's seconds inside each chunk call), where
+    present, seconds >= 0.
 
-    >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})["bandwidth_bytes_per_s"]
+    >>> load_link({"schema": LINK_SCHEMA, "latency_s": 2e-5, "bandwidth_bytes_per_s": 1e9})[
+    ...     "bandwidth_bytes_per_s"
+    ... ]
     1000000000.0
     """
     if isinstance(link, Mapping):
@@ -74,20 +82,22 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     if missing:
         raise SchemaError(f"{source} lacks {' and '.join(missing)}; measure it again with stageplan link")
     if not all(is_number(data[k], finite=False) for k in ("latency_s", "bandwidth_bytes_per_s")):
-        raise SchemaError(f"{source} has latency_s = {short_repr(data['latency_s'])} and bandwidth_bytes_per_s = "
-                          f"{short_repr(data['bandwidth_bytes_per_s'])}; both must be numbers (seconds, bytes/s); "
-                          "measure it again with stageplan link")
+        raise SchemaError(f"{source} has latency_s = {short_repr(data['latency_s'])} and "
+                          f"bandwidth_bytes_per_s = {short_repr(data['bandwidth_bytes_per_s'])}; both must "
+                          "be numbers (seconds, bytes/s); measure it again with stageplan link")
     latency, bandwidth = float(data["latency_s"]), float(data["bandwidth_bytes_per_s"])
     if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
-        raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} and "
-                             f"{bandwidth!r}; measure it again with stageplan link")
+        raise StageplanError(f"{source} needs latency_s >= 0 and bandwidth_bytes_per_s > 0, got {latency!r} "
+                             f"and {bandwidth!r}; measure it again with stageplan link")
     for key in ("exchange_s", "action_s", "chunk_forward_s", "chunk_backward_s"):
         value = data.get(key)
         if value is not None and not _seconds(value):
-            raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; measure it "
-                                 "again with stageplan link")
+            raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; "
+                                 "measure it again with stageplan link")
     check_allreduce(data, source, "measure it again with stageplan link")
     if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
-        raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = {data.get('backend')!r}; pairs "
-                          "must be a list and backend a name such as 'gloo'; measure it again with stageplan link")
+        raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = "
+                          f"{data.get('backend')!r}; pairs "
+                          "must be a list and backend a name such as 'gloo'; measure it again with stageplan "
+                          "link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}

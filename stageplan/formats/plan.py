@@ -40,28 +40,29 @@ class StagePlan:
     inflight: int
     memory: dict[str, float]
     memory_limit_bytes: float | None = None
-    # seconds of one optimizer step over the stage's parameters: once per step, after the rank's last backward;
-    # not part of time_s (seconds per microbatch, what the solver balances); 0 in plans made before it existed
+    # seconds of one optimizer step over the stage's parameters: once per step, after the rank's last
+    # backward; not part of time_s (seconds per microbatch, what the solver balances); 0 in plans made before
+    # it existed
     optimizer_s: float = 0.0
-    # seconds of the rank's tied-gradient all-reduce (a tied parameter the plan puts on two or more ranks), once per
-    # step before the optimizer step; held by the rank's first stage (0 on its others), so that a rank's stages sum
-    # to it; 0 in plans made before it existed
+    # seconds of the rank's tied-gradient all-reduce (a tied parameter the plan puts on two or more ranks),
+    # once per step before the optimizer step; held by the rank's first stage (0 on its others), so that a
+    # rank's stages sum to it; 0 in plans made before it existed
     tied_sync_s: float = 0.0
-    # seconds per microbatch torch's schedule spends around the stage's forward and its backward outside them (its
-    # loop: record_function, building and posting the P2P ops; CostOptions.action_s twice); part of time_s, not of
-    # forward_s or backward_s (a run's chunk timers do not see it); 0 without a measured link
+    # seconds per microbatch torch's schedule spends around the stage's forward and its backward outside them
+    # (its loop: record_function, building and posting the P2P ops; CostOptions.action_s twice); part of
+    # time_s, not of forward_s or backward_s (a run's chunk timers do not see it); 0 without a measured link
     action_s: float = 0.0
     # seconds per microbatch PipelineStage spends inside the stage's forward and backward outside its layers
-    # (CostOptions.chunk_forward_s + chunk_backward_s); part of forward_s and backward_s (a run's chunk timers see
-    # it); 0 without a measured link
+    # (CostOptions.chunk_forward_s + chunk_backward_s); part of forward_s and backward_s (a run's chunk timers
+    # see it); 0 without a measured link
     chunk_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a partition costs under the cost model (``planning.costs.evaluate``): everything a Plan carries besides
-    its boundaries and how it was planned. ``evaluate`` writes the cost model's notes; a Plan's evidence adds the
-    planner's (the tie-break, the step search, the bound)."""
+    """What a partition costs under the cost model (``planning.costs.evaluate``): everything a Plan carries
+    besides its boundaries and how it was planned. ``evaluate`` writes the cost model's notes; a Plan's
+    evidence adds the planner's (the tie-break, the step search, the bound)."""
 
     stages: tuple[StagePlan, ...]
     rank_time_s: tuple[float, ...]
@@ -76,8 +77,8 @@ class Evidence:
 
     @property
     def tied_sync_s(self) -> float:
-        """Seconds of the tied-gradient all-reduce every rank joins once per step (0 when no tie spans ranks): each
-        rank's first stage holds it (``StagePlan.tied_sync_s``)."""
+        """Seconds of the tied-gradient all-reduce every rank joins once per step (0 when no tie spans ranks):
+        each rank's first stage holds it (``StagePlan.tied_sync_s``)."""
         return max((st.tied_sync_s for st in self.stages), default=0.0)
 
 
@@ -85,7 +86,8 @@ class Evidence:
 _EVIDENCE_RANKS = ("rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes")
 _PLAN_KEYS = ("boundaries", "layer_names", "stages", "bottleneck_s", "lower_bound_s", "balance_efficiency",
               "predicted_step_s", "bubble_fraction", "throughput_samples_s", *_EVIDENCE_RANKS, "cost_options",
-              "profile_digest", "profile_meta", "candidates", "notes", "tie_break", "step_search", "versus_optimal")
+              "profile_digest", "profile_meta", "candidates", "notes", "tie_break", "step_search",
+              "versus_optimal")
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,13 @@ class Plan:
     profile_digest: str
     profile_meta: dict[str, Any] = field(default_factory=dict)
     candidates: tuple[dict[str, Any], ...] = ()
-    # method "optimal": how the tie-break among equal-bottleneck splits moved the solver's split (boundaries and
-    # predicted step before and after, splits simulated, whether every such split was)
+    # method "optimal": how the tie-break among equal-bottleneck splits moved the solver's split (boundaries
+    # and predicted step before and after, splits simulated, whether every such split was)
     tie_break: dict[str, Any] = field(default_factory=dict)
-    # method "optimal": the search for the lowest predicted step whatever the bottleneck, from the tie-break's split
-    # (boundaries, step and bottleneck before and after, the rank-time cap it listed under, splits simulated, whether
-    # every split under the cap was, and the objective: "step" took its split, "bottleneck" only reports it)
+    # method "optimal": the search for the lowest predicted step whatever the bottleneck, from the tie-break's
+    # split (boundaries, step and bottleneck before and after, the rank-time cap it listed under, splits
+    # simulated, whether every split under the cap was, and the objective: "step" took its split, "bottleneck"
+    # only reports it)
     step_search: dict[str, Any] = field(default_factory=dict)
     # method "given": the split as given, the optimal plan under the same options, bottleneck and step ratios
     # (given / optimal) and memory per rank (need, limit, headroom = limit - need)
@@ -188,7 +191,8 @@ class Plan:
 
     @property
     def tied_sync_s(self) -> float:
-        """Seconds of the tied-gradient all-reduce every rank joins once per step (0 when no tie spans ranks)."""
+        """Seconds of the tied-gradient all-reduce every rank
+        joins once per step (0 when no tie spans ranks)."""
         return max((st.tied_sync_s for st in self.stages), default=0.0)
 
     @property
@@ -200,8 +204,10 @@ class Plan:
         feeds ``plots.plot_timeline``."""
         from stageplan.planning.schedules import one_way_delays, simulate
 
-        comm = one_way_delays([st.comm_s for st in self.stages], float(self.cost_options.get("boundary_latency_s", 0.0)))
-        # each forward and each backward with its half of the schedule's loop around the stage (StagePlan.action_s)
+        comm = one_way_delays([st.comm_s for st in self.stages],
+                              float(self.cost_options.get("boundary_latency_s", 0.0)))
+        # each forward and each backward with its half of the
+        # schedule's loop around the stage (StagePlan.action_s)
         return simulate(self.schedule, [st.forward_s + st.action_s / 2 for st in self.stages],
                         [st.backward_s + st.action_s / 2 for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
@@ -212,10 +218,14 @@ class Plan:
 
         rows = []
         for st in self.stages:
-            row = {"stage": st.index, "rank": st.rank, "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
-                   "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s, "comm_s": st.comm_s,
-                   "action_s": st.action_s, "chunk_s": st.chunk_s, "time_s": st.time_s, "optimizer_s": st.optimizer_s,
-                   "tied_sync_s": st.tied_sync_s, "inflight": st.inflight, "memory_limit_bytes": st.memory_limit_bytes}
+            row = {"stage": st.index, "rank": st.rank,
+                   "layers": f"{st.layers[0]}..{st.layers[-1]}" if len(st.layers) > 1 else st.layers[0],
+                   "num_layers": len(st.layers), "forward_s": st.forward_s, "backward_s": st.backward_s,
+                   "comm_s": st.comm_s,
+                   "action_s": st.action_s, "chunk_s": st.chunk_s, "time_s": st.time_s,
+                   "optimizer_s": st.optimizer_s,
+                   "tied_sync_s": st.tied_sync_s, "inflight": st.inflight,
+                   "memory_limit_bytes": st.memory_limit_bytes}
             row.update({f"{k}_bytes": v for k, v in st.memory.items()})
             rows.append(row)
         return pd.DataFrame(rows)
@@ -239,13 +249,16 @@ class Plan:
         return [[fqn for name in st.layers for fqn in name.split("+")] for st in self.stages]
 
     def megatron_layout(self) -> str:
-        """Megatron ``--pipeline-model-parallel-layout``: E embedding, t decoder layer, L loss/head, | between stages."""
+        """Megatron ``--pipeline-model-parallel-layout``: E
+        embedding, t decoder layer, L loss/head, | between stages."""
         named = set(self._named())
         names = self.layer_names
-        if len(names) < 3 or names[0] in named or names[-1] in named or any(n not in named for n in names[1:-1]):
+        if len(names) < 3 or names[0] in named or names[-1] in named or any(n not in named
+                                                                            for n in names[1:-1]):
             raise StageplanError(
-                "a Megatron layout needs an embedding / decoder layers / head model (first and last layers are the "
-                f"code around the named blocks); this profile's layers are {', '.join(names[:4])}...; use another export"
+                "a Megatron layout needs an embedding / decoder layers / head model (first and last layers "
+                f"are the code around the named blocks); this profile's layers are "
+                f"{', '.join(names[:4])}...; use another export"
             )
         symbols = ["E", *["t"] * (len(names) - 2), "L"]
         parts = ["".join(symbols[self.boundaries[s]:self.boundaries[s + 1]]) for s in range(self.num_chunks)]
@@ -261,19 +274,21 @@ class Plan:
 
     def export(self, kind: str) -> Any:
         table = {"split-spec": self.split_spec, "torchtitan": self.module_fqns_per_model_part,
-                 "megatron": self.megatron_layout, "deepspeed": self.deepspeed_parts, "torchgpipe": self.torchgpipe_balance}
+                 "megatron": self.megatron_layout, "deepspeed": self.deepspeed_parts,
+                 "torchgpipe": self.torchgpipe_balance}
         if kind not in table:
             raise StageplanError(f"unknown export {kind!r}; use one of {', '.join(EXPORTS)}")
         v, p = self.virtual_stages, self.num_ranks
         if v > 1 and kind in ("deepspeed", "torchgpipe"):
-            raise StageplanError(f"{kind} places one stage on each rank, and this {self.schedule} plan has {v} chunks on "
-                                 f"each of its {p} ranks ({self.num_chunks} stages); export torchtitan or split-spec, or "
-                                 "plan with --virtual-stages 1")
+            raise StageplanError(f"{kind} places one stage on each rank, and this {self.schedule} plan has "
+                                 f"{v} chunks on each of its {p} ranks ({self.num_chunks} stages); export "
+                                 "torchtitan or split-spec, or plan with --virtual-stages 1")
         looped = all(st.rank == s % p for s, st in enumerate(self.stages))
         if v > 1 and kind == "megatron" and not looped:
-            raise StageplanError(f"Megatron places virtual stages round-robin (stage s on rank s mod {p}), and this "
-                                 f"{self.schedule} plan places them otherwise (ranks "
-                                 f"{[st.rank for st in self.stages]}); export torchtitan, whose schedule places them")
+            raise StageplanError(f"Megatron places virtual stages round-robin (stage s on rank s mod {p}), "
+                                 f"and this {self.schedule} plan places them otherwise (ranks "
+                                 f"{[st.rank for st in self.stages]}); export torchtitan, whose schedule "
+                                 f"places them")
         return table[kind]()
 
     # -- JSON --------------------------------------------------------------------------------------
@@ -294,9 +309,10 @@ class Plan:
             stages = tuple(_stage(s, k, source) for k, s in enumerate(lists["stages"]))
             evidence = Evidence(stages, lists["rank_time_s"], lists["rank_memory_bytes"],
                                 lists["rank_peak_activation_bytes"], bottleneck_s=data["bottleneck_s"],
-                                lower_bound_s=data["lower_bound_s"], balance_efficiency=data["balance_efficiency"],
-                                predicted_step_s=data["predicted_step_s"], bubble_fraction=data["bubble_fraction"],
-                                notes=lists["notes"])
+                                lower_bound_s=data["lower_bound_s"],
+                                balance_efficiency=data["balance_efficiency"],
+                                predicted_step_s=data["predicted_step_s"],
+                                bubble_fraction=data["bubble_fraction"], notes=lists["notes"])
             kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             kwargs.update({k: v for k, v in lists.items() if k not in (*_EVIDENCE_RANKS, "stages", "notes")})
             plan = cls(**kwargs, evidence=evidence)
@@ -309,8 +325,8 @@ class Plan:
             cuts = ",".join(str(b) for b in plan.boundaries)
             raise SchemaError(
                 f"{source} has boundaries {list(plan.boundaries)} but its evidence was computed for stages "
-                f"{[list(x) for x in stored]} (edited by hand?), so its predictions would be stale; re-evaluate that split "
-                f"with: stageplan plan PROFILE.json --boundaries {cuts} -o PLAN.json"
+                f"{[list(x) for x in stored]} (edited by hand?), so its predictions would be stale; "
+                f"re-evaluate that split with: stageplan plan PROFILE.json --boundaries {cuts} -o PLAN.json"
             )
         return plan
 
@@ -324,7 +340,8 @@ class Plan:
 
 _PLAN_NUMBERS = ("bottleneck_s", "lower_bound_s", "balance_efficiency", "predicted_step_s", "bubble_fraction",
                  "throughput_samples_s")
-_STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s", "chunk_s")
+_STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s",
+                  "chunk_s")
 
 
 _OPTION_SECONDS = ("boundary_latency_s", "link_latency_s", "action_s", "chunk_forward_s", "chunk_backward_s")
@@ -332,10 +349,11 @@ _OPTION_NAMES = ("method", "objective", "optimizer", "precision")
 
 
 def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception]) -> None:
-    """Refuse (``bad(what, value)``) a plan's options that show, run and calibrate compute with when they are of the
-    wrong kind: the schedule and microbatch counts, the link's seconds and bandwidth, the devices, the names. A
-    hand-edited file otherwise ended in a traceback there."""
-    counts = {"num_microbatches": cost.get("num_microbatches"), "virtual_stages": cost.get("virtual_stages", 1)}
+    """Refuse (``bad(what, value)``) a plan's options that show, run and calibrate compute with when they are
+    of the wrong kind: the schedule and microbatch counts, the link's seconds and bandwidth, the devices, the
+    names. A hand-edited file otherwise ended in a traceback there."""
+    counts = {"num_microbatches": cost.get("num_microbatches"),
+              "virtual_stages": cost.get("virtual_stages", 1)}
     if cost.get("microbatch_size") is not None:  # null: a plan priced at the profile's own size
         counts["microbatch_size"] = cost["microbatch_size"]
     for key, value in counts.items():
@@ -358,35 +376,40 @@ def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception
     devices = cost.get("devices")
     if devices is not None and not (isinstance(devices, list) and all(
             isinstance(d, dict) and is_number(d.get("speed")) and d["speed"] > 0
-            and (d.get("memory_limit_bytes") is None or (is_number(d["memory_limit_bytes"]) and d["memory_limit_bytes"] > 0))
+            and (d.get("memory_limit_bytes") is None
+                 or (is_number(d["memory_limit_bytes"]) and d["memory_limit_bytes"] > 0))
             for d in devices)):
-        raise bad("cost_options' devices must be a list of {speed > 0, memory_limit_bytes > 0 or null}", devices)
+        raise bad("cost_options' devices must be a list of {speed > 0, memory_limit_bytes > 0 or null}",
+                  devices)
 
 
 # the plan file's fields that are lists (stored as tuples); candidates and notes may be absent
-_PLAN_LISTS = ("stages", "boundaries", "layer_names", "rank_time_s", "rank_memory_bytes", "rank_peak_activation_bytes",
-               "candidates", "notes")
+_PLAN_LISTS = ("stages", "boundaries", "layer_names", "rank_time_s", "rank_memory_bytes",
+               "rank_peak_activation_bytes", "candidates", "notes")
 
 
 def _listed(data: dict[str, Any], name: str, source: str) -> tuple[Any, ...]:
-    """A list field of a plan file as a tuple; one line naming the field when it is not a list (a scalar had been
-    refused with Python's own "'int' object is not iterable")."""
+    """A list field of a plan file as a tuple; one line naming the field when it is not a list (a scalar had
+    been refused with Python's own "'int' object is not iterable")."""
     value = data[name] if name not in ("candidates", "notes") else data.get(name, [])
-    if not isinstance(value, (list, tuple)):  # tuple: a Plan's to_json() handed over without a JSON round trip
-        raise SchemaError(f"{source}: {name} must be a list, got {short_repr(value)}; regenerate it with stageplan plan")
+    if not isinstance(value, (list, tuple)):
+        # tuple: a Plan's to_json() handed over without a JSON round trip
+        raise SchemaError(
+            f"{source}: {name} must be a list, got {short_repr(value)}; regenerate it with stageplan plan")
     return tuple(value)
 
 
 def _stage(row: Any, k: int, source: str) -> StagePlan:
     """Stage k of a plan file, or one line naming it when it is not an object of StagePlan's fields."""
     if not isinstance(row, dict) or not isinstance(row.get("layers"), (list, tuple)):
-        raise SchemaError(f"{source}: stages[{k}] must be an object with a list of layers, got {short_repr(row)}; "
+        raise SchemaError(f"{source}: stages[{k}] must be an object with a list of layers, got "
+                          f"{short_repr(row)}; "
                           "regenerate it with stageplan plan")
     try:
         return StagePlan(**{**row, "layers": tuple(row["layers"])})
     except TypeError as exc:  # a field StagePlan does not have, or one it needs missing
-        raise SchemaError(f"{source}: stages[{k}] does not match a stage's fields ({exc}); regenerate it with "
-                          "stageplan plan") from exc
+        raise SchemaError(f"{source}: stages[{k}] does not match a stage's fields ({exc}); regenerate it "
+                          "with stageplan plan") from exc
 
 
 def _check_plan_fields(plan: Plan, source: str) -> None:
@@ -420,7 +443,8 @@ def _check_plan_fields(plan: Plan, source: str) -> None:
     if odd_candidates:
         raise bad("candidates must be a list of objects (boundaries, predicted_step_s)", odd_candidates[0])
     for st in plan.stages:
-        if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(is_number(getattr(st, k)) for k in _STAGE_NUMBERS):
+        if not (isinstance(st.rank, int) and 0 <= st.rank < p) or not all(is_number(getattr(st, k))
+                                                                          for k in _STAGE_NUMBERS):
             raise bad(f"stage {st.index} must run on a rank 0..{p - 1} with finite times",
                       {k: getattr(st, k) for k in ("rank", *_STAGE_NUMBERS)})
         if not (st.layers and all(isinstance(n, str) for n in st.layers)):
@@ -436,6 +460,6 @@ def validate_boundaries(boundaries: Sequence[int], num_layers: int) -> None:
     b = list(boundaries)
     if len(b) < 2 or b[0] != 0 or b[-1] != num_layers or any(x >= y for x, y in itertools.pairwise(b)):
         raise SchemaError(
-            f"boundaries {b} are not (0, ..., {num_layers}) strictly increasing; every stage must be non-empty and "
-            "cover the layers in order; regenerate the plan"
+            f"boundaries {b} are not (0, ..., {num_layers}) strictly increasing; every stage must be "
+            "non-empty and cover the layers in order; regenerate the plan"
         )

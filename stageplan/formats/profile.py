@@ -41,7 +41,8 @@ class LayerProfile:
       parameter bytes are always its own.
     - ``optimizer_s``: per optimizer ("sgd", "momentum" = SGD with momentum 0.9, "adam", "adamw"), the median
       seconds of one ``optimizer.step()`` over this layer's parameters with gradients present, in torch's
-      default implementation, after warm-up steps (estimates: bytes moved / memory bandwidth); None in profiles
+      default implementation, after warm-up steps (estimates: bytes moved / memory bandwidth); None in
+      profiles
       that did not measure it (the plan then says so and leaves the optimizer step out).
     """
 
@@ -85,24 +86,28 @@ def _check_meta(meta: dict[str, Any], source: str) -> None:
     for key in ("batch_size", "microbatch_size"):
         v = meta.get(key)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            raise SchemaError(f"{source}: meta {key} = {v!r}; it must be an integer >= 1; re-profile the model")
+            raise SchemaError(
+                f"{source}: meta {key} = {v!r}; it must be an integer >= 1; re-profile the model")
     whole = meta.get("whole_model_s")
     if whole is not None and not _cost(whole):
-        raise SchemaError(f"{source}: meta whole_model_s = {whole!r}; it must be seconds >= 0 or null; re-profile the "
-                          "model")
+        raise SchemaError(f"{source}: meta whole_model_s = {whole!r}; it must be seconds >= 0 or null; "
+                          "re-profile the model")
     named = meta.get("named_layers")
     if named is not None and not (isinstance(named, list) and all(isinstance(n, str) for n in named)):
-        raise SchemaError(f"{source}: meta named_layers = {named!r}; it must be a list of layer names; re-profile "
-                          "the model")
+        raise SchemaError(f"{source}: meta named_layers = {named!r}; it must be a list of layer names; "
+                          "re-profile the model")
     step = meta.get("optimizer_step")
     floors = step.get("floor_s") if isinstance(step, dict) else None
-    if step is not None and not (isinstance(step, dict) and (floors is None or (isinstance(floors, dict) and all(
-            _cost(v) for v in floors.values())))):
-        raise SchemaError(f"{source}: meta optimizer_step = {step!r}; its floor_s must map optimizer names to seconds "
-                          ">= 0; re-profile the model")
+    if step is not None and not (
+        isinstance(step, dict)
+        and (floors is None or (isinstance(floors, dict) and all(_cost(v) for v in floors.values())))
+    ):
+        raise SchemaError(f"{source}: meta optimizer_step = {step!r}; its floor_s must map optimizer names "
+                          "to seconds >= 0; re-profile the model")
     for key in ("calibration", "factory_options"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
-            raise SchemaError(f"{source}: meta {key} = {meta[key]!r}; it must be an object; re-profile the model")
+            raise SchemaError(
+                f"{source}: meta {key} = {meta[key]!r}; it must be an object; re-profile the model")
     if isinstance(meta.get("calibration"), dict):
         from stageplan.formats.link import check_allreduce
 
@@ -112,9 +117,9 @@ def _check_meta(meta: dict[str, Any], source: str) -> None:
 @dataclass(frozen=True)
 class TiedParameter:
     """One parameter the model shares under several FQNs (an embedding tied to the LM head), as the profiler
-    records it in ``meta["tied"]``: its ``names``, the ``layers`` (indices, sorted, distinct) whose pieces use it,
-    and its ``bytes`` in the profiled dtype. A pipeline that puts those layers on two or more ranks sums the
-    copies' gradients across ranks every step."""
+    records it in ``meta["tied"]``: its ``names``, the ``layers`` (indices, sorted, distinct) whose pieces use
+    it, and its ``bytes`` in the profiled dtype. A pipeline that puts those layers on two or more ranks sums
+    the copies' gradients across ranks every step."""
 
     names: tuple[str, ...]
     layers: tuple[int, ...]
@@ -173,20 +178,22 @@ class Profile:
         write_atomic(path, lambda f: f.write(text))  # a unique temporary name, removed if the write fails
 
     def scaled(self, factors: list[float], backward_factors: list[float] | None = None) -> Profile:
-        """A copy with each layer's forward times multiplied by its factor and its backward times by its backward
-        factor (the same factor when ``backward_factors`` is None): calibration."""
+        """A copy with each layer's forward times multiplied by its factor and its backward times by its
+        backward factor (the same factor when ``backward_factors`` is None): calibration."""
         back = factors if backward_factors is None else backward_factors
         layers = tuple(
             replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * g,
                     forward_iqr_s=layer.forward_iqr_s * f, backward_iqr_s=layer.backward_iqr_s * g,
-                    backward_accumulate_s=None if layer.backward_accumulate_s is None else layer.backward_accumulate_s * g)
+                    backward_accumulate_s=None if layer.backward_accumulate_s is None
+                    else layer.backward_accumulate_s * g)
             for layer, f, g in zip(self.layers, factors, back)
         )
         return Profile(layers, dict(self.meta))
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"schema": PROFILE_SCHEMA, "meta": self.meta, "layers": [asdict(layer) for layer in self.layers]}
+        return {"schema": PROFILE_SCHEMA, "meta": self.meta,
+                "layers": [asdict(layer) for layer in self.layers]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, source: str = "profile") -> Profile:
@@ -203,35 +210,39 @@ class Profile:
                 raise SchemaError(f"{source}: layer {i} is not an object; regenerate the profile")
             missing = [k for k in required if k not in item]
             if missing:
-                raise SchemaError(f"{source}: layer {i} lacks {', '.join(missing)}; every layer needs {', '.join(required)}")
+                raise SchemaError(f"{source}: layer {i} lacks {', '.join(missing)}; every layer needs "
+                                  f"{', '.join(required)}")
             for k in required[1:]:
                 v = item[k]
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                     raise SchemaError(
-                        f"{source}: layer {i} ({item['name']!r}) has {k} = {v!r}; costs must be finite numbers >= 0; "
-                        "re-profile the model"
+                        f"{source}: layer {i} ({item['name']!r}) has {k} = {v!r}; costs must be finite "
+                        "numbers >= 0; re-profile the model"
                     )
             opt = item.get("optimizer_s")
             if opt is not None and (not isinstance(opt, dict) or not all(
                     isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                     and math.isfinite(v) and v >= 0 for k, v in opt.items())):
-                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has optimizer_s = {opt!r}; it must map optimizer "
-                                  "names to finite seconds >= 0, or be null; re-profile the model")
+                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has optimizer_s = {opt!r}; it "
+                                  "must map optimizer names to finite seconds >= 0, or be null; re-profile "
+                                  "the model")
             if item.get("measured_as") is not None and not isinstance(item["measured_as"], str):
-                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has measured_as = {item['measured_as']!r}; "
+                raise SchemaError(f"{source}: layer {i} ({item['name']!r}) has measured_as = "
+                                  f"{item['measured_as']!r}; "
                                   "it must be a layer name or null; re-profile the model")
             name = item["name"]
             twice = isinstance(name, str) and name in seen
             if not isinstance(name, str) or not name or twice:
                 raise SchemaError(f"{source}: layer {i} has name {name!r}"
-                                  f"{f', as layer {seen[name]} has' if twice else ''}; each layer needs its own "
-                                  "non-empty name; re-profile the model")
+                                  f"{f', as layer {seen[name]} has' if twice else ''}; each layer needs its "
+                                  "own non-empty name; re-profile the model")
             seen[name] = i
             for k in _OPTIONAL_COSTS:
                 v = item.get(k)
                 if (v is not None or k not in _NULLABLE) and k in item and not _cost(v):
-                    raise SchemaError(f"{source}: layer {i} ({name!r}) has {k} = {v!r}; it must be a finite number "
-                                      f">= 0{' or null' if k in _NULLABLE else ''}; re-profile the model")
+                    raise SchemaError(f"{source}: layer {i} ({name!r}) has {k} = {v!r}; it must be a finite "
+                                      f"number >= 0{' or null' if k in _NULLABLE else ''}; re-profile the "
+                                      f"model")
             layers.append(LayerProfile(**{k: v for k, v in item.items() if k in known}))
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
@@ -248,13 +259,14 @@ class Profile:
         return cls.from_json(read_json(path, "profile"), source=f"profile {str(path)!r}")
 
     def digest(self) -> str:
-        """sha256 (first 16 hex) of the canonical JSON of the layers' costs: identifies what a plan was made from.
-        Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out; the optimizer
-        times are costs and count where measured, and are left out where absent (None), so that digests of
-        profiles written before either existed stay the same. So are the tied parameters shared by two or more
-        layers (their gradient sync is a cost): counted where there are any."""
+        """sha256 (first 16 hex) of the canonical JSON of the layers' costs: identifies what a plan was made
+        from. Where a row's figures came from (``measured_as``) is provenance, not cost, and is left out; the
+        optimizer times are costs and count where measured, and are left out where absent (None), so that
+        digests of profiles written before either existed stay the same. So are the tied parameters shared by
+        two or more layers (their gradient sync is a cost): counted where there are any."""
         rows: list[Any] = [{k: v for k, v in asdict(layer).items()
-                            if k != "measured_as" and not (k == "optimizer_s" and v is None)} for layer in self.layers]
+                            if k != "measured_as" and not (k == "optimizer_s" and v is None)}
+                           for layer in self.layers]
         ties = [[list(t.layers), t.bytes] for t in self.tied if len(t.layers) > 1]
         if ties:
             rows.append({"tied": ties})
@@ -263,30 +275,34 @@ class Profile:
 
 
 # what must agree between profiles of one model for their medians to mean anything
-_SAME_CONDITIONS = ("model", "factory_options", "device", "dtype", "microbatch_size", "layers_arg", "named_layers", "order")
+_SAME_CONDITIONS = ("model", "factory_options", "device", "dtype", "microbatch_size", "layers_arg",
+                    "named_layers", "order")
 
 
 def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     """One profile from several profiles of the same model under the same conditions, each measured in its own
     process: per layer, the median over the profiles of every time (forward, backward, accumulating backward,
     their IQRs, each optimizer's step) and of the whole-model time; bytes from the first. A process's memory
-    layout (addresses, hence cache conflicts) stays fixed for its life, so one process's figures share one offset:
-    here the same layer measured 1.06-1.16 ms forward over 18 fresh processes, and within 2.4% over four profiles
-    in one process. The median over processes takes that offset out, as pyperf runs several processes for it.
+    layout (addresses, hence cache conflicts) stays fixed for its life, so one process's figures share one
+    offset: here the same layer measured 1.06-1.16 ms forward over 18 fresh processes, and within 2.4% over
+    four profiles in one process. The median over processes takes that offset out, as pyperf runs several
+    processes for it.
 
     ``meta["load_average_1min"]`` is the highest any of them started under. ``meta["processes"]`` records the
-    count, the source profiles' digests, and per layer the relative range ((max - min) / median) of its forward
-    and backward over them. Raises :class:`SchemaError` when the profiles are of different models, layers or
+    count, the source profiles' digests, and per layer the relative range ((max - min) / median) of its
+    forward and backward over them. Raises :class:`SchemaError` when the profiles are of different models,
+    layers or
     conditions.
     """
     profiles = list(profiles)
     if not profiles:
-        raise SchemaError("merge_profiles needs at least one profile; pass the profiles of one model to merge")
+        raise SchemaError(
+            "merge_profiles needs at least one profile; pass the profiles of one model to merge")
     first = profiles[0]
     for k, other in enumerate(profiles[1:], start=1):
         if other.names != first.names:
-            raise SchemaError(f"profile {k} has layers {other.names} where profile 0 has {first.names}; merge profiles "
-                              "of one model with the same layers")
+            raise SchemaError(f"profile {k} has layers {other.names} where profile 0 has {first.names}; "
+                              "merge profiles of one model with the same layers")
         differ = [key for key in _SAME_CONDITIONS if other.meta.get(key) != first.meta.get(key)]
         if differ:
             key = differ[0]
@@ -305,13 +321,16 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
         opt: dict[str, float] | None = None
         if all(r.optimizer_s is not None for r in rows):
             keys = set.intersection(*(set(r.optimizer_s or {}) for r in rows))
-            opt = {key: float(statistics.median((r.optimizer_s or {})[key] for r in rows)) for key in sorted(keys)}
+            opt = {key: float(statistics.median((r.optimizer_s or {})[key] for r in rows))
+                   for key in sorted(keys)}
         fwd = [r.forward_s for r in rows]
         bwd = [r.backward_s for r in rows]
-        layers.append(replace(base, forward_s=float(statistics.median(fwd)), backward_s=float(statistics.median(bwd)),
+        layers.append(replace(base, forward_s=float(statistics.median(fwd)),
+                              backward_s=float(statistics.median(bwd)),
                               forward_iqr_s=float(statistics.median(r.forward_iqr_s for r in rows)),
                               backward_iqr_s=float(statistics.median(r.backward_iqr_s for r in rows)),
-                              backward_accumulate_s=med([r.backward_accumulate_s for r in rows]), optimizer_s=opt))
+                              backward_accumulate_s=med([r.backward_accumulate_s for r in rows]),
+                              optimizer_s=opt))
         spread.append({"layer": base.name, "forward": _range(fwd), "backward": _range(bwd)})
     meta = dict(first.meta)
     whole = med([p.meta.get("whole_model_s") for p in profiles])
@@ -322,12 +341,14 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     if rounds:  # the fewest timed rounds a layer got in any of them
         meta["timed_rounds"] = min(rounds)
     floors = [(p.meta.get("optimizer_step") or {}).get("floor_s") for p in profiles]
-    if all(isinstance(f, dict) for f in floors):  # each optimizer step's fixed cost, as the layers' times: median
+    if all(isinstance(f, dict) for f in floors):
+        # each optimizer step's fixed cost, as the layers' times: median
         keys = set.intersection(*(set(f) for f in floors))  # type: ignore[arg-type]
-        meta["optimizer_step"] = {**(meta.get("optimizer_step") or {}),
-                                  "floor_s": {k: float(statistics.median(f[k] for f in floors)) for k in sorted(keys)}}  # type: ignore[index]
+        floor_s = {k: float(statistics.median(f[k] for f in floors)) for k in sorted(keys)}  # type: ignore[index]
+        meta["optimizer_step"] = {**(meta.get("optimizer_step") or {}), "floor_s": floor_s}
     meta["processes"] = {"count": len(profiles), "digests": [p.digest() for p in profiles], "range": spread,
-                         "how": "per layer, the median of each time over profiles taken in separate processes"}
+                         "how": "per layer, the median of each time over profiles taken in separate "
+                                "processes"}
     return Profile(tuple(layers), meta)
 
 
@@ -338,11 +359,12 @@ def _range(values: Sequence[float]) -> float:
 
 
 def _tied(raw: Any, num_layers: int, source: str) -> tuple[TiedParameter, ...]:
-    """``meta["tied"]`` checked: a list of {"names": [2+ FQNs], "layers": [indices], "bytes": n}; None is none."""
+    """``meta["tied"]`` checked: a list of {"names": [2+
+    FQNs], "layers": [indices], "bytes": n}; None is none."""
     if raw is None:
         return ()
-    rule = ("'tied' must be a list of {\"names\": [two or more FQNs], \"layers\": [sorted distinct layer indices "
-            f"below {num_layers}], \"bytes\": integer >= 0}}")
+    rule = ("'tied' must be a list of {\"names\": [two or more FQNs], \"layers\": [sorted distinct layer "
+            f"indices below {num_layers}], \"bytes\": integer >= 0}}")
     if not isinstance(raw, list):
         raise SchemaError(f"{source}: meta {rule}, got {type(raw).__name__}; re-profile the model")
     out = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -30,43 +31,46 @@ _LAYER_FIELDS = {"index": int, "name": str, "stage": int, "rank": int, "measured
 
 def _checked_layers(rows: Any, source: str, num_layers: int | None = None,
                     ranks: set[int] | None = None) -> list[dict[str, Any]]:
-    """The per-layer rows of a run report, each with its fields of the right kinds, its times seconds >= 0, each
-    layer once, within the plan's layers and on one of the report's ranks (SchemaError otherwise)."""
+    """The per-layer rows of a run report, each with its fields of the right kinds, its times seconds >= 0,
+    each layer once, within the plan's layers and on one of the report's ranks (SchemaError otherwise)."""
     if not isinstance(rows, (list, tuple)):
         raise SchemaError(f"{source}: 'layers' must be a list of per-layer rows; rerun stageplan run")
     seen: set[int] = set()
     for i, row in enumerate(rows):
-        bad = [k for k, kind in _LAYER_FIELDS.items() if not isinstance(row, dict) or isinstance(row.get(k), bool)
+        bad = [k for k,
+               kind in _LAYER_FIELDS.items() if not isinstance(row, dict) or isinstance(row.get(k), bool)
                or not isinstance(row.get(k), (int, float) if kind is float else kind)]
         if bad:
             raise SchemaError(f"{source}: layer row {i} lacks or mangles {', '.join(bad)}; every row needs "
                               f"{', '.join(_LAYER_FIELDS)}; rerun stageplan run")
         times = [row[k] for k in ("measured_forward_s", "measured_backward_s")]
         if not all(math.isfinite(t) and t >= 0 for t in times):
-            raise SchemaError(f"{source}: layer row {i} has forward and backward {times}; they must be seconds >= 0; "
-                              "rerun stageplan run")
-        for key in ("retimed_forward_s", "retimed_backward_s"):  # the layer timed alone after the run, or null
+            raise SchemaError(f"{source}: layer row {i} has forward and backward {times}; they must be "
+                              "seconds >= 0; rerun stageplan run")
+        for key in ("retimed_forward_s", "retimed_backward_s"):
+            # the layer timed alone after the run, or null
             if row.get(key) is not None and not (is_number(row[key]) and row[key] >= 0):
-                raise SchemaError(f"{source}: layer row {i} has {key} {short_repr(row[key])}; it must be seconds >= 0 "
-                                  "or null; rerun stageplan run")
+                raise SchemaError(f"{source}: layer row {i} has {key} {short_repr(row[key])}; it must be "
+                                  "seconds >= 0 or null; rerun stageplan run")
         index = row["index"]
         if index in seen or index < 0 or (num_layers is not None and index >= num_layers):
             raise SchemaError(f"{source}: layer row {i} has index {index}, "
-                              + ("listed twice" if index in seen else f"outside the plan's layers 0..{num_layers - 1}"
+                              + ("listed twice" if index in seen
+                                 else f"outside the plan's layers 0..{num_layers - 1}"
                                  if num_layers is not None else "below 0")
                               + "; each layer has one row; rerun stageplan run")
         seen.add(index)
         if ranks is not None and row["rank"] not in ranks:
-            raise SchemaError(f"{source}: layer row {i} ran on rank {row['rank']}, and the report's ranks are "
-                              f"{sorted(ranks)}; rerun stageplan run")
+            raise SchemaError(f"{source}: layer row {i} ran on rank {row['rank']}, and the report's ranks "
+                              f"are {sorted(ranks)}; rerun stageplan run")
     return list(rows)
 
 
 def _retimed_compute(plan: Plan, rank: int, retimed: dict[int, tuple[float, float]]) -> float | None:
-    """Seconds per microbatch of the rank's chunks as the cost model adds them up (its layers' forward and mean
-    backward, the forward again under recomputation, PipelineStage's own code), with each layer's times from
-    ``retimed`` (forward, mean backward per microbatch) instead of the profile's; None where a layer of the rank's
-    lacks one (a run from before it was measured)."""
+    """Seconds per microbatch of the rank's chunks as the cost model adds them up (its layers' forward and
+    mean backward, the forward again under recomputation, PipelineStage's own code), with each layer's times
+    from ``retimed`` (forward, mean backward per microbatch) instead of the profile's; None where a layer of
+    the rank's lacks one (a run from before it was measured)."""
     total = 0.0
     for st in plan.stages:
         if st.rank != rank:
@@ -80,22 +84,25 @@ def _retimed_compute(plan: Plan, rank: int, retimed: dict[int, tuple[float, floa
 
 
 def _ints(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    return isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                    for x in value)
 
 
 # what show and calibrate read from each rank row: numbers, and these may be None (nothing to compare)
 _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s", "measured_idle_s",
                  "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
-_RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "measured_overhead_forward_s",
+_RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s",
+                  "measured_overhead_forward_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
                   "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s",
                   "predicted_receive_wait_s", "measured_receive_wait_s", "retimed_compute_s", "machine_ratio",
-                  "pipeline_ratio", "predicted_after_idle_calls", "measured_after_idle_calls", "after_idle_ratio",
-                  "back_to_back_ratio", "after_idle_excess_s")
+                  "pipeline_ratio", "predicted_after_idle_calls", "measured_after_idle_calls",
+                  "after_idle_ratio", "back_to_back_ratio", "after_idle_excess_s")
 
 
 def _predicted_idle_calls(sim: Simulation) -> list[int]:
-    """Per rank, its chunk calls the simulation starts after :data:`RESUME_GAP_S` or more without computing."""
+    """Per rank, its chunk calls the simulation starts after
+    :data:`RESUME_GAP_S` or more without computing."""
     counts = [0] * sim.num_ranks
     for event, idle in sim.idle_before():
         counts[event.rank] += idle >= RESUME_GAP_S
@@ -103,22 +110,27 @@ def _predicted_idle_calls(sim: Simulation) -> list[int]:
 
 
 def _idle_split(calls: list[list[Any]], planned: dict[tuple[str, int], float]) -> dict[str, float | None]:
-    """One rank's chunk calls over its measured steps (per step: (kind, stage, microbatch, seconds, idle seconds
-    before)), in two: after idle (RESUME_GAP_S or more) and back to back. The calls of one action (the last stage's
-    forward and its loss) count as one, idle as its first call was. Actions after idle a step (the mean). Then only
-    like against like: within a step, each (kind, stage) that has actions of both sorts gives its after-idle ones'
-    measured seconds, the back-to-back ones' measured / planned ratio (``planned``: the simulator's seconds per
-    (kind, stage) action) and what the after-idle ones took beyond that ratio; per step summed over those, and the
-    medians over steps with any (None where none has): a backward that always follows a wait is not compared with
-    forwards run back to back, and a step the host slowed does not move a median."""
+    """One rank's chunk calls over its measured steps (per step: (kind, stage, microbatch, seconds, idle
+    seconds before)), in two: after idle (RESUME_GAP_S or more) and back to back. The calls of one action (the
+    last stage's forward and its loss) count as one, idle as its first call was. Actions after idle a step
+    (the mean). Then only like against like: within a step, each (kind, stage) that has actions of both sorts
+    gives its after-idle ones' measured seconds, the back-to-back ones' measured / planned ratio (``planned``:
+    the simulator's seconds per (kind, stage) action) and what the after-idle ones took beyond that ratio; per
+    step summed over those, and the medians over steps with any (None where none has): a backward that always
+    follows a wait is not compared with forwards run back to back, and a step the host slowed does not move a
+    median."""
     counts, after_ratios, back_ratios, excess = [], [], [], []
     for step in calls:
-        actions: dict[tuple[str, int, int], list[float]] = {}  # (kind, stage, microbatch) -> [idle before, seconds]
+        # (kind, stage, microbatch) -> [idle before, seconds]
+        actions: dict[tuple[str, int, int], list[float]] = {}
         for kind, stage, mb, sec, idle in step:
             actions.setdefault((kind, stage, mb), [idle, 0.0])[1] += sec
-        groups: dict[tuple[str, int], dict[bool, list[float]]] = {}  # (kind, stage) -> after idle? -> [measured, planned]
+        # (kind, stage) -> after idle? -> [measured, planned]
+        groups: dict[tuple[str, int], dict[bool, list[float]]] = {}
         for (kind, stage, _), (idle, sec) in actions.items():
-            row = groups.setdefault((kind, stage), {True: [0.0, 0.0], False: [0.0, 0.0]})[idle >= RESUME_GAP_S]
+            row = groups.setdefault((kind, stage), {True: [0.0, 0.0], False: [0.0, 0.0]})[
+                idle >= RESUME_GAP_S
+            ]
             row[0] += sec
             row[1] += planned.get((kind, stage), 0.0)
         counts.append(sum(idle >= RESUME_GAP_S for idle, _ in actions.values()))
@@ -136,10 +148,12 @@ def _idle_split(calls: list[list[Any]], planned: dict[tuple[str, int], float]) -
 
 
 def _check_report(data: dict[str, Any], source: str) -> None:
-    """Refuse (SchemaError, one line naming the field and value) a run report whose parts show and calibrate read
-    are missing or of the wrong kind: the step figures, the plan's split, the per-rank rows, the link, the options."""
+    """Refuse (SchemaError, one line naming the field and value) a run report whose parts show and calibrate
+    read are missing or of the wrong kind: the step figures, the plan's split, the per-rank rows, the link,
+    the options."""
     def bad(what: str, value: Any) -> SchemaError:
-        return SchemaError(f"{source}: {what}, got {short_repr(value)}; rerun stageplan run to write it again")
+        return SchemaError(
+            f"{source}: {what}, got {short_repr(value)}; rerun stageplan run to write it again")
 
     for key in ("measured_step_s", "predicted_step_s", "measured_step_iqr_s", "samples_per_s"):
         if not (is_number(data.get(key)) and data[key] >= 0):
@@ -148,13 +162,23 @@ def _check_report(data: dict[str, Any], source: str) -> None:
         if not is_number(data.get(key), finite=False):
             raise bad(f"{key} must be a number", data.get(key))
     plan = data.get("plan")
+    _, p = _check_executed_plan(plan, bad)
+    _check_rank_rows(data.get("ranks"), p, bad)
+    _check_run_parts(data, plan, bad, source)
+
+
+def _check_executed_plan(plan: Any, bad: Callable[[str, Any], SchemaError]) -> tuple[list[int], int]:
+    """The run report's plan: its split, ranks, microbatches,
+    schedule and options; returns the split and p."""
     if not isinstance(plan, dict):
         raise bad("'plan' must be the executed plan's object", plan)
     bounds: Any = plan.get("boundaries")
     p: Any = plan.get("num_ranks")
-    if not (_ints(bounds) and len(bounds) >= 2 and bounds[0] == 0 and all(a < b for a, b in zip(bounds, bounds[1:]))):
+    if not (_ints(bounds) and len(bounds) >= 2 and bounds[0] == 0
+            and all(a < b for a, b in zip(bounds, bounds[1:]))):
         raise bad("the plan's boundaries must be increasing cut points from 0", bounds)
-    if not (_ints([p]) and p >= 1) or not (_ints([plan.get("num_microbatches")]) and plan["num_microbatches"] >= 1):
+    if not (_ints([p]) and p >= 1) or not (_ints([plan.get("num_microbatches")])
+                                           and plan["num_microbatches"] >= 1):
         raise bad("the plan's num_ranks and num_microbatches must be integers >= 1",
                   (p, plan.get("num_microbatches")))
     if not isinstance(plan.get("schedule"), str):
@@ -164,7 +188,8 @@ def _check_report(data: dict[str, Any], source: str) -> None:
     stage_ranks = plan.get("stage_ranks")
     if stage_ranks is not None and not (_ints(stage_ranks) and len(stage_ranks) == len(bounds) - 1
                                         and all(0 <= r < p for r in stage_ranks)):
-        raise bad(f"the plan's stage_ranks must give a rank 0..{p - 1} for each of its {len(bounds) - 1} stages",
+        raise bad(f"the plan's stage_ranks must give a rank 0..{p - 1} for each of its {len(bounds) - 1} "
+                  f"stages",
                   stage_ranks)
     names = plan.get("layer_names")
     if names is not None and not (isinstance(names, list) and len(names) == bounds[-1]
@@ -175,7 +200,11 @@ def _check_report(data: dict[str, Any], source: str) -> None:
             raise bad(f"the plan's {key} must be an object", plan[key])
     if plan.get("cost_options") is not None:
         check_cost_options(plan["cost_options"], lambda what, value: bad(f"the plan's {what}", value))
-    rows = data.get("ranks")
+    return bounds, p
+
+
+def _check_rank_rows(rows: Any, p: int, bad: Callable[[str, Any], SchemaError]) -> None:
+    """One row per rank, ranks 0..p-1 each once, with their stages and figures."""
     if not isinstance(rows, (list, tuple)) or len(rows) != p:
         raise bad(f"'ranks' must hold one row for each of the plan's {p} ranks", rows)
     for i, row in enumerate(rows):
@@ -193,10 +222,17 @@ def _check_report(data: dict[str, Any], source: str) -> None:
         for key in _RANK_OPTIONAL:
             if row.get(key) is not None and not is_number(row[key], finite=False):
                 raise bad(f"rank row {i}'s {key} must be a number or null", row[key])
+
+
+def _check_run_parts(data: dict[str, Any], plan: Any, bad: Callable[[str, Any], SchemaError],
+                     source: str) -> None:
+    """The rest a reader reads: the link, the timeline, the options and meta, and the check's verdict."""
     link = data.get("link")
     if link is not None and not (isinstance(link, dict) and all(
-            is_number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s") if link.get(k) is not None)):
-        raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null", link)
+            is_number(link[k]) for k in ("latency_s", "bandwidth_bytes_per_s", "exchange_s")
+            if link.get(k) is not None)):
+        raise bad("'link' must be the run's link probe (latency_s, bandwidth_bytes_per_s as numbers) or null",
+                  link)
     from stageplan.formats.link import check_allreduce
 
     for part, fields_ in (("its link", link), ("its plan's cost_options", plan.get("cost_options"))):
@@ -204,7 +240,8 @@ def _check_report(data: dict[str, Any], source: str) -> None:
             check_allreduce(fields_, f"{source}: {part}", "rerun stageplan run to write it again")
 
     def call_ok(e: Any) -> bool:
-        return (isinstance(e, dict) and _ints([e.get("rank"), e.get("stage")]) and isinstance(e.get("kind"), str)
+        return (isinstance(e, dict) and _ints([e.get("rank"), e.get("stage")])
+                and isinstance(e.get("kind"), str)
                 and is_number(e.get("start_s")) and is_number(e.get("end_s")))
 
     timeline = data.get("timeline", [])
@@ -235,11 +272,11 @@ def _check_report(data: dict[str, Any], source: str) -> None:
 
 
 def _transfer_starts(events: list[dict[str, Any]]) -> list[float]:
-    """Each event's start (wall seconds): a compute event's own; a receive's wait ("A", "G") becomes the crossing
-    as the simulator draws it, from when the message could start to move, the later of its post and the end of
-    the chunk call that produced it (the forward of the stage before, or the backward of the stage after, on the
-    sending rank: torch posts the send right after it), to the wait's end. The ranks' wall clocks are one clock on
-    one host; across hosts, a start past the wait's end is clamped to it."""
+    """Each event's start (wall seconds): a compute event's own; a receive's wait ("A", "G") becomes the
+    crossing as the simulator draws it, from when the message could start to move, the later of its post and
+    the end of the chunk call that produced it (the forward of the stage before, or the backward of the stage
+    after, on the sending rank: torch posts the send right after it), to the wait's end. The ranks' wall
+    clocks are one clock on one host; across hosts, a start past the wait's end is clamped to it."""
     ends = {(e["kind"], e["stage"], e["microbatch"]): e["start_wall"] + e["duration_s"] for e in events
             if e["kind"] in ("F", "B")}
     starts = []
@@ -247,18 +284,22 @@ def _transfer_starts(events: list[dict[str, Any]]) -> list[float]:
         if e["kind"] not in TRANSFER_KINDS or "post_wall" not in e:
             starts.append(e["start_wall"])
             continue
-        producer = ("F", e["stage"] - 1, e["microbatch"]) if e["kind"] == "A" else ("B", e["stage"] + 1, e["microbatch"])
+        producer = ("F", e["stage"] - 1, e["microbatch"]) if e["kind"] == "A" else ("B", e["stage"] + 1,
+                                                                                    e["microbatch"])
         moves = max(e["post_wall"], ends.get(producer, e["post_wall"]))
         starts.append(min(moves, e["start_wall"] + e["duration_s"]))
     return starts
 
 
-def _layer_rows(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
-    """One row per layer rank ``g`` ran: its seconds per microbatch inside the schedule, and alone after the run
-    (``retimed``: forward, mean backward per microbatch; None where it was not retimed)."""
+def _layer_rows(
+    plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, float]]
+) -> list[dict[str, Any]]:
+    """One row per layer rank ``g`` ran: its seconds per microbatch inside the schedule, and alone after the
+    run (``retimed``: forward, mean backward per microbatch; None where it was not retimed)."""
     rows = []
     for layer, (lf, lb) in sorted((int(k), v) for k, v in (g.get("layer_s") or {}).items()):
-        stage = next(s for s in range(plan.num_chunks) if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
+        stage = next(s for s in range(plan.num_chunks)
+                     if plan.boundaries[s] <= layer < plan.boundaries[s + 1])
         rows.append({"index": layer, "name": plan.layer_names[layer], "stage": stage, "rank": g["rank"],
                      "measured_forward_s": lf, "measured_backward_s": lb,
                      "retimed_forward_s": retimed[layer][0] if layer in retimed else None,
@@ -269,7 +310,8 @@ def _layer_rows(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, f
 def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, float]], *, step_s: float,
               predicted_wait_s: float, predicted_idle_calls: int,
               planned: dict[tuple[str, int], float]) -> dict[str, Any]:
-    """Rank ``g``'s row: the plan's prediction beside the run's medians, per microbatch (compute) or per step."""
+    """Rank ``g``'s row: the plan's prediction beside the
+    run's medians, per microbatch (compute) or per step."""
     m = plan.num_microbatches
     r = g["rank"]
     retimed_compute = _retimed_compute(plan, r, retimed)
@@ -286,12 +328,13 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "measured_compute_iqr_s": (g["forward_iqr_s"] + g["backward_iqr_s"]) / m,
         # thread CPU time of the same spans: wall minus CPU is time the rank was preempted by other processes
         "measured_compute_cpu_s": g["compute_cpu_s"] / m,
-        # the chunks' time outside their layers (PipelineStage's receive, flatten, detach, send), per microbatch
+        # the chunks' time outside their layers (PipelineStage's
+        # receive, flatten, detach, send), per microbatch
         "measured_overhead_forward_s": sum(v[0] for v in overhead.values()),
         "measured_overhead_backward_s": sum(v[1] for v in overhead.values()),
         # the same compute over the clock's own steps (hooks on), which its layers and overhead make up
-        "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None else None,
-        "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
+        "measured_clock_compute_s": g["clock_compute_s"] / m if g.get("clock_compute_s") is not None
+        else None, "compute_ratio": ((f + b) / m) / (pf + pb) if pf + pb > 0 else None,
         # the rank's compute per microbatch as the plan adds it up, from its layers timed alone in the rank's
         # process after the run: compute_ratio = machine_ratio x pipeline_ratio, the machine's speed now
         # against the profile's, and the pipeline's own effect (inside the schedule against alone, now)
@@ -322,8 +365,8 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "measured_peak_activation_bytes": peak,
         # under recomputation torch.utils.checkpoint keeps the stage inputs out of the saved-tensor hooks and
         # recomputes inside the backward, so the hooks see only part of what the plan counts: no ratio
-        "activation_ratio": (peak / predicted_peak if predicted_peak and not plan.cost_options.get("recompute")
-                             else None),
+        "activation_ratio": (peak / predicted_peak if predicted_peak
+                             and not plan.cost_options.get("recompute") else None),
         "predicted_memory_bytes": plan.rank_memory_bytes[r],
         "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
         "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
@@ -332,8 +375,8 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
 
 
 def _run_timeline(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
-    """Every rank's timeline events, in seconds from the first event's start (receives as :func:`_transfer_starts`
-    draws them)."""
+    """Every rank's timeline events, in seconds from the first event's start (receives as
+    :func:`_transfer_starts` draws them)."""
     events = [e for g in ranks for e in g["timeline"]]
     t0 = min((e["start_wall"] for e in events), default=0.0)
     return tuple(
@@ -344,8 +387,10 @@ def _run_timeline(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
 
 
 def _executed_plan(plan: Plan) -> dict[str, Any]:
-    """What the report keeps of the plan it ran: the split, the schedule, the cost options, the profile's meta."""
-    return {"boundaries": list(plan.boundaries), "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
+    """What the report keeps of the plan it ran: the split,
+    the schedule, the cost options, the profile's meta."""
+    return {"boundaries": list(plan.boundaries), "schedule": plan.schedule,
+            "num_microbatches": plan.num_microbatches,
             "num_ranks": plan.num_ranks, "virtual_stages": plan.virtual_stages, "method": plan.method,
             "stage_ranks": [st.rank for st in plan.stages],
             "profile_digest": plan.profile_digest, "layer_names": list(plan.layer_names),
@@ -356,18 +401,19 @@ def _executed_plan(plan: Plan) -> dict[str, Any]:
 class RunReport:
     """Medians over the measured steps (after warm-up), with IQR spreads.
 
-    ``ranks`` holds one entry per pipeline rank: its stage (chunk) indices, predicted and measured compute seconds
-    per microbatch (forward, backward), idle seconds per step, and predicted and measured peak activation bytes.
-    ``plan`` is what the run executed: boundaries, schedule, cost options, and the meta of the profile the plan was
-    made from (model, factory options, device, dtype; absent in older reports), which calibrate checks.
-    ``run_options`` are the options the run was made with (steps, optimizer, lr, backend, ...). ``link`` is the
-    ping-pong between neighbouring ranks at the run's start (stageplan.running.link): backend, latency_s,
-    bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written before it existed.
-    ``layers`` holds one entry per layer: its forward and backward seconds per microbatch inside the real schedule
-    (executor's per-layer clock, median over the clock's steps after the measured ones), the stage and rank that ran
-    it; each rank row adds the overhead its chunks spent outside their layers (``measured_overhead_forward_s`` and
-    ``measured_overhead_backward_s``, per microbatch). Empty in reports written before it existed. Each rank row
-    also times, once per step, the tied gradients' sum (``measured_tied_sync_s``) and ``optimizer.step()`` after
+    ``ranks`` holds one entry per pipeline rank: its stage (chunk) indices, predicted and measured compute
+    seconds per microbatch (forward, backward), idle seconds per step, and predicted and measured peak
+    activation bytes. ``plan`` is what the run executed: boundaries, schedule, cost options, and the meta of
+    the profile the plan was made from (model, factory options, device, dtype; absent in older reports), which
+    calibrate checks. ``run_options`` are the options the run was made with (steps, optimizer, lr, backend,
+    ...). ``link`` is the ping-pong between neighbouring ranks at the run's start (stageplan.running.link):
+    backend, latency_s, bandwidth_bytes_per_s, the probed sizes and per-pair figures; None in reports written
+    before it existed. ``layers`` holds one entry per layer: its forward and backward seconds per microbatch
+    inside the real schedule (executor's per-layer clock, median over the clock's steps after the measured
+    ones), the stage and rank that ran it; each rank row adds the overhead its chunks spent outside their
+    layers (``measured_overhead_forward_s`` and ``measured_overhead_backward_s``, per microbatch). Empty in
+    reports written before it existed. Each rank row also times, once per step, the tied gradients' sum
+    (``measured_tied_sync_s``) and ``optimizer.step()`` after
     it (``measured_optimizer_step_s``; None in reports written before it), beside the plan's prices.
     """
 
@@ -419,7 +465,8 @@ class RunReport:
             kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
-            kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source, data["plan"]["boundaries"][-1],
+            kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source,
+                                                     data["plan"]["boundaries"][-1],
                                                      {int(r["rank"]) for r in data["ranks"]}))
             return cls(**kwargs)
         except (KeyError, TypeError) as exc:
@@ -436,22 +483,24 @@ class RunReport:
     def from_measurements(cls, plan: Plan, ranks: list[dict[str, Any]], *, step_s: float, step_iqr_s: float,
                           run_options: dict[str, Any], check: dict[str, Any] | None, meta: dict[str, Any],
                           link: dict[str, Any] | None = None) -> RunReport:
-        """The report of a run of ``plan``: ``ranks`` holds each rank's medians over the measured steps (seconds
-        per step: forward_s, backward_s, other_s, compute_cpu_s; their IQRs; peak_activation_bytes; losses;
-        timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
+        """The report of a run of ``plan``: ``ranks`` holds each rank's medians over the measured steps
+        (seconds per step: forward_s, backward_s, other_s, compute_cpu_s; their IQRs; peak_activation_bytes;
+        losses; timeline events); ``step_s`` is the median over steps of the slowest rank's step."""
         m = plan.num_microbatches
         rows: list[dict[str, Any]] = []
         layers: list[dict[str, Any]] = []
         busy_total = 0.0
         sim = plan.simulate()
         idle_calls = _predicted_idle_calls(sim)
-        # each chunk call's seconds as the simulator prices it (a zero-bubble I is the run's B: backward_one_chunk)
+        # each chunk call's seconds as the simulator prices it
+        # (a zero-bubble I is the run's B: backward_one_chunk)
         planned = {("B" if e.kind == "I" else e.kind, e.stage): e.end_s - e.start_s for e in sim.timeline
                    if e.kind in CALL_KINDS}
         for g in sorted(ranks, key=lambda g: g["rank"]):
             r = g["rank"]
             # the rank's layers timed alone after the run, as the profiler times them: per microbatch at m
-            retimed = {int(k): (v[0], (v[1] + (m - 1) * v[2]) / m) for k, v in (g.get("retimed_layer_s") or {}).items()}
+            retimed = {int(k): (v[0], (v[1] + (m - 1) * v[2]) / m) for k,
+                       v in (g.get("retimed_layer_s") or {}).items()}
             layers.extend(_layer_rows(plan, g, retimed))
             rows.append(_rank_row(plan, g, retimed, step_s=step_s, predicted_wait_s=sim.receive_wait_s[r],
                                   predicted_idle_calls=idle_calls[r], planned=planned))

@@ -1,5 +1,5 @@
-"""The schedule vocabulary a Plan and a RunReport record: torch's schedule names, torch's rules on microbatches and
-stages per rank, and the kinds of timeline events (no torch)."""
+"""The schedule vocabulary a Plan and a RunReport record: torch's schedule names, torch's rules on
+microbatches and stages per rank, and the kinds of timeline events (no torch)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def normalize_schedule(name: str) -> str:
     """
     if not isinstance(name, str):
         raise StageplanError(
-            f"schedule must be a string, got {name!r} ({type(name).__name__}); use one of {', '.join(SCHEDULES)}"
+            f"schedule must be a string, got {name!r} ({type(name).__name__}); use one of "
+            f"{', '.join(SCHEDULES)}"
         )
     canonical = _ALIASES.get(_key(name))
     if canonical is None:
@@ -97,7 +98,7 @@ def check_microbatches(schedule: str, num_ranks: int, num_microbatches: int, vir
     >>> check_microbatches("1F1B", 4, 2)
     Traceback (most recent call last):
     ...
-    stageplan.errors.StageplanError: 1F1B needs num_microbatches >= num_ranks, got num_microbatches=2 < num_ranks=4 (torch's Schedule1F1B refuses it); use at least 4 microbatches, or GPipe
+    stageplan.errors.StageplanError: 1F1B needs num_microbatches >= num_ranks...use at least 4 microbatches...
     """
     name = normalize_schedule(schedule)
     p = check_count("num_ranks", num_ranks)
@@ -106,7 +107,8 @@ def check_microbatches(schedule: str, num_ranks: int, num_microbatches: int, vir
     if name in SINGLE_STAGE and v != 1:
         raise StageplanError(
             f"{name} runs one stage per rank, got virtual_stages={v}; "
-            "use virtual_stages=1 (--virtual-stages 1), or Interleaved1F1B/LoopedBFS for several stages per rank"
+            "use virtual_stages=1 (--virtual-stages 1), or Interleaved1F1B/LoopedBFS for several stages per "
+            "rank"
         )
     if name == "1F1B" and m < p:
         raise StageplanError(
@@ -157,9 +159,10 @@ def placement_of(name: str, p: int, v: int) -> tuple[int, ...]:
 
 
 TRANSFER_KINDS = ("A", "G")  # a crossing's transfer in a timeline: an activation, a gradient (TimelineEvent)
-CALL_KINDS = ("F", "B", "I", "W")  # a chunk call in a timeline: the rank computes (TimelineEvent; measure.Timer.BUSY_KINDS)
-# A chunk call "after idle": its rank computed nothing for at least this long before it. Measured here (one GPT
-# block, 1 thread, two sets of rounds): after a 1 ms sleep its forward ran at its back-to-back time, after 5 ms
-# +0.26-0.39 ms, after 20-80 ms +0.5-0.64 ms (1.3-1.6x), as after 20-50 ms of busy Python; RunReport splits each
-# rank's calls at this gap.
+# a chunk call in a timeline: the rank computes (TimelineEvent; measure.Timer.BUSY_KINDS)
+CALL_KINDS = ("F", "B", "I", "W")
+# A chunk call "after idle": its rank computed nothing for at least this long before it. Measured here (one
+# GPT block, 1 thread, two sets of rounds): after a 1 ms sleep its forward ran at its back-to-back time, after
+# 5 ms +0.26-0.39 ms, after 20-80 ms +0.5-0.64 ms (1.3-1.6x), as after 20-50 ms of busy Python; RunReport
+# splits each rank's calls at this gap.
 RESUME_GAP_S = 1e-3

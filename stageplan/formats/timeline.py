@@ -1,4 +1,5 @@
-"""Timelines: the simulator's step (Simulation) and the events of one (TimelineEvent), predicted or measured (no torch)."""
+"""Timelines: the simulator's step (Simulation) and the events
+of one (TimelineEvent), predicted or measured (no torch)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ class TimelineEvent:
 
     Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
     backward or W), and kind "T" its part in the all-reduce of the tied parameters' gradients (before the
-    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have none).
-    Kinds "A" and "G" are a crossing's transfer, an activation (to the receiver's forward) or a gradient (to its
-    backward) moving between ranks: ``rank``, ``stage`` and ``microbatch`` are the receiving action's, from when
-    the message starts to move to when it arrives. It occupies the link, not the rank, so it is not busy time
-    and a rank may compute meanwhile; a plan without a link or bandwidth has none."""
+    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have
+    none). Kinds "A" and "G" are a crossing's transfer, an activation (to the receiver's forward) or a
+    gradient (to its backward) moving between ranks: ``rank``, ``stage`` and ``microbatch`` are the receiving
+    action's, from when the message starts to move to when it arrives. It occupies the link, not the rank, so
+    it is not busy time and a rank may compute meanwhile; a plan without a link or bandwidth has none."""
 
     rank: int
     stage: int
@@ -51,15 +52,16 @@ class Simulation:
     receive_wait_s: tuple[float, ...] = ()
 
     def idle_before(self) -> tuple[tuple[TimelineEvent, float], ...]:
-        """Each chunk call (:data:`CALL_KINDS`) with the seconds its rank computed nothing before it: since the
-        rank's previous busy event ended (a call, its tied sum or optimizer step). A rank's first call of the step
-        counts from where its previous step ended, as in a run of many steps: the step's length less the rank's last
-        busy end, plus the call's start."""
+        """Each chunk call (:data:`CALL_KINDS`) with the seconds its rank computed nothing before it: since
+        the rank's previous busy event ended (a call, its tied sum or optimizer step). A rank's first call of
+        the step counts from where its previous step ended, as in a run of many steps: the step's length less
+        the rank's last busy end, plus the call's start."""
         out = []
         for rank in range(self.num_ranks):
             busy = sorted((e for e in self.timeline if e.rank == rank and e.kind not in TRANSFER_KINDS),
                           key=lambda e: e.start_s)
-            last = max((e.end_s for e in busy), default=0.0) - self.step_s  # the previous step's, on this step's clock
+            # the previous step's, on this step's clock
+            last = max((e.end_s for e in busy), default=0.0) - self.step_s
             for e in busy:
                 if e.kind in CALL_KINDS:
                     out.append((e, max(e.start_s - last, 0.0)))

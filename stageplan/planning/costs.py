@@ -1,8 +1,10 @@
-"""Profile + options -> the solver's inputs, and one evaluate(layers, boundaries, options) -> evidence (no torch).
+"""Profile + options -> the solver's inputs, and one
+evaluate(layers, boundaries, options) -> evidence (no torch).
 
 Units: seconds, bytes, bytes/second. Sources are named next to each formula. Each formula lives in one place:
-the stage time in ``layer_time``/``comm_time``, the stage memory in ``memory_terms`` (the solver's rows and the
-per-stage evidence both sum them), the in-flight counts in ``schedules.schedule_shape``, the lower bound in
+the stage time in ``layer_time``/``comm_time``, the stage memory in ``memory_terms`` (the solver's rows and
+the per-stage evidence both sum them), the in-flight counts in ``schedules.schedule_shape``, the lower bound
+in
 ``solver.lower_bound``, and the simulator's boundary delays in ``schedules.one_way_delays``.
 """
 
@@ -27,13 +29,14 @@ from stageplan.units import format_bytes
 
 # Optimizer state held per parameter byte (states kept in the parameters' dtype):
 # sgd keeps nothing; SGD with momentum keeps one buffer; Adam/AdamW keep exp_avg and exp_avg_sq.
-OPTIMIZER_STATE_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+OPTIMIZER_STATE_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0,
+                                            "adamw": 2.0}
 # Gradients: one per parameter byte, except with optimizer "none" (inference-like: no grads kept).
 GRAD_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 1.0, "momentum": 1.0, "adam": 1.0, "adamw": 1.0}
-# Bytes per parameter as training holds them, by precision: (weights, gradients, fp32 master copy, each optimizer
-# state). Mixed precision keeps low-precision weights and gradients plus fp32 master weights and fp32 optimizer
-# states: with Adam 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020, section 3).
-# Without a precision the parameters, gradients and states take the profiled parameters' bytes.
+# Bytes per parameter as training holds them, by precision: (weights, gradients, fp32 master copy, each
+# optimizer state). Mixed precision keeps low-precision weights and gradients plus fp32 master weights and
+# fp32 optimizer states: with Adam 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020,
+# section 3). Without a precision the parameters, gradients and states take the profiled parameters' bytes.
 PRECISIONS: dict[str, tuple[float, float, float, float]] = {
     "fp32": (4.0, 4.0, 0.0, 4.0),
     "bf16": (2.0, 2.0, 0.0, 2.0),
@@ -64,24 +67,27 @@ class CostOptions:
     bandwidth_bytes_per_s: float | None = None
     devices: tuple[Device, ...] = ()
     recompute: bool = False
-    boundary_latency_s: float = 0.0  # fixed delay per boundary crossing (calibrate's fit, or stageplan link's)
+    # fixed delay per boundary crossing (calibrate's fit, or stageplan link's)
+    boundary_latency_s: float = 0.0
     precision: str | None = None  # a key of PRECISIONS, or None: memory in the profiled parameters' bytes
-    latency_source: str = "fitted by calibrate from a run"  # where boundary_latency_s came from (said in the note)
-    # the measured link's one-way latency: the per-message latency of collectives (the tied all-reduce), where the
-    # per-crossing boundary_latency_s may be calibrate's catch-all for every wait the model does not have
+    # where boundary_latency_s came from (said in the note)
+    latency_source: str = "fitted by calibrate from a run"
+    # the measured link's one-way latency: the per-message latency of collectives (the tied all-reduce), where
+    # the per-crossing boundary_latency_s may be calibrate's catch-all for every wait the model does not have
     link_latency_s: float = 0.0
-    # torch's schedule's own seconds per chunk action outside the chunk (its loop: record_function, building and
-    # posting the P2P ops), as the link probe measured it (link.action_overhead); every forward and every backward
-    # of every chunk pays it on its rank
+    # torch's schedule's own seconds per chunk action outside the chunk (its loop: record_function, building
+    # and posting the P2P ops), as the link probe measured it (link.action_overhead); every forward and every
+    # backward of every chunk pays it on its rank
     action_s: float = 0.0
-    # PipelineStage's own seconds inside each chunk call, outside the chunk's layers (receiving and detaching its
-    # inputs, checking and keeping its outputs; in the backward the autograd engine's cold start and end), as the
-    # link probe measured them (link.schedule_overheads): added to every chunk's forward and backward, where a run's
-    # chunk timers see them
+    # PipelineStage's own seconds inside each chunk call, outside the chunk's layers (receiving and detaching
+    # its inputs, checking and keeping its outputs; in the backward the autograd engine's cold start and end),
+    # as the link probe measured them (link.schedule_overheads): added to every chunk's forward and backward,
+    # where a run's chunk timers see them
     chunk_forward_s: float = 0.0
     chunk_backward_s: float = 0.0
     # the ring model's constants for the all-reduce, where the link probe timed the collective itself
-    # (link.allreduce_probe): per-step latency and per-link bandwidth; None prices it from the point-to-point link
+    # (link.allreduce_probe): per-step latency and per-link bandwidth; None prices it from the point-to-point
+    # link
     allreduce_latency_s: float | None = None
     allreduce_bandwidth_bytes_per_s: float | None = None
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
@@ -89,8 +95,8 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         if self.shape is None:
-            object.__setattr__(self, "shape", schedule_shape(self.schedule, self.num_ranks, self.num_microbatches,
-                                                             self.virtual_stages))
+            object.__setattr__(self, "shape", schedule_shape(self.schedule, self.num_ranks,
+                                                             self.num_microbatches, self.virtual_stages))
 
     @property
     def num_chunks(self) -> int:
@@ -98,20 +104,21 @@ class CostOptions:
         return self.num_ranks * self.virtual_stages
 
     def to_json(self) -> dict[str, Any]:
-        # field by field: asdict() would deep-copy the schedule shape (every action of the step) only to drop it
+        # field by field: asdict() would deep-copy the schedule
+        # shape (every action of the step) only to drop it
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "shape"}
         d["devices"] = [asdict(x) for x in self.devices]
         return d
 
 
-# A device's speed relative to the profiled one lies in [MIN_SPEED, 1 / MIN_SPEED]: beyond that it is a typo, and
-# the times it divides overflow to inf
+# A device's speed relative to the profiled one lies in [MIN_SPEED, 1 / MIN_SPEED]: beyond that it is a typo,
+# and the times it divides overflow to inf
 MIN_SPEED = 1e-6
 
 
-# The simulator's timeline holds every forward and backward of a step: about 50 us and 2.5 KB a pair here, so a
-# million pairs plan in 87 s and 2.3 GB (100,000 microbatches on 2 ranks: 17.6 s, 0.5 GB). A slip of the finger
-# (--microbatches 100000000) had run for hours.
+# The simulator's timeline holds every forward and backward of a step: about 50 us and 2.5 KB a pair here, so
+# a million pairs plan in 87 s and 2.3 GB (100,000 microbatches on 2 ranks: 17.6 s, 0.5 GB). A slip of the
+# finger (--microbatches 100000000) had run for hours.
 MAX_STEP_PAIRS = 1_000_000
 
 
@@ -131,13 +138,16 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  allreduce_bandwidth_bytes_per_s: float | None = None) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
-        raise StageplanError("the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
+        raise StageplanError(
+            "the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
     check_ranks(num_ranks)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise StageplanError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 8")
+        raise StageplanError(
+            f"num_microbatches must be an integer >= 1, got {num_microbatches!r}; e.g. --microbatches 8")
     name = normalize_schedule(schedule)
     if virtual_stages < 1:
-        raise StageplanError(f"virtual_stages must be >= 1, got {virtual_stages}; use 1, or 2+ with Interleaved1F1B")
+        raise StageplanError(
+            f"virtual_stages must be >= 1, got {virtual_stages}; use 1, or 2+ with Interleaved1F1B")
     if name == "Interleaved1F1B" and virtual_stages == 1:
         virtual_stages = 2  # torch's interleaving needs chunks to interleave; 2 is Megatron's usual choice
     if name in ("GPipe", "1F1B") and virtual_stages != 1:  # refuse it as torch would, before counting layers
@@ -148,52 +158,62 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
         most = max(1, MAX_STEP_PAIRS // (num_ranks * virtual_stages) // num_ranks * num_ranks)
         bubble = (num_ranks - 1) / (most + num_ranks - 1)
         raise StageplanError(
-            f"a step's timeline is at most {MAX_STEP_PAIRS:,} forward/backward pairs (microbatches x stages), got "
-            f"{num_microbatches:,} x {num_ranks * virtual_stages} = {pairs:,}; use --microbatches {most} or fewer "
-            f"(the bubble there is already {bubble:.1e} of the step)"
+            f"a step's timeline is at most {MAX_STEP_PAIRS:,} forward/backward pairs (microbatches x "
+            f"stages), got {num_microbatches:,} x {num_ranks * virtual_stages} = {pairs:,}; use "
+            f"--microbatches {most} or fewer (the bubble there is already {bubble:.1e} of the step)"
         )
     L, S = len(profile), num_ranks * virtual_stages
     if S > L:
         if virtual_stages > 1:
             raise StageplanError(
-                f"{name} with {num_ranks} ranks x {virtual_stages} virtual stages needs at least {S} layers, the profile has {L}; "
+                f"{name} with {num_ranks} ranks x {virtual_stages} virtual stages needs at least {S} layers, "
+                f"the profile has {L}; "
                 "lower --virtual-stages or --stages, or profile at a finer granularity"
             )
         raise StageplanError(
-            f"num_ranks ({num_ranks}) exceeds the number of layers ({L}), one stage a rank; use --stages {L} or fewer, "
-            "or profile at a finer granularity"
+            f"num_ranks ({num_ranks}) exceeds the number of layers ({L}), one stage a rank; use --stages {L} "
+            "or fewer, or profile at a finer granularity"
         )
     shape = schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     opt = optimizer.lower()
     if opt not in OPTIMIZER_STATE_FACTOR:
-        raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
-    if bandwidth_bytes_per_s is not None and (not math.isfinite(bandwidth_bytes_per_s) or bandwidth_bytes_per_s <= 0):
-        raise StageplanError(f"bandwidth must be a positive number of bytes/s, got {bandwidth_bytes_per_s!r}; e.g. --bandwidth 25GB/s")
+        raise StageplanError(
+            f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
+    if bandwidth_bytes_per_s is not None and (not math.isfinite(bandwidth_bytes_per_s)
+                                              or bandwidth_bytes_per_s <= 0):
+        raise StageplanError(f"bandwidth must be a positive number of bytes/s, got "
+                             f"{bandwidth_bytes_per_s!r}; e.g. --bandwidth 25GB/s")
     if memory_limit_bytes is not None and (not math.isfinite(memory_limit_bytes) or memory_limit_bytes <= 0):
-        raise StageplanError(f"memory limit must be a positive number of bytes, got {memory_limit_bytes!r}; e.g. --memory-limit 40GiB")
+        raise StageplanError(f"memory limit must be a positive number of bytes, got {memory_limit_bytes!r}; "
+                             f"e.g. --memory-limit 40GiB")
     if devices:
         devs = tuple(devices)
         if len(devs) != num_ranks:
             raise StageplanError(
-                f"got {len(devs)} device entries for {num_ranks} ranks; give one speed per rank, not per chunk "
-                f"(e.g. --device-speeds {','.join(['1'] * num_ranks)})"
+                f"got {len(devs)} device entries for {num_ranks} ranks; give one speed per rank, not per "
+                f"chunk (e.g. --device-speeds {','.join(['1'] * num_ranks)})"
             )
         for i, d in enumerate(devs):
             if not (math.isfinite(d.speed) and MIN_SPEED <= d.speed <= 1 / MIN_SPEED):
-                raise StageplanError(f"device {i} speed must be between {MIN_SPEED:g} and {1 / MIN_SPEED:g}, got "
-                                     f"{d.speed!r}; speeds are relative to the profiled device (2 = twice as fast)")
+                raise StageplanError(f"device {i} speed must be between {MIN_SPEED:g} and {1 / MIN_SPEED:g}, "
+                                     f"got {d.speed!r}; speeds are relative to the profiled device (2 = "
+                                     f"twice as fast)")
         if memory_limit_bytes is not None:
-            devs = tuple(Device(d.speed, d.memory_limit_bytes if d.memory_limit_bytes is not None else memory_limit_bytes, d.name)
+            devs = tuple(Device(d.speed, d.memory_limit_bytes if d.memory_limit_bytes is not None
+                                else memory_limit_bytes, d.name)
                          for d in devs)
     else:
         devs = tuple(Device(1.0, memory_limit_bytes) for _ in range(num_ranks))
     if not (math.isfinite(boundary_latency_s) and boundary_latency_s >= 0):
-        raise StageplanError(f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
+        raise StageplanError(
+            f"boundary latency must be >= 0 seconds, got {boundary_latency_s!r}; recalibrate the profile")
     if precision is not None and precision not in PRECISIONS:
         raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    for what, value in (("the schedule's time per action", action_s), ("a chunk's forward overhead", chunk_forward_s),
+    for what, value in (("the schedule's time per action", action_s),
+                        ("a chunk's forward overhead", chunk_forward_s),
                         ("a chunk's backward overhead", chunk_backward_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                  and value >= 0):
             raise StageplanError(f"{what} must be >= 0 seconds, got {value!r}; measure the link again "
                                  "(stageplan link -o LINK.json)")
     from stageplan.formats.link import check_allreduce
@@ -203,9 +223,10 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                     "give both from a measured link (stageplan link -o LINK.json), or neither")
     ar = (None, None) if allreduce_latency_s is None else (float(allreduce_latency_s),
                                                             float(allreduce_bandwidth_bytes_per_s))  # type: ignore[arg-type]
-    return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs, bool(recompute),
-                       float(boundary_latency_s), precision, latency_source, float(link_latency_s), float(action_s),
-                       float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1], shape)
+    return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs,
+                       bool(recompute),
+                       float(boundary_latency_s), precision, latency_source, float(link_latency_s),
+                       float(action_s), float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1], shape)
 
 
 @dataclass(frozen=True)
@@ -216,11 +237,12 @@ class LayerArrays:
     output_bytes: np.ndarray
     param_bytes: np.ndarray
     param_count: np.ndarray
-    # per optimizer ("sgd", "momentum", "adam", "adamw"): seconds of one optimizer step per layer; NaN where the
-    # profile did not measure it (profiles written before it was measured)
+    # per optimizer ("sgd", "momentum", "adam", "adamw"): seconds of one optimizer step per layer; NaN where
+    # the profile did not measure it (profiles written before it was measured)
     optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)
     # per optimizer: the fixed seconds of one step (profile meta optimizer_step.floor_s), which each layer's
-    # optimizer_s carries and a rank pays once; absent in profiles written before it was measured, and estimates
+    # optimizer_s carries and a rank pays once; absent in profiles written before it was measured, and
+    # estimates
     optimizer_floor_s: dict[str, float] = field(default_factory=dict)
     # the tied parameters two or more layers share (Profile.tied): each one's layers, and its bytes
     tied_layers: tuple[tuple[int, ...], ...] = ()
@@ -228,38 +250,44 @@ class LayerArrays:
 
     @classmethod
     def of(cls, profile: Profile, num_microbatches: int = 1) -> LayerArrays:
-        """Per-layer arrays; backward_s is the mean over a step of ``num_microbatches``: the first backward into
-        empty grads, the others accumulating into them (measured separately by the profiler)."""
+        """Per-layer arrays; backward_s is the mean over a step of ``num_microbatches``: the first backward
+        into empty grads, the others accumulating into them (measured separately by the profiler)."""
         arr = {k: np.array([getattr(x, k) for x in profile.layers], dtype=float)
                for k in ("forward_s", "activation_bytes", "output_bytes", "param_bytes")}
-        arr["backward_s"] = np.array([x.backward_per_microbatch_s(num_microbatches) for x in profile.layers], dtype=float)
+        arr["backward_s"] = np.array([x.backward_per_microbatch_s(num_microbatches) for x in profile.layers],
+                                     dtype=float)
         # older profiles may lack counts: derive them from the bytes and the profiled dtype
-        elem = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}.get(str(profile.meta.get("dtype", "float32")), 4)
-        arr["param_count"] = np.array([x.param_count or x.param_bytes / elem for x in profile.layers], dtype=float)
+        elem = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}.get(
+            str(profile.meta.get("dtype", "float32")), 4)
+        arr["param_count"] = np.array([x.param_count or x.param_bytes / elem for x in profile.layers],
+                                      dtype=float)
         for k, a in arr.items():
             bad = np.flatnonzero(~np.isfinite(a) | (a < 0))
             if bad.size:
                 i = int(bad[0])
                 raise StageplanError(
-                    f"layer {i} ({profile.layers[i].name!r}) has {k} = {a[i]}; costs must be finite and >= 0; re-profile the model"
+                    f"layer {i} ({profile.layers[i].name!r}) has {k} = {a[i]}; costs must be finite and >= "
+                    f"0; re-profile the model"
                 )
         optimizer = {name: np.array([math.nan if x.optimizer_s is None else x.optimizer_s.get(name, math.nan)
                                      for x in profile.layers], dtype=float)
                      for name in OPTIMIZER_STATE_FACTOR if name != "none"}
         ties = [t for t in profile.tied if len(t.layers) > 1]  # a tie inside one layer never crosses ranks
         floors = (profile.meta.get("optimizer_step") or {}).get("floor_s") or {}
-        floor = {str(k): float(v) for k, v in floors.items() if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
-        return cls(**arr, optimizer_s=optimizer, optimizer_floor_s=floor, tied_layers=tuple(t.layers for t in ties),
+        floor = {str(k): float(v) for k,
+                 v in floors.items() if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0}
+        return cls(**arr, optimizer_s=optimizer, optimizer_floor_s=floor,
+                   tied_layers=tuple(t.layers for t in ties),
                    tied_bytes=np.array([t.bytes for t in ties], dtype=float))
 
 
 def optimizer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     """Seconds of one optimizer step (``opts.optimizer``) per layer on the profiled device, as the profiler
     measured it (the step over the layer's parameters with gradients present; memory-bound, so it does not
-    depend on the microbatch). 0 for optimizer "none", and 0 where the profile lacks it (``optimizer_measured``
-    says so). Paid once per step per rank, after its last backward: it adds to the step, never to the
-    per-microbatch stage time the solver balances. Each layer's figure is net of the step's fixed cost
-    (:func:`optimizer_floor`), which a rank pays once for all its layers."""
+    depend on the microbatch). 0 for optimizer "none", and 0 where the profile lacks it
+    (``optimizer_measured`` says so). Paid once per step per rank, after its last backward: it adds to the
+    step, never to the per-microbatch stage time the solver balances. Each layer's figure is net of the step's
+    fixed cost (:func:`optimizer_floor`), which a rank pays once for all its layers."""
     times = arr.optimizer_s.get(opts.optimizer)
     if times is None:
         return np.zeros_like(arr.forward_s)
@@ -269,7 +297,8 @@ def optimizer_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
 
 def optimizer_floor(arr: LayerArrays, opts: CostOptions) -> float:
     """Seconds of one optimizer step's fixed cost on the profiled device (the profiler's flushed step over one
-    tiny parameter), paid once per rank whose layers have any parameter to step; 0 where the profile lacks it."""
+    tiny parameter), paid once per rank whose layers have any parameter to step; 0 where the profile lacks
+    it."""
     if opts.optimizer == "none":
         return 0.0
     return float(arr.optimizer_floor_s.get(opts.optimizer, 0.0))
@@ -312,8 +341,8 @@ def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
 def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
     and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
-    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way latency,
-    ``link_latency_s``). Where the link probe timed the all-reduce itself, its constants
+    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way
+    latency, ``link_latency_s``). Where the link probe timed the all-reduce itself, its constants
     (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones, with or
     without a point-to-point bandwidth: at the probe's rank count this gives back the probe's own fit. 0 with
     neither."""
@@ -330,7 +359,8 @@ def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
 
 def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
     """For each row of ``bounds`` (N, S+1), whether each tied parameter's layers fall on two or more ranks
-    (N, ties): chunks map to ranks by ``opts.shape.stage_ranks``, so interleaved chunks of one rank share it."""
+    (N, ties): chunks map to ranks by ``opts.shape.stage_ranks``, so interleaved chunks of one rank share
+    it."""
     bounds = np.asarray(bounds)
     ranks = np.asarray(opts.shape.stage_ranks)
     across = np.zeros((bounds.shape[0], len(arr.tied_layers)), dtype=bool)
@@ -344,9 +374,10 @@ def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.n
 
 def tied_sync_time(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Seconds per step (N,) of the gradient all-reduce of the tied parameters each split (row of ``bounds``)
-    puts on two or more ranks: one ring all-reduce per parameter over all p ranks, as ``stages.sync_tied_grads``
-    runs it after the schedule and before the optimizer step; every rank waits for it. A tie kept on one rank
-    costs nothing; without a bandwidth or the all-reduce's constants nothing is priced (``evaluate`` notes it)."""
+    puts on two or more ranks: one ring all-reduce per parameter over all p ranks, as
+    ``stages.sync_tied_grads`` runs it after the schedule and before the optimizer step; every rank waits for
+    it. A tie kept on one rank costs nothing; without a bandwidth or the all-reduce's constants nothing is
+    priced (``evaluate`` notes it)."""
     return tied_across(arr, bounds, opts) @ ring_allreduce_time(arr.tied_bytes, opts)
 
 
@@ -373,10 +404,11 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
 
     - params, grads, optimizer: (1, grad factor, optimizer factor) x parameter bytes (ZeRO paper accounting:
       Adam keeps two states per parameter; gradients one per parameter unless optimizer is "none"); with a
-      ``precision``, bytes per parameter from PRECISIONS instead, plus "master" (the fp32 copy of mixed precision).
+      ``precision``, bytes per parameter from PRECISIONS instead, plus "master" (the fp32 copy of mixed
+      precision).
     - activations: in_flight[s] x saved bytes per microbatch (1F1B: stage s holds min(p - s, m), Megatron's
-      warm-up count + 1; GPipe all m; interleaved read off torch's order). With recomputation (Chen et al. 2016)
-      each in-flight microbatch keeps only the stage input (output_bytes[i-1]) and one microbatch's full
+      warm-up count + 1; GPipe all m; interleaved read off torch's order). With recomputation (Chen et al.
+      2016) each in-flight microbatch keeps only the stage input (output_bytes[i-1]) and one microbatch's full
       activations are live while it is recomputed.
     - buffers: 2 x output_bytes[j-1] after every stage but the last: the send buffer of the activation and the
       receive buffer of its gradient.
@@ -392,7 +424,8 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
         terms = {
             "params": MemoryTerm(rows(arr.param_bytes), None, None),
             "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
-            "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * arr.param_bytes), None, None),
+            "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * arr.param_bytes), None,
+                                    None),
         }
     else:
         weight, grad, master, state = PRECISIONS[opts.precision]
@@ -406,7 +439,8 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
         }
     if opts.recompute:
         stage_input = np.concatenate([[0.0], arr.output_bytes[:-1]])
-        terms["activations"] = MemoryTerm(rows(arr.activation_bytes), fl[:, None] * stage_input[None, :], None)
+        terms["activations"] = MemoryTerm(rows(arr.activation_bytes), fl[:, None] * stage_input[None, :],
+                                          None)
     else:
         terms["activations"] = MemoryTerm(fl[:, None] * arr.activation_bytes[None, :], None, None)
     end = 2.0 * arr.output_bytes
@@ -420,14 +454,16 @@ def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
 
     Stage time over layers [i, j) = sum(layer_time) / speed + 2 * comm_time[j-1] (charged to that stage).
     Stage memory = the sum of ``memory_terms`` (rows, start and end terms added kind by kind). Without
-    recomputation, "static_memory_bytes" is the same without the activations (the rows of every other kind) and
-    "activation_bytes" the saved bytes per layer and microbatch, for a solver that counts a rank's activation peak
+    recomputation, "static_memory_bytes" is the same without the activations (the rows of every other kind)
+    and "activation_bytes" the saved bytes per layer and microbatch, for a solver that counts a rank's
+    activation peak
     over its own order (``opts.shape.live_counts``) rather than chunk by chunk.
     """
     by_kind = memory_terms(arr, opts)
     terms = list(by_kind.values())
     memory = sum((t.rows for t in terms), start=np.zeros_like(terms[0].rows))
-    static = sum((t.rows for k, t in by_kind.items() if k != "activations"), start=np.zeros_like(terms[0].rows))
+    static = sum((t.rows for k, t in by_kind.items() if k != "activations"),
+                 start=np.zeros_like(terms[0].rows))
     starts = [t.start for t in terms if t.start is not None]
     ends = [t.end for t in terms if t.end is not None]
     limits = [d.memory_limit_bytes for d in opts.devices]
@@ -441,13 +477,14 @@ def solver_inputs(arr: LayerArrays, opts: CostOptions) -> dict[str, Any]:
         "activation_bytes": None if opts.recompute else np.asarray(arr.activation_bytes, dtype=float),
         "memory_start_bytes": sum(starts[1:], start=starts[0]) if starts else None,
         "memory_end_bytes": sum(ends[1:], start=ends[0]) if ends else None,
-        "limits": None if all(x is None for x in limits) else np.array([np.inf if x is None else x for x in limits]),
+        "limits": None if all(x is None for x in limits)
+        else np.array([np.inf if x is None else x for x in limits]),
     }
 
 
 def per_chunk_s(opts: CostOptions) -> float:
-    """Seconds per microbatch every chunk pays whatever layers it holds: torch's schedule loop around its forward
-    and backward, and PipelineStage's own code inside them."""
+    """Seconds per microbatch every chunk pays whatever layers it holds: torch's schedule loop around its
+    forward and backward, and PipelineStage's own code inside them."""
     return 2.0 * opts.action_s + opts.chunk_forward_s + opts.chunk_backward_s
 
 
@@ -459,8 +496,12 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     Example (no torch needed)::
 
         >>> from stageplan.formats.profile import LayerProfile, Profile
-        >>> prof = Profile(tuple(LayerProfile(f"l{i}", t, 2 * t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4])))
-        >>> ev = evaluate(LayerArrays.of(prof), (0, 3, 4), make_options(prof, 2, num_microbatches=2, optimizer="sgd"))
+        >>> prof = Profile(
+        ...     tuple(LayerProfile(f"l{i}", t, 2 * t, 0, 0, 0) for i, t in enumerate([1, 2, 3, 4]))
+        ... )
+        >>> ev = evaluate(
+        ...     LayerArrays.of(prof), (0, 3, 4), make_options(prof, 2, num_microbatches=2, optimizer="sgd")
+        ... )
         >>> ev.rank_time_s, ev.bottleneck_s, ev.lower_bound_s
         ((18.0, 12.0), 18.0, 15.0)
     """
@@ -482,20 +523,40 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         b = float(arr.backward_s[i:j].sum()) / dev.speed
         if opts.recompute:
             b += f  # the forward runs again inside the backward
-        f, b = f + opts.chunk_forward_s, b + opts.chunk_backward_s  # PipelineStage's own code around the layers
+        # PipelineStage's own code around the layers
+        f, b = f + opts.chunk_forward_s, b + opts.chunk_backward_s
         c = 2.0 * float(comm[j - 1]) if j < L else 0.0
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
         o = float(opt_time[i:j].sum()) / dev.speed  # once per step, not per microbatch: not in time_s
         first = ranks.index(ranks[s]) == s
-        if first and floor > 0:  # the step's fixed cost, once per rank with anything to step, on its first chunk
+        if first and floor > 0:
+            # the step's fixed cost, once per rank with anything to step, on its first chunk
             mine = [k for k in range(len(boundaries) - 1) if ranks[k] == ranks[s]]
             if any(trained[int(boundaries[k]):int(boundaries[k + 1])].any() for k in mine):
                 o += floor / dev.speed
         t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
         a = 2.0 * opts.action_s  # the schedule's loop around the chunk's forward and its backward
-        stages.append(StagePlan(s, ranks[s], tuple(names[i:j]), i, j, f, b, c, f + b + c + a, fl[s], mem,
-                                dev.memory_limit_bytes, o, t, a, opts.chunk_forward_s + opts.chunk_backward_s))
+        stages.append(
+            StagePlan(
+                s,
+                ranks[s],
+                tuple(names[i:j]),
+                i,
+                j,
+                f,
+                b,
+                c,
+                f + b + c + a,
+                fl[s],
+                mem,
+                dev.memory_limit_bytes,
+                o,
+                t,
+                a,
+                opts.chunk_forward_s + opts.chunk_backward_s,
+            )
+        )
     rank_time = [0.0] * p
     static = [0.0] * p
     for st in stages:
@@ -510,32 +571,14 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
                          np.array([st.optimizer_s for st in stages]), tied)
     bottleneck = max(rank_time)
-    # every rank pays the schedule's loop and PipelineStage's overhead around each of its v chunks, whatever the split
-    lower = lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices]) + per_chunk_s(opts) * opts.virtual_stages
+    # every rank pays the schedule's loop and PipelineStage's
+    # overhead around each of its v chunks, whatever the split
+    lower = (
+        lower_bound(layer_time(arr, opts), [d.speed for d in opts.devices])
+        + per_chunk_s(opts) * opts.virtual_stages
+    )
     rank_mem = tuple(static[r] + peaks[r] for r in range(p))
-    notes = []
-    if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
-        notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
-    if not optimizer_measured(arr, opts):
-        notes.append("optimizer step not measured in this profile: re-profile to include it")
-    tied_note = _tied_note(arr, boundaries, opts)
-    if tied_note:
-        notes.append(tied_note)
-    if opts.boundary_latency_s > 0:
-        notes.append(f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, {opts.latency_source}")
-    if opts.action_s > 0:
-        notes.append(f"torch's schedule takes {opts.action_s * 1e3:.3f} ms around each chunk's forward and backward "
-                     "(its loop: record_function, building and posting the sends), measured by the link probe")
-    if opts.chunk_forward_s > 0 or opts.chunk_backward_s > 0:
-        notes.append(f"PipelineStage takes {opts.chunk_forward_s * 1e3:.3f} ms inside each chunk's forward and "
-                     f"{opts.chunk_backward_s * 1e3:.3f} ms inside its backward outside the layers (its inputs, outputs "
-                     "and the autograd engine's start), measured by the link probe")
-    for r, d in enumerate(opts.devices):
-        if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
-            notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of {format_bytes(d.memory_limit_bytes)}")
-    if opts.num_microbatches < p:
-        notes.append(f"num_microbatches ({opts.num_microbatches}) < num_ranks ({p}): bubble {sim.bubble_fraction:.0%}; "
-                     f"use at least {2 * p} microbatches")
+    notes = _evidence_notes(arr, boundaries, opts, rank_mem, sim.bubble_fraction)
     return Evidence(
         stages=tuple(stages), rank_time_s=tuple(rank_time), rank_memory_bytes=rank_mem,
         rank_peak_activation_bytes=tuple(peaks), bottleneck_s=bottleneck, lower_bound_s=lower,
@@ -544,46 +587,85 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     )
 
 
+def _evidence_notes(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions, rank_mem: Sequence[float],
+                    bubble_fraction: float) -> list[str]:
+    """The cost model's notes on a split: what it could not price (no bandwidth, no optimizer step, a tie
+    without its all-reduce's constants), the link's terms it priced, a rank over its memory limit, too few
+    microbatches."""
+    notes = []
+    p = opts.num_ranks
+    if opts.bandwidth_bytes_per_s is None and opts.boundary_latency_s == 0:
+        notes.append("no bandwidth given: communication between stages is not modelled (comm_s = 0)")
+    if not optimizer_measured(arr, opts):
+        notes.append("optimizer step not measured in this profile: re-profile to include it")
+    tied_note = _tied_note(arr, boundaries, opts)
+    if tied_note:
+        notes.append(tied_note)
+    if opts.boundary_latency_s > 0:
+        notes.append(
+            f"boundary latency {opts.boundary_latency_s * 1e3:.3f} ms per crossing, {opts.latency_source}")
+    if opts.action_s > 0:
+        notes.append(f"torch's schedule takes {opts.action_s * 1e3:.3f} ms around each chunk's forward and "
+                     "backward (its loop: record_function, building and posting the sends), measured by the "
+                     "link probe")
+    if opts.chunk_forward_s > 0 or opts.chunk_backward_s > 0:
+        notes.append(f"PipelineStage takes {opts.chunk_forward_s * 1e3:.3f} ms inside each chunk's forward "
+                     f"and {opts.chunk_backward_s * 1e3:.3f} ms inside its backward outside the layers (its "
+                     "inputs, outputs and the autograd engine's start), measured by the link probe")
+    for r, d in enumerate(opts.devices):
+        if d.memory_limit_bytes is not None and rank_mem[r] > d.memory_limit_bytes:
+            notes.append(f"rank {r} needs {format_bytes(rank_mem[r])}, over its limit of "
+                         f"{format_bytes(d.memory_limit_bytes)}")
+    if opts.num_microbatches < p:
+        notes.append(f"num_microbatches ({opts.num_microbatches}) < num_ranks ({p}): bubble "
+                     f"{bubble_fraction:.0%}; use at least {2 * p} microbatches")
+    return notes
+
+
 def _tied_note(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> str | None:
-    """Without a bandwidth or the all-reduce's constants (``ring_allreduce_time``), say that the tied parameters
-    this split puts on two or more ranks are synced unpriced."""
+    """Without a bandwidth or the all-reduce's constants (``ring_allreduce_time``), say that the tied
+    parameters this split puts on two or more ranks are synced unpriced."""
     across = tied_across(arr, np.array([boundaries]), opts)[0]
     priced = opts.bandwidth_bytes_per_s is not None or opts.allreduce_bandwidth_bytes_per_s is not None
     if priced or not across.any():
         return None
-    return (f"no bandwidth given: the gradient all-reduce of the {int(across.sum())} tied parameter(s) this split puts "
-            f"on two or more ranks ({format_bytes(float(arr.tied_bytes[across].sum()))}) is not modelled "
-            "(tied_sync_s = 0); give a bandwidth to price it")
+    return (f"no bandwidth given: the gradient all-reduce of the {int(across.sum())} tied parameter(s) this "
+            f"split puts on two or more ranks ({format_bytes(float(arr.tied_bytes[across].sum()))}) is not "
+            "modelled (tied_sync_s = 0); give a bandwidth to price it")
 
 
-def _rank_peak_activation_bytes(arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape) -> tuple[float, ...]:
+def _rank_peak_activation_bytes(
+    arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape
+) -> tuple[float, ...]:
     """Per rank, the peak of live saved-activation bytes over its torch order (+ on F, - on B, or on W in
     zero-bubble schedules), from the counts each chunk holds at the moments it can peak
-    (``ScheduleShape.live_counts``): exact for interleaved ranks that hold several stages, where summing per-stage
-    peaks would overcount."""
-    acts = np.array([float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in range(len(boundaries) - 1)])
+    (``ScheduleShape.live_counts``): exact for interleaved ranks that hold several stages, where summing
+    per-stage peaks would overcount."""
+    acts = np.array([float(arr.activation_bytes[boundaries[s]:boundaries[s + 1]].sum())
+                     for s in range(len(boundaries) - 1)])
     return tuple(float(x) for x in shape.activation_peaks(acts))
 
 
-# What every chunk pays whatever its layers, as the link's schedule probe measures it (link.schedule_overheads):
-# torch's loop around each forward and backward, and PipelineStage's own code inside them. CostOptions fields.
+# What every chunk pays whatever its layers, as the link's schedule probe measures it
+# (link.schedule_overheads): torch's loop around each forward and backward, and PipelineStage's own code
+# inside them. CostOptions fields.
 OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
-# The all-reduce the link probe timed (link.allreduce_probe), as the ring model's constants: CostOptions fields,
-# None where the link did not time it (then the tied sync is priced from the point-to-point link)
+# The all-reduce the link probe timed (link.allreduce_probe), as the ring model's constants: CostOptions
+# fields, None where the link did not time it (then the tied sync is priced from the point-to-point link)
 COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
 
 
 def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration: Mapping[str, Any]
                    ) -> tuple[float, float, str, str, float, dict[str, Any]]:
     """Bandwidth (bytes/s), per-crossing delay (s), where the delay came from, the plan's note, the one-way
-    latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the probe
-    did not time them: links measured before it, a single rank, CUDA) with the all-reduce's constants
+    latency (s, for collectives) and the schedule probe's seconds per chunk (:data:`OVERHEADS`; 0 where the
+    probe did not time them: links measured before it, a single rank, CUDA) with the all-reduce's constants
     (:data:`COLLECTIVE`, None where the probe did not time it), from a LINK.json or its dict.
 
     For a profile calibrated from a run (``calibration``, its ``meta["calibration"]``), the link prices the
-    boundaries (its bandwidth and crossing delay replace the fitted one), but the chunk overheads stay the run's,
-    since its layers were calibrated net of them (another probe's would move every rank's compute off what the run
-    measured), and so does the tied all-reduce where calibrate scaled it to the sum the run took
+    boundaries (its bandwidth and crossing delay replace the fitted one), but the chunk overheads stay the
+    run's, since its layers were calibrated net of them (another probe's would move every rank's compute off
+    what the run measured), and so does the tied all-reduce where calibrate scaled it to the sum the run took
     (``tied_sync_ratio``): the sum inside the pipeline held steadier than the probe's (docs/accuracy.md)."""
     from stageplan.formats.link import crossing_s, load_link
 
@@ -593,31 +675,39 @@ def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration:
     pairs = len(measured.get("pairs", []))
     how = (f"measured by stageplan link ({measured.get('backend', 'unknown backend')}, {pairs} "
            f"pair{'' if pairs == 1 else 's'}){where}")
-    note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"  # the latency has its own note
+    # the latency has its own note
+    note = f"link bandwidth {bw / 1e9:.3g} GB/s one way prices the boundary bytes, {how}"
     calibrated_latency_s = float(calibration.get("boundary_latency_s", 0.0))
     if calibrated_latency_s > 0:
         note += f"; it replaces the profile's calibrated {calibrated_latency_s * 1e3:.3f} ms per crossing"
-    # a crossing costs what the schedule's fused send/receive took, where the link timed it (above the latency)
+    # a crossing costs what the schedule's fused send/receive
+    # took, where the link timed it (above the latency)
     kind = "a fused send/receive exchange" if latency_s > measured["latency_s"] else "the one-way latency"
     overheads: dict[str, Any] = {k: float(measured.get(k) or 0.0) for k in OVERHEADS}
     if calibration:
         overheads = {k: float(calibration.get(k, 0.0)) for k in OVERHEADS}
-        note += (f"; the chunk overheads stay the calibrating run's, which the calibrated layers are net of (torch's "
-                 f"loop {overheads['action_s'] * 1e3:.3f} ms per action, PipelineStage "
-                 f"{overheads['chunk_forward_s'] * 1e3:.3f} + {overheads['chunk_backward_s'] * 1e3:.3f} ms per chunk)")
+        note += (f"; the chunk overheads stay the calibrating run's, which the calibrated layers are net of "
+                 f"(torch's loop {overheads['action_s'] * 1e3:.3f} ms per action, PipelineStage "
+                 f"{overheads['chunk_forward_s'] * 1e3:.3f} + {overheads['chunk_backward_s'] * 1e3:.3f} ms "
+                 f"per chunk)")
     else:
         missing = [k for k in OVERHEADS if measured.get(k) is None]
         if missing:
-            note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and PipelineStage "
-                     "spend around each chunk's layers is not priced in full; measure it again with stageplan link")
-    kept = calibration.get("tied_sync_ratio") is not None and calibration.get("allreduce_bandwidth_bytes_per_s") is not None
+            note += (f"; this link's schedule probe has no {', '.join(missing)}: what torch's loop and "
+                     "PipelineStage spend around each chunk's layers is not priced in full; measure it again "
+                     "with stageplan link")
+    kept = (
+        calibration.get("tied_sync_ratio") is not None
+        and calibration.get("allreduce_bandwidth_bytes_per_s") is not None
+    )
     source = calibration if kept else measured
     overheads.update({k: source.get(k) for k in COLLECTIVE})
     if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
         p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
         fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)
         rate = overheads["allreduce_bandwidth_bytes_per_s"] * p / (2 * (p - 1))
-        whose = (f"as the calibrating run's last rank to reach the sum took it ({float(calibration['tied_sync_ratio']):.3f}x "
+        whose = (f"as the calibrating run's last rank to reach the sum took it "
+                 f"({float(calibration['tied_sync_ratio']):.3f}x "
                  "its price then), not from this link's probe" if kept else "from the link's own all-reduce")
         note += (f"; a tied gradient's all-reduce is priced {whose} ({fixed * 1e3:.3f} ms + "
                  f"bytes / {rate / 1e9:.3g} GB/s at {p} ranks, scaled as a ring to other rank counts)")
@@ -630,7 +720,8 @@ def estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
     from importlib import resources
 
     table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
-    gpu = str((meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")).lower()
+    gpu = str((meta.get("estimate") or {}).get("gpu")
+              or str(meta.get("device", "")).removeprefix("estimate:")).lower()
     row = table["gpus"].get(gpu)
     if row is None:
         return None, None
@@ -639,5 +730,6 @@ def estimated_link(meta: dict[str, Any]) -> tuple[float | None, str | None]:
     note = (f"no link given: boundaries priced at {gpu}'s link within a node, {intra['name']}, "
             f"{bw / 1e9:.0f} GB/s one way ({intra['source']}); latency not modelled; across nodes "
             f"{inter['name']} would apply, {float(inter['bandwidth']) / 1e9:.0f} GB/s ({inter['source']}): "
-            f"plan with --bandwidth {float(inter['bandwidth']) / 1e9:.0f}GB/s, or --link LINK.json measured there")
+            f"plan with --bandwidth {float(inter['bandwidth']) / 1e9:.0f}GB/s, or --link LINK.json measured "
+            f"there")
     return bw, note

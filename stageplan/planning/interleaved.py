@@ -1,5 +1,6 @@
-"""Interleaved (virtual-stage) planning: p*v contiguous chunks, chunk c on rank placement[c] (c % p for the looped
-schedules, a V for ZBVZeroBubble), as a MILP (scipy/HiGHS) with a local-search incumbent and a proven bound (no torch)."""
+"""Interleaved (virtual-stage) planning: p*v contiguous chunks, chunk c on rank placement[c] (c % p for the
+looped schedules, a V for ZBVZeroBubble), as a MILP (scipy/HiGHS) with a local-search incumbent and a proven
+bound (no torch)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from stageplan.units import format_bytes, format_limits
 
 __all__ = ["InterleavedSolution", "solve_interleaved"]
 
-# Relative tolerance of a tie: two sums of the same costs in another order are equal within it (float rounding).
+# Relative tolerance of a tie: two sums of the same costs
+# in another order are equal within it (float rounding).
 _TIE = 1e-12
 
 
@@ -40,8 +42,9 @@ class InterleavedSolution:
     ``rank_loads[r]`` is the summed cost of rank r's chunks divided by its speed,
     ``bottleneck == max(rank_loads)``. ``lower_bound`` is a proven lower bound on the optimal
     bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk (with live
-    counts, each chunk at its own activation peak: a rank's chunks need not peak at once, so their sum bounds the
-    rank's memory from above). ``timed_out`` is True when the MILP stopped at ``time_limit_s`` (then ``optimal``
+    counts, each chunk at its own activation peak: a rank's chunks need not peak at once, so their sum bounds
+    the rank's memory from above). ``timed_out`` is True when the MILP stopped at ``time_limit_s`` (then
+    ``optimal``
     is False unless a split it had found is proven to share the optimum's bottleneck).
     """
 
@@ -54,9 +57,11 @@ class InterleavedSolution:
     timed_out: bool = False
 
 
-def _chunk_values(rows: FloatArray, start: FloatArray | None, end: FloatArray | None, bounds: list[int]) -> FloatArray:
-    """Per chunk: its layers' values (rows, (C, L)), plus the start term of its first layer and the end term of
-    its last."""
+def _chunk_values(
+    rows: FloatArray, start: FloatArray | None, end: FloatArray | None, bounds: list[int]
+) -> FloatArray:
+    """Per chunk: its layers' values (rows, (C, L)), plus the start term of its first layer and the end term
+    of its last."""
     prefix = np.zeros((rows.shape[0], rows.shape[1] + 1))
     np.cumsum(rows, axis=1, out=prefix[:, 1:])
     b = np.asarray(bounds)
@@ -70,7 +75,8 @@ def _chunk_values(rows: FloatArray, start: FloatArray | None, end: FloatArray | 
 
 
 def _per_rank(chunk: FloatArray, place: list[int], p: int) -> FloatArray:
-    return np.array([math.fsum(float(chunk[c]) for c in range(len(place)) if place[c] == r) for r in range(p)])
+    return np.array(
+        [math.fsum(float(chunk[c]) for c in range(len(place)) if place[c] == r) for r in range(p)])
 
 
 def _rank_loads(costs: FloatArray, speeds: FloatArray, bounds: list[int], place: list[int],
@@ -81,13 +87,13 @@ def _rank_loads(costs: FloatArray, speeds: FloatArray, bounds: list[int], place:
     return tuple(float(x) for x in _per_rank(chunk, place, speeds.size) / speeds)
 
 
-def _rank_memory(memory: FloatArray, bounds: list[int], place: list[int], p: int, start: FloatArray | None = None,
-                 end: FloatArray | None = None) -> FloatArray:
+def _rank_memory(memory: FloatArray, bounds: list[int], place: list[int], p: int,
+                 start: FloatArray | None = None, end: FloatArray | None = None) -> FloatArray:
     return _per_rank(_chunk_values(memory, start, end, bounds), place, p)
 
 
-def _exact_rank_memory(static: FloatArray, live: LiveActivations | None, bounds: list[int], place: list[int], p: int,
-                       start: FloatArray | None, end: FloatArray | None) -> FloatArray:
+def _exact_rank_memory(static: FloatArray, live: LiveActivations | None, bounds: list[int], place: list[int],
+                       p: int, start: FloatArray | None, end: FloatArray | None) -> FloatArray:
     """Each rank's memory: its chunks' (static) bytes, plus its exact activation peak with ``live``."""
     out = _rank_memory(static, bounds, place, p, start, end)
     return out if live is None else out + live.rank_peaks(bounds)
@@ -109,18 +115,19 @@ def solve_interleaved(
     activation_bytes: ArrayLike | None = None,
     live_counts: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> InterleavedSolution:
-    """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``placement[c]`` (default ``c % p``,
-    torch's looped schedules; ZBVZeroBubble's V is ``0..p-1, p-1..0``), minimising the largest rank load (the
-    summed cost of a rank's chunks divided by its speed, plus each chunk's ``boundary_costs[j-1]`` after its last
-    layer j-1, the last chunk's excepted, not divided: as :func:`stageplan.planning.solver.solve` charges them).
+    """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``placement[c]`` (default ``c %
+    p``, torch's looped schedules; ZBVZeroBubble's V is ``0..p-1, p-1..0``), minimising the largest rank load
+    (the summed cost of a rank's chunks divided by its speed, plus each chunk's ``boundary_costs[j-1]`` after
+    its last layer j-1, the last chunk's excepted, not divided: as :func:`stageplan.planning.solver.solve`
+    charges them).
 
     ``memory_bytes`` is ``(L,)`` or ``(p*v, L)`` (one row per chunk); a chunk's memory adds
     ``memory_start_bytes[c, i]`` of its first layer i and ``memory_end_bytes[c, j-1]`` of its last; a rank's
     memory is the sum of its chunks' and must fit ``memory_limit_bytes`` (scalar or one per rank). With
-    ``activation_bytes`` (L,) and ``live_counts`` (per rank, the microbatch counts each of the C chunks holds at
-    the moments its activations can peak: ScheduleShape.live_counts), ``memory_bytes`` is the static part and a
-    rank adds its exact activation peak, max over its count vectors of sum_c count_c x chunk c's activation bytes
-    (a rank's chunks do not all peak at once). ``v == 1``
+    ``activation_bytes`` (L,) and ``live_counts`` (per rank, the microbatch counts each of the C chunks holds
+    at the moments its activations can peak: ScheduleShape.live_counts), ``memory_bytes`` is the static part
+    and a rank adds its exact activation peak, max over its count vectors of sum_c count_c x chunk c's
+    activation bytes (a rank's chunks do not all peak at once). ``v == 1``
     is the contiguous problem and is solved exactly by :func:`solve`. Otherwise a MILP is solved with
     HiGHS (scipy.optimize.milp) within ``time_limit_s``: ``optimal`` is True when HiGHS proves it
     (gap 1e-9 of the objective scaled by the trivial bound); else the best plan found is returned
@@ -147,8 +154,8 @@ def solve_interleaved(
     speeds = validate_speeds("rank_speeds", rank_speeds, p, "rank")
     place = _validated_placement(placement, p, v)
     bc = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, C, L, "chunk")
-    memory, limits, start, end = _validated_memory(L, p, C, memory_bytes, memory_limit_bytes, memory_start_bytes,
-                                                   memory_end_bytes)
+    memory, limits, start, end = _validated_memory(L, p, C, memory_bytes, memory_limit_bytes,
+                                                   memory_start_bytes, memory_end_bytes)
     live = _validate_live(activation_bytes, live_counts, memory is not None, place, L)
     if (
         isinstance(time_limit_s, bool)
@@ -156,16 +163,18 @@ def solve_interleaved(
         or not (time_limit_s > 0)
         or math.isnan(time_limit_s)
     ):
-        raise StageplanError(f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
+        raise StageplanError(
+            f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
 
     if v == 1:
         return _solve_one_chunk_per_rank(c, p, speeds, place, bc, memory, limits, start, end, live)
     time_end = None
     if bc is not None and np.any(bc[:-1] > 0):
-        time_end = np.array(bc) * speeds[place][:, None]  # charged undivided: times the speed the row divides by
+        # charged undivided: times the speed the row divides by
+        time_end = np.array(bc) * speeds[place][:, None]
         time_end[C - 1] = 0.0  # the last chunk sends nothing
-    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc, start, end,
-                                   live)
+    return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc,
+                                   start, end, live)
 
 
 def _validated_placement(placement: Sequence[int] | None, p: int, v: int) -> list[int]:
@@ -187,8 +196,8 @@ def _validated_memory(
     memory_start_bytes: ArrayLike | None,
     memory_end_bytes: ArrayLike | None,
 ) -> tuple[FloatArray | None, FloatArray | None, FloatArray | None, FloatArray | None]:
-    """The memory rows (C, L), the limits (p,) and the start and end rows (C, L); all None without memory_bytes,
-    where a limit given alone is an error."""
+    """The memory rows (C, L), the limits (p,) and the start and end rows (C, L); all None without
+    memory_bytes, where a limit given alone is an error."""
     memory = limits = start = end = None
     if memory_bytes is None:
         if memory_limit_bytes is not None:
@@ -208,14 +217,16 @@ def _validated_memory(
 
 
 def _solve_one_chunk_per_rank(
-    c: FloatArray, p: int, speeds: FloatArray, place: list[int], bc: FloatArray | None, memory: FloatArray | None,
+    c: FloatArray, p: int, speeds: FloatArray, place: list[int], bc: FloatArray | None,
+    memory: FloatArray | None,
     limits: FloatArray | None, start: FloatArray | None, end: FloatArray | None, live: LiveActivations | None,
 ) -> InterleavedSolution:
     """v == 1: the contiguous problem, solved exactly by :func:`solve` with chunk k on rank ``place[k]``."""
     if live is not None:  # one chunk per rank: its own peak is the rank's
         assert memory is not None
         memory = memory + live.upper_activations
-    sol = solve(c, p, stage_speeds=speeds[place], boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start,
+    sol = solve(c, p, stage_speeds=speeds[place], boundary_costs=bc, memory_bytes=memory,
+                memory_start_bytes=start,
                 memory_end_bytes=end, memory_limit_bytes=None if limits is None else limits[place])
     return InterleavedSolution(
         boundaries=sol.boundaries,
@@ -233,23 +244,24 @@ def _validate_live(activation_bytes: ArrayLike | None, live_counts: Sequence[Seq
         return None
     if activation_bytes is None or live_counts is None or not has_memory:
         raise StageplanError(
-            "activation_bytes and live_counts go together, with memory_bytes holding the static bytes (pass zeros "
-            "for none); pass all three, or fold the activations into memory_bytes and pass neither")
+            "activation_bytes and live_counts go together, with memory_bytes holding the static bytes (pass "
+            "zeros for none); pass all three, or fold the activations into memory_bytes and pass neither")
     C, p = len(place), max(place) + 1
     act = validate_rows("activation_bytes", activation_bytes, 1, L, "chunk")[0]
     if len(live_counts) != p:
-        raise StageplanError(f"live_counts needs one list of count vectors per rank ({p}), got {len(live_counts)}; "
+        raise StageplanError(f"live_counts needs one list of count vectors per rank ({p}), got "
+                             f"{len(live_counts)}; "
                              "pass ScheduleShape.live_counts")
     counts = []
     for r, vectors in enumerate(live_counts):
         k = np.asarray(vectors, dtype=float)
         if k.ndim != 2 or k.shape[0] < 1 or k.shape[1] != C or not np.all(np.isfinite(k)) or np.any(k < 0):
-            raise StageplanError(f"live_counts[{r}] must be one or more vectors of {C} counts >= 0, got shape "
-                                 f"{k.shape}; pass ScheduleShape.live_counts")
+            raise StageplanError(f"live_counts[{r}] must be one or more vectors of {C} counts >= 0, got "
+                                 f"shape {k.shape}; pass ScheduleShape.live_counts")
         off = [ci for ci in range(C) if place[ci] != r and np.any(k[:, ci] != 0)]
         if off:
-            raise StageplanError(f"live_counts[{r}] counts chunks {off}, which run on other ranks; a rank counts "
-                                 "only its own chunks (0 elsewhere)")
+            raise StageplanError(f"live_counts[{r}] counts chunks {off}, which run on other ranks; a rank "
+                                 "counts only its own chunks (0 elsewhere)")
         counts.append(k)
     return LiveActivations(act, tuple(counts))
 
@@ -263,7 +275,8 @@ class _Split:
     v: int
     speeds: FloatArray
     static: FloatArray | None  # the memory rows as given (the static bytes alone with live counts)
-    memory: FloatArray | None  # with live counts, each chunk at its own activation peak: what heuristics bound by
+    # with live counts, each chunk at its own activation peak: what heuristics bound by
+    memory: FloatArray | None
     limits: FloatArray | None
     time_limit_s: float
     place: list[int]
@@ -287,7 +300,8 @@ class _Split:
         return max(_rank_loads(self.c, self.speeds, bounds, self.place, self.time_end))
 
     def largest_chunk(self, bounds: list[int]) -> float:
-        return float((_chunk_values(self.time_rows, None, self.time_end, bounds) / self.speeds[self.place]).max())
+        return float(
+            (_chunk_values(self.time_rows, None, self.time_end, bounds) / self.speeds[self.place]).max())
 
 
 def _solve_interleaved_milp(
@@ -308,22 +322,25 @@ def _solve_interleaved_milp(
     trivial = lower_bound(c, speeds)
     static = memory
     if memory is not None and live is not None:
-        memory = memory + live.upper_activations  # per chunk, its own peak: what the heuristics bound ranks by
-    split = _Split(c, p, v, speeds, static, memory, limits, time_limit_s, place, time_end, bc, start, end, live)
+        # per chunk, its own peak: what the heuristics bound ranks by
+        memory = memory + live.upper_activations
+    split = _Split(c, p, v, speeds, static, memory, limits, time_limit_s, place, time_end, bc, start, end,
+                   live)
     heur, upper = _incumbent(split)
     heur_ok = bool(heur)
 
-    result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place, time_end,
+    result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place,
+                              time_end,
                                start, end, live)
     if result.infeasible and not heur_ok:
         _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
-    return _best_split(split, (result.bounds, result.unchecked), result.optimal, heur, trivial, result.dual_bound,
-                       result.timed_out)
+    return _best_split(split, (result.bounds, result.unchecked), result.optimal, heur, trivial,
+                       result.dual_bound, result.timed_out)
 
 
 def _incumbent_starts(s: _Split) -> list[list[int]]:
-    """Contiguous optima over p*v stages with the ranks' speeds: memory ignored, then (under limits) each chunk
-    held to a share of its rank's limit (:func:`_memory_starts`), those that exist, without repeats."""
+    """Contiguous optima over p*v stages with the ranks' speeds: memory ignored, then (under limits) each
+    chunk held to a share of its rank's limit (:func:`_memory_starts`), those that exist, without repeats."""
     C = len(s.place)
     chunk_speeds = s.speeds[s.place]
     starts = [list(solve(s.c, C, stage_speeds=chunk_speeds, boundary_costs=s.bc).boundaries)]
@@ -341,8 +358,8 @@ def _incumbent_starts(s: _Split) -> list[list[int]]:
 
 def _incumbent(s: _Split) -> tuple[list[int], float]:
     """The heuristic split that bounds the MILP and its bottleneck ([] and inf when none fits): the contiguous
-    optimum over p*v stages with the ranks' speeds (memory ignored, or each chunk held to a share of its rank's
-    limit), improved by local search."""
+    optimum over p*v stages with the ranks' speeds (memory ignored, or each chunk held to a share of its
+    rank's limit), improved by local search."""
     heur: list[int] = []
     upper = INF
     slides = None
@@ -352,7 +369,8 @@ def _incumbent(s: _Split) -> tuple[list[int], float]:
     for first in _incumbent_starts(s):
         if not s.fits(first):
             if heur:
-                continue  # repairs are the costly part (up to 16k slides a step at 128 chunks): one that fits is enough
+                # repairs are the costly part (up to 16k slides a step at 128 chunks): one that fits is enough
+                continue
             assert slides is not None
             first = slides.repair(first)
         if s.fits(first):
@@ -363,19 +381,20 @@ def _incumbent(s: _Split) -> tuple[list[int], float]:
                 heur, upper = cand, load
     if heur and slides is not None:  # slides from the best start only: at 128 chunks each costs about 1 s
         quick = slides.faster(heur)
-        # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the bulk sums
-        # round in another order than bottleneck_of, so the split is checked again with that same tolerance (an exact
-        # test here had dropped whole faster() results over one ulp: 26.2 against 26.199999999999996)
+        # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the
+        # bulk sums round in another order than bottleneck_of, so the split is checked again with that same
+        # tolerance (an exact test here had dropped whole faster() results over one ulp: 26.2 against
+        # 26.199999999999996)
         if s.fits(quick) and _no_slower(s.bottleneck_of(quick), upper):
             heur, upper = quick, s.bottleneck_of(quick)
     return heur, upper
 
 
-def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: bool, heur: list[int], trivial: float,
-                dual_bound: float, timed_out: bool) -> InterleavedSolution:
-    """The fastest of the MILP's splits (``proven``: HiGHS proved them optimal) and the incumbent ``heur``, those
-    that fit; among equal bottlenecks the one whose largest chunk is smallest. ``dual_bound``: the MILP's proven
-    bound; ``timed_out``: the MILP stopped at its time limit."""
+def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: bool, heur: list[int],
+                trivial: float, dual_bound: float, timed_out: bool) -> InterleavedSolution:
+    """The fastest of the MILP's splits (``proven``: HiGHS proved them optimal) and the incumbent ``heur``,
+    those that fit; among equal bottlenecks the one whose largest chunk is smallest. ``dual_bound``: the
+    MILP's proven bound; ``timed_out``: the MILP stopped at its time limit."""
     candidates: list[tuple[float, float, list[int], bool]] = []
     for found in found_by_milp:  # the check's split and the one it refuted: the exact better
         if found is not None and s.fits(found):
@@ -384,13 +403,15 @@ def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: 
         candidates.append((s.bottleneck_of(heur), s.largest_chunk(heur), heur, False))
     if not candidates:
         raise StageplanError(
-            f"no interleaved plan of {s.c.size} layers into {s.p} ranks x {s.v} virtual stages was found within "
-            f"time_limit_s={s.time_limit_s:g}, and infeasibility was not proven either; give the solver longer "
-            "(time_limit_s; stageplan plan --time-limit SECONDS), raise the memory limit, or use recomputation"
+            f"no interleaved plan of {s.c.size} layers into {s.p} ranks x {s.v} virtual stages was found "
+            f"within time_limit_s={s.time_limit_s:g}, and infeasibility was not proven either; give the "
+            "solver longer (time_limit_s; stageplan plan --time-limit SECONDS), raise the memory limit, or "
+            "use recomputation"
         )
     best = min(t[0] for t in candidates)
-    # equal bottlenecks: keep the split whose largest chunk is smallest (a chunk is what the schedule waits on; a
-    # proven-optimal MILP split of the 70B estimate with 20-layer and 1-layer chunks simulated 15.9 s against 11.1 s)
+    # equal bottlenecks: keep the split whose largest chunk is smallest (a chunk is what the schedule waits
+    # on; a proven-optimal MILP split of the 70B estimate with 20-layer and 1-layer chunks simulated 15.9 s
+    # against 11.1 s)
     tied = [t for t in candidates if t[0] <= best * (1 + _TIE)]
     _, _, bounds, _ = min(tied, key=lambda t: t[1])
     optimal = any(t[3] for t in tied)  # a proven optimum's bottleneck is shared by every tied split
@@ -403,8 +424,8 @@ def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: 
         bottleneck=max(loads),
         lower_bound=lower,
         optimal=optimal,
-        chunk_memory=None if s.memory is None else tuple(float(x) for x in _chunk_values(s.memory, s.start, s.end,
-                                                                                         bounds)),
+        chunk_memory=None if s.memory is None else tuple(float(x) for x in _chunk_values(s.memory, s.start,
+                                                                                         s.end, bounds)),
         timed_out=timed_out,
     )
 
@@ -415,10 +436,10 @@ _SHARE_BLENDS = (0.0, 0.25, 0.5, 0.75, 1.0)
 def _memory_starts(static: FloatArray, live: LiveActivations | None, upper: FloatArray, place: list[int],
                    p: int) -> list[tuple[FloatArray, FloatArray]]:
     """Per-chunk memory rows and each chunk's share of its rank's limit, for contiguous solves that seed the
-    incumbent: rows that bound each chunk by its own peak (their sum over a rank bounds the rank), or with live
-    counts each rank's heaviest moment's counts (equal-sized chunks; not a bound, so a split is kept only when its
-    exact memory fits); shares equal (1/v), or in proportion to a chunk's bytes per layer (a chunk holding more
-    microbatches gets more of the limit, and so about as many layers)."""
+    incumbent: rows that bound each chunk by its own peak (their sum over a rank bounds the rank), or with
+    live counts each rank's heaviest moment's counts (equal-sized chunks; not a bound, so a split is kept only
+    when its exact memory fits); shares equal (1/v), or in proportion to a chunk's bytes per layer (a chunk
+    holding more microbatches gets more of the limit, and so about as many layers)."""
     C = len(place)
     options = [upper]
     if live is not None:
@@ -455,7 +476,8 @@ def _improve_interleaved(
     larger load of the ranks involved (rank load = sum of its chunks' values, each chunk's first-layer start
     and last-layer end terms included, / div[rank]), keeping every rank within guard_limits on guard_rows
     (with their start and end terms, plus the rank's exact activation peak with ``g_live``) when given. The
-    sorted load vector falls with every move, so it stops; the result is a heuristic incumbent, not a proof."""
+    sorted load vector falls with every move, so it stops; the result is a heuristic incumbent, not a
+    proof."""
     C = values.shape[0]
     if p == 1:
         return bounds
@@ -478,9 +500,11 @@ def _term(rows: FloatArray | None, ci: int, layer: int) -> float:
     return 0.0 if rows is None else float(rows[ci, layer])
 
 
-def _span_sums(rows: FloatArray, start: FloatArray | None, end: FloatArray | None) -> Callable[[int, int, int], float]:
-    """f(ci, i, j): chunk ci over layers [i, j), the sum of its row of ``rows`` plus the start term of its first
-    layer and the end term of its last (from prefix sums, as Python floats)."""
+def _span_sums(
+    rows: FloatArray, start: FloatArray | None, end: FloatArray | None
+) -> Callable[[int, int, int], float]:
+    """f(ci, i, j): chunk ci over layers [i, j), the sum of its row of ``rows`` plus the start term of its
+    first layer and the end term of its last (from prefix sums, as Python floats)."""
     prefix = np.zeros((rows.shape[0], rows.shape[1] + 1))
     np.cumsum(rows, axis=1, out=prefix[:, 1:])
     P = prefix.tolist()
@@ -492,9 +516,9 @@ def _span_sums(rows: FloatArray, start: FloatArray | None, end: FloatArray | Non
 
 
 class _MemoryGuard:
-    """Each rank's memory under the single moves, kept incrementally: its chunks' bytes on ``rows`` (with their
-    start and end terms) plus, with ``live``, its exact activation peak; a move is admitted only while the ranks
-    it touches stay within ``limits``."""
+    """Each rank's memory under the single moves, kept incrementally: its chunks' bytes on ``rows`` (with
+    their start and end terms) plus, with ``live``, its exact activation peak; a move is admitted only while
+    the ranks it touches stay within ``limits``."""
 
     def __init__(self, rows: FloatArray, limits: FloatArray, start: FloatArray | None, end: FloatArray | None,
                  live: LiveActivations | None, b: list[int], place: list[int], p: int) -> None:
@@ -516,8 +540,8 @@ class _MemoryGuard:
         return float((self.live.counts[r] @ np.asarray(self.cact)).max())
 
     def admits(self, b: list[int], ci: int, nb: int, ra: int, rb: int) -> bool:
-        """Whether moving boundary ci to nb keeps ranks ra and rb (its chunks' ranks) within their limits; if it
-        does, the move's memory is recorded (the caller then makes the move), else nothing changes."""
+        """Whether moving boundary ci to nb keeps ranks ra and rb (its chunks' ranks) within their limits; if
+        it does, the move's memory is recorded (the caller then makes the move), else nothing changes."""
         cmem, rmem, cact, act_prefix = self.cmem, self.rmem, self.cact, self.act_prefix
         ma = self.mem_of(ci - 1, b[ci - 1], nb)
         mb = self.mem_of(ci, nb, b[ci + 1])
@@ -539,8 +563,9 @@ class _MemoryGuard:
 
 def _single_moves(b: list[int], place: list[int], d: list[float], cost_of: Callable[[int, int, int], float],
                   cost: list[float], load: list[float], guard: _MemoryGuard | None) -> None:
-    """The descent of :func:`_improve_interleaved`, in place on ``b`` (the boundaries), ``cost`` (per chunk) and
-    ``load`` (per rank, before dividing by ``d``): until no single move lowers the larger load of its two ranks."""
+    """The descent of :func:`_improve_interleaved`, in place on ``b`` (the boundaries), ``cost`` (per chunk)
+    and ``load`` (per rank, before dividing by ``d``): until no single move lowers the larger load of its two
+    ranks."""
     C = len(b) - 1
     improved = True
     while improved:
@@ -568,20 +593,22 @@ def _single_moves(b: list[int], place: list[int], d: list[float], cost_of: Calla
 
 
 def _no_slower(bottleneck: float, upper: float) -> bool:
-    """Whether a bottleneck summed one way is no slower than ``upper`` summed another, up to their rounding (a tie
-    within _TIE of each, as the slides take them)."""
+    """Whether a bottleneck summed one way is no slower than ``upper`` summed another, up to their rounding (a
+    tie within _TIE of each, as the slides take them)."""
     return bottleneck <= upper * (1 + 2 * _TIE)
 
 
 class _Slides:
-    """Local search over slides, for splits under memory limits: a slide shifts a run of consecutive boundaries one
-    layer the same way, so one chunk gives a layer and another, possibly on a distant rank, takes one while the
-    chunks between keep their sizes. Single moves (:func:`_improve_interleaved`) stall where one layer of a large
-    model is more than a neighbour has to spare: the 70B estimate at 16 ranks x 2 chunks stayed at 190 GiB under a
-    150 GiB limit, where slides carry the layer on to a rank with room. Splits are scored in bulk by the exact
-    rank memory (static bytes plus, with ``live``, each rank's activation peak) and the rank loads."""
+    """Local search over slides, for splits under memory limits: a slide shifts a run of consecutive
+    boundaries one layer the same way, so one chunk gives a layer and another, possibly on a distant rank,
+    takes one while the chunks between keep their sizes. Single moves (:func:`_improve_interleaved`) stall
+    where one layer of a large model is more than a neighbour has to spare: the 70B estimate at 16 ranks x 2
+    chunks stayed at 190 GiB under a 150 GiB limit, where slides carry the layer on to a rank with room.
+    Splits are scored in bulk by the exact rank memory (static bytes plus, with ``live``, each rank's
+    activation peak) and the rank loads."""
 
-    def __init__(self, static: FloatArray, live: LiveActivations | None, start: FloatArray | None, end: FloatArray | None,
+    def __init__(self, static: FloatArray, live: LiveActivations | None, start: FloatArray | None,
+                 end: FloatArray | None,
                  limits: FloatArray, costs: FloatArray, speeds: FloatArray, time_end: FloatArray | None,
                  place: list[int], p: int, seconds: float) -> None:
         C, L = static.shape
@@ -633,9 +660,9 @@ class _Slides:
     def _search(self, phase: str, bounds: list[int], score: Callable[[IntArray], tuple[FloatArray, ...]],
                 done: Callable[[list[float]], bool],
                 admissible: Callable[[IntArray], BoolArray] | None = None) -> list[int]:
-        """Best-improvement descent on the score tuple, compared in order (each key with a relative tolerance),
-        which falls with every step; with ``admissible``, only over the splits it accepts (asked of the improving
-        ones only)."""
+        """Best-improvement descent on the score tuple, compared in order (each key with a relative
+        tolerance), which falls with every step; with ``admissible``, only over the splits it accepts (asked
+        of the improving ones only)."""
         b = np.asarray(bounds, dtype=np.int64)
         now = [float(x[0]) for x in score(b[None, :])]
         for _ in range(4 * self.L):
@@ -671,8 +698,8 @@ class _Slides:
         return self._search("repair", bounds, score, lambda now: now[0] <= 0)
 
     def faster(self, bounds: list[int]) -> list[int]:
-        """Within the limits (a split that fits stays fitting): lower the bottleneck, then the largest chunk (what
-        the schedule waits on), then the sum of squared loads."""
+        """Within the limits (a split that fits stays fitting): lower the bottleneck, then the largest chunk
+        (what the schedule waits on), then the sum of squared loads."""
 
         def score(cands: IntArray) -> tuple[FloatArray, ...]:
             loads, chunks = self.loads(cands)
@@ -692,8 +719,8 @@ def _raise_interleaved_infeasible(
     assert memory is not None and limits is not None
     L = c.size
     needed: float | None = None
-    # HiGHS's proof with presolve is checked without it (interleaved_milp): with it alone, HiGHS (scipy 1.17.1)
-    # called a split 1 B above the optimum optimal on a 7-layer ZBV instance (35 B against 34 B)
+    # HiGHS's proof with presolve is checked without it (interleaved_milp): with it alone, HiGHS (scipy
+    # 1.17.1) called a split 1 B above the optimum optimal on a 7-layer ZBV instance (35 B against 34 B)
     res = interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", INF, 0.0, time_limit_s, place, None,
                             start, end, live)
     if res.optimal and res.bounds:
@@ -702,8 +729,8 @@ def _raise_interleaved_infeasible(
     tail = (
         f"the smallest limit that admits a plan is {format_bytes(needed)}"
         if needed is not None
-        else f"the smallest limit that admits a plan was not found within time_limit_s={time_limit_s:g} (give the solver "
-             "longer to find it: stageplan plan --time-limit SECONDS)"
+        else f"the smallest limit that admits a plan was not found within time_limit_s={time_limit_s:g} "
+             "(give the solver longer to find it: stageplan plan --time-limit SECONDS)"
     )
     raise InfeasiblePlanError(
         f"no partition of {L} layers into {p * v} chunks ({p} ranks x {v} virtual stages) fits "

@@ -18,21 +18,24 @@ from stageplan.planning.partition import INF, FloatArray, IntArray
 
 _VERIFY = 1e-6  # a split better than HiGHS's proven optimum by more than this (relative) refutes the proof
 _CHECK_MIN_S = 0.5  # the least time the check of a proof gets (within the time limit)
-_HIGHS_SOLVE_ERROR = 4  # scipy.optimize.milp's status when HiGHS ends in an error (0 optimal, 1 limit, 2 infeasible)
+# scipy.optimize.milp's status when HiGHS ends in an error (0 optimal, 1 limit, 2 infeasible)
+_HIGHS_SOLVE_ERROR = 4
 
 
 @dataclass(frozen=True)
 class LiveActivations:
     """Activations counted at their exact peak: ``activation_bytes`` per layer (L,) and, per rank, the
-    microbatch counts each chunk holds at the moments the rank can peak (``counts[r]``, (K_r, C), 0 off the rank;
-    ScheduleShape.live_counts). Rank r's activation peak is max_k sum_c counts[r][k, c] x chunk c's bytes."""
+    microbatch counts each chunk holds at the moments the rank can peak (``counts[r]``, (K_r, C), 0 off the
+    rank; ScheduleShape.live_counts). Rank r's activation peak is max_k sum_c counts[r][k, c] x chunk c's
+    bytes."""
 
     activation_bytes: FloatArray
     counts: tuple[FloatArray, ...]
 
     @property
     def upper_activations(self) -> FloatArray:
-        """(C, L): each chunk's own peak count x its layers' bytes; summed over a rank's chunks, an upper bound."""
+        """(C, L): each chunk's own peak count x its layers'
+        bytes; summed over a rank's chunks, an upper bound."""
         most = np.max(np.concatenate(self.counts, axis=0), axis=0)
         return np.asarray(most[:, None] * self.activation_bytes[None, :])
 
@@ -50,7 +53,8 @@ class _MilpResult:
     infeasible: bool
     dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
     timed_out: bool = False  # HiGHS stopped at its time limit
-    unchecked: list[int] | None = None  # the split HiGHS proved with presolve, when the check found a better one
+    # the split HiGHS proved with presolve, when the check found a better one
+    unchecked: list[int] | None = None
 
 
 def interleaved_milp(
@@ -71,15 +75,15 @@ def interleaved_milp(
     live: LiveActivations | None = None,
     presolve: bool = True,
 ) -> _MilpResult:
-    """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l sits
-    in chunk >= c (c = 1..C-1): a staircase, non-decreasing in l, rising by at most one per layer, so every chunk
-    is non-empty and contiguous. With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c costs
-    S_c - S_{c+1}. Chunk c runs on rank ``place[c]``. A term of a chunk's first layer (start[c, i]) or last layer
-    (end[c, j-1]) is linear in u too: layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and starts chunk
-    c >= 1 iff u[l, c] - u[l-1, c] = 1. ``time_end`` is a chunk's boundary time at its last layer, already times
-    its rank's speed. With ``live``, ``memory`` holds the static bytes only and each rank gets one memory row per
-    live-count vector (its chunks' static bytes + sum_c count_c x activation bytes of chunk c): the exact
-    activation peak, not a bound."""
+    """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l
+    sits in chunk >= c (c = 1..C-1): a staircase, non-decreasing in l, rising by at most one per layer, so
+    every chunk is non-empty and contiguous. With S_c = sum_l w_l u[l, c] (S_0 = total, S_C = 0), chunk c
+    costs S_c - S_{c+1}. Chunk c runs on rank ``place[c]``. A term of a chunk's first layer (start[c, i]) or
+    last layer (end[c, j-1]) is linear in u too: layer l ends chunk c iff u[l+1, c+1] - u[l, c+1] = 1, and
+    starts chunk c >= 1 iff u[l, c] - u[l-1, c] = 1. ``time_end`` is a chunk's boundary time at its last
+    layer, already times its rank's speed. With ``live``, ``memory`` holds the static bytes only and each rank
+    gets one memory row per live-count vector (its chunks' static bytes + sum_c count_c x activation bytes of
+    chunk c): the exact activation peak, not a bound."""
     L = costs.size
     C = p * v
     rows = _Rows(L, C, p, place)
@@ -113,8 +117,8 @@ def interleaved_milp(
     dual = res.get("mip_dual_bound")
     dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -INF
     bounds = model.split_of(res)
-    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound, res.status == 1,
-                       unchecked)
+    return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound,
+                       res.status == 1, unchecked)
 
 
 def _variable_bounds(L: int, C: int) -> tuple[FloatArray, FloatArray]:
@@ -137,7 +141,8 @@ def _var(layer: IntArray, chunk: IntArray, nc: int) -> IntArray:
 
 class _Rows:
     """The MILP's constraint rows, built block by block in coordinate form: row_lo <= A x <= row_hi over
-    x = (u, z), z (the column after u) the objective variable: bottleneck (time) or peak rank memory (memory)."""
+    x = (u, z), z (the column after u) the objective variable: bottleneck (time) or peak rank memory
+    (memory)."""
 
     def __init__(self, L: int, C: int, p: int, place: list[int]) -> None:
         self.L, self.C, self.p, self.place = L, C, p, place
@@ -177,10 +182,12 @@ class _Rows:
         self.hi += [INF] * ll.size
         self.n += ll.size
 
-    def rank_rows(self, weights: FloatArray, rhs: FloatArray, z_coef: FloatArray, start: FloatArray | None = None,
+    def rank_rows(self, weights: FloatArray, rhs: FloatArray, z_coef: FloatArray,
+                  start: FloatArray | None = None,
                   end: FloatArray | None = None, ranks: Sequence[int] | None = None) -> None:
-        """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the end
-        term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or ``ranks``."""
+        """sum over rank r's chunks of their weight (plus the start term of each chunk's first layer and the
+        end term of its last) + z_coef[r] * z <= rhs[r]; weights, start and end are (C, L); every rank, or
+        ``ranks``."""
         L, C, nc = self.L, self.C, self.nc
         layers = np.arange(L)
         for rank in range(self.p) if ranks is None else ranks:
@@ -215,7 +222,8 @@ class _Rows:
             self.hi.append(float(rhs[rank]) - const)
             self.n += 1
 
-    def memory_rows(self, memory: FloatArray, live: LiveActivations | None, mem_scale: float, ms: FloatArray | None,
+    def memory_rows(self, memory: FloatArray, live: LiveActivations | None, mem_scale: float,
+                    ms: FloatArray | None,
                     me: FloatArray | None, rhs: FloatArray, z_coef: FloatArray) -> None:
         """Each rank's memory over ``mem_scale`` (``ms``, ``me``: the start and end terms, already over it)
         + z_coef[r] * z <= rhs[r]; with ``live``, one row per rank and live-count vector."""
@@ -249,7 +257,8 @@ class _Model:
     row_hi: FloatArray
 
     def split_of(self, result: Any) -> list[int] | None:
-        """The chunk boundaries of HiGHS's x, or None without one (or with a staircase rounding gives no split)."""
+        """The chunk boundaries of HiGHS's x, or None without
+        one (or with a staircase rounding gives no split)."""
         if result.x is None:
             return None
         u = np.rint(result.x[: self.z]).reshape(self.L, self.nc)
@@ -277,13 +286,14 @@ def _milp(model: _Model, use_presolve: bool, seconds: float) -> Any:
             integrality=integrality,
             bounds=optimize.Bounds(model.lb, model.ub),
             constraints=optimize.LinearConstraint(model.a, model.row_lo, model.row_hi),
-            options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9, "presolve": use_presolve},
+            options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9,
+                     "presolve": use_presolve},
         )
 
 
 def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[Any, list[int] | None]:
-    """HiGHS's result within ``time_limit_s`` (with ``presolve``: solved again without it after a solve error, and
-    a proof checked without it), and the split a check refuted (``unchecked``; None when none was)."""
+    """HiGHS's result within ``time_limit_s`` (with ``presolve``: solved again without it after a solve error,
+    and a proof checked without it), and the split a check refuted (``unchecked``; None when none was)."""
     z, lb, ub = model.z, model.lb, model.ub
     began = time.perf_counter()
     res = _highs(model, bool(presolve), float(time_limit_s))
@@ -292,18 +302,20 @@ def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[
         took = time.perf_counter() - began
         left = float(time_limit_s) - took
         if res.status == _HIGHS_SOLVE_ERROR and left > 0:
-            # HiGHS (scipy 1.17.1) can end in "Solve error" after its presolve (or raise), with no split and no
-            # bound, where the same model solves without it: 2 of 51,844 random instances (3 ranks x 2 chunks,
-            # 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's upper bound:
-            # optimal 14). The plan had fallen back to the unproven heuristic split. So it is solved again without.
+            # HiGHS (scipy 1.17.1) can end in "Solve error" after its presolve (or raise), with no split and
+            # no bound, where the same model solves without it: 2 of 51,844 random instances (3 ranks x 2
+            # chunks, 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's
+            # upper bound: optimal 14). The plan had fallen back to the unproven heuristic split. So it is
+            # solved again without.
             res = _highs(model, False, left)
         elif res.status == 0 and res.x is not None and left > 0 and res.x[z] * (1 - _VERIFY) > lb[z]:
-            # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs, 5.6
-            # where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34 B). So a
-            # proof with presolve is checked without it: is there a split better by more than _VERIFY? None
-            # (infeasible, or no answer in its time): the split stands. One: it is returned, and the claimed split
-            # beside it (``unchecked``), for the caller to keep the better by its exact figures. The check gets at
-            # most what the proof took (at least _CHECK_MIN_S), so a plan takes at most about twice as long.
+            # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs,
+            # 5.6 where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34
+            # B). So a proof with presolve is checked without it: is there a split better by more than
+            # _VERIFY? None (infeasible, or no answer in its time): the split stands. One: it is returned, and
+            # the claimed split beside it (``unchecked``), for the caller to keep the better by its exact
+            # figures. The check gets at most what the proof took (at least _CHECK_MIN_S), so a plan takes at
+            # most about twice as long.
             claimed = ub[z]
             ub[z] = res.x[z] * (1 - _VERIFY)
             check = _highs(model, False, min(left, max(took, _CHECK_MIN_S)))

@@ -1,5 +1,5 @@
-"""The solver's instance and its feasibility probes: given a time cap and a memory cap, does a contiguous split into p
-stages exist, and the lexicographically smallest one (numpy only, no scipy)."""
+"""The solver's instance and its feasibility probes: given a time cap and a memory cap, does a contiguous
+split into p stages exist, and the lexicographically smallest one (numpy only, no scipy)."""
 
 from __future__ import annotations
 
@@ -541,7 +541,9 @@ def _stab_argmin(n: int, lo: IntArray, hi: IntArray, w: FloatArray) -> IntArray:
     return table[0]
 
 
-def _acceptable(inst: Instance, k: int, i: IntArray | int, j: IntArray, time_cap: float, util_cap: float) -> BoolArray:
+def _acceptable(
+    inst: Instance, k: int, i: IntArray | int, j: IntArray, time_cap: float, util_cap: float
+) -> BoolArray:
     ok = _times(inst, k, i, j) <= time_cap
     if inst.has_memory:
         ok &= _mem_ok(inst, k, _mems(inst, k, i, j), util_cap)

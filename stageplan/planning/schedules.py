@@ -186,15 +186,16 @@ def _zbv(p: int, m: int, rank: int) -> list[Action]:
 
 @dataclass(frozen=True)
 class SendWaits:
-    """Where a rank of a single-stage schedule (GPipe, 1F1B) waits for its own sends, as torch 2.13's loops do.
+    """Where a rank of a single-stage schedule (GPipe, 1F1B)
+    waits for its own sends, as torch 2.13's loops do.
 
-    A send is named by the action that consumes it on the neighbouring rank (``Action(s + 1, i, "F")`` for stage
-    s's activation of microbatch i, ``Action(s - 1, i, "B")`` for its input gradient): it completes once that
-    rank has posted the matching receive and the message has crossed (gloo and NCCL point-to-point sends are
-    rendezvous: measured here, a 1 KiB-4 MiB gloo send's wait() returned only after the receive was posted).
-    Per action of the rank's order: ``before_post`` (sends waited before the action's receive is posted) and
-    ``with_post`` (sends fused with that receive, waited together); ``at_end``: sends waited after the last
-    action, before ``step()`` returns (so before the tied all-reduce and the optimizer step)."""
+    A send is named by the action that consumes it on the neighbouring rank (``Action(s + 1, i, "F")`` for
+    stage s's activation of microbatch i, ``Action(s - 1, i, "B")`` for its input gradient): it completes once
+    that rank has posted the matching receive and the message has crossed (gloo and NCCL point-to-point sends
+    are rendezvous: measured here, a 1 KiB-4 MiB gloo send's wait() returned only after the receive was
+    posted). Per action of the rank's order: ``before_post`` (sends waited before the action's receive is
+    posted) and ``with_post`` (sends fused with that receive, waited together); ``at_end``: sends waited after
+    the last action, before ``step()`` returns (so before the tied all-reduce and the optimizer step)."""
 
     before_post: tuple[tuple[Action, ...], ...]
     with_post: tuple[tuple[Action, ...], ...]
@@ -218,9 +219,9 @@ def _gpipe_send_waits(p: int, m: int, rank: int) -> SendWaits:
 
 
 def _one_f_one_b_send_waits(p: int, m: int, rank: int) -> SendWaits:
-    # Schedule1F1B._step_microbatches, replayed: after each warm-up forward the previous forward send is waited;
-    # the B/F pairs fuse the pending send with the next receive and wait both; each cool-down backward waits the
-    # previous backward send after it; the last send is waited at the end
+    # Schedule1F1B._step_microbatches, replayed: after each warm-up forward the previous forward send is
+    # waited; the B/F pairs fuse the pending send with the next receive and wait both; each cool-down backward
+    # waits the previous backward send after it; the last send is waited at the end
     before: list[list[Action]] = []
     fused: list[list[Action]] = []
     pending: list[Action] = []  # waited after the last action, before the next receive is posted
@@ -259,8 +260,8 @@ def _one_f_one_b_send_waits(p: int, m: int, rank: int) -> SendWaits:
 
 def send_waits(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[SendWaits, ...] | None:
     """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`), for the single-stage
-    schedules; None for the others (torch's multi-stage runtime, whose sends are not modelled as waits). The same
-    as ``schedule_shape(...).send_waits``."""
+    schedules; None for the others (torch's multi-stage runtime, whose sends are not modelled as waits). The
+    same as ``schedule_shape(...).send_waits``."""
     return schedule_shape(schedule, num_ranks, num_microbatches).send_waits
 
 
@@ -335,15 +336,15 @@ class ScheduleShape:
     def receives_on_demand(self) -> bool:
         """A receive is posted only when the rank is about to run the action that needs it, so a crossing's
         transfer starts no earlier than that (torch's single-stage schedules, GPipe and 1F1B: each posts its
-        receive right before the forward or backward and waits for it; a point-to-point message moves once both
-        sides have posted, on gloo and NCCL alike). torch's multi-stage runtime posts receives ahead (its RECV_F
-        and RECV_B actions), so there a transfer overlaps the receiving rank's compute."""
+        receive right before the forward or backward and waits for it; a point-to-point message moves once
+        both sides have posted, on gloo and NCCL alike). torch's multi-stage runtime posts receives ahead (its
+        RECV_F and RECV_B actions), so there a transfer overlaps the receiving rank's compute."""
         return self.schedule in SINGLE_STAGE
 
     @cached_property
     def send_waits(self) -> tuple[SendWaits, ...] | None:
-        """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`); None where receives
-        are not on demand (torch's multi-stage runtime, whose sends are not modelled as waits)."""
+        """Per rank, where torch's loop waits for the rank's own sends (:class:`SendWaits`); None where
+        receives are not on demand (torch's multi-stage runtime, whose sends are not modelled as waits)."""
         if not self.receives_on_demand:
             return None
         build = _gpipe_send_waits if self.schedule == "GPipe" else _one_f_one_b_send_waits
@@ -358,9 +359,9 @@ class ScheduleShape:
     def live_counts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """Per rank, how many microbatches' activations each chunk holds at the moments the rank's live
         activation bytes can peak: the counts (one per chunk, 0 off the rank) after each forward in its order,
-        keeping only those no other moment's counts cover chunk by chunk. A rank's activation peak is the largest
-        of sum_c counts[c] x bytes of chunk c over these (exact for a rank holding several chunks, where
-        sum_c peak_inflight[c] x bytes overcounts).
+        keeping only those no other moment's counts cover chunk by chunk. A rank's activation peak is the
+        largest of sum_c counts[c] x bytes of chunk c over these (exact for a rank holding several chunks,
+        where sum_c peak_inflight[c] x bytes overcounts).
 
         >>> shape = schedule_shape("Interleaved1F1B", 2, 4, 2)
         >>> shape.peak_inflight, shape.live_counts[0]  # rank 0 holds chunks 0 and 2: never 4 and 2 at once
@@ -384,14 +385,18 @@ class ScheduleShape:
         return tuple(out)
 
     def activation_peaks(self, chunk_bytes: np.ndarray) -> np.ndarray:
-        """Each rank's peak of live activation bytes, given each chunk's saved bytes per microbatch: ``chunk_bytes``
-        (C,) gives (p,), (N, C) gives (N, p); the largest sum_c counts[c] x chunk_bytes[c] over ``live_counts``.
+        """Each rank's peak of live activation bytes, given each chunk's saved bytes per microbatch:
+        ``chunk_bytes`` (C,) gives (p,), (N, C) gives (N, p); the largest sum_c counts[c] x chunk_bytes[c]
+        over ``live_counts``.
 
-        >>> schedule_shape("Interleaved1F1B", 2, 4, 2).activation_peaks(np.array([1.0, 1.0, 1.0, 1.0])).tolist()
+        >>> schedule_shape("Interleaved1F1B", 2, 4, 2).activation_peaks(
+        ...     np.array([1.0, 1.0, 1.0, 1.0])
+        ... ).tolist()
         [5.0, 3.0]
         """
         chunk_bytes = np.asarray(chunk_bytes, dtype=float)
-        return np.stack([(chunk_bytes @ np.asarray(k, dtype=float).T).max(axis=-1) for k in self.live_counts], axis=-1)
+        return np.stack([(chunk_bytes @ np.asarray(k, dtype=float).T).max(axis=-1) for k in self.live_counts],
+                        axis=-1)
 
 
 def schedule_shape(
@@ -440,10 +445,10 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _after_the_schedule(events: list[TimelineEvent], free: list[float], busy: list[float], ranks: Sequence[int],
-                        optimizer: np.ndarray | None, tied_sync_s: float) -> None:
-    """Per rank, after its last backward (or W): the tied-gradient all-reduce ("T"; a collective, so it starts when
-    the last rank gets there) and then one optimizer step over all its chunks' parameters ("O")."""
+def _after_the_schedule(events: list[TimelineEvent], free: list[float], busy: list[float],
+                        ranks: Sequence[int], optimizer: np.ndarray | None, tied_sync_s: float) -> None:
+    """Per rank, after its last backward (or W): the tied-gradient all-reduce ("T"; a collective, so it starts
+    when the last rank gets there) and then one optimizer step over all its chunks' parameters ("O")."""
     first = {r: ranks.index(r) for r in sorted(set(ranks))}  # each rank's first chunk names its events
     if tied_sync_s > 0:
         begin = max(free)
@@ -485,8 +490,8 @@ def _times(name: str, values: npt.ArrayLike, length: int | None, remedy: str) ->
 
 
 def one_way_delays(stage_comm_s: Sequence[float], boundary_latency_s: float) -> list[float]:
-    """The simulator's delay at each boundary k -> k+1 (seconds): half the sending stage's comm_s (which counts
-    both directions) plus the calibrated per-crossing latency. The one formula used by evaluate() and
+    """The simulator's delay at each boundary k -> k+1 (seconds): half the sending stage's comm_s (which
+    counts both directions) plus the calibrated per-crossing latency. The one formula used by evaluate() and
     Plan.simulate()."""
     return [float(c) / 2.0 + boundary_latency_s for c in list(stage_comm_s)[:-1]]
 
@@ -509,13 +514,13 @@ def simulate(
     after its producer ends, or, in GPipe and 1F1B, that long after the receiving rank posts its receive, if
     that is later (``ScheduleShape.receives_on_demand``: torch posts the receive just before the action that
     needs it, and the message moves once both sides have posted). Each rank runs its torch order one action
-    at a time; an action starts when the rank is free and its inputs have arrived. Sends occupy no rank, but in
-    GPipe and 1F1B a rank waits for its own sends where torch's loop does (:func:`send_waits`: a send completes
-    when its receiver has posted and the message has crossed), and ``step()`` returns only once its last sends
-    have completed, so a rank's tied all-reduce and optimizer step start no earlier than that; a
+    at a time; an action starts when the rank is free and its inputs have arrived. Sends occupy no rank, but
+    in GPipe and 1F1B a rank waits for its own sends where torch's loop does (:func:`send_waits`: a send
+    completes when its receiver has posted and the message has crossed), and ``step()`` returns only once its
+    last sends have completed, so a rank's tied all-reduce and optimizer step start no earlier than that; a
     boundary whose two stages share a rank costs nothing (torch hands the tensor over locally). Each transfer
-    with a cost is a timeline event of its own (kind "A" or "G", on the receiving rank; not busy time). In zero-bubble
-    schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
+    with a cost is a timeline event of its own (kind "A" or "G", on the receiving rank; not busy time). In
+    zero-bubble schedules a backward splits into I and W, each half of ``backward_s`` (an assumption; see
     ``WEIGHT_GRAD_SHARE``).
 
     ``optimizer_s`` has one value per stage: the seconds of one optimizer step over that stage's parameters.
@@ -523,8 +528,8 @@ def simulate(
     event; the step ends when the last rank's optimizer step ends. Optimizer time counts as busy time, so the
     bubble stays the idle share of the step.
 
-    ``tied_sync_s`` is the seconds of the all-reduce of tied parameters' gradients (an embedding tied to the LM
-    head on two ranks). It is a collective over every rank: it starts when the last rank has ended its last
+    ``tied_sync_s`` is the seconds of the all-reduce of tied parameters' gradients (an embedding tied to the
+    LM head on two ranks). It is a collective over every rank: it starts when the last rank has ended its last
     backward (or W) action, runs on every rank at once as a "T" event, and each rank's optimizer step follows
     it. Like the optimizer step it counts as busy time; the ranks that wait for the last one idle.
 
@@ -559,7 +564,8 @@ def simulate(
         )
     )
     opt = None if optimizer_s is None else _times("optimizer_s", optimizer_s, num_stages,
-                                                  "pass one optimizer-step time per stage, as many as forward_s")
+                                                  "pass one optimizer-step time per stage, as many as "
+                                                  "forward_s")
     try:
         tied = math.nan if isinstance(tied_sync_s, bool) else float(tied_sync_s)
     except (TypeError, ValueError):
@@ -567,7 +573,8 @@ def simulate(
     if not 0 <= tied < math.inf:
         raise StageplanError(f"tied_sync_s must be finite and >= 0 seconds, got {tied_sync_s!r}; "
                              "fix the profile or cost model that produced it")
-    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt, tied)
+    return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt,
+                          tied)
 
 
 def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray,
@@ -624,9 +631,10 @@ def _event_clock(
 
     def start_at(a: Action, position: int, free_at: float) -> float | None:
         """When a starts on a rank free from ``free_at``, or None if something it waits for has not been
-        simulated yet: its inputs, a crossing's transfer starting at its producer's end or (``on_demand``) at the
-        later of that and the moment the rank posts the receive; there (torch's single-stage loops) the rank
-        also waits for its own earlier sends where torch's loop does, before posting and with the post."""
+        simulated yet: its inputs, a crossing's transfer starting at its producer's end or (``on_demand``) at
+        the later of that and the moment the rank posts the receive; there (torch's single-stage loops) the
+        rank also waits for its own earlier sends where torch's loop does, before posting and with the
+        post."""
         k, i = a.stage, a.microbatch
         key = (a.kind, k, i)
         if key not in posted:
@@ -668,8 +676,8 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
     # End times: forward_end[k][i]; grad_end[k][i] = end of B or I (the action sending the gradient).
     forward_end: list[list[float | None]] = [[None] * m for _ in range(shape.num_chunks)]
     grad_end: list[list[float | None]] = [[None] * m for _ in range(shape.num_chunks)]
-    # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the moment
-    # the send feeding it completes, for the sender's own waits)
+    # per action (kind, stage, microbatch): when its receive was posted, and when its input arrived (the
+    # moment the send feeding it completes, for the sender's own waits)
     posted: dict[tuple[str, int, int], float] = {}
     arrived: dict[tuple[str, int, int], float] = {}
     transfers: dict[tuple[str, int, int], TimelineEvent] = {}  # per receiving action: its message's crossing
@@ -724,8 +732,8 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
 
 def _simulation(shape: ScheduleShape, events: list[TimelineEvent], free: list[float], busy: list[float],
                 waited: list[float], optimizer: np.ndarray | None, tied_sync_s: float) -> Simulation:
-    """The step after the schedule (tied all-reduce, optimizer steps) and the result: step time, idle shares and
-    the timeline sorted by start time."""
+    """The step after the schedule (tied all-reduce, optimizer steps) and the result: step time, idle shares
+    and the timeline sorted by start time."""
     p = shape.num_ranks
     _after_the_schedule(events, free, busy, shape.stage_ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)

@@ -1,5 +1,6 @@
-"""The split search (no torch): the split by method (solver, interleaved MILP or a peer's rule), the tie-break among
-equal-bottleneck splits and the search for the lowest simulated step, priced many splits at once by SplitCosts."""
+"""The split search (no torch): the split by method (solver, interleaved MILP or a peer's rule), the tie-break
+among equal-bottleneck splits and the search for the lowest simulated step, priced many splits at once by
+SplitCosts."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from stageplan.planning.solver import shape_text, validate_count
 
 class SplitCosts:
     """Stage times, stage memory and the simulated step of many splits at once, from prefix sums of the same
-    terms ``evaluate`` sums (equal to its figures up to rounding; ``evaluate`` stays the reference for one split).
+    terms ``evaluate`` sums (equal to its figures up to rounding; ``evaluate`` stays the reference for one
+    split).
 
     ``stage(s, i, j)`` broadcasts chunk indices and layer ranges ``[i, j)``; ``steps(bounds)`` simulates every
     row of an (N, S+1) array of boundaries in one pass over the schedule's dependency levels.
@@ -51,32 +53,34 @@ class SplitCosts:
         self.speed = np.array([opts.devices[r].speed for r in opts.shape.stage_ranks])
         by_kind = memory_terms(arr, opts)
         terms = list(by_kind.values())
-        # interleaved ranks without recomputation: a rank's activations peak over its own order (live_counts), not
-        # at the sum of its chunks' peaks, so the activations are kept apart from the chunks' other bytes
+        # interleaved ranks without recomputation: a rank's activations peak over its own order (live_counts),
+        # not at the sum of its chunks' peaks, so the activations are kept apart from the chunks' other bytes
         self.exact_peak = opts.virtual_stages > 1 and not opts.recompute
         rows = sum(t.rows for k, t in by_kind.items() if not (self.exact_peak and k == "activations"))
         self.mem_prefix = np.concatenate([np.zeros((S, 1)), np.cumsum(rows, axis=1)], axis=1)
         self.act_prefix = np.concatenate([[0.0], np.cumsum(np.asarray(arr.activation_bytes, dtype=float))])
-        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None  # (K_r, S)
+        # (K_r, S)
+        self.live = [np.asarray(k, dtype=float) for k in opts.shape.live_counts] if self.exact_peak else None
         self.mem_start = sum((t.start for t in terms if t.start is not None), start=np.zeros((S, L)))
         self.mem_end = sum((t.end for t in terms if t.end is not None), start=np.zeros(L))
         self.rank_of = np.zeros((S, opts.num_ranks))  # chunk -> rank, one-hot
         self.rank_of[np.arange(S), opts.shape.stage_ranks] = 1.0
-        self.limits = np.array([np.inf if d.memory_limit_bytes is None else d.memory_limit_bytes for d in opts.devices])
+        self.limits = np.array(
+            [np.inf if d.memory_limit_bytes is None else d.memory_limit_bytes for d in opts.devices])
 
     def stage(self, s: np.ndarray | int, i: np.ndarray | int, j: np.ndarray | int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Forward, backward (each with the schedule's loop around it, ``action_s``), comm (both directions) seconds
-        and memory bytes of chunk s over layers [i, j):
-        the formulas of ``evaluate``, term by term. With :attr:`exact_peak` the memory leaves the activations out
-        (a rank adds its peak over its order: :meth:`rank_peaks`)."""
+        """Forward, backward (each with the schedule's loop around it, ``action_s``), comm (both directions)
+        seconds and memory bytes of chunk s over layers [i, j):
+        the formulas of ``evaluate``, term by term. With :attr:`exact_peak` the memory leaves the activations
+        out (a rank adds its peak over its order: :meth:`rank_peaks`)."""
         s, i, j = np.asarray(s), np.asarray(i), np.asarray(j)
         f = (self.fwd_prefix[j] - self.fwd_prefix[i]) / self.speed[s]
         b = (self.bwd_prefix[j] - self.bwd_prefix[i]) / self.speed[s]
         if self.opts.recompute:
             b = b + f  # the forward runs again inside the backward
-        # PipelineStage's overhead inside the chunk, and each action's share of the schedule's loop around it, on
-        # its rank (evaluate: StagePlan.chunk_s and StagePlan.action_s)
+        # PipelineStage's overhead inside the chunk, and each action's share of the schedule's loop around it,
+        # on its rank (evaluate: StagePlan.chunk_s and StagePlan.action_s)
         f = f + self.opts.chunk_forward_s + self.opts.action_s
         b = b + self.opts.chunk_backward_s + self.opts.action_s
         c = np.where(j < self.num_layers, 2.0 * self.comm[j - 1], 0.0)
@@ -84,21 +88,22 @@ class SplitCosts:
         return f, b, c, mem
 
     def split(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For each row of ``bounds`` (N, S+1): per-chunk forward, backward and comm seconds (N, S) and per-rank
-        memory bytes (N, p), as ``evaluate`` counts them: the sum of the rank's chunks, with an interleaved rank's
-        activations at their peak over its order."""
+        """For each row of ``bounds`` (N, S+1): per-chunk forward, backward and comm seconds (N, S) and
+        per-rank memory bytes (N, p), as ``evaluate`` counts them: the sum of the rank's chunks, with an
+        interleaved rank's activations at their peak over its order."""
         bounds = np.asarray(bounds)
         f, b, c, mem = self.stage(np.arange(bounds.shape[1] - 1)[None, :], bounds[:, :-1], bounds[:, 1:])
         return f, b, c, mem @ self.rank_of + self.rank_peaks(bounds)
 
     def rank_peaks(self, bounds: np.ndarray) -> np.ndarray:
-        """Per rank (N, p), the activation bytes :meth:`stage` leaves out: with :attr:`exact_peak`, the largest
-        sum_c count_c x chunk c's saved bytes over the rank's live-count vectors (``ScheduleShape.live_counts``);
-        else 0."""
+        """Per rank (N, p), the activation bytes :meth:`stage` leaves out: with :attr:`exact_peak`, the
+        largest sum_c count_c x chunk c's saved bytes over the rank's live-count vectors
+        (``ScheduleShape.live_counts``); else 0."""
         bounds = np.asarray(bounds)
         if self.live is None:
             return np.zeros((bounds.shape[0], self.opts.num_ranks))
-        return self.opts.shape.activation_peaks(self.act_prefix[bounds[:, 1:]] - self.act_prefix[bounds[:, :-1]])
+        return self.opts.shape.activation_peaks(self.act_prefix[bounds[:, 1:]]
+                                                - self.act_prefix[bounds[:, :-1]])
 
     def optimizer(self, bounds: np.ndarray) -> np.ndarray:
         """Per-chunk seconds of one optimizer step (N, S) for each row of ``bounds`` (N, S+1), as ``evaluate``
@@ -106,7 +111,8 @@ class SplitCosts:
         bounds = np.asarray(bounds)
         s = np.arange(bounds.shape[1] - 1)[None, :]
         per_chunk = (self.opt_prefix[bounds[:, 1:]] - self.opt_prefix[bounds[:, :-1]]) / self.speed[s]
-        if self.opt_floor > 0:  # the step's fixed cost, on each rank's first chunk where the rank steps anything
+        if self.opt_floor > 0:
+            # the step's fixed cost, on each rank's first chunk where the rank steps anything
             trained = self.trained_prefix[bounds[:, 1:]] - self.trained_prefix[bounds[:, :-1]]  # (N, S)
             steps = (trained @ self.rank_of) > 0  # (N, p)
             ranks = self.opts.shape.stage_ranks
@@ -125,7 +131,8 @@ class SplitCosts:
         return self.steps(f, b, c, self.optimizer(bounds), self.tied_sync(bounds))
 
     def rank_time(self, f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """Per-rank seconds per microbatch (N, p): the sum of its chunks' f + b + c, as ``evaluate`` counts it."""
+        """Per-rank seconds per microbatch (N, p): the sum of
+        its chunks' f + b + c, as ``evaluate`` counts it."""
         return (f + b + c) @ self.rank_of
 
     def steps(self, f: np.ndarray, b: np.ndarray, c: np.ndarray, o: np.ndarray | None = None,
@@ -148,7 +155,8 @@ class SplitCosts:
         arrived = np.zeros((A + 1, n))  # when an action's inputs are there (its receive's message, on demand)
         on_demand = shape.receives_on_demand  # a transfer starts no earlier than its receive is posted
         for posts, starts in graph.levels:
-            if len(posts):  # the receive's post (after the rank's previous action and the sends it waits first)
+            if len(posts):
+                # the receive's post (after the rank's previous action and the sends it waits first)
                 post = np.maximum(end[graph.prev[posts]], arrived[graph.pre[posts]])
                 h1, h2 = hop[graph.hop1[posts]], hop[graph.hop2[posts]]
                 if on_demand:  # at most one input crosses ranks; a local one has a 0 hop
@@ -163,9 +171,10 @@ class SplitCosts:
                 end[starts] = start + duration[graph.kind_stage[starts]]
         if o is None and t is None:
             return end[:-1].max(axis=0)
-        # a rank's last action ends last on that rank; the all-reduce (a collective: every rank starts it when the
-        # last one gets there) and then the rank's optimizer step follow (schedules.simulate_shape)
-        last = np.maximum(end[graph.last], arrived[graph.at_end])  # (p, N): step() returns once its sends are in
+        # a rank's last action ends last on that rank; the all-reduce (a collective: every rank starts it when
+        # the last one gets there) and then the rank's optimizer step follow (schedules.simulate_shape)
+        # (p, N): step() returns once its sends are in
+        last = np.maximum(end[graph.last], arrived[graph.at_end])
         if t is not None:
             last = np.where(t > 0, last.max(axis=0) + t, last)
         finish = last if o is None else last + (o @ self.rank_of).T
@@ -174,13 +183,14 @@ class SplitCosts:
 
 @dataclass(frozen=True)
 class _StepGraph:
-    """A schedule's actions as a dependency graph. Per action: its rank's previous action (``prev``), its inputs
-    (``dep1``, ``dep2``) with the boundary each crosses (``hop1``, ``hop2``), its row in the duration table
-    (``kind_stage``), and in torch's single-stage loops the sends the rank waits for before posting the action's
-    receive (``pre``) and with it (``fused``), each named by the action consuming the last of them, whose input's
-    arrival is the send's completion (``ScheduleShape.send_waits``); ``at_end`` per rank, the same after its last action.
-    Absent entries point at a zero row. ``levels``: each action's post (its inputs' arrival) and start are two
-    nodes, grouped into levels of mutually independent nodes, as (posts, starts) action ids."""
+    """A schedule's actions as a dependency graph. Per action: its rank's previous action (``prev``), its
+    inputs (``dep1``, ``dep2``) with the boundary each crosses (``hop1``, ``hop2``), its row in the duration
+    table (``kind_stage``), and in torch's single-stage loops the sends the rank waits for before posting the
+    action's receive (``pre``) and with it (``fused``), each named by the action consuming the last of them,
+    whose input's arrival is the send's completion (``ScheduleShape.send_waits``); ``at_end`` per rank, the
+    same after its last action. Absent entries point at a zero row. ``levels``: each action's post (its
+    inputs' arrival) and start are two nodes, grouped into levels of mutually independent nodes, as (posts,
+    starts) action ids."""
 
     num_actions: int
     levels: tuple[tuple[np.ndarray, np.ndarray], ...]
@@ -201,7 +211,8 @@ _STEP_GRAPHS: dict[tuple[str, int, int, int], _StepGraph] = {}
 
 
 def _step_graph(shape: ScheduleShape) -> _StepGraph:
-    """The step's dependency graph for a shape, built once per (schedule, p, m, v) from the shape the plan holds."""
+    """The step's dependency graph for a shape, built once
+    per (schedule, p, m, v) from the shape the plan holds."""
     key = (shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages)
     if key not in _STEP_GRAPHS:
         if len(_STEP_GRAPHS) >= 32:
@@ -211,9 +222,10 @@ def _step_graph(shape: ScheduleShape) -> _StepGraph:
 
 
 def _longest_path_levels(deps: np.ndarray) -> np.ndarray | None:
-    """Each node's longest-path level in a DAG: 0 for a node whose dependencies are all "none", else one more than
-    its deepest dependency. ``deps[:, n]`` are node n's dependencies, N (the number of nodes) standing for none.
-    One pass in topological order (Kahn's), linear in the edges; None where the graph has a cycle."""
+    """Each node's longest-path level in a DAG: 0 for a node whose dependencies are all "none", else one more
+    than its deepest dependency. ``deps[:, n]`` are node n's dependencies, N (the number of nodes) standing
+    for none. One pass in topological order (Kahn's), linear in the edges; None where the graph has a
+    cycle."""
     n = deps.shape[1]
     rows, child = np.nonzero(deps < n)  # an edge parent -> child for each real dependency
     parent = deps[rows, child]
@@ -248,11 +260,13 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
     m = shape.num_microbatches
     S = shape.num_chunks
     kinds = {"F": 0, "B": 1, "I": 2, "W": 3}
-    table = np.array([(kinds[a.kind], a.stage, a.microbatch, t) for order in shape.orders for t, a in enumerate(order)],
+    table = np.array([(kinds[a.kind], a.stage, a.microbatch, t) for order in shape.orders for t,
+                      a in enumerate(order)],
                      dtype=np.int64).reshape(-1, 4)
     kind, stage, mb, pos = table.T
     A = len(table)
-    ident = np.full((4, S, m), A)  # (kind, chunk, microbatch) -> action, A where the schedule has no such action
+    # (kind, chunk, microbatch) -> action, A where the schedule has no such action
+    ident = np.full((4, S, m), A)
     ident[kind, stage, mb] = np.arange(A)
     grad = np.where(ident[1] < A, ident[1], ident[2])  # the action sending the input gradient: B, or I
     none_hop = S - 1  # the zero row of the hop table
@@ -279,8 +293,8 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
             for t in range(len(shape.orders[r])):
                 pre[first[r] + t], fused[first[r] + t] = consumer(w.before_post[t]), consumer(w.with_post[t])
             at_end[r] = consumer(w.at_end)
-    # longest-path level of each node (the orders are deadlock-free, so the graph is acyclic): node a is action a's
-    # post, node A + a its start, node 2A "none"; nodes of one level are independent
+    # longest-path level of each node (the orders are deadlock-free, so the graph is acyclic): node a is
+    # action a's post, node A + a its start, node 2A "none"; nodes of one level are independent
     none = 2 * A
 
     def start_node(ids: np.ndarray) -> np.ndarray:
@@ -291,8 +305,10 @@ def _build_step_graph(shape: ScheduleShape) -> _StepGraph:
 
     post_deps = np.stack([start_node(prev), post_node(pre), start_node(dep1), start_node(dep2)])
     start_deps = np.stack([np.arange(A), post_node(fused)])
-    level = _longest_path_levels(np.concatenate([post_deps, np.vstack([start_deps, np.full((2, A), none)])], axis=1))
-    if level is None:  # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
+    level = _longest_path_levels(
+        np.concatenate([post_deps, np.vstack([start_deps, np.full((2, A), none)])], axis=1))
+    if level is None:
+        # a cycle: torch's loops never wait on themselves; reaching this is a bug in this module
         raise RuntimeError(f"the step graph of {shape.schedule} (p={shape.num_ranks}, m={m}) has a cycle")
     depth = int(level.max()) + 1
     levels = list(zip(_group_by(level[:A], depth), _group_by(level[A:], depth)))
@@ -308,8 +324,14 @@ GIVEN_AS = {"boundaries": "boundaries", "megatron_layout": "the Megatron layout"
             "fqns": "the module FQNs per model part"}
 
 
-def split_by_method(method: str, arr: LayerArrays, opts: CostOptions, given: tuple[int, ...] | None = None,
-                given_as: str = "boundaries", time_limit_s: float = 2.0) -> tuple[tuple[int, ...], dict[str, Any]]:
+def split_by_method(
+    method: str,
+    arr: LayerArrays,
+    opts: CostOptions,
+    given: tuple[int, ...] | None = None,
+    given_as: str = "boundaries",
+    time_limit_s: float = 2.0,
+) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
     from stageplan.planning import interleaved, solver
 
@@ -322,18 +344,19 @@ def split_by_method(method: str, arr: LayerArrays, opts: CostOptions, given: tup
             n = len(b) - 1
             raise StageplanError(
                 f"{GIVEN_AS[given_as]} gives {n} stage{'s' if n != 1 else ''} but {opts.num_ranks} ranks x "
-                f"{opts.virtual_stages} chunks need {S}; give {S} stages, or plan {n} (--stages {n}, one chunk per rank)")
+                f"{opts.virtual_stages} chunks need {S}; give {S} stages, or plan {n} (--stages {n}, one "
+                f"chunk per rank)")
         ranks = list(opts.shape.stage_ranks)
         if given_as == "megatron_layout" and ranks != [s % opts.num_ranks for s in range(S)]:
             raise StageplanError(
                 f"Megatron places virtual stages round-robin (stage s on rank s mod {opts.num_ranks}), and "
-                f"{opts.shape.schedule} places them otherwise (ranks {ranks}), so the layout would be scored on a "
-                "placement Megatron never runs; score it with --schedule Interleaved1F1B, or give this schedule's "
-                "split with --boundaries or --fqns")
+                f"{opts.shape.schedule} places them otherwise (ranks {ranks}), so the layout would be scored "
+                "on a placement Megatron never runs; score it with --schedule Interleaved1F1B, or give this "
+                "schedule's split with --boundaries or --fqns")
         if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in zip(b, b[1:])):
             raise StageplanError(
-                f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) for "
-                f"{opts.num_ranks} ranks x {opts.virtual_stages} chunks, every stage non-empty; e.g. "
+                f"boundaries {b} must be {S + 1} increasing cut points from 0 to {L} (the number of layers) "
+                f"for {opts.num_ranks} ranks x {opts.virtual_stages} chunks, every stage non-empty; e.g. "
                 f"{','.join(str(x) for x in partition_uniform(L, S))}"
             )
         return tuple(b), {}
@@ -344,20 +367,28 @@ def split_by_method(method: str, arr: LayerArrays, opts: CostOptions, given: tup
     inp = solver_inputs(arr, opts)
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
-        exact = inp["activation_bytes"] is not None  # a rank's activation peak over its order, as evaluate counts it
-        isol = interleaved.solve_interleaved(inp["costs"], opts.num_ranks, opts.virtual_stages, rank_speeds=rank_speeds,
-                                             memory_bytes=inp["static_memory_bytes" if exact else "memory_bytes"],
-                                             memory_limit_bytes=inp["limits"],
-                                             placement=opts.shape.stage_ranks, boundary_costs=inp["boundary_costs"],
-                                             memory_start_bytes=inp["memory_start_bytes"],
-                                             memory_end_bytes=inp["memory_end_bytes"],
-                                             activation_bytes=inp["activation_bytes"] if exact else None,
-                                             live_counts=opts.shape.live_counts if exact else None,
-                                             time_limit_s=time_limit_s)
+        # a rank's activation peak over its order, as evaluate counts it
+        exact = inp["activation_bytes"] is not None
+        isol = interleaved.solve_interleaved(
+            inp["costs"],
+            opts.num_ranks,
+            opts.virtual_stages,
+            rank_speeds=rank_speeds,
+            memory_bytes=inp["static_memory_bytes" if exact else "memory_bytes"],
+            memory_limit_bytes=inp["limits"],
+            placement=opts.shape.stage_ranks,
+            boundary_costs=inp["boundary_costs"],
+            memory_start_bytes=inp["memory_start_bytes"],
+            memory_end_bytes=inp["memory_end_bytes"],
+            activation_bytes=inp["activation_bytes"] if exact else None,
+            live_counts=opts.shape.live_counts if exact else None,
+            time_limit_s=time_limit_s,
+        )
         # the MILP balances the layers; every rank also pays the schedule's loop and PipelineStage's overhead
         # around its v chunks (evaluate)
         loop = per_chunk_s(opts) * opts.virtual_stages
-        return tuple(isol.boundaries), {"optimal": isol.optimal, "proven_lower_bound_s": isol.lower_bound + loop,
+        return tuple(isol.boundaries), {"optimal": isol.optimal,
+                                        "proven_lower_bound_s": isol.lower_bound + loop,
                                         "timed_out": isol.timed_out}
     sol = solver.solve(inp["costs"], S, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
@@ -365,9 +396,9 @@ def split_by_method(method: str, arr: LayerArrays, opts: CostOptions, given: tup
     return tuple(sol.boundaries), {"optimal": True}
 
 
-# The tie-break's bounded work: at most _TIE_SPLITS equal-bottleneck splits are listed (visiting at most _TIE_NODES
-# search nodes), else a descent from the solver's split runs for at most _TIE_ROUNDS moves; in all, at most
-# _TIE_WORK schedule actions are simulated (splits x actions per step: 64 splits at p = 64, m = 128).
+# The tie-break's bounded work: at most _TIE_SPLITS equal-bottleneck splits are listed (visiting at most
+# _TIE_NODES search nodes), else a descent from the solver's split runs for at most _TIE_ROUNDS moves; in all,
+# at most _TIE_WORK schedule actions are simulated (splits x actions per step: 64 splits at p = 64, m = 128).
 _TIE_SPLITS = 256
 _TIE_NODES = 2048
 _TIE_WORK = 2**20
@@ -378,11 +409,13 @@ _TIE_REL = 1e-12  # bottleneck and step tolerance (relative), as the solver's ow
 
 def _alive_positions(costs: SplitCosts, cap: float, most: int) -> np.ndarray | None:
     """One chunk per rank: ``alive[s, x]`` when boundary s can sit at layer x in a split whose stages all stay
-    within ``cap`` and fit in memory; None when there are more than ``most`` such splits (or too many positions to
-    count them). Positions are first bounded by the work alone (greedy from each end), then counted exactly."""
+    within ``cap`` and fit in memory; None when there are more than ``most`` such splits (or too many
+    positions to count them). Positions are first bounded by the work alone (greedy from each end), then
+    counted exactly."""
     opts = costs.opts
     S, L = opts.num_chunks, costs.num_layers
-    work = costs.fwd_prefix * (2.0 if opts.recompute else 1.0) + costs.bwd_prefix  # layer-time prefix at speed 1
+    # layer-time prefix at speed 1
+    work = costs.fwd_prefix * (2.0 if opts.recompute else 1.0) + costs.bwd_prefix
     room = cap * costs.speed * (1 + 1e-9)  # the most work a stage can hold
     hi, lo = [0] * (S + 1), [L] * (S + 1)
     for k in range(S):  # boundary k+1 lies at most where the first k+1 stages, packed full, end
@@ -410,9 +443,9 @@ def _alive_positions(costs: SplitCosts, cap: float, most: int) -> np.ndarray | N
 
 
 def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[tuple[int, ...]] | None:
-    """Every split whose rank times stay within ``cap`` and whose rank memory fits, in lexicographic order; None
-    when there are more than ``most``. One chunk per rank: counted first (``_alive_positions``), then listed
-    without dead ends; interleaved: a search over rank loads that gives up after _TIE_NODES nodes."""
+    """Every split whose rank times stay within ``cap`` and whose rank memory fits, in lexicographic order;
+    None when there are more than ``most``. One chunk per rank: counted first (``_alive_positions``), then
+    listed without dead ends; interleaved: a search over rank loads that gives up after _TIE_NODES nodes."""
     opts = costs.opts
     S, L, p = opts.num_chunks, costs.num_layers, opts.num_ranks
     ranks = opts.shape.stage_ranks
@@ -426,8 +459,9 @@ def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[t
         later[s, list(ranks[s + 1:])] = 1.0
     found: list[tuple[int, ...]] = []
     nodes = 0
-    # an interleaved rank's activations peak over its order: carry, per rank, each live-count vector's sum over the
-    # chunks placed so far (a lower bound of the rank's peak while chunks remain, its peak once all are placed)
+    # an interleaved rank's activations peak over its order: carry, per rank, each live-count vector's sum
+    # over the chunks placed so far (a lower bound of the rank's peak while chunks remain, its peak once all
+    # are placed)
     live = costs.live
 
     def visit(s: int, x: int, load: np.ndarray, mem: np.ndarray, cuts: list[int],
@@ -438,7 +472,8 @@ def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[t
             return False
         r, last = ranks[s], s == S - 1
         # a stage's work only grows with its end: stop where the work alone passes what its rank has left
-        reach = int(np.searchsorted(work, work[x] + (cap - load[r]) * costs.speed[s] * (1 + 1e-9), side="right")) - 1
+        reach = int(np.searchsorted(work, work[x] + (cap - load[r]) * costs.speed[s] * (1 + 1e-9),
+                                    side="right")) - 1
         if last:
             ys = np.array([L]) if reach >= L else np.zeros(0, dtype=np.int64)
         else:
@@ -487,11 +522,12 @@ def _best(splits: np.ndarray, steps: np.ndarray, keep: tuple[int, ...]) -> tuple
 
 def _lowest_step(costs: SplitCosts, start: tuple[int, ...], cap: float, rounds: int,
                  other_starts: Sequence[tuple[int, ...]] = ()) -> dict[str, Any]:
-    """The split with the lowest simulated step among those whose every rank's time per microbatch stays within
-    ``cap`` and whose memory fits: every such split when there are few (exhaustive: exact for the simulator), else
-    a descent from ``start`` (and then from each of ``other_starts`` that fits) moving one boundary at a time, best
-    move first, while the step falls, for at most ``rounds`` moves each. Never returns a split slower than
-    ``start``. All bounded by _TIE_* (at most _TIE_WORK schedule actions simulated)."""
+    """The split with the lowest simulated step among those whose every rank's time per microbatch stays
+    within ``cap`` and whose memory fits: every such split when there are few (exhaustive: exact for the
+    simulator), else a descent from ``start`` (and then from each of ``other_starts`` that fits) moving one
+    boundary at a time, best move first, while the step falls, for at most ``rounds`` moves each. Never
+    returns a split slower than ``start``. All bounded by _TIE_* (at most _TIE_WORK schedule actions
+    simulated)."""
     opts = costs.opts
     S = opts.num_chunks
     f, b, c, _ = costs.split(np.array([start]))
@@ -562,15 +598,16 @@ def _tie_break(costs: SplitCosts, start: tuple[int, ...]) -> tuple[tuple[int, ..
     found = _lowest_step(costs, start, cap, _TIE_ROUNDS)
     return found["boundaries"], {"from_boundaries": list(start), "to_boundaries": list(found["boundaries"]),
                                  "from_step_s": found["from_step_s"], "to_step_s": found["step_s"],
-                                 "splits_evaluated": found["splits_evaluated"], "exhaustive": found["exhaustive"]}
+                                 "splits_evaluated": found["splits_evaluated"],
+                                 "exhaustive": found["exhaustive"]}
 
 
 def _step_search(costs: SplitCosts, start: tuple[int, ...], step0: float) -> dict[str, Any]:
     """The split with the lowest simulated step, whatever its bottleneck, searched from the bottleneck-optimal
-    split ``start`` (whose step is ``step0``). A rank runs its m forwards and backwards one after another, so a split
-    whose step beats ``start``'s has every rank's forward + backward per microbatch within step / m: adding the most
-    a rank's crossings can add, that caps the rank times the search lists (exhaustive when few splits pass it, else
-    descents from ``start``, the uniform split and the parameter-balanced one)."""
+    split ``start`` (whose step is ``step0``). A rank runs its m forwards and backwards one after another, so
+    a split whose step beats ``start``'s has every rank's forward + backward per microbatch within step / m:
+    adding the most a rank's crossings can add, that caps the rank times the search lists (exhaustive when few
+    splits pass it, else descents from ``start``, the uniform split and the parameter-balanced one)."""
 
 
     opts, arr = costs.opts, costs.arr
@@ -582,17 +619,20 @@ def _step_search(costs: SplitCosts, start: tuple[int, ...], step0: float) -> dic
     to = found["boundaries"]
     f, b, c, _ = costs.split(np.array([start, to]))
     bottleneck = costs.rank_time(f, b, c).max(axis=1)
-    return {"from_boundaries": list(start), "to_boundaries": list(to), "from_step_s": step0, "to_step_s": found["step_s"],
+    return {"from_boundaries": list(start), "to_boundaries": list(to), "from_step_s": step0,
+            "to_step_s": found["step_s"],
             "from_bottleneck_s": float(bottleneck[0]), "to_bottleneck_s": float(bottleneck[1]),
-            "rank_time_cap_s": cap, "splits_evaluated": found["splits_evaluated"], "exhaustive": found["exhaustive"]}
+            "rank_time_cap_s": cap, "splits_evaluated": found["splits_evaluated"],
+            "exhaustive": found["exhaustive"]}
 
 
-def optimal_split(arr: LayerArrays, opts: CostOptions, objective: str, time_limit_s: float, report: bool = True
+def optimal_split(arr: LayerArrays, opts: CostOptions, objective: str, time_limit_s: float,
+                  report: bool = True
                    ) -> tuple[tuple[int, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The optimal method's split: the solver's (least bottleneck), the tie-break among equal bottlenecks, then the
-    search for the lowest step whatever the bottleneck, which ``objective`` "step" takes and "bottleneck" only
-    reports (skipped there when ``report`` is False: only the split is wanted). Returns the split, the solver's
-    evidence, the tie-break's and the step search's."""
+    """The optimal method's split: the solver's (least bottleneck), the tie-break among equal bottlenecks,
+    then the search for the lowest step whatever the bottleneck, which ``objective`` "step" takes and
+    "bottleneck" only reports (skipped there when ``report`` is False: only the split is wanted). Returns the
+    split, the solver's evidence, the tie-break's and the step search's."""
     boundaries, solver_evidence = split_by_method("optimal", arr, opts, time_limit_s=time_limit_s)
     costs = SplitCosts(arr, opts)
     boundaries, tie = _tie_break(costs, boundaries)
@@ -622,7 +662,8 @@ def versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, 
         return out
     opt = evaluate(arr, best, opts)
     out.update(
-        optimal_boundaries=list(best), optimal_bottleneck_s=opt.bottleneck_s, optimal_predicted_step_s=opt.predicted_step_s,
+        optimal_boundaries=list(best), optimal_bottleneck_s=opt.bottleneck_s,
+        optimal_predicted_step_s=opt.predicted_step_s,
         bottleneck_ratio=ev.bottleneck_s / opt.bottleneck_s if opt.bottleneck_s > 0 else 1.0,
         step_ratio=ev.predicted_step_s / opt.predicted_step_s if opt.predicted_step_s > 0 else 1.0,
         optimal_rank_memory_bytes=[float(x) for x in opt.rank_memory_bytes],
@@ -679,7 +720,8 @@ def partition_balanced(weights: ArrayLike, num_parts: int) -> tuple[int, ...]:
         raise StageplanError(f"weights must be numeric, got {weights!r}; pass numbers") from exc
     if not np.all(np.isfinite(wf)):
         k = int(np.flatnonzero(~np.isfinite(wf))[0])
-        raise StageplanError(f"weights[{k}] is {float(wf[k])!r}; every weight must be finite; check the weights")
+        raise StageplanError(
+            f"weights[{k}] is {float(wf[k])!r}; every weight must be finite; check the weights")
     m = validate_count("num_parts", num_parts, "parts")
     n = w.size
     if n <= m:

@@ -1,6 +1,7 @@
 """Exact min-max partitioning of per-layer costs into contiguous pipeline stages, under memory limits.
 
-numpy only: ``import stageplan.planning.solver`` loads no scipy (the interleaved MILP lives in ``milp.py``)."""
+numpy only: ``import stageplan.planning.solver`` loads
+no scipy (the interleaved MILP lives in ``milp.py``)."""
 
 from __future__ import annotations
 
@@ -272,9 +273,9 @@ def solve(
     at which any stage could grow). Without start terms a probe costs O(p log L) when no stage gets
     cheaper as its end grows (always without boundary and end terms; with them, when no term falls
     by more than the next layer's own time or memory, as with 1F1B rows and boundary buffers), and
-    O(pL) numpy otherwise; with start terms it costs O(pL log L). Ties are broken deterministically: among partitions whose
-    bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum memory
-    utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
+    O(pL) numpy otherwise; with start terms it costs O(pL log L). Ties are broken deterministically: among
+    partitions whose bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum
+    memory utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
     relative) wins, then the lexicographically smallest ``boundaries``.
 
     Raises ``StageplanError`` on invalid input and ``InfeasiblePlanError`` (with
@@ -322,7 +323,8 @@ def solve(
 def _validated_times(
     costs: ArrayLike, num_stages: int, stage_speeds: ArrayLike | None, boundary_costs: ArrayLike | None
 ) -> tuple[FloatArray, int, FloatArray, FloatArray | None]:
-    """solve's time inputs, checked in order: costs (L,), the stage count (1..L), speeds (p,), boundary rows."""
+    """solve's time inputs, checked in order: costs (L,),
+    the stage count (1..L), speeds (p,), boundary rows."""
     c = validate_costs(costs)
     num_layers = c.size
     p = validate_count("num_stages", num_stages, "pipeline stages")
@@ -332,7 +334,8 @@ def _validated_times(
             "use fewer stages or profile at a finer granularity"
         )
     speeds = validate_speeds("stage_speeds", stage_speeds, p, "stage")
-    bcosts = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, p, num_layers, "stage", view=True)
+    bcosts = None if boundary_costs is None else validate_rows("boundary_costs", boundary_costs, p,
+                                                               num_layers, "stage", view=True)
     return c, p, speeds, bcosts
 
 
@@ -344,8 +347,8 @@ def _validated_memory(
     memory_end_bytes: ArrayLike | None,
     memory_limit_bytes: ArrayLike | None,
 ) -> tuple[FloatArray | None, FloatArray | None, FloatArray | None, FloatArray | None]:
-    """solve's memory inputs as (p, L) rows (broadcast views for shared rows) and (p,) limits; all None without
-    memory_bytes, where a start, end or limit given alone is an error."""
+    """solve's memory inputs as (p, L) rows (broadcast views for shared rows) and (p,) limits; all None
+    without memory_bytes, where a start, end or limit given alone is an error."""
     memory = start = end = limits = None
     if memory_bytes is None:
         for name, given in (
@@ -370,8 +373,8 @@ def _validated_memory(
 
 
 def _least_time(inst: Instance, relaxed: Instance | None, first: list[int]) -> tuple[float, list[int]]:
-    """The optimal bottleneck and a partition attaining it, searched up from the relaxed optimum when there is a
-    relaxation (``first``: the partition of the first, unbounded probe)."""
+    """The optimal bottleneck and a partition attaining it, searched up from the relaxed optimum when there is
+    a relaxation (``first``: the partition of the first, unbounded probe)."""
     time_lo = inst.time_lower
     if relaxed is not None:
         r_first = run_probe(relaxed, INF, INF)
@@ -456,9 +459,9 @@ def _raise_infeasible(inst: Instance, limits: FloatArray) -> NoReturn:
     assert inst.mem_prefix is not None
     L, p = inst.num_layers, inst.num_stages
     needed = _min_peak_memory(inst)
-    # what a layer needs wherever it sits: its own row, plus the first layer's start term and the last layer's end
-    # term (another layer's start or end terms go with it only where it opens or closes a stage, which it need
-    # not: the send buffer of layer 0 had blamed layer 0 where a split with it inside a stage fits)
+    # what a layer needs wherever it sits: its own row, plus the first layer's start term and the last layer's
+    # end term (another layer's start or end terms go with it only where it opens or closes a stage, which it
+    # need not: the send buffer of layer 0 had blamed layer 0 where a split with it inside a stage fits)
     single = np.array(np.diff(inst.mem_prefix, axis=1))
     if inst.mem_start is not None:
         single[:, 0] += inst.mem_start[:, 0]
@@ -500,7 +503,8 @@ def build_instance(
     np.cumsum(costs, out=prefix[1:])
     boundary = None
     if boundary_costs is not None and np.any(_distinct_rows(boundary_costs)[:, :-1] > 0):
-        boundary = _padded(boundary_costs[:, : num_layers - 1], 1, num_layers + 1)  # last layer's entry unused
+        # last layer's entry unused
+        boundary = _padded(boundary_costs[:, : num_layers - 1], 1, num_layers + 1)
     mem_prefix = mem_start = mem_end = layer_min = None
     cap = np.full(p, INF)
     div = np.ones(p)

@@ -1,4 +1,5 @@
-"""model -> Profile (torch): per-layer timing, saved bytes, dedup of identical layers, streaming, estimates."""
+"""model -> Profile (torch): per-layer timing, saved
+bytes, dedup of identical layers, streaming, estimates."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Per-layer figures -> Profile: medians and spreads, dedup groups copied to their members, tied parameters, the
-optimizer floor, and the meta that says how it was measured."""
+"""Per-layer figures -> Profile: medians and spreads, dedup groups copied to their members, tied parameters,
+the optimizer floor, and the meta that says how it was measured."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def piece_used_fqns(cut: CutModel, piece: Piece) -> set[str]:
 
 
 def tied_parameters(cut: CutModel, model: nn.Module) -> list[dict[str, Any]]:
-    """``meta["tied"]``: each parameter the model holds under two or more FQNs (an embedding tied to the LM head),
-    with the layers whose pieces use it (under any of its names) and its bytes in the profiled dtype. Matched by
-    FQN, so it holds whether the pieces are real, on meta, or released back to meta."""
+    """``meta["tied"]``: each parameter the model holds under two or more FQNs (an embedding tied to the LM
+    head), with the layers whose pieces use it (under any of its names) and its bytes in the profiled dtype.
+    Matched by FQN, so it holds whether the pieces are real, on meta, or released back to meta."""
     groups: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(param_identity(p), ([], p))[0].append(name)
@@ -83,31 +83,8 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
               memory: dict[str, Any], peaks: Peaks, device: str | None = None) -> Profile:
     """Rows (a deduplicated layer takes its representative's figures, its own bytes) and meta."""
     names = cut.names
-    results: list[LayerProfile] = []
-    for k, piece in enumerate(cut.pieces):
-        rep = plan.rep[k]
-        fig = figures[rep]
-        results.append(LayerProfile(
-            name=piece.name, forward_s=fig.forward_s, backward_s=fig.backward_s, activation_bytes=fig.activation_bytes,
-            output_bytes=int(crossing[k]), param_bytes=int(params[k][0]),
-            param_count=int(params[k][1]), forward_iqr_s=fig.forward_iqr_s,
-            backward_iqr_s=fig.backward_iqr_s, peak_bytes=fig.peak_bytes, backward_accumulate_s=fig.backward_accumulate_s,
-            measured_as=None if rep == k else names[rep],
-            optimizer_s=None if fig.optimizer_s is None else dict(fig.optimizer_s),
-        ))
-    spread: dict[str, Any] | None = None
-    if plan.spread is not None:
-        a, b = plan.spread
-        fa, fb = figures[a], figures[b]
-        spread = {"layer": names[b], "vs": names[a],
-                  "forward_ratio": fb.forward_s / fa.forward_s if fa.forward_s > 0 else None,
-                  "backward_ratio": fb.backward_s / fa.backward_s if fa.backward_s > 0 else None}
-        off = [r for r in (spread["forward_ratio"], spread["backward_ratio"]) if r is not None and abs(r - 1) > DEDUP_SPREAD_WARN]
-        if off:
-            warnings.warn(
-                f"identical layers {names[a]!r} and {names[b]!r} measured {', '.join(f'{r:.2f}x' for r in off)} apart "
-                f"(more than {DEDUP_SPREAD_WARN:.0%}): the machine was busy or the layers differ in a way their "
-                "signature misses; re-profile with more --repeats on a quiet machine, or with --no-dedup", stacklevel=4)
+    results = _rows(cut, plan, figures, crossing, params)
+    spread = _dedup_spread(plan, figures, names)
     dev = ctx.dev
     # a measured profile's step floor (an estimate prices its steps by bytes, and its meta says so instead)
     floors = optimizer_floors(dev, Timer(dev), ctx.repeats) if device is None else None
@@ -120,8 +97,10 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "split_method": cut.method,
         "named_layers": list(cut.named),
         "device": device or str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()),
-        "dtype": str(ctx.dt or next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.", ""),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+        else (platform.processor() or platform.machine()),
+        "dtype": str(ctx.dt or next((p.dtype for p in model.parameters()), torch.float32)).replace("torch.",
+                                                                                                   ""),
         "microbatch_size": ctx.mb,
         "batch_size": ctx.workload.batch_size,
         "input_shapes": [list(a.shape) for a in ctx.mb_args_cpu if isinstance(a, torch.Tensor)],
@@ -135,15 +114,16 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "timed_rounds": min(ctx.timed_rounds) if ctx.timed_rounds else None,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",
-        "method": "per-layer forward and backward timed separately on detached inputs, median of repeats after warm-up; "
-                  + ("in a stage's order (every layer's forward in turn, then every backward in reverse: a backward "
-                     "follows the next layer's); " if ctx.order == "stage" else
+        "method": "per-layer forward and backward timed separately on detached inputs, median of repeats "
+                  "after warm-up; "
+                  + ("in a stage's order (every layer's forward in turn, then every backward in reverse: a "
+                     "backward follows the next layer's); " if ctx.order == "stage" else
                      "each backward right after its own forward; " if ctx.order == "layer" else "")
-                  + "backward timed into empty grads (backward_s) and into filled grads (backward_accumulate_s); "
-                  "activation bytes via saved_tensors_hooks deduplicated by storage, views at their own extent (the loss target "
-                  "at its microbatch size); optimizer_s: median of repeats "
-                  "of one step() per optimizer over copies of the layer's parameters with gradients of ones, torch's "
-                  "default implementation, after warm-up steps",
+                  + "backward timed into empty grads (backward_s) and into filled grads "
+                  "(backward_accumulate_s); activation bytes via saved_tensors_hooks deduplicated by "
+                  "storage, views at their own extent (the loss target at its microbatch size); optimizer_s: "
+                  "median of repeats of one step() per optimizer over copies of the layer's parameters with "
+                  "gradients of ones, torch's default implementation, after warm-up steps",
         "optimizer_step": {"optimizers": {"sgd": "SGD(lr=1e-3)", "momentum": "SGD(lr=1e-3, momentum=0.9)",
                                           "adam": "Adam(lr=1e-3)", "adamw": "AdamW(lr=1e-3)"},
                            "implementation": "torch default (foreach=None, fused=None): foreach on CUDA, "
@@ -154,8 +134,9 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,
         "dedup": ctx.dedup,
-        # 'stage': every layer timed in a chain (identical layers share their optimizer step and bytes, and those
-        # between identical neighbours their pooled times: pooled_layers); 'layer': each alone; None: estimated
+        # 'stage': every layer timed in a chain (identical layers share their optimizer step and bytes, and
+        # those between identical neighbours their pooled times: pooled_layers); 'layer': each alone; None:
+        # estimated
         "order": ctx.order,
         "layers_measured": len(plan.measured),
         "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),
@@ -163,7 +144,8 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "dedup_spread": spread,
         "tied": tied_parameters(cut, model),
         "peak_rss_bytes": peak_rss_bytes(),
-        # other processes on the machine inflate wall-clock timings (up to 2x on a 2-core CPU host shared with them)
+        # other processes on the machine inflate wall-clock
+        # timings (up to 2x on a 2-core CPU host shared with them)
         "load_average_1min": os.getloadavg()[0],
     }
     meta.update(extra)
@@ -172,3 +154,44 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
     if memory:
         meta["memory_check"] = memory
     return Profile(tuple(results), meta)
+
+
+def _rows(cut: CutModel, plan: Dedup, figures: Mapping[int, Figures], crossing: Sequence[int],
+          params: Sequence[tuple[int, int]]) -> list[LayerProfile]:
+    """A row per layer: a deduplicated layer takes its representative's figures and keeps its own bytes."""
+    names = cut.names
+    results: list[LayerProfile] = []
+    for k, piece in enumerate(cut.pieces):
+        rep = plan.rep[k]
+        fig = figures[rep]
+        results.append(LayerProfile(
+            name=piece.name, forward_s=fig.forward_s, backward_s=fig.backward_s,
+            activation_bytes=fig.activation_bytes,
+            output_bytes=int(crossing[k]), param_bytes=int(params[k][0]),
+            param_count=int(params[k][1]), forward_iqr_s=fig.forward_iqr_s,
+            backward_iqr_s=fig.backward_iqr_s, peak_bytes=fig.peak_bytes,
+            backward_accumulate_s=fig.backward_accumulate_s, measured_as=None if rep == k else names[rep],
+            optimizer_s=None if fig.optimizer_s is None else dict(fig.optimizer_s),
+        ))
+    return results
+
+
+def _dedup_spread(plan: Dedup, figures: Mapping[int, Figures], names: Sequence[str]) -> dict[str, Any] | None:
+    """How far apart the two identical layers dedup measured are (None where it measured one), warned past
+    DEDUP_SPREAD_WARN."""
+    spread: dict[str, Any] | None = None
+    if plan.spread is not None:
+        a, b = plan.spread
+        fa, fb = figures[a], figures[b]
+        spread = {"layer": names[b], "vs": names[a],
+                  "forward_ratio": fb.forward_s / fa.forward_s if fa.forward_s > 0 else None,
+                  "backward_ratio": fb.backward_s / fa.backward_s if fa.backward_s > 0 else None}
+        off = [r for r in (spread["forward_ratio"], spread["backward_ratio"]) if r is not None
+               and abs(r - 1) > DEDUP_SPREAD_WARN]
+        if off:
+            warnings.warn(
+                f"identical layers {names[a]!r} and {names[b]!r} measured "
+                f"{', '.join(f'{r:.2f}x' for r in off)} apart (more than {DEDUP_SPREAD_WARN:.0%}): the "
+                "machine was busy or the layers differ in a way their signature misses; re-profile with more "
+                "--repeats on a quiet machine, or with --no-dedup", stacklevel=5)
+    return spread

@@ -1,4 +1,5 @@
-"""The profiling device and dtype, parsed from the CLI's words: cpu, cuda[:N], or estimate:GPU for a GPU you do not have."""
+"""The profiling device and dtype, parsed from the CLI's words:
+cpu, cuda[:N], or estimate:GPU for a GPU you do not have."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def parse_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or estimate:GPU (e.g. estimate:h100-sxm)") from exc
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or estimate:GPU (e.g. "
+                          f"estimate:h100-sxm)") from exc
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -31,7 +33,8 @@ def parse_device(device: str | torch.device) -> torch.device:
                               f"(torch {torch.__version__}); use --device cpu, estimate for a GPU (--device "
                               "estimate:h100-sxm) or run on a GPU machine")
         if dev.index is not None and dev.index >= count:
-            raise DeviceError(f"device {str(device)!r} asked for, but only {count} CUDA device(s) exist (0..{count - 1}); pick one of those")
+            raise DeviceError(f"device {str(device)!r} asked for, but only {count} CUDA device(s) exist "
+                              f"(0..{count - 1}); pick one of those")
     elif dev.type != "cpu":
         raise DeviceError(f"device type {dev.type!r} is not supported; use cpu, cuda, cuda:N or estimate:GPU")
     return dev
@@ -52,9 +55,10 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def default_dtype(dtype: str | torch.dtype | None) -> Iterator[None]:
-    """Build under ``dtype`` as torch's default (parameters are created in it, nothing is cast), then restore it.
-    ``.to(dtype)`` on a model also casts floating buffers, including those it computes in float32 on purpose (HF
-    LLaMA's rotary ``inv_freq``: cast to bfloat16 it loses precision, and the rotary angles come out wrong)."""
+    """Build under ``dtype`` as torch's default (parameters are created in it, nothing is cast), then restore
+    it. ``.to(dtype)`` on a model also casts floating buffers, including those it computes in float32 on
+    purpose (HF LLaMA's rotary ``inv_freq``: cast to bfloat16 it loses precision, and the rotary angles come
+    out wrong)."""
     dt = parse_dtype(dtype)
     before = torch.get_default_dtype()
     if dt is not None:

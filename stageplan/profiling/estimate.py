@@ -1,10 +1,11 @@
-"""Estimate a layer's forward/backward time and saved-for-backward bytes on a GPU you do not have, running nothing.
+"""Estimate a layer's forward/backward time and saved-for-backward
+bytes on a GPU you do not have, running nothing.
 
 The layer runs forward and backward under ``FakeTensorMode`` on fake CPU tensors: shapes, dtypes and
 strides are real, no data is allocated, so a LLaMA-70B decoder layer at sequence 4096 takes well under a
-second and under 0.5 GB of RSS (torch included). (Fake *CUDA* tensors abort a CPU-only torch in SDPA and backward, so the
-fake tensors are CPU ones; the CPU flash SDPA kernel saves q, k, v, out and logsumexp, as CUDA flash
-attention does.) A ``TorchDispatchMode`` records every aten op:
+second and under 0.5 GB of RSS (torch included). (Fake *CUDA* tensors abort a CPU-only torch in SDPA and
+backward, so the fake tensors are CPU ones; the CPU flash SDPA kernel saves q, k, v, out and logsumexp, as
+CUDA flash attention does.) A ``TorchDispatchMode`` records every aten op:
 
 - FLOPs from ``torch.utils.flop_counter``'s formula registry (matmuls, convolutions, SDPA). It has no
   formula for ``aten._scaled_dot_product_flash_attention_for_cpu`` (FlopCounterMode counts 0 for it), so
@@ -156,7 +157,8 @@ def _link(row: Mapping[str, Any]) -> LinkSpec:
 
 @cache
 def gpu_spec(name: str) -> GpuSpec:
-    """The published figures of GPU ``name`` (case-insensitive, e.g. 'h100-sxm'); StageplanError if unknown."""
+    """The published figures of GPU ``name`` (case-insensitive,
+    e.g. 'h100-sxm'); StageplanError if unknown."""
     table = _table()
     key = str(name).strip().lower()
     row = table["gpus"].get(key)
@@ -204,7 +206,8 @@ _NO_TRAFFIC = {_ATEN.empty, _ATEN.empty_like, _ATEN.empty_strided, _ATEN.new_emp
 
 
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Forward FLOPs of softmax(QKᵀ)V as the math backend counts them: 2·B·H·Sq·Sk·(D + Dv), no causal halving."""
+    """Forward FLOPs of softmax(QKᵀ)V as the math backend
+    counts them: 2·B·H·Sq·Sk·(D + Dv), no causal halving."""
     *batch, heads, s_q, d = q.shape
     s_k, d_v = k.shape[-2], v.shape[-1]
     b = 1
@@ -261,12 +264,14 @@ class _OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.phase is not None:
-            self.ops[self.phase].append((_op_flops(func, args, kwargs, out), _op_bytes(func, args, kwargs, out)))
+            self.ops[self.phase].append(
+                (_op_flops(func, args, kwargs, out), _op_bytes(func, args, kwargs, out)))
         return out
 
 
 class _SdpaCalls(TorchFunctionMode):
-    """Counts F.scaled_dot_product_attention calls: 0 means ``attention`` had nothing to choose (eager attention)."""
+    """Counts F.scaled_dot_product_attention calls: 0 means
+    ``attention`` had nothing to choose (eager attention)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -371,7 +376,8 @@ def estimate_module(
     fwd, bwd = run.ops["forward"], run.ops["backward"]
     method: dict[str, Any] = {
         "model": "per-op roofline max(flops/(eta_c*peak), bytes/(eta_m*bandwidth)) over the aten ops of a "
-                 "fake-tensor forward and backward; saved bytes via saved_tensors_hooks deduplicated by storage",
+                 "fake-tensor forward and backward; saved bytes via saved_tensors_hooks deduplicated by "
+                 "storage",
         "gpu": spec.name,
         "dtype": key,
         "peak_flops": peak,
@@ -396,8 +402,8 @@ def estimate_module(
 
 @dataclass(frozen=True)
 class _FakeRun:
-    """What one forward and backward on fake tensors recorded: (flops, bytes) per aten op of each phase, the bytes
-    saved for backward, the output's bytes, and the F.scaled_dot_product_attention calls."""
+    """What one forward and backward on fake tensors recorded: (flops, bytes) per aten op of each phase, the
+    bytes saved for backward, the output's bytes, and the F.scaled_dot_product_attention calls."""
 
     ops: dict[str, list[tuple[int, int]]]
     saved_bytes: int
@@ -413,8 +419,9 @@ def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _run_fake(module: nn.Module, args_t: tuple[Any, ...], kwargs_d: dict[str, Any], *, attention: str,
               loss_fn: Callable[[Any], torch.Tensor] | None, inputs_require_grad: bool) -> _FakeRun:
-    """Run ``module`` forward and backward on fake CPU tensors like its parameters, buffers and inputs, under the
-    ``attention`` SDPA backend, recording every aten op; WorkloadError for a layer whose shapes need data."""
+    """Run ``module`` forward and backward on fake CPU tensors like its parameters, buffers and inputs, under
+    the ``attention`` SDPA backend, recording every aten op; WorkloadError for a layer whose shapes need
+    data."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -434,9 +441,10 @@ def _run_fake(module: nn.Module, args_t: tuple[Any, ...], kwargs_d: dict[str, An
             state = {n: _fake_like(p, p.requires_grad) for n, p in params.items()}
             state.update({n: _fake_like(b, False) for n, b in buffers.items()})
             tracker = SavedTensorTracker({storage_identity(t) for t in state.values()}, key=storage_identity)
-            f_args = tree_map(lambda x: _fake_like(x, inputs_require_grad) if isinstance(x, torch.Tensor) else x,
-                              args_t)
-            f_kwargs = tree_map(lambda x: _fake_like(x, False) if isinstance(x, torch.Tensor) else x, kwargs_d)
+            f_args = tree_map(lambda x: _fake_like(x, inputs_require_grad) if isinstance(x, torch.Tensor)
+                              else x, args_t)
+            f_kwargs = tree_map(lambda x: _fake_like(x, False) if isinstance(x, torch.Tensor) else x,
+                                kwargs_d)
 
             with recorder, sdpa_kernel(backend), sdpa_calls:
                 recorder.phase = "forward"
@@ -460,7 +468,8 @@ def _run_fake(module: nn.Module, args_t: tuple[Any, ...], kwargs_d: dict[str, An
                             "estimate a part whose shapes do not depend on tensor values") from exc
     except RuntimeError as exc:
         if attention == "flash" and "No available kernel" in str(exc):
-            raise StageplanError(f"the flash SDPA kernel cannot run {type(module).__name__}'s attention ({exc}); "
+            raise StageplanError(f"the flash SDPA kernel cannot run {type(module).__name__}'s attention "
+                                 f"({exc}); "
                                  "use attention='math'") from exc
         raise
     return _FakeRun(recorder.ops, saved_bytes, output_bytes, sdpa_calls.calls)
@@ -478,7 +487,8 @@ def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | No
     plan = plan_dedup([layer_signature(cut, k, model, values) for k, values in enumerate(inputs)], ctx.dedup)
     figures: dict[int, Figures] = {}
     method: dict[str, Any] = {}
-    bar = Progress(len(plan.measured), f"estimating {n} layers for {gpu.name} ({len(plan.measured)} estimated)",
+    bar = Progress(len(plan.measured),
+                   f"estimating {n} layers for {gpu.name} ({len(plan.measured)} estimated)",
                    enabled=ctx.progress)
     for i, k in enumerate(plan.measured):
         bar.update(i, cut.pieces[k].name)
@@ -495,9 +505,11 @@ def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | No
         # memory-bound: every tensor the step touches read or written once, at eta_m of the spec bandwidth
         rate = float(method.get("memory_efficiency") or 1.0) * gpu.memory_bandwidth
         trained = sum(p.numel() * p.element_size()
-                      for p in distinct_params(list(used_parameters(cut.pieces[k].module).values())) if p.requires_grad)
+                      for p in distinct_params(list(used_parameters(cut.pieces[k].module).values()))
+                      if p.requires_grad)
         opt_s = {name: passes * trained / rate for name, passes in OPTIMIZER_PASSES.items()}
-        figures[k] = Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes, None, opt_s)
+        figures[k] = Figures(est.forward_s, est.backward_s, 0.0, 0.0, est.backward_s, est.activation_bytes,
+                             None, opt_s)
     bar.update(len(plan.measured), "done")
     bar.close()
     params = [param_totals(p.module) for p in cut.pieces]
@@ -508,11 +520,14 @@ def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | No
         "optimizer_step": {"implementation": "analytic: bytes moved / (eta_m x bandwidth)"},
         "warmup": None, "repeats": None, "threads": None,  # nothing was timed
         "device_name": gpu.description,
-        "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"), "eta_m": method.get("memory_efficiency"),
+        "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"),
+                     "eta_m": method.get("memory_efficiency"),
                      "attention": "flash", "sources": method.get("sources"), "model": method.get("model"),
                      "accuracy": ESTIMATE_ACCURACY},
-        "method": "per-layer analytic roofline estimate (stageplan.profiling.estimate) on fake tensors, nothing run; "
-                  "activation bytes exact via saved_tensors_hooks deduplicated by storage, views at their own extent; "
-                  "optimizer step = tensors touched (sgd 3, momentum 5, adam/adamw 7) x parameter bytes / (eta_m x bandwidth)",
+        "method": "per-layer analytic roofline estimate (stageplan.profiling.estimate) on fake tensors, "
+                  "nothing run; activation bytes exact via saved_tensors_hooks deduplicated by storage, "
+                  "views at their own extent; optimizer step = tensors touched (sgd 3, momentum 5, "
+                  "adam/adamw 7) x parameter bytes / (eta_m x bandwidth)",
     }
-    return assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, Peaks(), device=f"{ESTIMATE_PREFIX}{gpu.name}")
+    return assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, Peaks(),
+                    device=f"{ESTIMATE_PREFIX}{gpu.name}")

@@ -1,5 +1,5 @@
-"""Memory the profiler reads: free bytes on the device, the process's peak RSS, the whole model's parameter and
-activation bytes without data (fake tensors), and a layer's saved bytes and peak during its timed runs."""
+"""Memory the profiler reads: free bytes on the device, the process's peak RSS, the whole model's parameter
+and activation bytes without data (fake tensors), and a layer's saved bytes and peak during its timed runs."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
+                    if ln.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024  # kB
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
@@ -49,7 +50,9 @@ def fake_state(module: nn.Module, device: torch.device) -> dict[str, torch.Tenso
     # refused two values for tied keys, so a layer holding a tie could not be streamed or estimated)
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in fakes:
-            fakes[id(p)] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            fakes[id(p)] = torch.empty_strided(
+                p.shape, p.stride(), dtype=p.dtype, device=device
+            ).requires_grad_(p.requires_grad)
         state[name] = fakes[id(p)]
     for name, b in module.named_buffers(remove_duplicate=False):
         if id(b) not in fakes:
@@ -85,11 +88,13 @@ def _activation_bytes_without_data(model: nn.Module, args: tuple[Any, ...]) -> i
         return None
 
 
-def whole_model_bytes(model: nn.Module, args: tuple[Any, ...], dtype: str | torch.dtype | None = None) -> tuple[int, int | None]:
+def whole_model_bytes(
+    model: nn.Module, args: tuple[Any, ...], dtype: str | torch.dtype | None = None
+) -> tuple[int, int | None]:
     """What profiling the whole model at once holds: a copy of its parameters (in ``dtype``), their gradients,
-    and the activations of one forward+backward of the whole model (the whole-model timing keeps every layer's,
-    not only one layer's). Counted on a weightless copy. Returns (bytes, activation bytes or None when they
-    could not be counted without data: then parameters alone decide)."""
+    and the activations of one forward+backward of the whole model (the whole-model timing keeps every
+    layer's, not only one layer's). Counted on a weightless copy. Returns (bytes, activation bytes or None
+    when they could not be counted without data: then parameters alone decide)."""
     dt = parse_dtype(dtype)
     meta = typed_meta_copy(model, dt, torch.device("cpu"))
     acts = _activation_bytes_without_data(meta, tuple(to_device(a, torch.device("cpu"), dt) for a in args))

@@ -1,4 +1,5 @@
-"""The optimizer step per layer, timed on the layer's own parameters and gradients, and its fixed cost per call."""
+"""The optimizer step per layer, timed on the layer's own
+parameters and gradients, and its fixed cost per call."""
 
 from __future__ import annotations
 
@@ -14,26 +15,27 @@ from stageplan.measure import (
 )
 from stageplan.timing import LayerRun, grad_tensors, zero_grads
 
-# The optimizers the profiler times, as torch builds them (lr is irrelevant to the time; momentum 0.9 is the usual).
-# Each uses torch's default implementation for the parameters' device (foreach=None, fused=None): torch 2.13 picks
-# foreach on CUDA and the per-tensor loop on the CPU.
+# The optimizers the profiler times, as torch builds them (lr is irrelevant to the time; momentum 0.9 is the
+# usual). Each uses torch's default implementation for the parameters' device (foreach=None, fused=None):
+# torch 2.13 picks foreach on CUDA and the per-tensor loop on the CPU.
 _OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
     "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
 }
-# Tensors an optimizer step reads or writes per parameter, each once (it is memory-bound): read the parameter and
-# its gradient, write the parameter, read and write each state (momentum: 1 buffer; Adam/AdamW: exp_avg and
-# exp_avg_sq). The estimate device prices a step as these bytes / (eta_m * bandwidth).
+# Tensors an optimizer step reads or writes per parameter, each once (it is memory-bound): read the parameter
+# and its gradient, write the parameter, read and write each state (momentum: 1 buffer; Adam/AdamW: exp_avg
+# and exp_avg_sq). The estimate device prices a step as these bytes / (eta_m * bandwidth).
 OPTIMIZER_PASSES: dict[str, int] = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}
 OPTIMIZER_REPEATS = 5  # timed optimizer steps per layer and optimizer
 
 
 def layer_grads(run: LayerRun) -> list[torch.Tensor | None]:
-    """The gradient each of ``run.params`` gets from one forward and backward of the layer (the output's gradient
-    all ones, as :func:`fwd_bwd_time` gives it; the last layer's loss its own): what the optimizer step reads. A
-    parameter the backward does not reach gets None, and a step skips it, as torch's optimizers skip a None grad."""
+    """The gradient each of ``run.params`` gets from one forward and backward of the layer (the output's
+    gradient all ones, as :func:`fwd_bwd_time` gives it; the last layer's loss its own): what the optimizer
+    step reads. A parameter the backward does not reach gets None, and a step skips it, as torch's optimizers
+    skip a None grad."""
     out = run.fwd()
     tensors = grad_tensors(out)
     if tensors:
@@ -46,18 +48,19 @@ def layer_grads(run: LayerRun) -> list[torch.Tensor | None]:
 
 def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
                      grads: Sequence[torch.Tensor | None] | None = None) -> dict[str, float]:
-    """Median seconds of one ``step()`` of each optimizer over copies of ``params`` (so that the layer itself is not
-    changed), after one warm-up step (it creates the states), over at most ``OPTIMIZER_REPEATS`` steps: a step is
-    memory-bound and steady, and on a 7B block each Adam step costs about a second, so the layer's own repeats would
-    add minutes to a profile. Each timed step starts from a flushed last-level cache (:class:`CacheFlush`), as a
-    rank's step does after its backward.
+    """Median seconds of one ``step()`` of each optimizer over copies of ``params`` (so that the layer itself
+    is not changed), after one warm-up step (it creates the states), over at most ``OPTIMIZER_REPEATS`` steps:
+    a step is memory-bound and steady, and on a 7B block each Adam step costs about a second, so the layer's
+    own repeats would add minutes to a profile. Each timed step starts from a flushed last-level cache
+    (:class:`CacheFlush`), as a rank's step does after its backward.
 
-    ``grads`` (one per parameter, from :func:`layer_grads`: one microbatch's, where a step reads the sum over m, so
-    an embedding has a few more zero rows in it than in the step) are the gradients the step reads; without them,
-    gradients of ones. The values matter: an embedding's gradient is zero on every row its batch does not use (97%
-    of a 16384-token table at 512 tokens), Adam's ``exp_avg_sq`` stays zero there, and torch's CPU ``sqrt`` of a
-    zero can take 8x its time on a non-zero (2.68 against 0.32 ms over 2M floats, numpy 0.61 ms either way, measured
-    on a 2-core CPU host), so that table's Adam step took 10.7 ms with its real gradient against 5.4 ms with ones."""
+    ``grads`` (one per parameter, from :func:`layer_grads`: one microbatch's, where a step reads the sum over
+    m, so an embedding has a few more zero rows in it than in the step) are the gradients the step reads;
+    without them, gradients of ones. The values matter: an embedding's gradient is zero on every row its batch
+    does not use (97% of a 16384-token table at 512 tokens), Adam's ``exp_avg_sq`` stays zero there, and
+    torch's CPU ``sqrt`` of a zero can take 8x its time on a non-zero (2.68 against 0.32 ms over 2M floats,
+    numpy 0.61 ms either way, measured on a 2-core CPU host), so that table's Adam step took 10.7 ms with its
+    real gradient against 5.4 ms with ones."""
     given = list(grads) if grads is not None else [None] * len(params)
     trained = [(p, g) for p, g in zip(params, given) if p.requires_grad and (grads is None or g is not None)]
     if not trained:
@@ -69,7 +72,8 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
         copies = []
         for p, g in trained:
             q = p.detach().clone().requires_grad_(True)
-            # a sparse gradient (nn.Embedding(sparse=True)) as its dense equal: torch's dense optimizers refuse sparse
+            # a sparse gradient (nn.Embedding(sparse=True)) as its
+            # dense equal: torch's dense optimizers refuse sparse
             q.grad = torch.ones_like(q) if g is None else g.to_dense() if g.is_sparse else g.clone()
             copies.append(q)
         opt = make(copies)
@@ -77,7 +81,8 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
         samples = []
         for _ in range(min(repeats, OPTIMIZER_REPEATS)):
             if state_bytes < flush.size_bytes:
-                flush()  # a rank steps after a backward that evicted these states: time it from memory, not cache
+                # a rank steps after a backward that evicted these states: time it from memory, not cache
+                flush()
             samples.append(timer(opt.step)[0])
         out[name] = median_iqr(samples)[0]
         del opt, copies
@@ -88,12 +93,13 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
 def optimizer_floors(device: torch.device, timer: Timer, repeats: int) -> dict[str, float]:
     """Per optimizer, the seconds of one ``step()`` over a single 8-element parameter, timed as
     :func:`optimizer_times` times a layer's (from a flushed cache): the fixed cost of a step (Python, the
-    dispatcher, the optimizer's own state, cold after the flush), which every layer's figure carries once and a
-    rank pays once, since it steps all its layers in one ``step()``. Measured on a 2-core CPU host: 0.31 ms for SGD
-    and 0.51 ms for Adam against 0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so it is per
-    step, not per tensor; summed over the convnet's 9 trained layers the per-layer figures came to 13.9 ms of Adam
-    against 10.1 ms for one flushed step over the whole model (the GPT: 22.6 against 19.8 ms). Measured once per process and device (about
-    0.7 s of flushes): it is the machine's and the process's, not the model's."""
+    dispatcher, the optimizer's own state, cold after the flush), which every layer's figure carries once and
+    a rank pays once, since it steps all its layers in one ``step()``. Measured on a 2-core CPU host: 0.31 ms
+    for SGD and 0.51 ms for Adam against 0.02 and 0.05 ms hot, and 0.33 / 0.69 ms over 10 such parameters, so
+    it is per step, not per tensor; summed over the convnet's 9 trained layers the per-layer figures came to
+    13.9 ms of Adam against 10.1 ms for one flushed step over the whole model (the GPT: 22.6 against 19.8 ms).
+    Measured once per process and device (about 0.7 s of flushes): it is the machine's and the process's, not
+    the model's."""
     key = str(device)
     if key not in _FLOORS:
         tiny = nn.Parameter(torch.zeros(8, device=device))

@@ -1,6 +1,6 @@
-"""Per-layer forward/backward timing, saved-for-backward bytes, parameter and boundary bytes -> Profile: with the
-whole model real, one layer at a time from meta (streaming), or estimated for a GPU you do not have; identical
-layers are measured once."""
+"""Per-layer forward/backward timing, saved-for-backward bytes, parameter and boundary bytes -> Profile: with
+the whole model real, one layer at a time from meta (streaming), or estimated for a GPU you do not have;
+identical layers are measured once."""
 
 from __future__ import annotations
 
@@ -61,15 +61,22 @@ from stageplan.workload import Workload
 # Building a workload to profile: on meta first (no memory), for real only when it fits
 
 
-def build_workload_for_profile(model: str, options: dict[str, Any] | None = None, *, device: str = "cpu",
-                               dtype: str | torch.dtype | None = None, streaming: bool | None = None) -> Workload:
+def build_workload_for_profile(
+    model: str,
+    options: dict[str, Any] | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
+    streaming: bool | None = None,
+) -> Workload:
     """Build the model spec ``model`` for :func:`profile_model`, never bigger than the machine.
 
     It is built first with parameters on meta (``init_empty_weights``) under ``dtype`` as torch's default.
     That build is returned for an estimate device, for ``streaming=True``, and when the real model, the
     profiler's copy and its gradients (3x the parameters) would take more than half of the device's free
     memory: the profiler then materialises what it needs (one layer at a time, or the whole model initialised
-    by FQN). Otherwise the factory builds it for real, with its own initialisation. A factory that cannot build
+    by FQN). Otherwise the factory builds it for real, with its own initialisation. A factory that cannot
+    build
     on meta is built for real unless streaming or an estimate was asked for.
     """
     from stageplan.zoo import build_workload
@@ -97,7 +104,8 @@ def build_workload_for_profile(model: str, options: dict[str, Any] | None = None
         if estimate or streaming or (meta_wl.model is None and meta_wl.model_fn is not None):
             return meta_wl  # a model_fn workload is only ever built on meta: profile_model streams it
         if not isinstance(meta_wl.model, nn.Module):
-            raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(meta_wl.model).__name__}")
+            raise WorkloadError(
+                f"workload.model must be a torch.nn.Module, got {type(meta_wl.model).__name__}")
         if 3 * parameter_bytes(meta_wl.model) > free_bytes(dev) // 2:
             return meta_wl
     with default_dtype(dtype):
@@ -133,45 +141,51 @@ def profile_model(
     - ``streaming``: True measures one layer at a time from a model on meta (only that layer's parameters are
       real; the whole-model timing is skipped); None chooses it when the whole model, its gradients and its
       activations would not fit in the device's free memory.
-    - ``dedup``: in order 'layer', of identical layers (same code, parameter shapes and dtypes, input shapes) the
-      first two are measured and the rest reuse the second's figures (the first follows a different layer, and runs
-      slower); their rows say ``measured_as``. In a group of three or more, the third instance is measured too and
-      its ratio to the second recorded in ``meta["dedup_spread"]`` (None without such a group; a pair is simply
-      measured twice). In order 'stage' every layer is timed; dedup shares the optimizer step and bytes, and pools
-      the times of identical layers between identical neighbours. False: each layer its own figures.
+    - ``dedup``: in order 'layer', of identical layers (same code, parameter shapes and dtypes, input shapes)
+      the first two are measured and the rest reuse the second's figures (the first follows a different layer,
+      and runs slower); their rows say ``measured_as``. In a group of three or more, the third instance is
+      measured too and its ratio to the second recorded in ``meta["dedup_spread"]`` (None without such a
+      group; a pair is simply measured twice). In order 'stage' every layer is timed; dedup shares the
+      optimizer step and bytes, and pools the times of identical layers between identical neighbours. False:
+      each layer its own figures.
     - ``dtype``: the parameter and input dtype (default: the model's own). Build the model under that default
       dtype instead where you can (:func:`default_dtype`): only parameters and persistent buffers are cast.
-    - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one layer at
-      a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by the second: on
-      a 2-core CPU host two windows of the same work differed by up to 33% (98th percentile) over 1.7 s and 9% over
-      20 s (README, Limitations); the medians of rounds spread over longer average more of it out.
-    - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward in
-      reverse, so that a layer's backward follows the next layer's and reads activations the rest of the model has
-      since pushed out of the cache (every layer is timed in its place; identical layers share their optimizer step,
-      and those between identical neighbours their times, pooled over all of them: ``meta["pooled_layers"]``);
-      'layer' times each layer's backward right after its own forward (hot: the GPT's blocks' backward read 0.89-0.95x
-      the stage order's, the block before the head 0.75x). None: 'stage' where the whole model is materialised,
+    - ``min_time_s``: time more rounds than ``repeats`` until the timed rounds span this many seconds (one
+      layer at a time: each measured layer's rounds an equal share of it). A shared machine's speed drifts by
+      the second: on a 2-core CPU host two windows of the same work differed by up to 33% (98th percentile)
+      over 1.7 s and 9% over 20 s (README, Limitations); the medians of rounds spread over longer average more
+      of it out.
+    - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward
+      in reverse, so that a layer's backward follows the next layer's and reads activations the rest of the
+      model has since pushed out of the cache (every layer is timed in its place; identical layers share their
+      optimizer step, and those between identical neighbours their times, pooled over all of them:
+      ``meta["pooled_layers"]``); 'layer' times each layer's backward right after its own forward (hot: the
+      GPT's blocks' backward read 0.89-0.95x the stage order's, the block before the head 0.75x). None:
+      'stage' where the whole model is materialised,
       'layer' one layer at a time (only one layer is real there).
     """
     if warmup < 0 or repeats < 1:
-        raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; e.g. --warmup 3 --repeats 10")
+        raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; "
+                             f"e.g. --warmup 3 --repeats 10")
     check_min_time(min_time_s)
     check_order(order)
     estimate = is_estimate_device(device)
     if estimate:
         gpu: Any = _estimate_target(device, min_time_s, order, compute_efficiency, memory_efficiency)
-        dev = torch.device("cpu")  # fake CPU tensors stand in for the target's (see stageplan.profiling.estimate)
+        # fake CPU tensors stand in for the target's (see stageplan.profiling.estimate)
+        dev = torch.device("cpu")
     else:
         gpu = None
         dev = _measured_device(device, compute_efficiency, memory_efficiency)
     dt = parse_dtype(dtype)
     if not isinstance(dedup, bool) or (streaming is not None and not isinstance(streaming, bool)):
-        raise StageplanError(f"streaming must be True, False or None and dedup True or False, got streaming={streaming!r}, "
-                             f"dedup={dedup!r}")
+        raise StageplanError(f"streaming must be True, False or None and dedup True or False, got "
+                             f"streaming={streaming!r}, dedup={dedup!r}")
     if dev.type == "cpu" and not estimate and dt in (torch.float16, torch.bfloat16):
-        warnings.warn(f"profiling in {str(dt).replace('torch.', '')} on the CPU: most CPU kernels have no fast half-precision "
-                      "path (float16 can run many times slower than float32), so these times will not predict a GPU; "
-                      "profile on the GPU you will train on, or estimate for it (--device estimate:NAME)", stacklevel=2)
+        warnings.warn(f"profiling in {str(dt).replace('torch.', '')} on the CPU: most CPU kernels have no "
+                      "fast half-precision path (float16 can run many times slower than float32), so these "
+                      "times will not predict a GPU; profile on the GPU you will train on, or estimate for "
+                      "it (--device estimate:NAME)", stacklevel=2)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     if workload.model is None and workload.model_fn is not None:  # a model only ever built on meta (model_fn)
         import dataclasses
@@ -182,8 +196,8 @@ def profile_model(
 
     steady_allocator()  # reuse large buffers, as every rank does: see measure.steady_allocator
     with _one_thread_rng_restored(dev):
-        ctx = LayerContext(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu, dedup,
-                           float(min_time_s), order)
+        ctx = LayerContext(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu,
+                           dedup, float(min_time_s), order)
         if estimate:
             return profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
         return _profile_measured(ctx, streaming, order)
@@ -191,8 +205,8 @@ def profile_model(
 
 def _estimate_target(device: str | torch.device, min_time_s: float, order: str | None,
                      compute_efficiency: float | None, memory_efficiency: float | None) -> Any:
-    """The GpuSpec an 'estimate:NAME' device names; StageplanError for an option that only a measurement uses, or
-    an efficiency that is not a fraction in (0, 1]."""
+    """The GpuSpec an 'estimate:NAME' device names; StageplanError for an option that only a measurement uses,
+    or an efficiency that is not a fraction in (0, 1]."""
     from stageplan.profiling.estimate import (
         DEFAULT_COMPUTE_EFFICIENCY,
         DEFAULT_MEMORY_EFFICIENCY,
@@ -201,11 +215,11 @@ def _estimate_target(device: str | torch.device, min_time_s: float, order: str |
 
     gpu = parse_estimate_device(str(device))
     if min_time_s:
-        raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate measures "
-                             "nothing; drop --min-time, or measure on a device you have")
+        raise StageplanError(f"min_time_s ({min_time_s}) spreads measured rounds over time, and an estimate "
+                             "measures nothing; drop --min-time, or measure on a device you have")
     if order is not None:
-        raise StageplanError(f"order ({order}) is the order layers are timed in, and an estimate times nothing; "
-                             "drop --order, or measure on a device you have")
+        raise StageplanError(f"order ({order}) is the order layers are timed in, and an estimate times "
+                             "nothing; drop --order, or measure on a device you have")
     for name, value, default in (("compute_efficiency", compute_efficiency, DEFAULT_COMPUTE_EFFICIENCY),
                                  ("memory_efficiency", memory_efficiency, DEFAULT_MEMORY_EFFICIENCY)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -220,15 +234,16 @@ def _measured_device(device: str | torch.device, compute_efficiency: float | Non
     dev = parse_device(device)
     for name, value in (("compute_efficiency", compute_efficiency), ("memory_efficiency", memory_efficiency)):
         if value is not None:
-            raise StageplanError(f"{name} ({value}) applies to estimates only; use it with --device estimate:GPU "
-                                 "(e.g. estimate:h100-sxm), or drop it when measuring")
+            raise StageplanError(f"{name} ({value}) applies to estimates only; use it with --device "
+                                 "estimate:GPU (e.g. estimate:h100-sxm), or drop it when measuring")
     return dev
 
 
 @contextlib.contextmanager
 def _one_thread_rng_restored(dev: torch.device) -> Iterator[None]:
-    """One intra-op thread on the CPU, as each pipeline rank will run; torch's thread count and the CPU and CUDA
-    random states are restored on the way out, so that profiling leaves the caller's process as it found it."""
+    """One intra-op thread on the CPU, as each pipeline rank will run; torch's thread count and the CPU and
+    CUDA random states are restored on the way out, so that profiling leaves the caller's process as it found
+    it."""
     rng_cpu = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads = torch.get_num_threads()
@@ -263,8 +278,13 @@ def _profile_measured(ctx: LayerContext, streaming: bool | None, order: str | No
 
 def check_min_time(min_time_s: object) -> None:
     """Refuse a ``min_time_s`` that is not a finite number of seconds >= 0."""
-    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) or not 0 <= min_time_s < math.inf:
-        raise StageplanError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}; e.g. --min-time 20")
+    if (
+        isinstance(min_time_s, bool)
+        or not isinstance(min_time_s, (int, float))
+        or not 0 <= min_time_s < math.inf
+    ):
+        raise StageplanError(
+            f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}; e.g. --min-time 20")
 
 
 def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
@@ -291,8 +311,8 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     signatures = [layer_signature(cut, k, model, values[k]) for k in range(n)]
     plan = plan_dedup(signatures, ctx.dedup)
     stage = ctx.order == "stage"
-    # in a stage's order every layer is timed (its backward depends on what ran since its forward); identical layers
-    # still share their optimizer step and bytes
+    # in a stage's order every layer is timed (its backward depends on what ran since its forward); identical
+    # layers still share their optimizer step and bytes
     timed = list(range(n)) if stage else plan.measured
     measured = plan.measured
     runs = [make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in timed]
@@ -309,10 +329,17 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         return t_w
 
     bar = Progress(ctx.warmup + ctx.repeats, f"profiling {n} layers", enabled=ctx.progress)
-    doing = "in a stage's order" if stage else f"{len(timed)} of them, the others identical" if len(timed) < n else ""
+    doing = (
+        "in a stage's order"
+        if stage
+        else f"{len(timed)} of them, the others identical"
+        if len(timed) < n
+        else ""
+    )
     samples, whole_times = time_rounds(
         runs, timer, ctx.warmup, ctx.repeats, whole,
-        lambda r: bar.update(r, " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))),
+        lambda r: bar.update(r,
+                             " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))),
         ctx.min_time_s, chain=stage)
     ctx.timed_rounds.append(len(whole_times))
     bar.close()
@@ -321,9 +348,11 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     for k in measured:
         run, s = by_layer[k]
         act, peak = bytes_and_peak(run, ctx.dev, peaks)
-        figures[k] = make_figures(s, act, peak, optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
+        figures[k] = make_figures(s, act, peak,
+                                  optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
     pooled: list[list[int]] = []
-    if stage:  # every layer timed in its place; an identical layer its representative's bytes and optimizer step
+    if stage:
+        # every layer timed in its place; an identical layer its representative's bytes and optimizer step
         pooled = stage_pools(signatures) if ctx.dedup else []
         pool_of = {k: group for group in pooled for k in group}
         for k in range(n):
@@ -332,11 +361,13 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
             times = [[t for j in group for t in by_layer[j][1][i]] for i in range(3)]
             figures[k] = make_figures(times, fig.activation_bytes, fig.peak_bytes, fig.optimizer_s)
         plan = Dedup(list(range(n)), None, plan.distinct)  # nothing reused: no spread to check
-    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k)) for k in range(n)]
+    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k))
+                for k in range(n)]
     params = [param_totals(p.module) for p in cut.pieces]
     whole_med, whole_iqr = median_iqr(whole_times)
     if ctx.dev.type == "cuda":
         peaks.note_cuda(ctx.dev)
     extra = {"materialized": "whole-model", "whole_model_s": whole_med, "whole_model_iqr_s": whole_iqr,
-             "whole_model": "measured", "pooled_layers": [[cut.pieces[k].name for k in group] for group in pooled]}
+             "whole_model": "measured",
+             "pooled_layers": [[cut.pieces[k].name for k in group] for group in pooled]}
     return assemble(ctx, cut, model, plan, figures, crossing, params, extra, memory, peaks)

@@ -1,5 +1,5 @@
-"""Layer signatures for dedup: class, attributes, parameter and input shapes and the export graph; layers with equal
-signatures are measured once, and stage-order profiles pool them."""
+"""Layer signatures for dedup: class, attributes, parameter and input shapes and the export graph; layers with
+equal signatures are measured once, and stage-order profiles pool them."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ _PRIMITIVE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 def _const(value: Any, nodes: dict[Any, int] | None = None) -> Any:
-    """A hashable, address-free stand-in for a graph argument or a module attribute (None: leave it out). A graph
-    node stands in as its position in its graph (``nodes``), so that the wiring counts, not only the ops."""
+    """A hashable, address-free stand-in for a graph argument or a module attribute (None: leave it out). A
+    graph node stands in as its position in its graph (``nodes``), so that the wiring counts, not only the
+    ops."""
     if isinstance(value, torch.fx.Node):
         return f"%{nodes[value]}" if nodes is not None and value in nodes else "%"
     if isinstance(value, _PRIMITIVE):
@@ -46,9 +47,10 @@ def _const(value: Any, nodes: dict[Any, int] | None = None) -> Any:
 
 
 def _attribute(value: Any) -> Any:
-    """A module attribute in a signature: its constant; a named function by its qualified name; any other object
-    (a lambda, a tensor that is not a buffer, a config) by its identity, so that two layers holding different
-    ones are measured apart (torch.relu against a lambda, or two config objects, had been taken as one layer)."""
+    """A module attribute in a signature: its constant; a named function by its qualified name; any other
+    object (a lambda, a tensor that is not a buffer, a config) by its identity, so that two layers holding
+    different ones are measured apart (torch.relu against a lambda, or two config objects, had been taken as
+    one layer)."""
     c = _const(value)
     if c is not None or value is None:
         return c
@@ -65,7 +67,9 @@ def _graph_signature(graph: torch.fx.Graph, rename: Callable[[str], str]) -> tup
         if node.op == "placeholder":  # its name is the producer's, which differs from layer to layer
             out.append(("placeholder",))
             continue
-        target = rename(node.target) if isinstance(node.target, str) and node.op != "output" else str(node.target)
+        target = (
+            rename(node.target) if isinstance(node.target, str) and node.op != "output" else str(node.target)
+        )
         out.append((node.op, target, _const(node.args, nodes), _const(dict(node.kwargs), nodes)))
     return tuple(out)
 
@@ -89,11 +93,14 @@ def _module_signature(module: nn.Module, layer: str) -> tuple[Any, ...]:
             mods.append((rename(name), "graph", _graph_signature(graph, rename_in(name))))
             continue
         attrs = tuple(sorted(((k, _attribute(v)) for k, v in vars(mod).items()
-                              if not k.startswith("_") and not _INDEX_ATTR.fullmatch(k)), key=lambda kv: kv[0]))
-        mods.append((rename(name), f"{type(mod).__module__}.{type(mod).__qualname__}", mod.extra_repr(), attrs))
+                              if not k.startswith("_") and not _INDEX_ATTR.fullmatch(k)),
+                             key=lambda kv: kv[0]))
+        mods.append(
+            (rename(name), f"{type(mod).__module__}.{type(mod).__qualname__}", mod.extra_repr(), attrs))
     params = tuple((rename(n), tuple(p.shape), str(p.dtype), p.requires_grad)
                    for n, p in module.named_parameters(remove_duplicate=False))
-    buffers = tuple((rename(n), tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(remove_duplicate=False))
+    buffers = tuple((rename(n), tuple(b.shape), str(b.dtype)) for n,
+                    b in module.named_buffers(remove_duplicate=False))
     return (tuple(mods), params, buffers)
 
 
@@ -120,8 +127,8 @@ def layer_signature(cut: CutModel, k: int, model: nn.Module, inputs: Sequence[An
 
 @dataclass(frozen=True)
 class Dedup:
-    """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: the second and third
-    instances of the largest group, both measured, or None when no group has three."""
+    """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: the second and
+    third instances of the largest group, both measured, or None when no group has three."""
 
     rep: list[int]
     spread: tuple[int, int] | None
@@ -143,23 +150,26 @@ def plan_dedup(signatures: Sequence[Any], enabled: bool) -> Dedup:
     for k, sig in enumerate(signatures):
         groups.setdefault(sig, []).append(k)
     # The first of a run of identical layers follows a different layer (the embedding, whose backward writes a
-    # multi-MiB gradient), the others follow their own kind: GPT's blocks.0 measured 1.27x blocks.1-5, alone and
-    # inside the pipeline (measured on a 2-core CPU host). So the first and the second instance are measured, and the rest reuse the second.
+    # multi-MiB gradient), the others follow their own kind: GPT's blocks.0 measured 1.27x blocks.1-5, alone
+    # and inside the pipeline (measured on a 2-core CPU host). So the first and the second instance are
+    # measured, and the rest reuse the second.
     rep = list(range(n))
     for members in groups.values():
         for k in members[2:]:
             rep[k] = members[1]
-    # the spread check compares two instances that should agree: the second and third (both follow their own kind)
+    # the spread check compares two instances that should
+    # agree: the second and third (both follow their own kind)
     largest = max(groups.values(), key=len)  # the first of the largest groups on a tie (dicts keep order)
     spread = (largest[1], largest[2]) if len(largest) > 2 else None  # of a pair, both are measured and used
     return Dedup(rep, spread, len(groups))
 
 
 def stage_pools(signatures: Sequence[Any]) -> list[list[int]]:
-    """Groups of two or more identical layers between identical neighbours (the same signature before and after, or
-    none): in a stage's order each is timed in its place, and what can differ between them is the neighbours (the
-    first block follows the embedding, the last precedes the head), so each such group's figures are the medians
-    over all its members' rounds: more samples, and no boundary moved by one block reading slower than its twin."""
+    """Groups of two or more identical layers between identical neighbours (the same signature before and
+    after, or none): in a stage's order each is timed in its place, and what can differ between them is the
+    neighbours (the first block follows the embedding, the last precedes the head), so each such group's
+    figures are the medians over all its members' rounds: more samples, and no boundary moved by one block
+    reading slower than its twin."""
     n = len(signatures)
     groups: dict[Any, list[int]] = {}
     for k in range(n):

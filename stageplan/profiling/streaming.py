@@ -1,5 +1,5 @@
-"""Layer-at-a-time profiling: the model stays on meta, each layer gets real weights in turn and is timed on the real
-outputs of the layers before it; at most one layer's weights are real at once."""
+"""Layer-at-a-time profiling: the model stays on meta, each layer gets real weights in turn and is timed on
+the real outputs of the layers before it; at most one layer's weights are real at once."""
 
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ from stageplan.timing import (
 )
 
 
-def fake_chain(cut: CutModel, args: tuple[Any, ...], device: torch.device) -> tuple[list[list[Any]], list[int]]:
-    """Every piece's inputs as fake tensors (shapes, dtypes and strides; no data, no compute), and the bytes that
-    cross a boundary after each piece."""
+def fake_chain(
+    cut: CutModel, args: tuple[Any, ...], device: torch.device
+) -> tuple[list[list[Any]], list[int]]:
+    """Every piece's inputs as fake tensors (shapes, dtypes and strides; no data, no compute), and the bytes
+    that cross a boundary after each piece."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     env: dict[Any, Any] = {}
@@ -52,15 +54,19 @@ def fake_chain(cut: CutModel, args: tuple[Any, ...], device: torch.device) -> tu
             for k, piece in enumerate(cut.pieces):
                 values = [resolve(r, fake_args, env) for r in piece.inputs]
                 inputs.append(values)
-                out = torch.func.functional_call(piece.module, fake_state(piece.module, device), tuple(values))
+                out = torch.func.functional_call(piece.module, fake_state(piece.module, device),
+                                                 tuple(values))
                 store_outputs(env, k, out)
     except Exception as exc:
         raise WorkloadError(
-            f"layer {cut.pieces[len(inputs) - 1].name!r} cannot run without data ({type(exc).__name__}: {exc}); "
-            "profile it with the whole model real (streaming=False) or name layers whose shapes do not depend on values"
+            f"layer {cut.pieces[len(inputs) - 1].name!r} cannot run without data ({type(exc).__name__}: "
+            f"{exc}); "
+            "profile it with the whole model real (streaming=False) or name layers whose shapes do not "
+            "depend on values"
         ) from exc
     n = len(cut.pieces)
-    crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, fake_args, env)) for r in cut.crossing_refs(k))
+    crossing = [0 if k == n - 1
+                else sum(tensor_bytes(resolve(r, fake_args, env)) for r in cut.crossing_refs(k))
                 for k in range(n)]
     return inputs, crossing
 
@@ -71,7 +77,8 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     weights = None if meta_parameter_names(src) else Checkpoint(dict(src.state_dict()))
     model, args, target, cut = meta_cut(ctx, src)
     n = len(cut.pieces)
-    plan = plan_dedup([layer_signature(cut, k, model, values) for k, values in enumerate(fake_chain(cut, args, ctx.dev)[0])],
+    plan = plan_dedup([layer_signature(cut, k, model, values) for k,
+                       values in enumerate(fake_chain(cut, args, ctx.dev)[0])],
                   ctx.dedup)
     timer = Timer(ctx.dev)
     peaks = Peaks()
@@ -87,10 +94,12 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         values = [resolve(r, args, env) for r in piece.inputs]
         if k in measured:
             run = make_run(piece, k, n, values, ctx.workload, target)
-            (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats, min_time_s=ctx.min_time_s / len(measured))
+            (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats,
+                                  min_time_s=ctx.min_time_s / len(measured))
             ctx.timed_rounds.append(len(s[0]))
             act, peak = bytes_and_peak(run, ctx.dev, peaks)
-            figures[k] = make_figures(s, act, peak, optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
+            figures[k] = make_figures(s, act, peak,
+                                      optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
             del run
         env, keep = stream_forward(env, cut, k, values)
         del values

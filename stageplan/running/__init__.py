@@ -1,4 +1,5 @@
-"""Plan -> RunReport (torch.distributed): launch the ranks, build each rank's stages, train, measure, check."""
+"""Plan -> RunReport (torch.distributed): launch the
+ranks, build each rank's stages, train, measure, check."""
 
 from __future__ import annotations
 

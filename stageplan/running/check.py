@@ -1,4 +1,5 @@
-"""The single-process reference: train the uncut model the same way and compare losses and gradients (torch)."""
+"""The single-process reference: train the uncut model
+the same way and compare losses and gradients (torch)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from stageplan.running.stages import batch_target, make_optimizer
 from stageplan.workload import Workload
 
 
-def compare_with_single_process(workload: Workload, reference: nn.Module, gathered: list[Any], options: dict[str, Any],
-                                num_microbatches: int) -> dict[str, Any]:
+def compare_with_single_process(workload: Workload, reference: nn.Module, gathered: list[Any],
+                                options: dict[str, Any], num_microbatches: int) -> dict[str, Any]:
     """Train the uncut model on one process: same data, same initial weights, the same microbatches with
     gradient accumulation; compare each step's loss and every parameter by FQN at the end."""
     m = num_microbatches
@@ -59,9 +60,10 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
                       if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
     hint = None
     if not passed and dropout:
-        hint = (f"the model has dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): the pipeline's "
-                "ranks and the single-process reference draw different random numbers, so results differ; set dropout "
-                "to 0 (e.g. --set dropout=0) for --check")
-    return {"passed": bool(passed), "hint": hint, "max_loss_diff": loss_diff, "max_param_diff": worst, "worst_param": worst_name,
-            "params_compared": compared, "missing_in_reference": missing, "not_trained_by_pipeline": uncovered,
-            "reference_losses": ref_losses, "rtol": rtol, "atol": atol}
+        hint = (f"the model has dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): the "
+                "pipeline's ranks and the single-process reference draw different random numbers, so results "
+                "differ; set dropout to 0 (e.g. --set dropout=0) for --check")
+    return {"passed": bool(passed), "hint": hint, "max_loss_diff": loss_diff, "max_param_diff": worst,
+            "worst_param": worst_name,
+            "params_compared": compared, "missing_in_reference": missing,
+            "not_trained_by_pipeline": uncovered, "reference_losses": ref_losses, "rtol": rtol, "atol": atol}

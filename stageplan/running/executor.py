@@ -57,13 +57,14 @@ def _thread_ids() -> list[int]:
 
 def pin_rank_cpus(local_rank: int, local_world: int) -> list[int] | None:
     """Give this rank's process its own block of the CPUs it may use: local rank r gets ``cpus[r*k:(r+1)*k]``,
-    k = len(cpus) // local_world. Every thread it has now is moved, and threads it starts later (gloo's) inherit
-    the block. Returns the block; None where affinity is not available (not Linux) or cannot be set, and, with
-    nothing changed, where there are fewer CPUs than local ranks.
+    k = len(cpus) // local_world. Every thread it has now is moved, and threads it starts later (gloo's)
+    inherit the block. Returns the block; None where affinity is not available (not Linux) or cannot be set,
+    and, with nothing changed, where there are fewer CPUs than local ranks.
 
-    Why: unpinned, the kernel can queue a rank's gloo thread behind the other rank's compute thread on the other
-    core. Measured on a 2-core CPU host, posting a send or receive then blocked 2.7-6.3 ms and a gpt 1F1B m=8 step
-    ranged over 140-168 ms; pinned, the same run's steps were 142.7-145.6 ms (README, limitations)."""
+    Why: unpinned, the kernel can queue a rank's gloo thread behind the other rank's compute thread on the
+    other core. Measured on a 2-core CPU host, posting a send or receive then blocked 2.7-6.3 ms and a gpt
+    1F1B m=8 step ranged over 140-168 ms; pinned, the same run's steps were 142.7-145.6 ms (README,
+    limitations)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
@@ -94,14 +95,16 @@ def comm_slice_ns() -> int:
     except ValueError:
         us = float("nan")
     if not (us == 0 or 100 <= us <= 100_000):  # the kernel takes custom slices of 0.1-100 ms
-        raise StageplanError(f"{SLICE_ENV} must be 0 (the kernel's own slice) or 100-100000 microseconds, got "
-                             f"{text!r}; unset it for the default 100")
+        raise StageplanError(f"{SLICE_ENV} must be 0 (the kernel's own slice) or 100-100000 microseconds, "
+                             f"got {text!r}; unset it for the default 100")
     return round(us * 1e3)
 
 
 class _SchedAttr(ctypes.Structure):
-    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32), ("sched_flags", ctypes.c_uint64),
-                ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32), ("sched_runtime", ctypes.c_uint64),
+    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32),
+                ("sched_flags", ctypes.c_uint64),
+                ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32),
+                ("sched_runtime", ctypes.c_uint64),
                 ("sched_deadline", ctypes.c_uint64), ("sched_period", ctypes.c_uint64),
                 ("sched_util_min", ctypes.c_uint32), ("sched_util_max", ctypes.c_uint32)]
 
@@ -110,21 +113,21 @@ _SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # sched_getattr is the nex
 
 
 def short_comm_slices(slice_ns: int = COMM_SLICE_NS) -> int:
-    """Give every thread of this process but the calling one (the compute thread; the others are the backend's:
-    gloo's loop and worker threads) a short scheduler slice, and return how many threads now have it (0 where the
-    kernel or platform has no per-thread slice: Linux before 6.12 ignores it for normal tasks, and reads it back as
-    0, so nothing is claimed there).
+    """Give every thread of this process but the calling one (the compute thread; the others are the
+    backend's: gloo's loop and worker threads) a short scheduler slice, and return how many threads now have
+    it (0 where the kernel or platform has no per-thread slice: Linux before 6.12 ignores it for normal tasks,
+    and reads it back as 0, so nothing is claimed there).
 
-    Why: Linux's EEVDF scheduler lets a running thread finish its slice (the base slice of kernel/sched/fair.c,
-    which grows with the CPU count: 1.4 ms on a 2-CPU host) before a thread that wakes on its CPU may run, unless
-    the waking thread's own slice is shorter (per-thread slices since Linux 6.12, set through ``sched_setattr``).
-    A gloo send posted before its receiver was ready waits for the receiver's "ready" message, which gloo's loop
-    thread on the sender handles; with the sender's compute thread busy on the same CPU, that took up to a slice or
-    more. Measured on a 2-core CPU host by ``make bench`` (sender busy 10 ms after posting, receiver posting 0.5 ms
-    later, 3 alternations of 20 crossings): at the kernel's slice 31-57 of 60 crossings took over 1 ms (medians
-    1.3-3.2 ms, worst 5.2 ms); at 0.1 ms 0-1 of 60 (medians 0.11-0.13 ms). In a traced convnet GPipe step the
-    receiving rank sat idle 1.6-2.6 ms on such crossings; the bench's whole steps moved 0.92-1.03x, inside the
-    noise (README, limitations)."""
+    Why: Linux's EEVDF scheduler lets a running thread finish its slice (the base slice of
+    kernel/sched/fair.c, which grows with the CPU count: 1.4 ms on a 2-CPU host) before a thread that wakes on
+    its CPU may run, unless the waking thread's own slice is shorter (per-thread slices since Linux 6.12, set
+    through ``sched_setattr``). A gloo send posted before its receiver was ready waits for the receiver's
+    "ready" message, which gloo's loop thread on the sender handles; with the sender's compute thread busy on
+    the same CPU, that took up to a slice or more. Measured on a 2-core CPU host by ``make bench`` (sender
+    busy 10 ms after posting, receiver posting 0.5 ms later, 3 alternations of 20 crossings): at the kernel's
+    slice 31-57 of 60 crossings took over 1 ms (medians 1.3-3.2 ms, worst 5.2 ms); at 0.1 ms 0-1 of 60
+    (medians 0.11-0.13 ms). In a traced convnet GPipe step the receiving rank sat idle 1.6-2.6 ms on such
+    crossings; the bench's whole steps moved 0.92-1.03x, inside the noise (README, limitations)."""
     import platform
 
     number = _SYS_SCHED_SETATTR.get(platform.machine())
@@ -150,22 +153,26 @@ def short_comm_slices(slice_ns: int = COMM_SLICE_NS) -> int:
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """init_process_group, with a failure to meet the other ranks (a missing peer past the timeout, an unreachable
-    or mistyped MASTER_ADDR) said in one line as a RunError (the original stays its cause)."""
+    """init_process_group, with a failure to meet the other ranks (a missing peer past the timeout, an
+    unreachable or mistyped MASTER_ADDR) said in one line as a RunError (the original stays its cause)."""
     import torch.distributed as dist
 
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=_dt.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=_dt.timedelta(seconds=timeout_s))
     except (dist.DistError, ValueError, RuntimeError) as exc:
-        where = f"{os.environ.get('MASTER_ADDR', '(no MASTER_ADDR)')}:{os.environ.get('MASTER_PORT', '(no MASTER_PORT)')}"
+        where = (f"{os.environ.get('MASTER_ADDR', '(no MASTER_ADDR)')}:"
+                 f"{os.environ.get('MASTER_PORT', '(no MASTER_PORT)')}")
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise RunError(f"rank {rank} of {world_size} could not join the other ranks at {where} within {timeout_s:g} s "
-                       f"({type(exc).__name__}: {first}); start every rank with the same MASTER_ADDR, MASTER_PORT and "
-                       "WORLD_SIZE (torchrun sets them), and check that rank 0 is reachable", rank=rank) from exc
+        raise RunError(f"rank {rank} of {world_size} could not join the other ranks at {where} within "
+                       f"{timeout_s:g} s ({type(exc).__name__}: {first}); start every rank with the same "
+                       "MASTER_ADDR, MASTER_PORT and WORLD_SIZE (torchrun sets them), and check that rank 0 "
+                       "is reachable", rank=rank) from exc
 
 
 def process_cpus() -> list[int] | None:
-    """The CPUs any thread of this process may run on now (gloo's threads included); None where not knowable."""
+    """The CPUs any thread of this process may run on now
+    (gloo's threads included); None where not knowable."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     cpus: set[int] = set()
@@ -178,17 +185,17 @@ def process_cpus() -> list[int] | None:
 
 
 def _device(backend: str, rank: int, world_size: int, pin: bool) -> tuple[torch.device, list[int] | None]:
-    """This rank's device, and the CPUs it was pinned to (None: not pinned). CPU ranks (gloo) are pinned, before
-    the process group so gloo's threads start on the rank's own CPUs; CUDA ranks are left as the launcher bound
-    them (numactl, srun --cpu-bind), which knows the machine's NUMA layout."""
+    """This rank's device, and the CPUs it was pinned to (None: not pinned). CPU ranks (gloo) are pinned,
+    before the process group so gloo's threads start on the rank's own CPUs; CUDA ranks are left as the
+    launcher bound them (numactl, srun --cpu-bind), which knows the machine's NUMA layout."""
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device, None
     cpus = pin_rank_cpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if pin else None
-    # ranks share the cores: one intra-op thread each (with two busy ranks on two cores, a rank ran 2.2x slower with
-    # two intra-op threads than with one, measured on a 2-core CPU host)
+    # ranks share the cores: one intra-op thread each (with two busy ranks on two cores, a rank ran 2.2x
+    # slower with two intra-op threads than with one, measured on a 2-core CPU host)
     torch.set_num_threads(1)
     steady_allocator()  # the profiler measured with large buffers reused; so does the run
     return torch.device("cpu"), cpus
@@ -209,7 +216,8 @@ def _check_same_weights(options: dict[str, Any], world_size: int) -> None:
         )
 
 
-_RECEIVE_TAG = "_stageplan_receive"  # on a receive's P2POp: (kind, stage, microbatch) of the chunk call it feeds
+# on a receive's P2POp: (kind, stage, microbatch) of the chunk call it feeds
+_RECEIVE_TAG = "_stageplan_receive"
 
 
 class _Works(list[Any]):
@@ -221,13 +229,14 @@ class _Works(list[Any]):
 
 @dataclass
 class _Instruments:
-    """The rank's timer, per-layer clock and saved-bytes tracker, wrapped around its stages' forward/backward/loss
-    calls, and the waits of its loop on receives."""
+    """The rank's timer, per-layer clock and saved-bytes tracker, wrapped around its stages'
+    forward/backward/loss calls, and the waits of its loop on receives."""
 
     timer: Timer
     tracker: SavedTensorTracker
     clock: LayerClock
-    # the hooks run in warm-up steps only (they cost about 6% of a small stage's time, measured on a 2-core CPU host)
+    # the hooks run in warm-up steps only (they cost about 6%
+    # of a small stage's time, measured on a 2-core CPU host)
     tracking: bool = True
     # per receive waited on, the wall time torch posted it: (kind, stage, microbatch) -> time.time()
     posted: dict[tuple[str, int, int], float] = field(default_factory=dict)
@@ -237,10 +246,10 @@ class _Instruments:
 
     @contextlib.contextmanager
     def receive_waits(self) -> Any:
-        """Time each wait of torch's schedule loop on a receive, as an interval of kind "A" (an activation, for
-        the stage's forward) or "G" (a gradient, for its backward), labelled with the receiving chunk call's stage
-        and microbatch: the receive's P2POps carry the label from :meth:`wrap`, ``_batch_p2p`` (every batch of
-        P2P ops goes through it) keeps the labels and the post's wall time with its works, and
+        """Time each wait of torch's schedule loop on a receive, as an interval of kind "A" (an activation,
+        for the stage's forward) or "G" (a gradient, for its backward), labelled with the receiving chunk
+        call's stage and microbatch: the receive's P2POps carry the label from :meth:`wrap`, ``_batch_p2p``
+        (every batch of P2P ops goes through it) keeps the labels and the post's wall time with its works, and
         ``_wait_batch_p2p`` is timed where they have one. On CUDA the timer's events bracket the wait on the
         stream, so the interval is how long the stream waited for the message. Within the block only; torch's
         module is restored after."""
@@ -249,7 +258,8 @@ class _Instruments:
         batch, wait = sched._batch_p2p, sched._wait_batch_p2p
 
         def _batch_p2p(p2p_ops: Any, *a: Any, **k: Any) -> Any:
-            tags = list(dict.fromkeys(getattr(op, _RECEIVE_TAG) for op in p2p_ops if hasattr(op, _RECEIVE_TAG)))
+            tags = list(
+                dict.fromkeys(getattr(op, _RECEIVE_TAG) for op in p2p_ops if hasattr(op, _RECEIVE_TAG)))
             posted = time.time()
             works = _Works(batch(p2p_ops, *a, **k))
             works.receives = tuple((*t, posted) for t in tags)
@@ -262,7 +272,8 @@ class _Instruments:
             (kind, s, mb, posted), *more = receives
             self.posted[(kind, s, mb)] = posted
             out = self.timer.record(kind, s, mb, lambda: wait(work, *a, **k))
-            for kind, s, mb, posted in more:  # one wait for several chunks' inputs: the others arrived with it
+            for kind, s, mb, posted in more:
+                # one wait for several chunks' inputs: the others arrived with it
                 self.posted[(kind, s, mb)] = posted
                 self.timer.record(kind, s, mb, lambda: None)
             return out
@@ -316,14 +327,16 @@ class _Instruments:
 
 @dataclass
 class _Samples:
-    """Per measured step: the rank's step time, compute by kind, thread CPU, the rest (tied sync + optimizer)."""
+    """Per measured step: the rank's step time, compute by
+    kind, thread CPU, the rest (tied sync + optimizer)."""
 
     step_s: list[float] = field(default_factory=list)
     forward_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
     compute_cpu_s: list[float] = field(default_factory=list)
     other_s: list[float] = field(default_factory=list)
-    # of other_s, the tied gradients' sum (the all-reduce, and on a rank that gets there first its wait for the others)
+    # of other_s, the tied gradients' sum (the all-reduce, and
+    # on a rank that gets there first its wait for the others)
     tied_sync_s: list[float] = field(default_factory=list)
     # of other_s, optimizer.step() alone (after the tied sum)
     optimizer_step_s: list[float] = field(default_factory=list)
@@ -332,15 +345,19 @@ class _Samples:
     losses: list[float] = field(default_factory=list)
     peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
-    # per clocked step, seconds per microbatch: {layer: [forward, backward]} and {stage: [forward, backward]} overhead
+    # per clocked step, seconds per microbatch: {layer: [forward,
+    # backward]} and {stage: [forward, backward]} overhead
     layer_s: list[dict[int, list[float]]] = field(default_factory=list)
     overhead_s: list[dict[int, list[float]]] = field(default_factory=list)
-    clock_compute_s: list[float] = field(default_factory=list)  # the chunks' calls in the clock's steps, as compute_s
-    # per measured step, each chunk call as (kind, stage, microbatch, seconds, idle seconds before it: Timer.drain)
+    # the chunks' calls in the clock's steps, as compute_s
+    clock_compute_s: list[float] = field(default_factory=list)
+    # per measured step, each chunk call as (kind, stage,
+    # microbatch, seconds, idle seconds before it: Timer.drain)
     calls: list[list[tuple[str, int, int, float, float]]] = field(default_factory=list)
 
     def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
-        """One step's LayerClock phases, as seconds per microbatch (a weight-gradient phase counts as backward)."""
+        """One step's LayerClock phases, as seconds per microbatch
+        (a weight-gradient phase counts as backward)."""
         layers: dict[int, list[float]] = {}
         overhead: dict[int, list[float]] = {}
         for kind, stage, times, rest in phases:
@@ -360,15 +377,17 @@ class _Samples:
 
 
 def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments) -> tuple[Any, float]:
-    """The rank's torch schedule, and the factor that turns its recorded losses back into the microbatches' own.
+    """The rank's torch schedule, and the factor that turns
+    its recorded losses back into the microbatches' own.
 
     The step's gradient is the mean over microbatches. torch's schedules get it by dividing every parameter's
     gradient by m after the last backward (``scale_grads=True``, their default in
-    torch/distributed/pipelining/schedules.py): one more pass over all of a rank's gradients, inside ``step()`` and
-    outside any chunk call, which the cost model does not price (1.3-2.9 ms a step over the bench models' gradients,
-    measured on a 2-core CPU host). Dividing each microbatch's loss by m instead gives the same
-    gradient, as the single-process reference computes it (``(loss / m).backward()``), at the cost of one scalar
-    op. Where a torch release has no ``scale_grads``, the schedule is built as torch builds it, and the factor is 1."""
+    torch/distributed/pipelining/schedules.py): one more pass over all of a rank's gradients, inside
+    ``step()`` and outside any chunk call, which the cost model does not price (1.3-2.9 ms a step over the
+    bench models' gradients, measured on a 2-core CPU host). Dividing each microbatch's loss by m instead
+    gives the same gradient, as the single-process reference computes it (``(loss / m).backward()``), at the
+    cost of one scalar op. Where a torch release has no ``scale_grads``, the schedule is built as torch builds
+    it, and the factor is 1."""
     import inspect
 
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -428,10 +447,12 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     bounds = plan.boundaries
     # on CUDA, where a tie spans ranks, the tied sum is timed apart between two synchronisations
     sync_apart = device.type == "cuda" and any(rs.ties_across or ())
-    ins.timer.mark()  # the first step's first chunk call counts from here, as every later one from its step's mark
+    # the first step's first chunk call counts from here, as every later one from its step's mark
+    ins.timer.mark()
     for step in range(warmup + steps + clocked):
         ins.tracking = step < warmup or warmup == 0
-        ins.clock.enabled = step >= warmup + steps  # the clock's own steps come last, outside the measured ones
+        # the clock's own steps come last, outside the measured ones
+        ins.clock.enabled = step >= warmup + steps
         for p in rs.unique_params:
             p.grad = None
         dist.barrier()
@@ -461,44 +482,54 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         ins.timer.mark()  # the next step's first chunk call is idle from here, through the barrier
         intervals = ins.timer.drain()
         phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
-        if ins.tracking:  # the profiler's instrument, on every device (max allocated would add grads and states)
+        if ins.tracking:
+            # the profiler's instrument, on every device (max allocated would add grads and states)
             out.peak_activation_bytes.append(ins.tracker.peak)
         if ins.clock.enabled:
             out.add_layers(phases, plan.num_microbatches)
-            out.clock_compute_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in Timer.BUSY_KINDS))
+            out.clock_compute_s.append(
+                sum(sec for kind, _, _, _, sec, *_ in intervals if kind in Timer.BUSY_KINDS))
         elif step >= warmup:
             out.step_s.append(t1 - t0)
             out.forward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind == "F"))
             out.backward_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in ("B", "W")))
-            out.compute_cpu_s.append(sum(cpu for kind, _, _, _, _, cpu, _ in intervals if kind in Timer.BUSY_KINDS))
-            out.receive_wait_s.append(sum(sec for kind, _, _, _, sec, *_ in intervals if kind in TRANSFER_KINDS))
-            out.calls.append([(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
+            out.compute_cpu_s.append(
+                sum(cpu for kind, _, _, _, _, cpu, _ in intervals if kind in Timer.BUSY_KINDS))
+            out.receive_wait_s.append(
+                sum(sec for kind, _, _, _, sec, *_ in intervals if kind in TRANSFER_KINDS))
+            out.calls.append(
+                [(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
             if step == warmup + steps - 1:
-                # a receive's wait also keeps when torch posted it, which the report's transfer bar starts from
+                # a receive's wait also keeps when torch posted
+                # it, which the report's transfer bar starts from
                 out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
                                  "duration_s": sec, "step_wall": wall0,
-                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS else {})}
+                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS
+                                    else {})}
                                 for kind, s, mb, w, sec, *_ in intervals]
-                # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans ranks) and
-                # the optimizer step ("O"), on the rank's first stage, with no microbatch
+                # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans
+                # ranks) and the optimizer step ("O"), on the rank's first stage, with no microbatch
                 tail = [("T", t_other, t_sync)] if any(rs.ties_across or ()) else []
                 tail += [("O", t_sync, t1)] if optimizer is not None else []
                 out.timeline += [{"rank": rank, "stage": min(rs.indices), "microbatch": -1, "kind": kind,
-                                  "start_wall": wall0 + (begin - t0), "duration_s": end - begin, "step_wall": wall0}
+                                  "start_wall": wall0 + (begin - t0), "duration_s": end - begin,
+                                  "step_wall": wall0}
                                  for kind, begin, end in tail]
             if rank == 0:  # the launcher forwards these lines of rank 0's log to the user
-                print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms", flush=True)
+                print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms",
+                      flush=True)
         if has_last:
             out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()) * loss_divisor)
     return out
 
 
 def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
-    """Hook the clock on each of the rank's layers that is a module of its stage (a layer of code around the named
-    modules, such as an embedding sum before the first block, is timed as the span its neighbours leave)."""
+    """Hook the clock on each of the rank's layers that is a module of its stage (a layer of code around the
+    named modules, such as an embedding sum before the first block, is timed as the span its neighbours
+    leave)."""
     from stageplan.layers import used_parameters
 
     for st, s in zip(rs.stages, rs.indices):
@@ -513,7 +544,8 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
             for p in mod.parameters():
                 owners[id(p)] = owners.get(id(p), 0) + 1
         for layer, mod in modules.items():
-            # only the model's first layer has an input without a gradient: its backward ends at its parameters'
+            # only the model's first layer has an input without
+            # a gradient: its backward ends at its parameters'
             first = s == 0 and layer == min(modules)
             own = [p for p in used_parameters(mod).values() if owners.get(id(p)) == 1] if first else []
             clock.attach(layer, mod, own)
@@ -523,12 +555,12 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
             seed: int) -> dict[int, list[float]]:
     """The rank's layers timed after its run as the profiler timed them (in its order), in this process
     (:func:`retime_layers`):
-    {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each alone
-    on the machine as the profile was taken: ranks timed at the same time share the cores and the memory bandwidth,
-    and read slower than both the profile and the run (a GPT's first rank read its blocks 1.41x the profile while
-    the second rank timed its LM head beside it, and its run 0.80x that; measured on a 2-core CPU host). The run's
-    gradients go first (the optimizer and its states went with :func:`_train`), so the copies it times add no peak
-    to the run's."""
+    {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each
+    alone on the machine as the profile was taken: ranks timed at the same time share the cores and the memory
+    bandwidth, and read slower than both the profile and the run (a GPT's first rank read its blocks 1.41x the
+    profile while the second rank timed its LM head beside it, and its run 0.80x that; measured on a 2-core
+    CPU host). The run's gradients go first (the optimizer and its states went with :func:`_train`), so the
+    copies it times add no peak to the run's."""
     import torch.distributed as dist
 
     from stageplan.timing import retime_layers
@@ -549,8 +581,8 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
-    """The rank's peak memory: max allocated on CUDA; on CPU the process's peak resident set (ru_maxrss, KiB on
-    Linux), which includes torch's own baseline (a few hundred MiB per process)."""
+    """The rank's peak memory: max allocated on CUDA; on CPU the process's peak resident set (ru_maxrss, KiB
+    on Linux), which includes torch's own baseline (a few hundred MiB per process)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
@@ -566,44 +598,51 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     device, cpus = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
     slice_ns = int(options.get("comm_slice_ns", COMM_SLICE_NS))
-    short_comm_slices(slice_ns)  # the backend's threads exist now: let them in as soon as a message needs them
+    # the backend's threads exist now: let them in as soon as a message needs them
+    short_comm_slices(slice_ns)
     _check_same_weights(options, world_size)
-    # the links between neighbouring ranks first, while nothing else runs (well under a second on gloo localhost)
+    # the links between neighbouring ranks first, while nothing
+    # else runs (well under a second on gloo localhost)
     largest_boundary_bytes = max((st.memory.get("buffers", 0.0) / 2.0 for st in plan.stages), default=0.0)
     link = ping_pong(device, sizes_bytes=probe_sizes(largest_boundary_bytes))
     model = workload.model  # parameters on meta: only this rank's chunks get real ones
     model.train()
-    mb_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in first_microbatch_of_plan(workload, plan))
+    mb_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a
+                    for a in first_microbatch_of_plan(workload, plan))
     check = bool(options.get("check"))
     weights = Checkpoint(options["weights"]) if options.get("weights") else None
     seed = int(options.get("init_seed", 0))
     reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
     rs = build_rank_stages(model, plan, rank, device, mb_args, weights=weights, seed=seed)
-    ins = _Instruments(Timer(device), SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}),
+    ins = _Instruments(Timer(device),
+                       SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}),
                        LayerClock(device))
     for st in rs.stages:
         ins.wrap(st)
     _attach_layer_clock(ins.clock, rs, plan)
-    short_threads = short_comm_slices(slice_ns)  # again, for a backend that starts threads at its first message
+    # again, for a backend that starts threads at its first message
+    short_threads = short_comm_slices(slice_ns)
     samples = _train(plan, workload, rs, device, options, ins)
     layer_s, overhead_s = samples.layer_medians()
 
     f, f_iqr = median_iqr(samples.forward_s)
     b, b_iqr = median_iqr(samples.backward_s)
-    result = {"rank": rank, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f, "forward_iqr_s": f_iqr,
+    result = {"rank": rank, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f,
+              "forward_iqr_s": f_iqr,
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
               "tied_sync_s": median_iqr(samples.tied_sync_s)[0],
               "optimizer_step_s": median_iqr(samples.optimizer_step_s)[0],
               "receive_wait_s": median_iqr(samples.receive_wait_s)[0],
-              "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses, "timeline": samples.timeline,
+              "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses,
+              "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
               "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
               "calls": samples.calls, "short_slice_threads": short_threads,
-              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed) if options.get("retime", True)
-              else {}}
+              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed)
+              if options.get("retime", True) else {}}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:
@@ -612,20 +651,22 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         if check and reference is not None:
             from stageplan.running.check import compare_with_single_process
 
-            check_result = compare_with_single_process(workload, reference, gathered, options, plan.num_microbatches)
+            check_result = compare_with_single_process(workload, reference, gathered, options,
+                                                       plan.num_microbatches)
         meta = {"torch_version": torch.__version__, "device": str(device), "world_size": plan.num_ranks,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
                 "load_average_1min": os.getloadavg()[0], "python": sys.version.split()[0],
-                "activation_measure": "saved_tensors_hooks live bytes (the profiler's tracker), warm-up steps",
+                "activation_measure": "saved_tensors_hooks live bytes (the profiler's tracker), warm-up "
+                                      "steps",
                 "cpus_per_rank": [g["cpus"] for g in gathered],
                 "comm_thread_slice_us": slice_ns / 1e3 if slice_ns else None,
                 "short_slice_threads_per_rank": [g["short_slice_threads"] for g in gathered]}
         # the step ends when the slowest rank ends: per measured step, the max over ranks
         per_step = [max(g["step_s"][i] for g in gathered) for i in range(len(gathered[0]["step_s"]))]
         step, step_iqr = median_iqr(per_step)
-        report = RunReport.from_measurements(plan, gathered, step_s=step, step_iqr_s=step_iqr, run_options=options,
-                                             check=check_result, meta=meta, link=link)
+        report = RunReport.from_measurements(plan, gathered, step_s=step, step_iqr_s=step_iqr,
+                                             run_options=options, check=check_result, meta=meta, link=link)
         if report_path:
             report.save(report_path)
     dist.barrier()

@@ -5,8 +5,9 @@ on CUDA with one GPU per rank) and watch them: if any rank fails or is killed, e
 the failure is reported with the rank and its log. Every run has a timeout. Under torchrun each process runs
 :func:`torchrun_main` itself, taking rank and world size from the environment.
 
-Ranks normally start as fresh interpreters (``python -m stageplan.running.launch``) that load the workload from a
-payload file. A workload whose model or loss is defined in the caller's script or notebook (``__main__``)
+Ranks normally start as fresh interpreters (``python -m stageplan.running.rank``) that load the workload
+from a payload file. A workload whose model or loss is defined in the caller's script or notebook
+(``__main__``)
 cannot be unpickled there, so those ranks are forked instead: a forked rank sees the caller's definitions.
 """
 
@@ -24,8 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ from stageplan.materialize import (
     save_checkpoint,
     save_tensors,
 )
-from stageplan.running.executor import comm_slice_ns, link_main, worker_main
+from stageplan.running.executor import comm_slice_ns, worker_main
+from stageplan.running.rank import rank_entry, train_rank
 from stageplan.running.stages import DEFAULT_LR, OPTIMIZERS, validate
 from stageplan.units import format_bytes
 from stageplan.workload import Workload, default_microbatch_size
@@ -83,13 +84,15 @@ def run(
     ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Each rank builds the model
     with its parameters on meta and materialises only its own stage: its tensors come from ``weights`` (a
     safetensors file, an HF folder or a state dict), else from the user's factory built once here and saved,
-    else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data. A failure on any rank ends all ranks and raises :class:`stageplan.RunError`
-    naming the rank and its log file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each
-    CPU rank runs on its own block of this machine's CPUs (:func:`stageplan.running.executor.pin_rank_cpus`; skipped where
-    there are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran. With
-    ``retime`` (the default) each rank ends by timing its layers alone, as the profiler does (the ranks in turns),
-    which splits each rank's ``compute_ratio`` into ``machine_ratio`` x ``pipeline_ratio``; a later rank first runs
-    the earlier layers forward once, materialising each from ``weights``, so with a checkpoint far larger than a
+    else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data.
+    A failure on any rank ends all ranks and raises :class:`stageplan.RunError` naming the rank and its log
+    file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each CPU rank runs on its
+    own block of this machine's CPUs (:func:`stageplan.running.executor.pin_rank_cpus`; skipped where there
+    are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran. With
+    ``retime`` (the default) each rank ends by timing its layers alone, as the profiler does (the ranks in
+    turns), which splits each rank's ``compute_ratio`` into ``machine_ratio`` x ``pipeline_ratio``; a later
+    rank first runs the earlier layers forward once, materialising each from ``weights``, so with a checkpoint
+    far larger than a
     rank's share pass ``retime=False`` (``--no-retime``).
     """
     the_plan = _load_plan(plan)
@@ -104,29 +107,33 @@ def run(
     if weights is not None:
         Checkpoint(weights)  # refuse a missing or malformed checkpoint before any work
     if not isinstance(workload, (str, Workload)):
-        raise StageplanError(f"workload must be a Workload or a model spec string, got {type(workload).__name__}; "
-                             "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), plan)")
+        raise StageplanError(f"workload must be a Workload or a model spec string, got "
+                             f"{type(workload).__name__}; "
+                             "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), "
+                             "plan)")
     with _run_folder(log_dir, "stageplan-run-") as run_dir:
-        meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights, run_dir,
-                                                                        float(timeout_s))
+        meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights,
+                                                                        run_dir, float(timeout_s))
         opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
                                    if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
         validate(meta_wl, the_plan)
         if check and 2 * parameter_bytes(meta_wl.model) > _available_bytes() // 2:
             raise StageplanError("--check trains the whole model in one process, and this model's parameters "
-                                 f"({format_bytes(parameter_bytes(meta_wl.model))}, twice that with gradients) would not "
-                                 f"fit in the {format_bytes(_available_bytes())} available here; run without --check")
+                                 f"({format_bytes(parameter_bytes(meta_wl.model))}, twice that with "
+                                 f"gradients) would not fit in the {format_bytes(_available_bytes())} "
+                                 f"available here; run without --check")
         _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
         if _needs_fork(meta_wl):
-            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress, forked=(meta_wl, the_plan, opts))
+            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
+                            forked=(meta_wl, the_plan, opts))
         else:
             payload = {"plan": the_plan.to_json(), "options": opts, "workload": meta_wl}
             try:
                 torch.save(payload, run_dir / "payload.pt")
             except Exception as exc:  # unpicklable workload (a lambda loss, a local class)
                 raise WorkloadError(
-                    f"the workload cannot be sent to the rank processes ({type(exc).__name__}: {exc}); pass a model spec "
-                    "'package.module:factory' instead, or use module-level functions and classes"
+                    f"the workload cannot be sent to the rank processes ({type(exc).__name__}: {exc}); pass "
+                    "a model spec 'package.module:factory' instead, or use module-level functions and classes"
                 ) from exc
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
@@ -138,15 +145,17 @@ def run(
 def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: float = 60.0,
                  output: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  pin_cpus: bool = True) -> dict[str, Any]:
-    """Measure the links between neighbouring ranks alone: ``num_ranks`` local processes (spawned and watched as
+    """Measure the links between neighbouring ranks alone:
+    ``num_ranks`` local processes (spawned and watched as
     :func:`run` does them) ping-pong rank r <-> r + 1; return the LINK.json dict (schema stageplan.link/1:
     backend, latency_s, bandwidth_bytes_per_s, sizes, pairs), written to ``output`` when given. A failure on
-    any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``. ``pin_cpus``: CPU ranks
+    any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``. ``pin_cpus``: CPU
+    ranks
     on their own CPUs, as :func:`run` puts them.
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
-        raise StageplanError(f"the link is measured between neighbouring ranks: num_ranks must be an integer >= 2, "
-                             f"got {num_ranks!r}; e.g. --ranks 2")
+        raise StageplanError(f"the link is measured between neighbouring ranks: num_ranks must be an integer "
+                             f">= 2, got {num_ranks!r}; e.g. --ranks 2")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 60")
     the_backend = _backend(backend, num_ranks)
@@ -167,12 +176,13 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
 
 
 def profile_in_processes(model: str, factory_options: dict[str, Any] | None = None, *, processes: int,
-                         microbatch_size: int | None = None, timeout_s: float = 1800.0, progress: bool = False,
-                         **profile_options: Any) -> Profile:
-    """Profile the model spec ``model`` ``processes`` times, each in a fresh process, one after the other (so they
-    never share the cores), and merge them (:func:`stageplan.formats.profile.merge_profiles`: per layer, the median of each
-    time). ``profile_options`` are :func:`stageplan.profiling.profiler.profile_model`'s (device, dtype, warmup, repeats,
-    layers, streaming, dedup). Each process is watched as a run's ranks are: ``timeout_s`` bounds each one, and
+                         microbatch_size: int | None = None, timeout_s: float = 1800.0,
+                         progress: bool = False, **profile_options: Any) -> Profile:
+    """Profile the model spec ``model`` ``processes`` times, each in a fresh process, one after the other (so
+    they never share the cores), and merge them (:func:`stageplan.formats.profile.merge_profiles`: per layer,
+    the median of each time). ``profile_options`` are :func:`stageplan.profiling.profiler.profile_model`'s
+    (device, dtype, warmup, repeats, layers, streaming, dedup). Each process is watched as a run's ranks are:
+    ``timeout_s`` bounds each one, and
     a failure or a timeout ends it and raises :class:`stageplan.RunError` with its error line.
     """
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
@@ -182,26 +192,30 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
     from stageplan.profiling.profiler import is_estimate_device
 
     if is_estimate_device(str(profile_options.get("device", "cpu"))):
-        raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device measures "
-                             "nothing (an estimate comes out the same every time); drop --processes")
+        raise StageplanError("--processes repeats a measurement in fresh processes, and an estimate device "
+                             "measures nothing (an estimate comes out the same every time); drop --processes")
     from stageplan.timing import check_order
 
     # the one process would refuse these as profile does: refused here, at once
     check_order(profile_options.get("order"), profile_options.get("streaming"))
-    for name in ("compute_efficiency", "memory_efficiency"):  # the one process would refuse them as profile does
+    for name in ("compute_efficiency", "memory_efficiency"):
+        # the one process would refuse them as profile does
         if profile_options.get(name) is not None:
-            raise StageplanError(f"{name} ({profile_options[name]}) applies to estimates only; use it with --device "
-                                 "estimate:GPU (e.g. estimate:h100-sxm), or drop it when measuring")
+            raise StageplanError(f"{name} ({profile_options[name]}) applies to estimates only; use it with "
+                                 "--device estimate:GPU (e.g. estimate:h100-sxm), or drop it when measuring")
     from stageplan.measure import check_microbatch_size
     from stageplan.profiling.profiler import build_workload_for_profile
 
-    # built here once (on meta where it would not fit), so that a wrong spec, option or microbatch size is refused
-    # at once rather than in the first process
-    workload = build_workload_for_profile(model, factory_options, device=str(profile_options.get("device", "cpu")),
-                                          dtype=profile_options.get("dtype"), streaming=profile_options.get("streaming"))
+    # built here once (on meta where it would not fit), so that a wrong spec, option or microbatch size is
+    # refused at once rather than in the first process
+    workload = build_workload_for_profile(model, factory_options,
+                                          device=str(profile_options.get("device", "cpu")),
+                                          dtype=profile_options.get("dtype"),
+                                          streaming=profile_options.get("streaming"))
     batch = workload.batch_size
     del workload
-    mb = check_microbatch_size(batch, default_microbatch_size(batch) if microbatch_size is None else microbatch_size)
+    mb = check_microbatch_size(batch,
+                               default_microbatch_size(batch) if microbatch_size is None else microbatch_size)
     task = {"task": "profile", "model": model, "factory_options": dict(factory_options or {}),
             "microbatch_size": mb, "options": profile_options}
     profiles = []
@@ -216,68 +230,63 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
     return merge_profiles(profiles)
 
 
-def _profile_task(run_dir: str, payload: dict[str, Any]) -> None:
-    """One process of :func:`profile_in_processes`: build, profile, write run_dir/profile.json."""
-    from stageplan.profiling.profiler import build_workload_for_profile, profile_model
-
-    options = dict(payload["options"])
-    workload = build_workload_for_profile(payload["model"], payload["factory_options"],
-                                          device=options.get("device", "cpu"), dtype=options.get("dtype"),
-                                          streaming=options.get("streaming"))
-    profile_model(workload, microbatch_size=payload["microbatch_size"], **options).save(Path(run_dir) / "profile.json")
-
-
 def _warn_precision(plan: Plan) -> None:
     import warnings
 
     precision = plan.cost_options.get("precision")
     if precision:
-        warnings.warn(f"the plan counts memory for {precision} training; this run trains the model in its own dtype "
-                      "without mixed precision, so measured memory is not comparable with the plan's", stacklevel=3)
+        warnings.warn(f"the plan counts memory for {precision} training; this run trains the model in its "
+                      "own dtype without mixed precision, so measured memory is not comparable with the "
+                      "plan's", stacklevel=3)
 
 
 def torchrun_rank() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) from torchrun's environment, refusing one that is half set or out of range in one line
-    (a KeyError or int() traceback before)."""
+    """(RANK, WORLD_SIZE) from torchrun's environment, refusing one that is half set or out of range in one
+    line (a KeyError or int() traceback before)."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [k for k in names if not os.environ.get(k)]
     if missing:
-        raise StageplanError(f"this looks like a torchrun launch, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                             "not set; start it with torchrun --nproc-per-node N -m stageplan run ..., or unset RANK, "
-                             "LOCAL_RANK and TORCHELASTIC_RUN_ID to run on local processes")
+        raise StageplanError(f"this looks like a torchrun launch, but {', '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} "
+                             "not set; start it with torchrun --nproc-per-node N -m stageplan run ..., or "
+                             "unset RANK, LOCAL_RANK and TORCHELASTIC_RUN_ID to run on local processes")
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except ValueError:
         raise StageplanError(f"RANK and WORLD_SIZE must be integers, got RANK={os.environ['RANK']!r}, "
                              f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}; let torchrun set them") from None
     if not 0 <= rank < world:
-        raise StageplanError(f"RANK must be in 0..WORLD_SIZE-1, got RANK={rank}, WORLD_SIZE={world}; let torchrun set them")
+        raise StageplanError(
+            f"RANK must be in 0..WORLD_SIZE-1, got RANK={rank}, WORLD_SIZE={world}; let torchrun set them")
     return rank, world
 
 
 def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
-    """A plan made from an analytic GPU estimate predicts that GPU; a CPU run would be compared with it as if the
-    estimate were a measurement of this machine."""
+    """A plan made from an analytic GPU estimate predicts that GPU; a CPU run would be compared with it as if
+    the estimate were a measurement of this machine."""
     if plan.profile_meta.get("timer") == "analytic" and backend != "nccl":
         gpu = (plan.profile_meta.get("estimate") or {}).get("gpu", "a GPU")
-        raise StageplanError(f"this plan was made from an analytic estimate for {gpu}, not from a measurement of this "
-                             "machine; profile the model here (stageplan profile MODEL -o PROFILE.json) and plan that, "
-                             "or run the plan on that GPU with --backend nccl")
+        raise StageplanError(f"this plan was made from an analytic estimate for {gpu}, not from a "
+                             "measurement of this machine; profile the model here (stageplan profile MODEL "
+                             "-o PROFILE.json) and plan that, or run the plan on that GPU with --backend "
+                             "nccl")
     measured_on = str(plan.profile_meta.get("device") or "")
     runs_on = "cuda" if backend == "nccl" else "cpu"
     if plan.profile_meta.get("timer") != "analytic" and measured_on.split(":")[0] in ("cpu", "cuda") \
             and measured_on.split(":")[0] != runs_on:
-        raise StageplanError(f"this plan was made from a profile measured on {measured_on}, and this run trains on "
-                             f"{runs_on} ({backend}): its predictions are for the other device; profile the model on "
-                             f"{runs_on} and plan that, or run with --backend {'gloo' if runs_on == 'cuda' else 'nccl'}")
+        raise StageplanError(f"this plan was made from a profile measured on {measured_on}, and this run "
+                             f"trains on {runs_on} ({backend}): its predictions are for the other device; "
+                             f"profile the model on {runs_on} and plan that, or run with --backend "
+                             f"{'gloo' if runs_on == 'cuda' else 'nccl'}")
 
 
 _RUN_FILES = ("payload.pt", "weights.safetensors", "data.pt", "report.json", "profile.json", "link.json")
 
 
 def check_log_dir(log_dir: str | os.PathLike[str]) -> None:
-    """Refuse a --log-dir holding files of the names a run writes there and removes (its payload, weights, data,
-    report) or reads back (rank logs and errors): the user's own would be lost, or a stale rank error blamed."""
+    """Refuse a --log-dir holding files of the names a run writes there and removes (its payload, weights,
+    data, report) or reads back (rank logs and errors): the user's own would be lost, or a stale rank error
+    blamed."""
     check_output_dir(log_dir)
     folder = Path(log_dir)
     if not folder.is_dir():
@@ -286,14 +295,15 @@ def check_log_dir(log_dir: str | os.PathLike[str]) -> None:
                    if p.name in _RUN_FILES or (p.name.startswith("rank") and p.suffix in (".log", ".error")))
     if taken:
         raise StageplanError(f"--log-dir {str(folder)!r} already holds {', '.join(taken[:4])}"
-                             f"{' ...' if len(taken) > 4 else ''}, which a run writes there (and removes or reads "
-                             "back); give an empty or new folder")
+                             f"{' ...' if len(taken) > 4 else ''}, which a run writes there (and removes or "
+                             "reads back); give an empty or new folder")
 
 
 @contextlib.contextmanager
 def _run_folder(log_dir: str | os.PathLike[str] | None, prefix: str) -> Iterator[Path]:
-    """The folder the ranks share (payload, logs, report): ``log_dir``, or a temporary one. Weights and payload never
-    stay (a Ctrl-C included); the logs stay when asked for, or when the ranks failed (the RunError names them)."""
+    """The folder the ranks share (payload, logs, report): ``log_dir``, or a temporary one. Weights and
+    payload never stay (a Ctrl-C included); the logs stay when asked for, or when the ranks failed (the
+    RunError names them)."""
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=prefix))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +326,8 @@ def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
 def _available_bytes() -> int:
     """Memory the machine can give now (MemAvailable), or all of it where /proc/meminfo is missing."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
+                    if ln.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -326,26 +337,30 @@ def _given_weights(weights: Any, run_dir: Path) -> str | None:
     if weights is None:
         return None
     if isinstance(weights, dict):
-        save_tensors(weights.items(), run_dir / "weights.safetensors")  # a state dict's tied aliases stored once
+        # a state dict's tied aliases stored once
+        save_tensors(weights.items(), run_dir / "weights.safetensors")
         return str(run_dir / "weights.safetensors")
     return str(weights)
 
 
-def _build_and_save(spec: str, factory_options: dict[str, Any], path: Path, timeout_s: float = 1800.0) -> None:
-    """Build the model exactly as the user's factory does and write it as a checkpoint, in a forked child where
-    fork exists: its memory goes back to the system when it exits (freed tensors in this process would stay in
-    the allocator's arenas), so the launcher never holds a model while the ranks run."""
+def _build_and_save(
+    spec: str, factory_options: dict[str, Any], path: Path, timeout_s: float = 1800.0
+) -> None:
+    """Build the model exactly as the user's factory does and write it as a checkpoint, in a forked child
+    where fork exists: its memory goes back to the system when it exits (freed tensors in this process would
+    stay in the allocator's arenas), so the launcher never holds a model while the ranks run."""
     import multiprocessing
 
     if "fork" in multiprocessing.get_all_start_methods():
-        proc = multiprocessing.get_context("fork").Process(target=_save_factory_build, args=(spec, factory_options, str(path)))
+        proc = multiprocessing.get_context("fork").Process(target=_save_factory_build,
+                                                           args=(spec, factory_options, str(path)))
         proc.start()
         proc.join(timeout_s)
         if proc.is_alive():  # a factory that never returns is bounded by the run's timeout, as the ranks are
             proc.kill()
             proc.join()
-            raise RunError(f"building {spec!r} to write its weights did not finish within the {timeout_s:g} s timeout; "
-                           "raise --timeout, or run stageplan profile on it to see where it stops")
+            raise RunError(f"building {spec!r} to write its weights did not finish within the {timeout_s:g} "
+                           "s timeout; raise --timeout, or run stageplan profile on it to see where it stops")
         if proc.exitcode == 0 and path.exists():
             return
         raise WorkloadError(f"building {spec!r} to write its weights failed (exit code {proc.exitcode}); "
@@ -365,8 +380,9 @@ def _save_factory_build(spec: str, factory_options: dict[str, Any], path: str) -
 def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | None, weights: Any,
                    run_dir: Path, timeout_s: float = 1800.0) -> tuple[Workload, str | None, str]:
     """The workload the ranks get: its model with parameters on meta, its inputs real. Where the weights come
-    from: ``weights`` when given; else, when the whole model fits here, the user's own factory build written as a
-    checkpoint (built once, freed before the ranks start); else each rank initialises its tensors by FQN."""
+    from: ``weights`` when given; else, when the whole model fits here, the user's own factory build written
+    as a checkpoint (built once, freed before the ranks start); else each rank initialises its tensors by
+    FQN."""
     import dataclasses
 
     given = _given_weights(weights, run_dir)
@@ -389,8 +405,9 @@ def _rank_workload(workload: Workload | str, factory_options: dict[str, Any] | N
         return meta, given, "the given weights"
     if parameter_bytes(meta.model) * 2 < _available_bytes() // 2:
         _build_and_save(workload, factory_options or {}, run_dir / "weights.safetensors", timeout_s)
-        # the real build's data: a factory drawing its inputs from the global RNG after building its model would
-        # draw other numbers when the model's initialisation ran on meta, where initialising draws no random numbers
+        # the real build's data: a factory drawing its inputs from the global RNG after building its model
+        # would draw other numbers when the model's initialisation ran on meta, where initialising draws no
+        # random numbers
         data = torch.load(run_dir / "data.pt", weights_only=False)
         meta.inputs, meta.target = data["inputs"], data["target"]
         return meta, str(run_dir / "weights.safetensors"), "the factory (built once, saved, freed)"
@@ -402,14 +419,26 @@ def check_steps_and_timeout(steps: object, warmup: object, timeout_s: object) ->
     profile."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or isinstance(warmup, bool) \
             or not isinstance(warmup, int) or warmup < 0:
-        raise StageplanError(f"steps must be an integer >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}; e.g. --steps 20 --warmup 3")
+        raise StageplanError(f"steps must be an integer >= 1 and warmup >= 0, got steps={steps}, "
+                             f"warmup={warmup}; e.g. --steps 20 --warmup 3")
     if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
                                            and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 300")
 
 
-def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, lr: float | None, check: bool,
-                 backend: str | None, timeout_s: float, pin_cpus: bool = True, retime: bool = True) -> dict[str, Any]:
+def _run_options(
+    plan: Plan,
+    *,
+    steps: int,
+    warmup: int,
+    optimizer: str | None,
+    lr: float | None,
+    check: bool,
+    backend: str | None,
+    timeout_s: float,
+    pin_cpus: bool = True,
+    retime: bool = True,
+) -> dict[str, Any]:
     """Validate every run option before any process starts."""
     check_steps_and_timeout(steps, warmup, timeout_s)
     opt = (optimizer or str(plan.cost_options.get("optimizer", "sgd"))).lower()
@@ -421,8 +450,9 @@ def _run_options(plan: Plan, *, steps: int, warmup: int, optimizer: str | None, 
     if opt != planned:
         import warnings
 
-        warnings.warn(f"the plan priced a {planned} step and this run steps {opt}: the report's predicted step and idle "
-                      f"times still hold the {planned} step; plan with --optimizer {opt} to compare like with like",
+        warnings.warn(f"the plan priced a {planned} step and this run steps {opt}: the report's predicted "
+                      f"step and idle times still hold the {planned} step; plan with --optimizer {opt} to "
+                      f"compare like with like",
                       stacklevel=3)
     backend = _backend(backend, plan.num_ranks)
     # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
@@ -449,8 +479,9 @@ def _warn_oversubscribed(num_ranks: int, backend: str) -> None:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if backend == "gloo" and num_ranks > cores:
-        warnings.warn(f"{num_ranks} local ranks share {cores} CPU cores: ranks will wait for each other and the measured "
-                      "step will exceed the prediction; use at most one rank per core", stacklevel=3)
+        warnings.warn(f"{num_ranks} local ranks share {cores} CPU cores: ranks will wait for each other and "
+                      "the measured step will exceed the prediction; use at most one rank per core",
+                      stacklevel=3)
 
 
 def _needs_fork(wl: Workload) -> bool:
@@ -466,8 +497,9 @@ def _needs_fork(wl: Workload) -> bool:
 
     if "fork" not in multiprocessing.get_all_start_methods():
         raise WorkloadError(
-            "the workload uses classes or functions defined in __main__ (a script or notebook), which rank processes "
-            "cannot import on this platform (no fork); move them into a module and pass 'package.module:factory'"
+            "the workload uses classes or functions defined in __main__ (a script or notebook), which rank "
+            "processes cannot import on this platform (no fork); move them into a module and pass "
+            "'package.module:factory'"
         )
     return True
 
@@ -501,17 +533,19 @@ def _forked_rank(wl: Workload, plan: Plan, opts: dict[str, Any], run_dir: str, r
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
     sys.stderr = sys.stdout
     os.environ.update(env)
-    _rank_entry(run_dir, rank, lambda: _train_rank(run_dir, rank, world, (wl, plan, opts)))
+    rank_entry(run_dir, rank, lambda: train_rank(run_dir, rank, world, (wl, plan, opts)))
 
 
-PORT_TRIES = 3  # the rendezvous port is free when chosen, but another process can take it before rank 0 binds it
+# the rendezvous port is free when chosen, but another process can take it before rank 0 binds it
+PORT_TRIES = 3
 
 
 def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
                     forked: tuple[Workload, Plan, dict[str, Any]] | None = None) -> None:
-    """Start ``world`` ranks on a free local port and watch them until all exit 0 (see :func:`_watch`). When rank 0
-    could not listen on the port because something took it after it was chosen (EADDRINUSE: no rank has started
-    any work yet), start again on another port, up to ``PORT_TRIES`` times within the one ``timeout_s``."""
+    """Start ``world`` ranks on a free local port and watch them until all exit 0 (see :func:`_watch`). When
+    rank 0 could not listen on the port because something took it after it was chosen (EADDRINUSE: no rank has
+    started any work yet), start again on another port, up to ``PORT_TRIES`` times within the one
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, PORT_TRIES + 1):
         try:
@@ -528,8 +562,8 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
            forked: tuple[Workload, Plan, dict[str, Any]] | None, port: int) -> None:
     procs: list[Any] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1", "STAGEPLAN_PARENT_PID": str(os.getpid()),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "STAGEPLAN_PARENT_PID": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
     forward = _ProgressForwarder(logs[0], enabled=progress)
     try:
@@ -539,24 +573,25 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
                 import multiprocessing
 
                 ctx = multiprocessing.get_context("fork")
-                proc = ctx.Process(target=_forked_rank, args=(*forked, str(run_dir), r, world, env_r, str(logs[r])))
+                proc = ctx.Process(target=_forked_rank,
+                                   args=(*forked, str(run_dir), r, world, env_r, str(logs[r])))
                 proc.start()
                 procs.append(_Forked(proc))
             else:
                 with open(logs[r], "wb") as log:
                     procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "stageplan.running.launch", str(run_dir), str(r), str(world)],
-                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env_r},
-                        start_new_session=True,
+                        [sys.executable, "-m", "stageplan.running.rank", str(run_dir), str(r), str(world)],
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env={**os.environ, **env_r}, start_new_session=True,
                     ))
         while True:
             forward.poll()
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # A rank that fails often takes its peers down with it (their sockets close): give them a moment
-                # to exit, then blame the root cause: a rank killed by a signal, else the earliest error that is
-                # not a lost connection.
+                # A rank that fails often takes its peers down with it (their sockets close): give them a
+                # moment to exit, then blame the root cause: a rank killed by a signal, else the earliest
+                # error that is not a lost connection.
                 grace = time.monotonic() + 1.0
                 while time.monotonic() < grace and any(p.poll() is None for p in procs):
                     time.sleep(0.05)
@@ -571,8 +606,9 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
                 return
             if time.monotonic() > deadline:
                 _kill_all(procs)
-                raise RunError(f"the run did not finish within the {timeout_s:g} s timeout; all {world} ranks were ended; "
-                               f"logs in {run_dir}; raise --timeout, or ask for less work (fewer --steps)", log_path=str(run_dir))
+                raise RunError(f"the run did not finish within the {timeout_s:g} s timeout; all {world} "
+                               f"ranks were ended; logs in {run_dir}; raise --timeout, or ask for less work "
+                               f"(fewer --steps)", log_path=str(run_dir))
             time.sleep(0.05)
     finally:
         _kill_all(procs)
@@ -597,7 +633,8 @@ class _ProgressForwarder:
                 print(f"run: {line[len(PROGRESS_PREFIX):]}", file=sys.stderr, flush=True)
 
 
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed", "timed out")
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+              "timed out")
 
 
 def _blame_order(run_dir: Path, rank: int, code: int | None) -> tuple[int, float]:
@@ -634,8 +671,10 @@ def _kill_all(procs: list[Any]) -> None:
             p.wait(timeout=10)
 
 
-def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20, warmup: int = 3,
-                  optimizer: str | None = None, lr: float | None = None, check: bool = False, backend: str | None = None,
+def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, steps: int = 20,
+                  warmup: int = 3,
+                  optimizer: str | None = None, lr: float | None = None, check: bool = False,
+                  backend: str | None = None,
                   timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None,
                   weights: str | os.PathLike[str] | None = None, pin_cpus: bool = True,
                   retime: bool = True) -> RunReport | None:
@@ -653,7 +692,11 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     if rank == 0:
         _warn_precision(the_plan)
-    opts["microbatch_size"] = workload.batch_size // the_plan.num_microbatches if workload.batch_size % the_plan.num_microbatches == 0 else None
+    opts["microbatch_size"] = (
+        workload.batch_size // the_plan.num_microbatches
+        if workload.batch_size % the_plan.num_microbatches == 0
+        else None
+    )
     if workload.model is None:  # a model_fn workload: build it weightless here
         import dataclasses
 
@@ -662,8 +705,9 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     if weights is not None:
         Checkpoint(weights)
         if real:
-            raise StageplanError("the workload's model was built with real parameters, so --weights would not be read; "
-                                 "build it inside stageplan.materialize.init_empty_weights() (the CLI does) to load them")
+            raise StageplanError("the workload's model was built with real parameters, so --weights would "
+                                 "not be read; build it inside stageplan.materialize.init_empty_weights() "
+                                 "(the CLI does) to load them")
     opts["weights"] = None if weights is None else str(weights)
     opts["weights_from"] = ("the given weights" if weights is not None else
                             "each rank's own factory build" if real else "initialised by FQN")
@@ -681,62 +725,3 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     if output is not None:
         save_or_keep(report, output)
     return report
-
-
-def _train_rank(run_dir: str, rank: int, world: int, payload: tuple[Workload, Plan, dict[str, Any]]) -> None:
-    wl, plan, options = payload
-    report = str(Path(run_dir) / "report.json") if rank == 0 else None
-    worker_main(wl, plan, rank=rank, world_size=world, options=options, report_path=report)
-
-
-def _die_with_parent() -> None:
-    """A rank this launcher started ends when the launcher does, however it ends (kill -9, the OOM killer): Linux
-    sends it SIGKILL then (PR_SET_PDEATHSIG). Not under torchrun, whose agent watches its workers itself."""
-    parent = os.environ.get("STAGEPLAN_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != int(parent):  # the launcher died before the line above
-            os._exit(1)
-
-
-def _rank_entry(run_dir: str, rank: int, task: Callable[[], None]) -> None:
-    """Run one rank's ``task``; on any error write its one-line cause to rank<N>.error and exit 1 at once."""
-    _die_with_parent()
-    try:
-        torch.set_num_threads(1)
-        task()
-        sys.stdout.flush()
-        os._exit(0)
-    except BaseException as exc:
-        traceback.print_exc()
-        root: BaseException = exc  # torch wraps a stage's error; the innermost cause says what went wrong
-        while (root.__cause__ or root.__context__) is not None and len(str(root.__cause__ or root.__context__)) > 0:
-            root = root.__cause__ or root.__context__  # type: ignore[assignment]
-        lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
-        msg = f"{type(root).__name__}: {lines[0]}" if lines else type(root).__name__
-        (Path(run_dir) / f"rank{rank}.error").write_text(msg + "\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _payload_task(run_dir: str, rank: int, world: int) -> None:
-    """A spawned rank's work, read from the payload: training with a plan, only the link's ping-pong, or one
-    profile of :func:`profile_in_processes`."""
-    payload = torch.load(Path(run_dir) / "payload.pt", weights_only=False)
-    if payload.get("task") == "profile":
-        _profile_task(run_dir, payload)
-        return
-    if payload.get("task") == "link":
-        output = str(Path(run_dir) / "link.json") if rank == 0 else None
-        link_main(rank=rank, world_size=world, options=payload["options"], output_path=output)
-        return
-    _train_rank(run_dir, rank, world, (payload["workload"], Plan.from_json(payload["plan"]), payload["options"]))
-
-
-if __name__ == "__main__":
-    _rank_entry(sys.argv[1], int(sys.argv[2]), lambda: _payload_task(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -1,25 +1,27 @@
-"""The link between neighbouring pipeline ranks, measured (torch.distributed): a ping-pong for latency and bandwidth,
-the schedule's own overheads and the tied all-reduce; written as LINK.json (:mod:`stageplan.formats.link`).
+"""The link between neighbouring pipeline ranks, measured (torch.distributed): a ping-pong for latency and
+bandwidth, the schedule's own overheads and the tied all-reduce; written as LINK.json
+(:mod:`stageplan.formats.link`).
 
-Every run starts with it (executor.py), and ``stageplan link`` runs it alone (launch.measure_link). Ranks r and
-r + 1 of the pipeline's process group send a message back and forth, for a few sizes, after a warm-up; the
+Every run starts with it (executor.py), and ``stageplan link`` runs it alone (launch.measure_link). Ranks r
+and r + 1 of the pipeline's process group send a message back and forth, for a few sizes, after a warm-up; the
 median round trip / 2 is the one-way time at that size. The fit is the latency-bandwidth (Hockney) model,
 t(n) = latency + n / bandwidth: the latency is the small message's one-way time, the bandwidth the large
 message's bytes over its one-way time less that latency.
 
 A pipeline schedule does not send alone: torch's schedules post a send fused with a receive
-(``batch_isend_irecv``) and wait for both, at every crossing. So each pair also times that exchange, both ranks
-posting a small send and a small receive to each other at once: ``exchange_s``, the cost of one crossing as the
-schedule pays it. A plan priced with the link uses the larger of the two per crossing. Every timed message follows
-about 1 ms of the rank's own work, as a chunk computes between receiving and sending (:data:`GAP_MATMULS`).
+(``batch_isend_irecv``) and wait for both, at every crossing. So each pair also times that exchange, both
+ranks posting a small send and a small receive to each other at once: ``exchange_s``, the cost of one crossing
+as the schedule pays it. A plan priced with the link uses the larger of the two per crossing. Every timed
+message follows about 1 ms of the rank's own work, as a chunk computes between receiving and sending
+(:data:`GAP_MATMULS`).
 
-The ranks also time the all-reduce that syncs a tied parameter's gradient (:func:`allreduce_probe`), at 4 KiB and
-4 MiB after a barrier, so a plan priced with the link prices that sync from the collective's own times.
+The ranks also time the all-reduce that syncs a tied parameter's gradient (:func:`allreduce_probe`), at 4 KiB
+and 4 MiB after a barrier, so a plan priced with the link prices that sync from the collective's own times.
 Last, the ranks run torch's own GPipe schedule over a trivial layer each (:func:`schedule_overheads`): the gap
 between one chunk call and the next on a rank that does not wait is what torch's loop costs per action outside
 the chunks (``action_s``), and each chunk call's time outside its module is what PipelineStage costs inside it
-(``chunk_forward_s``, ``chunk_backward_s``); a plan priced with the link adds the first around every forward and
-every backward, and the other two to every chunk's forward and backward.
+(``chunk_forward_s``, ``chunk_backward_s``); a plan priced with the link adds the first around every forward
+and every backward, and the other two to every chunk's forward and backward.
 
 torch is imported inside the functions that measure, so that the planner can read LINK.json without torch."""
 
@@ -31,44 +33,45 @@ from typing import Any
 
 SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
-MAX_BYTES = 16 * 2**20  # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
-# Round trips per size before timing (connection set-up, first touch of the buffers, waking idle CPUs), and timed
-# ones (median taken). A short probe can fall inside one slow spell of a shared host, and a plan prices every
-# crossing with what it reads: with 2 warm-up and 5 timed round trips, the median latency read 2.1 ms against
-# 63-80 us (measured on a 2-core CPU host). The 25 round trips at a large size cost about 0.1 s at 4 MiB and 0.35 s
-# at 16 MiB per pair on gloo (measured on the same host).
+# cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
+MAX_BYTES = 16 * 2**20
+# Round trips per size before timing (connection set-up, first touch of the buffers, waking idle CPUs), and
+# timed ones (median taken). A short probe can fall inside one slow spell of a shared host, and a plan prices
+# every crossing with what it reads: with 2 warm-up and 5 timed round trips, the median latency read 2.1 ms
+# against 63-80 us (measured on a 2-core CPU host). The 25 round trips at a large size cost about 0.1 s at 4
+# MiB and 0.35 s at 16 MiB per pair on gloo (measured on the same host).
 WARMUP = 10
 REPEATS = 15
-# Timed round trips of a message of at most SMALL_MAX_BYTES (the latency probe and the fused exchange): a median
-# over 60, about 6 ms in all. A gloo round trip on a shared CPU host stalls about 2 ms now and then, most often in
-# the first few (3-10 of 220, measured on a 2-core CPU host), which a median of 15 small round trips did not
-# outlast in 3 of 14 probes (1.6-2.0 ms medians).
+# Timed round trips of a message of at most SMALL_MAX_BYTES (the latency probe and the fused exchange): a
+# median over 60, about 6 ms in all. A gloo round trip on a shared CPU host stalls about 2 ms now and then,
+# most often in the first few (3-10 of 220, measured on a 2-core CPU host), which a median of 15 small round
+# trips did not outlast in 3 of 14 probes (1.6-2.0 ms medians).
 SMALL_REPEATS = 60
 SMALL_MAX_BYTES = 64 * 2**10
 # Work before each timed message, as a rank computes its chunk between receiving and sending: 16 matmuls of
-# 128 x 128 floats on the CPU, about 1 ms (60 us each, measured on a 2-core CPU host). Messages sent back to back
-# time the OS scheduler, not the link: on a host whose scheduler tick is 4 ms, a fused exchange between two pinned
-# gloo ranks took 3.7-4.0 ms back to back, against 0.09-0.10 ms after a barrier and 0.16-0.33 ms after 0.3-2 ms of
-# compute, and plans priced at the back-to-back figure over-predicted their runs' steps by 12-49 ms; back-to-back
-# round trips likewise read a 1.4-1.9 ms latency in 2 of 6 probes, 46 us in the others (measured on a 2-core CPU
-# host, medians of 40-50).
+# 128 x 128 floats on the CPU, about 1 ms (60 us each, measured on a 2-core CPU host). Messages sent back to
+# back time the OS scheduler, not the link: on a host whose scheduler tick is 4 ms, a fused exchange between
+# two pinned gloo ranks took 3.7-4.0 ms back to back, against 0.09-0.10 ms after a barrier and 0.16-0.33 ms
+# after 0.3-2 ms of compute, and plans priced at the back-to-back figure over-predicted their runs' steps by
+# 12-49 ms; back-to-back round trips likewise read a 1.4-1.9 ms latency in 2 of 6 probes, 46 us in the others
+# (measured on a 2-core CPU host, medians of 40-50).
 GAP_MATMULS = 16
-# The schedule probe (:func:`schedule_overheads`): torch's GPipe over a 16-float linear layer per rank, microbatches
-# per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes each chunk call
-# writes, as a real chunk streams its weights and activations through the caches. The gap after a chunk grows with
-# what the chunk evicted (medians of 60-70 gaps, measured on a 2-core CPU host): 68 us after none, 117 us after
-# 1 MiB, 142-145 us after 4-16 MiB, 222 us after 64 MiB; a rank's chunk of a model that needs a pipeline streams tens
-# of MiB. The probe takes 0.63-0.66 s (and 0.86 s to import torch's pipelining the first time, which a run imports
-# anyway).
+# The schedule probe (:func:`schedule_overheads`): torch's GPipe over a 16-float linear layer per rank,
+# microbatches per step, untimed steps (the first one infers the stages' shapes), timed steps, and the bytes
+# each chunk call writes, as a real chunk streams its weights and activations through the caches. The gap
+# after a chunk grows with what the chunk evicted (medians of 60-70 gaps, measured on a 2-core CPU host): 68
+# us after none, 117 us after 1 MiB, 142-145 us after 4-16 MiB, 222 us after 64 MiB; a rank's chunk of a model
+# that needs a pipeline streams tens of MiB. The probe takes 0.63-0.66 s (and 0.86 s to import torch's
+# pipelining the first time, which a run imports anyway).
 ACTION_MICROBATCHES = 8
 ACTION_WARMUP = 1
 ACTION_STEPS = 3
 ACTION_EVICT_BYTES = 64 * 2**20
-# The all-reduce probe (:func:`allreduce_probe`): every rank all-reduces a buffer of each size after a barrier, as
-# the tied gradient's sync starts once every rank is there. The collective itself is timed because the ring model
-# priced from the point-to-point fit is far off on gloo: its all-reduce of 1, 4 and 16 MiB between two pinned CPU
-# ranks took 2.1-4.7x the model's time (3.9-5.4 ms against 1.49 ms at 4 MiB, of which the half-buffer add each rank
-# does is 0.05 ms; measured on a 2-core CPU host).
+# The all-reduce probe (:func:`allreduce_probe`): every rank all-reduces a buffer of each size after a
+# barrier, as the tied gradient's sync starts once every rank is there. The collective itself is timed because
+# the ring model priced from the point-to-point fit is far off on gloo: its all-reduce of 1, 4 and 16 MiB
+# between two pinned CPU ranks took 2.1-4.7x the model's time (3.9-5.4 ms against 1.49 ms at 4 MiB, of which
+# the half-buffer add each rank does is 0.05 ms; measured on a 2-core CPU host).
 ALLREDUCE_SIZES = (SMALL_BYTES, LARGE_BYTES)
 ALLREDUCE_REPEATS = 15
 
@@ -80,7 +83,8 @@ def probe_sizes(largest_boundary_bytes: float | None = None) -> tuple[int, ...]:
     >>> probe_sizes(), probe_sizes(64 * 2**20)
     ((4096, 4194304), (4096, 16777216))
     """
-    large = LARGE_BYTES if not largest_boundary_bytes else int(min(max(largest_boundary_bytes, LARGE_BYTES), MAX_BYTES))
+    large = LARGE_BYTES if not largest_boundary_bytes else int(
+        min(max(largest_boundary_bytes, LARGE_BYTES), MAX_BYTES))
     return (SMALL_BYTES, large)
 
 
@@ -93,8 +97,10 @@ def fit(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, 
     >>> latency_s, round(bandwidth)
     (1e-05, 1000000000)
     """
-    i_small, i_large = min(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i]), max(range(len(sizes_bytes)),
-                                                                                         key=lambda i: sizes_bytes[i])
+    i_small, i_large = (
+        min(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i]),
+        max(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i]),
+    )
     latency_s = float(one_way_s[i_small])
     extra_s = float(one_way_s[i_large]) - latency_s
     bandwidth = sizes_bytes[i_large] / (extra_s if extra_s > 0 else float(one_way_s[i_large]))
@@ -103,12 +109,13 @@ def fit(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, 
 
 def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_BYTES), warmup: int = WARMUP,
               repeats: int = REPEATS, group: Any = None) -> dict[str, Any]:
-    """Measure every neighbouring pair (r, r + 1) of ``group`` (the default group when None), one pair at a time,
-    on an initialised process group; every rank calls it and every rank gets the result:
-    ``{"backend", "latency_s", "exchange_s", "bandwidth_bytes_per_s", "sizes", "pairs"}``, where ``pairs`` holds
-    each pair's one-way median seconds per size, its fused exchange and its own fit, and the overall figures are the
-    medians over pairs; plus ``action_s``, torch's schedule loop per chunk action, and ``chunk_forward_s`` and ``chunk_backward_s``,
-    PipelineStage's own time inside each chunk call (:func:`schedule_overheads`), on the
+    """Measure every neighbouring pair (r, r + 1) of ``group`` (the default group when None), one pair at a
+    time, on an initialised process group; every rank calls it and every rank gets the result:
+    ``{"backend", "latency_s", "exchange_s", "bandwidth_bytes_per_s", "sizes", "pairs"}``, where ``pairs``
+    holds each pair's one-way median seconds per size, its fused exchange and its own fit, and the overall
+    figures are the medians over pairs; plus ``action_s``, torch's schedule loop per chunk action, and
+    ``chunk_forward_s`` and ``chunk_backward_s``, PipelineStage's own time inside each chunk call
+    (:func:`schedule_overheads`), on the
     CPU with two or more ranks.
     """
     import torch
@@ -124,8 +131,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
     buffers = {n: torch.zeros(max(n // 4, 1), dtype=torch.float32, device=dev) for n in sizes}
     gap = torch.ones(128, 128)  # on the CPU: the host thread's own work between messages (GAP_MATMULS)
     pairs: list[dict[str, Any]] = []
-    # every rank joins one collective first: NCCL wants all ranks in the first batch_isend_irecv of a group, and a
-    # barrier makes the first (communicator-creating) call a collective that every rank makes
+    # every rank joins one collective first: NCCL wants all ranks in the first batch_isend_irecv of a group,
+    # and a barrier makes the first (communicator-creating) call a collective that every rank makes
     dist.barrier(group=group)
     for low in range(world - 1):
         row: dict[str, Any] = {"ranks": [ranks[low], ranks[low + 1]], "one_way_s": [], "one_way_iqr_s": []}
@@ -150,7 +157,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
             for k in range(warmup + max(repeats, SMALL_REPEATS)):
                 _round_trip(out_buf, peer, first, group)  # both ranks leave it together,
                 _compute_gap(gap)  # compute as a chunk would,
-                seconds, _ = timer(functools.partial(_exchange, out_buf, in_buf, peer, group))  # then post at once
+                # then post at once
+                seconds, _ = timer(functools.partial(_exchange, out_buf, in_buf, peer, group))
                 if k >= warmup:
                     exchanges.append(seconds)
             row["exchange_s"] = median_iqr(exchanges)[0]
@@ -158,7 +166,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
             lat, bw = fit(sizes, row["one_way_s"])
             row.update(latency_s=lat, bandwidth_bytes_per_s=bw)
             pairs.append(row)
-        dist.barrier(group=group)  # one pair at a time: pairs measured together would share the cores and the bus
+        # one pair at a time: pairs measured together would share the cores and the bus
+        dist.barrier(group=group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, pairs, group=group)
     all_pairs = [row for rows in gathered for row in rows]
@@ -170,7 +179,8 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
         "backend": str(dist.get_backend(group)),
         "latency_s": median_iqr([r["latency_s"] for r in all_pairs])[0] if all_pairs else None,
         "exchange_s": median_iqr([r["exchange_s"] for r in all_pairs])[0] if all_pairs else None,
-        "bandwidth_bytes_per_s": median_iqr([r["bandwidth_bytes_per_s"] for r in all_pairs])[0] if all_pairs else None,
+        "bandwidth_bytes_per_s": median_iqr([r["bandwidth_bytes_per_s"] for r in all_pairs])[0] if all_pairs
+        else None,
         "sizes": sizes, "warmup": warmup, "repeats": repeats, "small_repeats": max(repeats, SMALL_REPEATS),
         "device": str(dev), "pairs": all_pairs,
     }
@@ -179,13 +189,13 @@ def ping_pong(device: Any, *, sizes_bytes: Sequence[int] = (SMALL_BYTES, LARGE_B
 def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int] = ALLREDUCE_SIZES,
                     warmup: int = 3, repeats: int = ALLREDUCE_REPEATS) -> dict[str, Any] | None:
     """Time the all-reduce that syncs a tied parameter's gradient across ranks, at each size, on every rank of
-    ``group`` (each calls it; each gets the result): a barrier, then one ``all_reduce`` of a float buffer, timed
-    until its result is there; the median per size, the slowest rank's (the sync ends for the step when it ends
-    for every rank). The Hockney fit a + n / B of those times is stored as the ring model's constants at this
-    rank count p, so that :func:`stageplan.planning.costs.ring_allreduce_time` gives back a + n / B here and scales it
-    to another p: ``allreduce_latency_s`` = a / (2(p - 1)) per ring step and ``allreduce_bandwidth_bytes_per_s`` =
-    B x 2(p - 1) / p. Also ``allreduce_ranks`` (p), ``allreduce_sizes`` and ``allreduce_s`` (the medians). None
-    on a single rank."""
+    ``group`` (each calls it; each gets the result): a barrier, then one ``all_reduce`` of a float buffer,
+    timed until its result is there; the median per size, the slowest rank's (the sync ends for the step when
+    it ends for every rank). The Hockney fit a + n / B of those times is stored as the ring model's constants
+    at this rank count p, so that :func:`stageplan.planning.costs.ring_allreduce_time` gives back a + n / B
+    here and scales it to another p: ``allreduce_latency_s`` = a / (2(p - 1)) per ring step and
+    ``allreduce_bandwidth_bytes_per_s`` = B x 2(p - 1) / p. Also ``allreduce_ranks`` (p), ``allreduce_sizes``
+    and ``allreduce_s`` (the medians). None on a single rank."""
     import time
 
     import torch
@@ -224,19 +234,20 @@ def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = AC
                        warmup: int = ACTION_WARMUP, steps: int = ACTION_STEPS,
                        evict_bytes: int = ACTION_EVICT_BYTES) -> dict[str, float] | None:
     """What torch's pipelining costs around a chunk's own layers, on a rank that does not wait, from
-    ``ScheduleGPipe`` over a 16-float linear layer per rank whose forward and backward each write ``evict_bytes``
-    (every rank of ``group`` calls it; every rank gets the result), medians over the timed steps:
+    ``ScheduleGPipe`` over a 16-float linear layer per rank whose forward and backward each write
+    ``evict_bytes`` (every rank of ``group`` calls it; every rank gets the result), medians over the timed
+    steps:
 
-    - ``action_s``: the gap between one chunk call and the next, over the first rank's forwards and the last rank's
-      backwards. Between two such calls torch's loop builds the P2P ops, posts the send (``_batch_p2p``), leaves one
-      ``record_function`` and enters the next, its code and data cold after the chunk. 0.2-0.4 ms between chunk
-      calls were traced in real runs on a 2-core CPU host: 54-85 us of ``record_function``, 57-110 us posting a send, 12 us per
-      list of ops built.
-    - ``chunk_forward_s`` and ``chunk_backward_s``: each chunk call's time outside its module, over every rank's
-      forwards and backwards: PipelineStage's own code (retrieving and detaching the received inputs, flattening
-      and checking the outputs, keeping them for the backward) and, in the backward, the autograd engine's start and
-      end around the module's gradients (cold after a chunk, where a layer profiled alone starts it hot). The chunk
-      timers of a run see these inside the chunk's forward and backward.
+    - ``action_s``: the gap between one chunk call and the next, over the first rank's forwards and the last
+      rank's backwards. Between two such calls torch's loop builds the P2P ops, posts the send
+      (``_batch_p2p``), leaves one ``record_function`` and enters the next, its code and data cold after the
+      chunk. 0.2-0.4 ms between chunk calls were traced in real runs on a 2-core CPU host: 54-85 us of
+      ``record_function``, 57-110 us posting a send, 12 us per list of ops built.
+    - ``chunk_forward_s`` and ``chunk_backward_s``: each chunk call's time outside its module, over every
+      rank's forwards and backwards: PipelineStage's own code (retrieving and detaching the received inputs,
+      flattening and checking the outputs, keeping them for the backward) and, in the backward, the autograd
+      engine's start and end around the module's gradients (cold after a chunk, where a layer profiled alone
+      starts it hot). The chunk timers of a run see these inside the chunk's forward and backward.
 
     Measured on GPipe's loop, priced once per forward and once per backward of every schedule (a zero-bubble
     backward's I and W share them). None on a single rank (no pipeline) and off the CPU, where the host's loop
@@ -307,9 +318,9 @@ def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = AC
 
 def _streaming_layer(evict_bytes: int, spans: list[float] | None = None) -> Any:
     """The probe's layer: a 16-float linear layer whose forward and backward each write ``evict_bytes``. With
-    ``spans``, it appends perf_counter stamps: its forward's begin and end, its backward's begin (the last op of the
-    forward is the first of the backward) and the moment each gradient it makes is ready (its input's, where the
-    input needs one, and its parameters' once accumulated), as LayerClock stamps a layer."""
+    ``spans``, it appends perf_counter stamps: its forward's begin and end, its backward's begin (the last op
+    of the forward is the first of the backward) and the moment each gradient it makes is ready (its input's,
+    where the input needs one, and its parameters' once accumulated), as LayerClock stamps a layer."""
     import time
 
     import torch
@@ -337,7 +348,8 @@ def _streaming_layer(evict_bytes: int, spans: list[float] | None = None) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.linear = torch.nn.Linear(16, 16)
-            self.register_buffer("stream", torch.zeros(max(int(evict_bytes), 1), dtype=torch.uint8), persistent=False)
+            self.register_buffer("stream", torch.zeros(max(int(evict_bytes), 1), dtype=torch.uint8),
+                                 persistent=False)
             for p in self.linear.parameters():
                 p.register_post_accumulate_grad_hook(lambda _: stamp())
 
@@ -353,7 +365,8 @@ def _streaming_layer(evict_bytes: int, spans: list[float] | None = None) -> Any:
 
 
 def _round_trip(buf: Any, peer: int, first: bool, group: Any) -> None:
-    """One message there and back: the lower rank sends first, its peer echoes; on CUDA, until it has landed."""
+    """One message there and back: the lower rank sends
+    first, its peer echoes; on CUDA, until it has landed."""
     import torch
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
-"""Build one rank's pipeline stages from a Plan: check the plan fits the model, cut the model, wrap each of the
-rank's chunks in torch's PipelineStage, give it its optimizer and keep the tied parameters' gradients in sync
-(torch)."""
+"""Build one rank's pipeline stages from a Plan: check the plan fits the model, cut the model, wrap each of
+the rank's chunks in torch's PipelineStage, give it its optimizer and keep the tied parameters' gradients in
+sync (torch)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from stageplan.workload import Workload
 
 
 def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
-    """The first of the plan's m microbatches of the workload's inputs (refusing a batch m does not divide)."""
+    """The first of the plan's m microbatches of the
+    workload's inputs (refusing a batch m does not divide)."""
     size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
     return tuple(microbatch(workload.input_tuple(), 0, size))
 
@@ -41,7 +42,8 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
     if world_size is not None and world_size != plan.num_ranks:
         raise StageplanError(
             f"world size {world_size} does not match the plan's {plan.num_ranks} pipeline ranks; "
-            f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with --stages {world_size}"
+            f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with "
+            f"--stages {world_size}"
         )
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
     check_same_model(workload, plan.profile_meta, "plan")
@@ -55,10 +57,10 @@ def _json_value(value: Any) -> Any:
 
 def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str) -> None:
     """Refuse a plan (or profile: ``what``) measured on the same model built with other factory options, or in
-    another dtype, than this workload: the layer names stay the same, so nothing else notices, and the run would
-    compare another model with the prediction (gpt profiled with vocab_size=2048 and run without it trained the
-    default 8192-token head: measured 4.6x the prediction, against 1.6x for the matched run). Every option both
-    recorded is compared (a built-in model records its defaults too)."""
+    another dtype, than this workload: the layer names stay the same, so nothing else notices, and the run
+    would compare another model with the prediction (gpt profiled with vocab_size=2048 and run without it
+    trained the default 8192-token head: measured 4.6x the prediction, against 1.6x for the matched run).
+    Every option both recorded is compared (a built-in model records its defaults too)."""
     planned, model = meta.get("factory_options"), meta.get("model")
     same_name = isinstance(model, str) and model.rsplit(":", 1)[-1] == workload.name.rsplit(":", 1)[-1]
     if isinstance(planned, Mapping) and workload.factory_options and same_name:
@@ -66,31 +68,33 @@ def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str) -> 
         differing = sorted(k for k in planned if k in given and _json_value(planned[k]) != given[k])
         if differing:
             text = ", ".join(f"{k}={given[k]!r} ({what}: {planned[k]!r})" for k in differing)
-            raise StageplanError(f"the {what} was made for {model} with other options: {text}; profile and plan the "
-                                 f"model with these --set options, or set them as the {what} has them")
+            raise StageplanError(f"the {what} was made for {model} with other options: {text}; profile and "
+                                 f"plan the model with these --set options, or set them as the {what} has "
+                                 f"them")
     dtype = meta.get("dtype")
     params = workload.model.parameters() if workload.model is not None else ()
     own = next((str(t.dtype).removeprefix("torch.") for t in params if t.is_floating_point()), None)
     if isinstance(dtype, str) and own is not None and dtype != own:
-        raise StageplanError(f"the {what} was profiled in {dtype}, and this run trains the model in its own {own}: "
-                             f"its times and bytes are not this run's; profile without --dtype (or build the model in "
-                             f"{dtype}) and plan that")
+        raise StageplanError(f"the {what} was profiled in {dtype}, and this run trains the model in its own "
+                             f"{own}: its times and bytes are not this run's; profile without --dtype (or "
+                             f"build the model in {dtype}) and plan that")
 
 
 def check_microbatch_size_of_plan(batch: int, plan: Plan) -> None:
-    """Refuse a run whose microbatches are not the size the plan priced: the plan keeps its profile's microbatch
-    size for any number of microbatches (a plan of 70B at microbatch 1 for 64 of them), while a run splits this
-    model's own batch into the plan's m, so a profile at microbatch 2 planned for 8 microbatches ran 8 of 1 sample
-    and compared a 246 ms step with a 334 ms prediction for microbatches twice that size."""
+    """Refuse a run whose microbatches are not the size the plan priced: the plan keeps its profile's
+    microbatch size for any number of microbatches (a plan of 70B at microbatch 1 for 64 of them), while a run
+    splits this model's own batch into the plan's m, so a profile at microbatch 2 planned for 8 microbatches
+    ran 8 of 1 sample and compared a 246 ms step with a 334 ms prediction for microbatches twice that size."""
     priced = (plan.cost_options or {}).get("microbatch_size")
     size = microbatch_size_for(batch, plan.num_microbatches)
     if isinstance(priced, int) and not isinstance(priced, bool) and priced != size:
         m = plan.num_microbatches
         fits = (f"plan --microbatches {batch // priced}, " if batch % priced == 0 else "")
         raise StageplanError(
-            f"the plan prices {m} microbatches of {priced} sample{'s' * (priced != 1)} (a batch of {m * priced}), and this model's batch of "
-            f"{batch} makes {m} microbatches of {size}, so its predictions would not describe this run; "
-            f"{fits}profile at --microbatch-size {size} and plan that, or build the model with a batch of {m * priced}")
+            f"the plan prices {m} microbatches of {priced} sample{'s' * (priced != 1)} (a batch of "
+            f"{m * priced}), and this model's batch of {batch} makes {m} microbatches of {size}, so its "
+            f"predictions would not describe this run; {fits}profile at --microbatch-size {size} and plan "
+            f"that, or build the model with a batch of {m * priced}")
 
 
 def check_layers(model: nn.Module, args: tuple[Any, ...], plan: Plan) -> None:
@@ -98,12 +102,13 @@ def check_layers(model: nn.Module, args: tuple[Any, ...], plan: Plan) -> None:
     layers_arg = plan.profile_meta.get("layers_arg")
     names = cut_layers(meta_copy(model), args, layers_arg).names  # cut a weightless copy: no second model
     if list(names) != list(plan.layer_names):
-        diff = next((i for i, (a, b) in enumerate(zip(names, plan.layer_names)) if a != b), min(len(names), len(plan.layer_names)))
+        diff = next((i for i, (a, b) in enumerate(zip(names, plan.layer_names)) if a != b),
+                    min(len(names), len(plan.layer_names)))
         got = names[diff] if diff < len(names) else "(none)"
         want = plan.layer_names[diff] if diff < len(plan.layer_names) else "(none)"
         raise StageplanError(
-            f"the plan does not match this model: it has {len(plan.layer_names)} layers, the model {len(names)}; "
-            f"layer {diff} is {got!r} in the model but {want!r} in the plan (plan made for "
+            f"the plan does not match this model: it has {len(plan.layer_names)} layers, the model "
+            f"{len(names)}; layer {diff} is {got!r} in the model but {want!r} in the plan (plan made for "
             f"{plan.profile_meta.get('model')!r}); profile and plan this model, with the same --set options"
         )
 
@@ -141,7 +146,8 @@ TieGroup = tuple[list[str], nn.Parameter]
 
 
 def tie_groups(model: nn.Module) -> list[TieGroup]:
-    """FQN groups that name one shared parameter (e.g. an embedding tied to the LM head), with the parameter."""
+    """FQN groups that name one shared parameter (e.g. an
+    embedding tied to the LM head), with the parameter."""
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), ([], p))[0].append(name)
@@ -150,8 +156,8 @@ def tie_groups(model: nn.Module) -> list[TieGroup]:
 
 def ties_across_ranks(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[bool]:
     """Per tie group, whether the plan's stages that use it (under any of its names) run on two or more ranks:
-    only then is its gradient summed across ranks. Every rank works it out alike from the plan and the model, so
-    all of them join the same all-reduces."""
+    only then is its gradient summed across ranks. Every rank works it out alike from the plan and the model,
+    so all of them join the same all-reduces."""
     used = [set(used_parameters(piece.module)) for piece in cut.pieces]
     return [len({plan.stages[s].rank for s, fqns in enumerate(used) if fqns.intersection(names)}) > 1
             for names, _ in ties]
@@ -160,8 +166,8 @@ def ties_across_ranks(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[b
 @dataclass
 class RankStages:
     """What one rank runs: its PipelineStage objects (one per chunk it holds), the parameters they use by FQN,
-    the unique parameters (for the optimizer), the model's tie groups and which of them the plan puts on two or
-    more ranks (for :func:`sync_tied_grads`)."""
+    the unique parameters (for the optimizer), the model's tie groups and which of them the plan puts on two
+    or more ranks (for :func:`sync_tied_grads`)."""
 
     stages: list[Any]
     indices: list[int]
@@ -171,8 +177,8 @@ class RankStages:
     ties_across: list[bool]
 
 
-def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...], *,
-                      weights: Checkpoint | None = None, seed: int = 0, group: Any = None) -> RankStages:
+def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...],
+                      *, weights: Checkpoint | None = None, seed: int = 0, group: Any = None) -> RankStages:
     """Cut ``model`` (parameters on meta, or real) at the plan's boundaries, give only this rank's chunks real
     parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects."""
     from torch.distributed.pipelining import PipelineStage
@@ -186,7 +192,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     stages = []
     for s in mine:
         piece = cut.pieces[s].module
-        materialize_(piece, real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
+        materialize_(piece,
+                     real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
         if plan.cost_options.get("recompute"):
             _recompute(piece)
         if cut.method == "export":
@@ -204,10 +211,11 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
 
 
 def _no_warmup_to_self(stages: list[Any]) -> None:
-    """torch 2.13 warms up stages that are not PipelineStage (the export cut's) by a send and a receive to each
-    neighbouring stage, even where that neighbour runs on this rank (ZBVZeroBubble's V puts stages p - 1 and p on
-    rank p - 1, and its first and last on rank 0). gloo has no pair from a rank to itself ("Pair is not connected"),
-    and the schedule hands those tensors over locally anyway, so the warm-up's messages to this rank are dropped."""
+    """torch 2.13 warms up stages that are not PipelineStage (the export cut's) by a send and a receive to
+    each neighbouring stage, even where that neighbour runs on this rank (ZBVZeroBubble's V puts stages p - 1
+    and p on rank p - 1, and its first and last on rank 0). gloo has no pair from a rank to itself ("Pair is
+    not connected"), and the schedule hands those tensors over locally anyway, so the warm-up's messages to
+    this rank are dropped."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -225,8 +233,8 @@ def _no_warmup_to_self(stages: list[Any]) -> None:
 
 
 def _recompute(module: nn.Module) -> None:
-    """Activation recomputation as the plan priced it (Chen et al. 2016): the stage keeps only its inputs for the
-    backward and runs its forward again inside it (torch.utils.checkpoint, non-reentrant)."""
+    """Activation recomputation as the plan priced it (Chen et al. 2016): the stage keeps only its inputs for
+    the backward and runs its forward again inside it (torch.utils.checkpoint, non-reentrant)."""
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
@@ -239,15 +247,16 @@ def _recompute(module: nn.Module) -> None:
 
 def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
                     group: Any = None, across: Sequence[bool] | None = None) -> None:
-    """Sum a tied parameter's gradients over every stage that holds a copy: each copy's own gradient is only its
-    stage's share, so every copy is wrong alone (by about 2e-2 for a tied embedding and LM head) and their sum is
-    the tie's gradient, as Megatron-LM sums the word embedding's gradients between its first and last stage
-    (``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py). A tie the plan puts
-    on two or more ranks (``across``, from :func:`ties_across_ranks`; None: every tie) is summed with an all-reduce
-    every rank joins (ranks without a copy contribute zeros). A rank's one contiguous copy is summed in place, as
-    the link's all-reduce probe times it, since a buffer adds the sum into it and a copy back: HF GPT-2's 4 MiB tie
-    took its last rank 4.06 ms through a buffer against 2.92 ms in place (medians of 8 runs each, measured on a
-    2-core CPU host). A tie on one rank is summed over that rank's copies, with no communication."""
+    """Sum a tied parameter's gradients over every stage that holds a copy: each copy's own gradient is only
+    its stage's share, so every copy is wrong alone (by about 2e-2 for a tied embedding and LM head) and their
+    sum is the tie's gradient, as Megatron-LM sums the word embedding's gradients between its first and last
+    stage (``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py). A tie
+    the plan puts on two or more ranks (``across``, from :func:`ties_across_ranks`; None: every tie) is summed
+    with an all-reduce every rank joins (ranks without a copy contribute zeros). A rank's one contiguous copy
+    is summed in place, as the link's all-reduce probe times it, since a buffer adds the sum into it and a
+    copy back: HF GPT-2's 4 MiB tie took its last rank 4.06 ms through a buffer against 2.92 ms in place
+    (medians of 8 runs each, measured on a 2-core CPU host). A tie on one rank is summed over that rank's
+    copies, with no communication."""
     import torch.distributed as dist
 
     for g, (names, original) in enumerate(ties):
@@ -273,7 +282,8 @@ def reference_model(model: nn.Module, device: torch.device, *, weights: Checkpoi
                     seed: int = 0) -> nn.Module:
     """The whole model with the same real parameters the ranks get (for the single-process check)."""
     ref = meta_copy(model) if meta_parameter_names(model) else copy.deepcopy(model)
-    return materialize_(ref, real_parameters(model, meta_parameter_names(ref), device, weights=weights, seed=seed)).to(device)
+    return materialize_(ref, real_parameters(model, meta_parameter_names(ref), device, weights=weights,
+                                             seed=seed)).to(device)
 
 
 @dataclass
@@ -310,27 +320,33 @@ class RankPipeline:
         return self._num_chunks - 1 in self.stage_indices
 
     _num_chunks: int = 1
-    _ties_across: list[bool] | None = None  # per tie group, whether it spans ranks (None: all-reduce every one)
+    # per tie group, whether it spans ranks (None: all-reduce every one)
+    _ties_across: list[bool] | None = None
 
 
-def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int, world_size: int,
+def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int,
+                   world_size: int,
                    device: str | torch.device = "cpu", loss_fn: Callable[[Any, Any], Any] | None = None,
-                   weights: str | os.PathLike[str] | Mapping[str, torch.Tensor] | None = None, group: Any = None,
-                   example_inputs: Any = None, seed: int = 0) -> RankPipeline:
-    """Build this rank's stages of ``plan`` for a training loop of your own (torchrun, an initialised process group).
+                   weights: str | os.PathLike[str] | Mapping[str, torch.Tensor] | None = None,
+                   group: Any = None, example_inputs: Any = None, seed: int = 0) -> RankPipeline:
+    """Build this rank's stages of ``plan`` for a training
+    loop of your own (torchrun, an initialised process group).
 
-    ``model_fn()`` builds the model; it is called with parameters on meta, so nothing but this rank's stage is ever
-    materialised. The stage's tensors come from ``weights`` (a .safetensors file, an HF folder with
-    ``model.safetensors.index.json``, or a state dict; a tied tensor stored once is read through its tie; only a
-    tensor that is truly absent is an error, naming it), else from an initialisation keyed by FQN, the same on
-    every rank. ``example_inputs`` (one microbatch) are needed to cut a model that is not an ``nn.Sequential``.
+    ``model_fn()`` builds the model; it is called with parameters on meta, so nothing but this rank's stage is
+    ever materialised. The stage's tensors come from ``weights`` (a .safetensors file, an HF folder with
+    ``model.safetensors.index.json``, or a state dict; a tied tensor stored once is read through its tie; only
+    a tensor that is truly absent is an error, naming it), else from an initialisation keyed by FQN, the same
+    on
+    every rank. ``example_inputs`` (one microbatch) are needed to cut a model that is not an
+    ``nn.Sequential``.
     """
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if world_size != the_plan.num_ranks or not 0 <= rank < world_size:
-        raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's {the_plan.num_ranks} ranks; "
-                             f"launch {the_plan.num_ranks} processes (torchrun --nproc-per-node {the_plan.num_ranks})")
+        raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's "
+                             f"{the_plan.num_ranks} ranks; launch {the_plan.num_ranks} processes (torchrun "
+                             f"--nproc-per-node {the_plan.num_ranks})")
     dev = torch.device(device)
     with init_empty_weights():
         model = model_fn()
@@ -339,8 +355,8 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     model.train()
     if example_inputs is None:
         if not isinstance(model, nn.Sequential):
-            raise StageplanError(f"{type(model).__name__} is not an nn.Sequential, so cutting it at the plan's layers needs "
-                                 "one microbatch of inputs: pass example_inputs=(x,)")
+            raise StageplanError(f"{type(model).__name__} is not an nn.Sequential, so cutting it at the "
+                                 "plan's layers needs one microbatch of inputs: pass example_inputs=(x,)")
         mb_args: tuple[Any, ...] = ()
     else:
         raw = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -350,6 +366,7 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     rs = build_rank_stages(model, the_plan, rank, dev, mb_args, weights=source, seed=seed, group=group)
     cls = get_schedule_class(the_plan.schedule)
     single = issubclass(cls, PipelineScheduleSingle)
-    schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches, loss_fn=loss_fn)
+    schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches,
+                   loss_fn=loss_fn)
     return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev, group,
                         the_plan.num_chunks, rs.ties_across)
