@@ -303,6 +303,8 @@ def _add_show_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                                    "it.")
     p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
+    p.add_argument("--trace", metavar="OUT.json", help="a plan's predicted step or a run's measured one as "
+                   "Chrome trace-event JSON, to open in Perfetto (ui.perfetto.dev): a track per rank")
 
 
 def _cmd_profile(a: argparse.Namespace) -> int:
@@ -430,12 +432,24 @@ def _plot(kind: str, obj: Any, path: str) -> None:
 def _cmd_show(a: argparse.Namespace) -> int:
     from stageplan.report import compare_run_table, plan_table, profile_table, run_table
 
+    if a.trace is not None:
+        from stageplan._io import check_output_path
+
+        check_output_path(a.trace, (a.path,))
     kind, obj = _load_any(a.path)
+    if a.trace is not None and kind not in ("plan", "run"):
+        raise StageplanError(f"--trace draws a step's timeline, and {a.path!r} is a {kind} with none; give a "
+                             "plan (stageplan plan ... -o plan.json) or a run report (stageplan run ... -o "
+                             "run.json)")
     tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table,
                               "compare": compare_run_table}
     table = tables[kind](obj)  # first: a file it cannot read leaves an existing figure as it was
     if a.plot is not None:
         _plot(kind, obj, a.plot)
+    if a.trace is not None:
+        from stageplan.formats.trace import save_trace
+
+        save_trace(obj.chrome_trace(), a.trace)
     print(table)
     return 0
 

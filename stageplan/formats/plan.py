@@ -213,6 +213,17 @@ class Plan:
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
                         optimizer_s=[st.optimizer_s for st in self.stages], tied_sync_s=self.tied_sync_s)
 
+    def chrome_trace(self) -> dict[str, Any]:
+        """The simulated step as Chrome trace-event JSON (Perfetto): a compute and a transfer track per rank
+        (:func:`stageplan.formats.trace.chrome_trace`)."""
+        from stageplan.formats.trace import chrome_trace
+
+        sim = self.simulate()
+        return chrome_trace(sim.timeline, title=f"predicted: {self.schedule}, {self.num_ranks} ranks, "
+                            f"{self.num_microbatches} microbatches, step {sim.step_s * 1e3:.3f} ms",
+                            meta={"source": "plan", "boundaries": list(self.boundaries),
+                                  "predicted_step_s": sim.step_s, "profile_digest": self.profile_digest})
+
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd
 

@@ -438,6 +438,18 @@ class RunReport:
         """measured / predicted step time."""
         return self.measured_step_s / self.predicted_step_s if self.predicted_step_s else float("nan")
 
+    def chrome_trace(self) -> dict[str, Any]:
+        """The measured step (the last one the run timed, as ``timeline`` holds it) as Chrome trace-event JSON
+        (Perfetto): a compute and a transfer track per rank (:func:`stageplan.formats.trace.chrome_trace`)."""
+        from stageplan.formats.trace import chrome_trace
+
+        plan = self.plan
+        return chrome_trace(self.timeline, title=f"measured: {plan.get('schedule')}, {plan.get('num_ranks')} "
+                            f"ranks, median step {self.measured_step_s * 1e3:.3f} ms",
+                            meta={"source": "run", "boundaries": plan.get("boundaries"),
+                                  "measured_step_s": self.measured_step_s,
+                                  "predicted_step_s": self.predicted_step_s})
+
     def to_pandas(self) -> pd.DataFrame:
         import pandas as pd
 
