@@ -1,4 +1,5 @@
-"""The Perfetto trace of a real 2-rank run: valid trace-event JSON whose events are the RunReport's timeline."""
+"""The Perfetto trace of a real 2-rank run: valid trace-event
+JSON whose events are the RunReport's timeline."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ def test_a_two_rank_runs_trace_matches_its_report(tmp_path: Path, capsys: pytest
                     "-o", str(tmp_path / "p.json")], capsys)[0] == 0
     assert run_cli(["plan", str(tmp_path / "p.json"), "--stages", "2", "--microbatches", "4",
                     "-o", str(tmp_path / "plan.json")], capsys)[0] == 0
-    code, _, err = run_cli(["run", "gpt", *opts, "--plan", str(tmp_path / "plan.json"), "--steps", "2", "--warmup",
-                            "1", "-o", str(tmp_path / "run.json")], capsys)
+    code, _, err = run_cli(["run", "gpt", *opts, "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+                            "--warmup", "1", "-o", str(tmp_path / "run.json")], capsys)
     assert code == 0, err
-    code, _, err = run_cli(["show", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")], capsys)
+    code, _, err = run_cli(["show", str(tmp_path / "run.json"), "--trace", str(tmp_path / "trace.json")],
+                           capsys)
     assert code == 0, err
     trace = json.loads((tmp_path / "trace.json").read_text())
     report = json.loads((tmp_path / "run.json").read_text())

@@ -26,8 +26,10 @@ def test_a_plans_trace_is_its_simulated_timeline(schedule: str, v: int) -> None:
     events = _complete(pl.chrome_trace())
     assert len(events) == len(sim.timeline) > 0
     for got, want in zip(sorted(events, key=lambda e: (e["ts"], e["tid"])),
-                         sorted(sim.timeline, key=lambda e: (e.start_s, e.rank + (10_000 if e.kind in "AG" else 0)))):
-        assert got["args"] == {"rank": want.rank, "stage": want.stage, "microbatch": want.microbatch, "kind": want.kind}
+                         sorted(sim.timeline,
+                                key=lambda e: (e.start_s, e.rank + (10_000 if e.kind in "AG" else 0)))):
+        assert got["args"] == {"rank": want.rank, "stage": want.stage, "microbatch": want.microbatch,
+                               "kind": want.kind}
         assert got["ts"] == pytest.approx(want.start_s * 1e6) and got["dur"] == pytest.approx(
             (want.end_s - want.start_s) * 1e6)
         assert got["cat"] == KIND_NAMES[want.kind]
@@ -47,7 +49,8 @@ def test_a_runs_trace_is_its_timeline() -> None:
     trace = chrome_trace(rows, title="measured")
     events = _complete(trace)
     assert [(e["tid"], e["ts"], e["dur"], e["name"]) for e in events] == [
-        (0, 0.0, 4000.0, "forward mb0 stage0"), (10_001, 4000.0, pytest.approx(1000.0), "activation transfer mb0 stage1"),
+        (0, 0.0, 4000.0, "forward mb0 stage0"),
+        (10_001, 4000.0, pytest.approx(1000.0), "activation transfer mb0 stage1"),
         (1, 6000.0, pytest.approx(500.0), "tied-gradient sync")]
     names = {(e["tid"], e["args"].get("name")) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert names == {(0, "rank 0"), (1, "rank 1"), (10_001, "rank 1 receives")}
@@ -65,5 +68,6 @@ def test_cli_show_writes_a_trace_and_refuses_a_profile(tmp_path: Path,
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert trace["otherData"]["source"] == "plan" and _complete(trace)
     code, _, err = run_cli(["show", str(GPT), "--trace", str(tmp_path / "t2.json")], capsys)
-    assert_one_line_error(code, err, r"--trace draws a step's timeline, and .* is a profile with none; give a plan")
+    assert_one_line_error(code, err,
+                          r"--trace draws a step's timeline, and .* is a profile with none; give a plan")
     assert not (tmp_path / "t2.json").exists()
