@@ -310,7 +310,7 @@ def _measured_in_turns(rows: dict[str, dict[str, Any]], plans: dict[str, Plan], 
 def check_loop(num_ranks: object, schedule: str, steps: object, warmup: object, timeout_s: object,
                 auto: bool = False) -> None:
     """compare's and tune's ranks, schedule, steps and timeout, refused before their profile (they were
-    refused only after it: seconds here, minutes on a large model)."""
+    refused only after it: minutes on a large model)."""
     from stageplan.running.launch import check_steps_and_timeout
 
     check_ranks(num_ranks)  # as plan refuses it
@@ -327,9 +327,8 @@ def check_runs(runs: object) -> None:
 
 def in_turns(items: Sequence[Any], runs: int, measure: Callable[[Any], RunReport]) -> list[list[RunReport]]:
     """Each of ``items`` measured ``runs`` times in turns (A B A B ...), one list of reports per item: a
-    shared machine's speed drifts over the minutes this takes (here two profiles of one model minutes apart
-    differed by 10-19% on every layer alike), and in turns the drift falls on every item alike instead of on
-    whichever ran last."""
+    shared machine's speed drifts over the minutes this takes (docs/accuracy.md), and in turns the drift falls
+    on every item alike instead of on whichever ran last."""
     out: list[list[RunReport]] = [[] for _ in items]
     for _ in range(runs):
         for reps, item in zip(out, items):

@@ -55,9 +55,8 @@ def tune(
     (:func:`in_turns`): the final error is its median run's, and the final-over-uniform gain the median of the
     gains of runs side by side; ``measured_steps_s`` lists every run.
 
-    Every run measures ``steps`` steps after ``warmup``: a step's median over 20 steps varied 3-9% between
-    runs of one plan here, over 8 steps 7-14%, and the final error cannot be reliably smaller than that
-    spread.
+    Every run measures ``steps`` steps after ``warmup``: a step's median varies between runs of one plan (less
+    over more steps: docs/accuracy.md), and the final error cannot be reliably smaller than that spread.
 
     ``processes`` > 1 profiles in that many fresh processes (each layer's median), ``min_time_s`` spreads the
     profile's rounds as :func:`stageplan.profile_model` does, ``pin_cpus`` places the ranks as

@@ -284,8 +284,8 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     process: per layer, the median over the profiles of every time (forward, backward, accumulating backward,
     their IQRs, each optimizer's step) and of the whole-model time; bytes from the first. A process's memory
     layout (addresses, hence cache conflicts) stays fixed for its life, so one process's figures share one
-    offset: here the same layer measured 1.06-1.16 ms forward over 18 fresh processes, and within 2.4% over
-    four profiles in one process. The median over processes takes that offset out, as pyperf runs several
+    offset (docs/accuracy.md: one GPT block's forward differed by up to 10% between fresh processes and by
+    2.4% within one). The median over processes takes that offset out, as pyperf runs several
     processes for it.
 
     ``meta["load_average_1min"]`` is the highest any of them started under. ``meta["processes"]`` records the

@@ -161,8 +161,7 @@ def placement_of(name: str, p: int, v: int) -> tuple[int, ...]:
 TRANSFER_KINDS = ("A", "G")  # a crossing's transfer in a timeline: an activation, a gradient (TimelineEvent)
 # a chunk call in a timeline: the rank computes (TimelineEvent; measure.Timer.BUSY_KINDS)
 CALL_KINDS = ("F", "B", "I", "W")
-# A chunk call "after idle": its rank computed nothing for at least this long before it. Measured here (one
-# GPT block, 1 thread, two sets of rounds): after a 1 ms sleep its forward ran at its back-to-back time, after
-# 5 ms +0.26-0.39 ms, after 20-80 ms +0.5-0.64 ms (1.3-1.6x), as after 20-50 ms of busy Python; RunReport
-# splits each rank's calls at this gap.
+# A chunk call "after idle": its rank computed nothing for at least this long (s) before it. A CPU core left
+# idle for a few ms loses its caches and clock (one GPT block's forward ran at its back-to-back time after a
+# 1 ms sleep and up to 1.6x slower after 20-80 ms; docs/accuracy.md); RunReport splits each rank's calls here.
 RESUME_GAP_S = 1e-3

@@ -116,9 +116,9 @@ class CostOptions:
 MIN_SPEED = 1e-6
 
 
-# The simulator's timeline holds every forward and backward of a step: about 50 us and 2.5 KB a pair here, so
-# a million pairs plan in 87 s and 2.3 GB (100,000 microbatches on 2 ranks: 17.6 s, 0.5 GB). A slip of the
-# finger (--microbatches 100000000) had run for hours.
+# The simulator's timeline holds every forward and backward of a step, about 50 us and 2.5 KB a pair on one
+# CPU core, so a million pairs take minutes and GB to plan; a step larger than that is refused with the most
+# microbatches its stages take (a typo such as --microbatches 100000000 would run for hours).
 MAX_STEP_PAIRS = 1_000_000
 
 

@@ -383,8 +383,7 @@ def _incumbent(s: _Split) -> tuple[list[int], float]:
         quick = slides.faster(heur)
         # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the
         # bulk sums round in another order than bottleneck_of, so the split is checked again with that same
-        # tolerance (an exact test here had dropped whole faster() results over one ulp: 26.2 against
-        # 26.199999999999996)
+        # tolerance (an exact test would drop a faster() result over one ulp, 26.2 against 26.199999999999996)
         if s.fits(quick) and _no_slower(s.bottleneck_of(quick), upper):
             heur, upper = quick, s.bottleneck_of(quick)
     return heur, upper

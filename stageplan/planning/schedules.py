@@ -192,10 +192,11 @@ class SendWaits:
     A send is named by the action that consumes it on the neighbouring rank (``Action(s + 1, i, "F")`` for
     stage s's activation of microbatch i, ``Action(s - 1, i, "B")`` for its input gradient): it completes once
     that rank has posted the matching receive and the message has crossed (gloo and NCCL point-to-point sends
-    are rendezvous: measured here, a 1 KiB-4 MiB gloo send's wait() returned only after the receive was
-    posted). Per action of the rank's order: ``before_post`` (sends waited before the action's receive is
-    posted) and ``with_post`` (sends fused with that receive, waited together); ``at_end``: sends waited after
-    the last action, before ``step()`` returns (so before the tied all-reduce and the optimizer step)."""
+    are rendezvous: a 1 KiB-4 MiB gloo send's wait() returns only after the receive is posted, as
+    the run's timeline shows). Per action of the rank's order: ``before_post`` (sends waited before the
+    action's receive is posted) and ``with_post`` (sends fused with that receive, waited together);
+    ``at_end``: sends waited after the last action, before ``step()`` returns (so before the tied all-reduce
+    and the optimizer step)."""
 
     before_post: tuple[tuple[Action, ...], ...]
     with_post: tuple[tuple[Action, ...], ...]
