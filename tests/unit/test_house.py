@@ -137,3 +137,29 @@ def test_nothing_imports_cli_and_no_cycles() -> None:
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+UNIT = Path(__file__).resolve().parent
+
+
+def fast_tier_imports() -> dict[str, list[str]]:
+    """Each module of the package (``__main__`` aside) with the files in tests/unit that import it: ``import
+    stageplan.x``, ``from stageplan.x import y`` and ``from stageplan import x`` count, at the top or inside a test.
+    Importing a module runs its packages' ``__init__`` first, so a package counts with any module under it."""
+    found: dict[str, list[str]] = {name: [] for name in sorted(MODULES) if name != "stageplan.__main__"}
+    for path in sorted(UNIT.glob("*.py")):
+        for name in _imports(path):
+            parts = name.split(".")
+            for module in sorted({".".join(parts[:i]) for i in range(1, len(parts) + 1)} & found.keys()):
+                if path.name not in found[module]:
+                    found[module].append(path.name)
+    return found
+
+
+def test_the_fast_tier_imports_every_module() -> None:
+    """`make test` runs tests/unit alone: every module must be imported (and so exercised) by a file there, not only
+    by the integration tier's processes. The list is printed (pytest -s, or -rP) to show which files reach what."""
+    found = fast_tier_imports()
+    print("\n".join(f"{name}: {' '.join(files)}" for name, files in found.items()))
+    missing = [name for name, files in found.items() if not files]
+    assert not missing, f"no file in tests/unit imports {missing}; give each module a test in tests/unit/test_<module>.py"

@@ -215,3 +215,14 @@ def test_cli_streaming_and_no_dedup(tmp_path: Path, capsys: pytest.CaptureFixtur
     data = json.loads(out.read_text())
     assert data["meta"]["dedup"] is False and data["meta"]["materialized"] == "whole-model"
     assert all(x["measured_as"] is None for x in data["layers"])
+
+
+def test_the_fake_chain_gives_each_layers_inputs_and_the_bytes_crossing_each_boundary() -> None:
+    from stageplan.layers import cut_layers
+    from stageplan.profiling.streaming import fake_chain
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    inputs, crossing = fake_chain(cut_layers(model, (x,)), (x,), torch.device("cpu"))
+    assert [[tuple(v.shape) for v in values] for values in inputs] == [[(4, 16)], [(4, 32)], [(4, 32)]]
+    assert crossing == [4 * 32 * 4, 4 * 32 * 4, 0]  # float32 activations; nothing crosses after the last layer
