@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stageplan-installed
 
-.PHONY: demo test lint bench bench-large figures notebooks jupyter clean
+.PHONY: demo test test-all lint bench bench-large figures notebooks jupyter clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check stageplan tests benchmarks
 	$(VENV)/bin/mypy
 
+# Two tiers (tests/unit: one file per module, in this process; tests/integration: ranks, torchrun, fresh
+# interpreters, marked slow) and a timing marker for assertions on millisecond windows or speed ratios, which hold
+# only on a quiet machine. `make test` is the fast tier, two workers; `make test-all` runs everything, the timing
+# tests last and alone. Each pytest call below collects tests (exit 5, "no tests", would fail the target).
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST) -n 2 --dist loadscope tests/unit -m "not slow and not timing"
+
+test-all: lint
+	$(PYTEST) -n 2 --dist loadscope tests/unit -m "not slow and not timing"
+	$(PYTEST) tests/integration -m "not timing"
+	$(PYTEST) tests -m timing
 
 bench: $(STAMP)
 	PYTHONUNBUFFERED=1 $(PY) benchmarks/run_all.py

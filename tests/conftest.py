@@ -1,4 +1,5 @@
-"""Shared fixtures: one intra-op thread, as every rank runs."""
+"""Shared fixtures and helpers of both tiers (tests/unit, tests/integration): one intra-op thread, as every rank
+runs; temporary folders under pytest's own; no process started where input should be refused."""
 
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def _temp_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old_env
+
+
+@pytest.fixture()
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input that must be refused before any rank starts: starting a process fails the test."""
+    from stageplan.running import launch
+
+    def refuse(*a: Any, **k: Any) -> None:
+        raise AssertionError("a process was started for input that should have been refused")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(launch, "_spawn_and_wait", refuse)
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -1,0 +1,105 @@
+"""The README's figures are the ones docs/accuracy.md records with their commands, the README stays within its
+length and says how to open the notebooks, and no tracked file speaks of the team's working history. Pure text:
+imports neither torch nor stageplan."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_says_how_to_open_the_notebooks_and_the_tour_uses_a_scratch_folder() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "make jupyter" in readme and "jupyter:" in (ROOT / "Makefile").read_text()
+    assert "notebooks =" in (ROOT / "setup.cfg").read_text()
+    assert "scratch folder" in readme
+
+
+THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()
+
+
+README_MAX_LINES = 300
+
+
+# A figure: a number with a unit or a ratio sign (2.2 ms, 17.5%, 1.24×, 5.6 GB). The lookbehind keeps a token from
+# starting inside another number, so "25%" never yields "5%".
+FIGURE = re.compile(r"(?<![\d.,])\d+(?:\.\d+)?\s?(?:%|×|x\b|ms\b|µs\b|s\b|GiB\b|GB\b|MiB\b|KiB\b)")
+
+
+TEAM_WORDS = re.compile(r"\bstops? [0-9]|\bthis stop\b|\blent\b|FIELD\.md", re.IGNORECASE)
+
+
+def figures(text: str) -> set[str]:
+    """Every figure in ``text``, whitespace removed (a figure wrapped across lines, or "2.2 ms" against "2.2ms",
+    is the same figure)."""
+    return {m.replace(" ", "") for m in FIGURE.findall(re.sub(r"\s+", " ", text))}
+
+
+def section(markdown: str, title: str) -> str:
+    """The body of the ``## title`` section, up to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, flags=re.M | re.S)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+def headline_table(markdown: str) -> str:
+    return "\n".join(line for line in section(markdown, "What and why").splitlines() if line.startswith("|"))
+
+
+def test_the_figure_rule() -> None:
+    assert figures("median 6.4% (worst 17.5%), 1.24× (1.02–1.36×), 2.2 ms, 5.6 GB, 2.6\n s, 4 MiB") == {
+        "6.4%", "17.5%", "1.24×", "1.36×", "2.2ms", "5.6GB", "2.6s", "4MiB"}
+    assert figures("25% and 0.25%") == {"25%", "0.25%"}  # no "5%" from inside them
+    assert figures("3 stages, 12 layers, GPT-2, p90 1.583") == set()
+
+
+def test_headline_and_limitation_figures_are_recorded_in_docs_accuracy() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    recorded = figures((ROOT / "docs" / "accuracy.md").read_text(encoding="utf-8"))
+    for name, text in (("the headline table", headline_table(readme)), ("Limitations", section(readme, "Limitations"))):
+        quoted = figures(text)
+        assert len(quoted) >= 5, f"{name} quotes only {sorted(quoted)}: is the section still there?"
+        missing = sorted(quoted - recorded)
+        assert not missing, f"{name} quotes figures docs/accuracy.md does not record: {missing}"
+
+
+def test_readme_fits_its_length() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it within {README_MAX_LINES} (move reference to docs/)"
+
+
+def _tracked_text_files() -> dict[str, str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    texts = {}
+    for name in filter(None, out.decode().split("\0")):
+        path = ROOT / name
+        if name == THIS or not path.is_file():
+            continue
+        try:
+            texts[name] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # images and other binary files
+            continue
+    return texts
+
+
+def _with_team_words() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for name, text in _tracked_text_files().items():
+        hits = [f"{i}: {line.strip()[:100]}" for i, line in enumerate(text.splitlines(), 1) if TEAM_WORDS.search(line)]
+        if hits:
+            found[name] = hits
+    return found
+
+
+def test_no_tracked_file_speaks_of_the_teams_working_history() -> None:
+    found = _with_team_words()
+    assert not found, "words of the team's working history (stop N, this stop, lent, the field notes) in: " + "; ".join(
+        f"{name} line {hits[0]}" for name, hits in sorted(found.items()))

@@ -1,0 +1,122 @@
+"""stageplan.running.executor in this process and a forked child (no ranks): a rank's threads
+pinned to its block of CPUs, and the backend threads' short scheduler slice."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+
+def _blocks(world: int) -> list[list[int]]:
+    """Each local rank's CPUs, worked out from this process's own affinity: equal consecutive blocks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    k = len(cpus) // world
+    return [cpus[r * k:(r + 1) * k] for r in range(world)]
+
+
+class _ParkedThread:
+    """A thread that records its native id and waits until stopped (as gloo's threads wait for messages)."""
+
+    def __init__(self) -> None:
+        self._started, self._stop = threading.Event(), threading.Event()
+        self.tid = 0
+        self._thread = threading.Thread(target=self._park)
+        self._thread.start()
+        self._started.wait()
+
+    def _park(self) -> None:
+        self.tid = threading.get_native_id()
+        self._started.set()
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
+    from stageplan.running.executor import pin_rank_cpus, process_cpus
+
+    before = sorted(os.sched_getaffinity(0))
+    refused = pin_rank_cpus(0, len(before) + 1)  # more local ranks than CPUs: nothing changes
+    unchanged = sorted(os.sched_getaffinity(0))
+    old = _ParkedThread()
+    block = pin_rank_cpus(1, 2)
+    new = _ParkedThread()
+    threads = [sorted(os.sched_getaffinity(t.tid)) for t in (old, new)]  # one started before pinning, one after
+    old.stop()
+    new.stop()
+    queue.put({"refused": refused, "unchanged": unchanged == before, "block": block, "threads": threads,
+               "main": sorted(os.sched_getaffinity(0)), "process": process_cpus()})
+
+
+def test_pin_rank_cpus_moves_every_thread_and_new_ones_inherit() -> None:
+    """A rank's threads, those it had and those it starts after (as gloo's are), all run on its block; with more
+    ranks than CPUs nothing is pinned."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pin_in_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    want = _blocks(2)[1]
+    assert got["refused"] is None and got["unchanged"]
+    assert got["block"] == want and got["main"] == want and got["process"] == want
+    assert got["threads"] == [want, want]
+    assert sorted(os.sched_getaffinity(0)) == sorted(set().union(*_blocks(1)))  # this process was left alone
+
+
+def _slice_ns(tid: int) -> int | None:
+    """The thread's scheduler slice as the kernel reports it (/proc/<pid>/task/<tid>/sched, ``se.slice``)."""
+    try:
+        text = Path(f"/proc/{os.getpid()}/task/{tid}/sched").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^se\.slice\s*:\s*(\d+)", text, re.M)
+    return int(found.group(1)) if found else None
+
+
+def _slices_in_child(queue) -> None:  # type: ignore[no-untyped-def]
+    from stageplan.running.executor import COMM_SLICE_NS, short_comm_slices
+
+    other = _ParkedThread()
+    me = threading.get_native_id()
+    before = {"main": _slice_ns(me), "other": _slice_ns(other.tid)}
+    done = short_comm_slices()
+    after = {"main": _slice_ns(me), "other": _slice_ns(other.tid)}
+    other.stop()
+    queue.put({"before": before, "after": after, "done": done, "want": COMM_SLICE_NS})
+
+
+def test_the_backend_threads_get_a_short_slice_and_the_compute_thread_keeps_its_own() -> None:
+    """Every thread but the caller (the compute thread) gets the short slice, as the kernel itself reports it;
+    the count returned is what the kernel took."""
+    import multiprocessing
+
+    if _slice_ns(threading.get_native_id()) is None:
+        pytest.skip("this kernel does not report per-thread slices (/proc/.../sched has no se.slice)")
+    ctx = multiprocessing.get_context("fork")  # a child: the test process keeps its own slices
+    queue = ctx.Queue()
+    child = ctx.Process(target=_slices_in_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert got["after"]["main"] == got["before"]["main"] != got["want"]
+    if _kernel_has_custom_slices():
+        assert got["done"] == 1 and got["after"]["other"] == got["want"] != got["before"]["other"]
+    else:  # before 6.12 a normal task's slice is the kernel's: nothing is set, so nothing may be claimed
+        assert got["done"] == 0 and got["after"]["other"] == got["before"]["other"]
+
+
+def _kernel_has_custom_slices() -> bool:
+    """Linux 6.12 and later take a per-thread slice for normal tasks (sched_attr.sched_runtime)."""
+    import platform
+
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return platform.system() == "Linux" and found is not None and (int(found[1]), int(found[2])) >= (6, 12)

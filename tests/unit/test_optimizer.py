@@ -1,0 +1,107 @@
+"""stageplan.profiling.optimizer: each layer's optimizer step timed on its own parameters and the gradient its
+backward made, reused for identical layers, and priced by bytes moved in an estimate."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from stageplan import Workload, profile_model
+from stageplan.profiling.optimizer import OPTIMIZER_PASSES
+
+
+def _sum_loss(out: torch.Tensor, target: object) -> torch.Tensor:
+    return out.sum()
+
+
+def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+    before = [p.detach().clone() for p in model.parameters()]
+    prof = profile_model(Workload(model, torch.randn(4, 1024), loss_fn=_sum_loss), microbatch_size=4, warmup=1,
+                         repeats=5, streaming=False)
+    lin, relu = prof.layers
+    assert lin.optimizer_s is not None and set(lin.optimizer_s) == {"sgd", "momentum", "adam", "adamw"}
+    assert 0 < lin.optimizer_s["sgd"] < lin.optimizer_s["adam"]  # adam reads and writes two more states
+    assert relu.optimizer_s == {"sgd": 0.0, "momentum": 0.0, "adam": 0.0, "adamw": 0.0}  # no parameters
+    assert all(p.grad is None and torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    floors = prof.meta["optimizer_step"]["floor_s"]  # one step's fixed cost, timed on a single tiny parameter
+    assert set(floors) == {"sgd", "momentum", "adam", "adamw"}
+    assert all(0 < floors[k] < lin.optimizer_s[k] for k in floors)  # a 1M-parameter layer's step costs more
+
+
+class _Detached(nn.Module):
+    """A linear layer plus a parameter its backward never reaches (used detached): that parameter gets no gradient."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 3)
+        self.offset = nn.Parameter(torch.zeros(1, 1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.offset.detach()
+
+
+@pytest.mark.parametrize(("streaming", "sparse"), [(False, False), (True, False), (False, True)])
+def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeypatch: pytest.MonkeyPatch,
+                                                                         streaming: bool, sparse: bool) -> None:
+    """An embedding's gradient is zero on the rows its batch does not use, and a CPU Adam step over those zeros
+    costs twice one over ones (torch's sqrt of 0): so the profiler steps the layer's own gradient. Oracle: with the
+    output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones; a sparse
+    table's gradient is stepped as its dense equal (torch's dense optimizers refuse sparse ones); a parameter the
+    backward does not reach is not stepped, as torch's optimizers skip a None gradient."""
+    from stageplan.profiling import optimizer as profiler
+
+    seen: list[list[torch.Tensor]] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+            seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+            return super().step(closure)
+
+    monkeypatch.setattr(profiler, "_OPTIMIZERS", {**profiler._OPTIMIZERS, "sgd": lambda ps: Recording(ps, lr=1e-3)})
+    torch.manual_seed(0)
+    vocab, dim = 64, 4
+    model = nn.Sequential(nn.Embedding(vocab, dim, sparse=sparse), _Detached(dim))
+    idx = torch.randint(0, vocab // 4, (4, 6))  # rows 16..63 unused: their gradient is 0
+    profile_model(Workload(model, idx, loss_fn=_sum_loss), microbatch_size=4, warmup=0, repeats=2,
+                  streaming=streaming)
+    table = [g for grads in seen for g in grads if g.shape == (vocab, dim)]
+    assert table, "the embedding's step was not timed"
+    expected = torch.bincount(idx.flatten(), minlength=vocab).float()[:, None].expand(vocab, dim)
+    for g in table:
+        torch.testing.assert_close(g, expected)
+    head = [g for grads in seen for g in grads if g.shape == (3, dim)]  # the last layer: the loss's own gradient
+    expected_head = torch.ones(3, 1) * model[0](idx).detach().sum(dim=(0, 1))[None, :]
+    assert head
+    for g in head:
+        torch.testing.assert_close(g, expected_head)
+    assert not [g for grads in seen for g in grads if g.shape == (1, 1, 3)]  # the detached parameter: never stepped
+
+
+def test_identical_layers_reuse_the_measured_optimizer_step() -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 1..4 alike: 3 and 4 reuse 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the spread of two tiny layers on a shared machine
+        prof = profile_model(Workload(model, torch.randn(4, 64), loss_fn=_sum_loss), microbatch_size=4, warmup=0,
+                             repeats=2, streaming=True)
+    rows = {x.name: x for x in prof.layers}
+    assert any(x.measured_as is not None for x in prof.layers)
+    for x in prof.layers:
+        assert x.optimizer_s is not None
+        if x.measured_as is not None:
+            assert x.optimizer_s == rows[x.measured_as].optimizer_s
+
+
+def test_estimate_prices_the_optimizer_step_by_bytes_moved() -> None:
+    from stageplan.profiling.estimate import gpu_spec
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    prof = profile_model(Workload(model, torch.randn(4, 256), loss_fn=_sum_loss), microbatch_size=4,
+                         device="estimate:h100-sxm")
+    rate = 0.7 * gpu_spec("h100-sxm").memory_bandwidth  # the default eta_m
+    for x in prof.layers:
+        assert x.optimizer_s == pytest.approx({k: n * x.param_bytes / rate for k, n in OPTIMIZER_PASSES.items()})

@@ -1,0 +1,40 @@
+"""stageplan.running.link without ranks: the docstring examples, and an estimated profile gets its GPU's link."""
+
+from __future__ import annotations
+
+import doctest
+import json
+from pathlib import Path
+
+import pytest
+
+import stageplan.running.link
+from stageplan.formats.link import LINK_SCHEMA
+from stageplan.planning.planner import plan
+
+from .test_link import OUT_BYTES, _profile
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(stageplan.running.link, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(("gpu", "bandwidth", "name"), [("h100-sxm", 450e9, "NVLink"), ("mi300x", None, "xGMI")])
+def test_estimated_profile_gets_its_gpus_link_within_a_node(gpu: str, bandwidth: float | None, name: str) -> None:
+    table = json.loads((Path(stageplan.running.link.__file__).parents[1] / "gpus.json").read_text())
+    row = table["gpus"][gpu]["intra_node"]
+    bandwidth = bandwidth or float(row["bandwidth"])
+    prof = _profile({"timer": "analytic", "estimate": {"gpu": gpu}})
+    pl = plan(prof, 2, num_microbatches=4)
+    assert pl.cost_options["bandwidth_bytes_per_s"] == bandwidth
+    assert pl.stages[0].comm_s == pytest.approx(2 * OUT_BYTES / bandwidth)
+    note = next(n for n in pl.notes if n.startswith("no link given"))
+    assert name in note and row["source"] in note and f"{bandwidth / 1e9:.0f} GB/s" in note
+    assert "InfiniBand" in note and table["inter_node_default"]["source"] in note
+    assert not any("communication between stages is not modelled" in n for n in pl.notes)
+    # a bandwidth or a link given replaces the default
+    given = plan(prof, 2, num_microbatches=4, bandwidth="25GB/s")
+    assert given.cost_options["bandwidth_bytes_per_s"] == 25e9 and not any("no link given" in n for n in given.notes)
+    linked = plan(prof, 2, num_microbatches=4, link={"schema": LINK_SCHEMA, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9})
+    assert linked.cost_options["bandwidth_bytes_per_s"] == 1e9 and not any("no link given" in n for n in linked.notes)
