@@ -1,5 +1,5 @@
-"""Shared fixtures and helpers of both tiers (tests/unit, tests/integration): one intra-op thread, as every rank
-runs; temporary folders under pytest's own; no process started where input should be refused."""
+"""Shared fixtures and helpers of both tiers (tests/unit, tests/integration): one intra-op thread, as every
+rank runs; temporary folders under pytest's own; no process started where input should be refused."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# (schedule, p, m, v): one case per schedule family, for the tests that check the batch pricer (SplitCosts) against
-# the one evaluate on random splits
-SCHEDULE_CASES = [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2), ("ZBVZeroBubble", 2, 4, 2),
-                  ("InterleavedZeroBubble", 2, 4, 2), ("LoopedBFS", 2, 4, 2)]
+# (schedule, p, m, v): one case per schedule family, for the tests that check the batch pricer (SplitCosts)
+# against the one evaluate on random splits
+SCHEDULE_CASES = [("1F1B", 3, 6, 1), ("GPipe", 2, 3, 1), ("Interleaved1F1B", 2, 4, 2),
+                  ("ZBVZeroBubble", 2, 4, 2), ("InterleavedZeroBubble", 2, 4, 2), ("LoopedBFS", 2, 4, 2)]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -26,9 +26,9 @@ def _one_thread() -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _temp_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Temporary folders (and the rank processes' TMPDIR) go under pytest's own base, which it rotates: a run whose
-    ranks fail keeps its logs for the user on purpose, and the tests that make ranks fail would otherwise leave those
-    folders in the system's /tmp on every run."""
+    """Temporary folders (and the rank processes' TMPDIR) go under pytest's own base, which it rotates: a run
+    whose ranks fail keeps its logs for the user on purpose, and the tests that make ranks fail would
+    otherwise leave those folders in the system's /tmp on every run."""
     import tempfile
 
     base = str(tmp_path_factory.mktemp("tmp"))
@@ -74,8 +74,8 @@ def assert_one_line_error(code: int, err: str, pattern: str) -> None:
 
 def spawn_ranks(target: Callable[..., None], world: int, *args: Any) -> dict[int, tuple[Any, ...]]:
     """Run ``target(rank, port, *args, queue)`` in ``world`` spawned processes that meet on a free localhost
-    ``port``; each puts ``(rank, *values)`` on the queue once. Returns ``{rank: values}``; every process is joined,
-    and killed if it has not ended 60 s after the answers (or the 120 s wait for them)."""
+    ``port``; each puts ``(rank, *values)`` on the queue once. Returns ``{rank: values}``; every process is
+    joined, and killed if it has not ended 60 s after the answers (or the 120 s wait for them)."""
     import multiprocessing
     import socket
 

@@ -89,10 +89,11 @@ class TiedBlocks(nn.Module):
 
 
 def tied_blocks(tie_with: int = 4, width: int = 16, batch_size: int = 8) -> stageplan.Workload:
-    """A tie between block 0 and block ``tie_with`` (2 or 4): one that a split keeps on one rank or puts on two."""
+    """A tie between block 0 and block ``tie_with`` (2 or 4):
+    one that a split keeps on one rank or puts on two."""
     torch.manual_seed(0)
-    return stageplan.Workload(TiedBlocks(width, tie_with), torch.randn(batch_size, width), torch.randn(batch_size, width),
-                              nn.functional.mse_loss, name="tied_blocks")
+    return stageplan.Workload(TiedBlocks(width, tie_with), torch.randn(batch_size, width),
+                              torch.randn(batch_size, width), nn.functional.mse_loss, name="tied_blocks")
 
 
 def sleepy(seconds: float = 60.0) -> stageplan.Workload:
@@ -134,13 +135,13 @@ class Sleeper(nn.Module):
 
 
 def sleepers(forward_ms: str = "20,2", backward_ms: str = "20,2", batch_size: int = 4) -> stageplan.Workload:
-    """Layers of known cost (comma-separated milliseconds, one per layer): sleeping, so the two ranks' times do not
-    depend on the machine's speed or on sharing its cores."""
+    """Layers of known cost (comma-separated milliseconds, one per layer): sleeping, so the two ranks' times
+    do not depend on the machine's speed or on sharing its cores."""
     fwd = [float(x) / 1e3 for x in forward_ms.split(",")]
     bwd = [float(x) / 1e3 for x in backward_ms.split(",")]
     model = nn.Sequential(*[Sleeper(f, b) for f, b in zip(fwd, bwd)])
-    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4), nn.functional.mse_loss,
-                              name="sleepers")
+    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4),
+                              nn.functional.mse_loss, name="sleepers")
 
 
 _LAST: list[object] = [None]  # the last Evictee call in this process: ("f" or "b", the layer's id)
@@ -175,5 +176,5 @@ def evictees(layers: int = 4, forward_ms: float = 1.0, hot_ms: float = 2.0, cold
              batch_size: int = 4) -> stageplan.Workload:
     """``layers`` identical Evictees: timed in a stage's order every backward but the last is cold."""
     model = nn.Sequential(*[Evictee(forward_ms / 1e3, hot_ms / 1e3, cold_ms / 1e3) for _ in range(layers)])
-    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4), nn.functional.mse_loss,
-                              name="evictees")
+    return stageplan.Workload(model, torch.ones(batch_size, 4), torch.zeros(batch_size, 4),
+                              nn.functional.mse_loss, name="evictees")

@@ -1,5 +1,6 @@
-"""The integration tier: spawned ranks, torchrun, fresh interpreters. Every test here is marked slow, so `make test`
-(the fast tier, tests/unit) never collects them by accident and nothing here needs the marker by hand."""
+"""The integration tier: spawned ranks, torchrun, fresh interpreters. Every test here is marked slow, so `make
+test` (the fast tier, tests/unit) never collects them by accident and nothing here needs the marker by
+hand."""
 
 from __future__ import annotations
 

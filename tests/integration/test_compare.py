@@ -11,7 +11,8 @@ from conftest import run_cli
 
 def test_compare_gpt_two_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cmp"
-    code, stdout, err = run_cli(["compare", "gpt", "--stages", "2", "--set", "n_layer=3", "--set", "d_model=32",
+    code, stdout, err = run_cli(["compare", "gpt", "--stages", "2", "--set", "n_layer=3", "--set",
+                                 "d_model=32",
                                  "--set", "vocab_size=2048", "--set", "seq_len=16", "--microbatches", "4",
                                  "--steps", "2", "--warmup", "1", "-o", str(out)], capsys)
     assert code == 0, err
@@ -32,7 +33,8 @@ def test_compare_gpt_two_stages(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_show_profile_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "p.json"
-    code, _, err = run_cli(["profile", "convnet", "--warmup", "0", "--repeats", "1", "--quiet", "-o", str(prof)], capsys)
+    code, _, err = run_cli(
+        ["profile", "convnet", "--warmup", "0", "--repeats", "1", "--quiet", "-o", str(prof)], capsys)
     assert code == 0, err
     code, _, err = run_cli(["show", str(prof), "--plot", str(tmp_path / "p.png")], capsys)
     assert code == 0, err
@@ -41,9 +43,12 @@ def test_show_profile_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert code == 2 and "does not exist" in err
 
 
-def test_a_failed_compare_leaves_the_folder_as_it_was_and_a_finished_one_no_stale_file(tmp_path: Path) -> None:
+def test_a_failed_compare_leaves_the_folder_as_it_was_and_a_finished_one_no_stale_file(
+    tmp_path: Path,
+) -> None:
     """Everything goes to a staging folder inside DIR first: a failing compare had replaced plan_optimal.json
-    beside the old compare.json; a compare that ran nothing left an old run_optimal.json beside its compare.json."""
+    beside the old compare.json; a compare that ran nothing left an old run_optimal.json beside its
+    compare.json."""
     from stageplan import RunError
     from stageplan.comparison import compare
     from stageplan.formats.profile import LayerProfile, Profile

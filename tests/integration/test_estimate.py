@@ -20,8 +20,10 @@ def test_llama70b_block_in_a_fresh_process_stays_under_1gb_rss() -> None:
         import test_estimate as t
         e = t._llama70b("flash")
         assert e.activation_bytes == t.LLAMA70B_FLASH_SAVED
-        print(int(next(ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')).split()[1]) * 1024)  # VmHWM: ru_maxrss keeps the parent's peak across exec
+        # VmHWM: ru_maxrss keeps the parent's peak across exec
+        hwm = next(ln for ln in open('/proc/self/status') if ln.startswith('VmHWM'))
+        print(int(hwm.split()[1]) * 1024)
     """)
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[1] / "unit"), str(ROOT)], check=True,
-                         capture_output=True, text=True, cwd=ROOT).stdout
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[1] / "unit"), str(ROOT)],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
     assert int(out.split()[-1]) < 1e9

@@ -1,5 +1,5 @@
-"""The house rules that need a fresh interpreter: `import stageplan` and the planning path stay torch-free, the
-solver and the schedules import no scipy or torch."""
+"""The house rules that need a fresh interpreter: `import stageplan` and the planning path stay torch-free,
+the solver and the schedules import no scipy or torch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from unit.test_house import PKG, _graph, _imports
 
 
 def test_solver_imports_only_leaf_modules_and_no_scipy() -> None:
-    # the solver's instance and probes (partition) and the leaves errors and units; interleaved and the peers' rules
-    # use the solver's public checks of its inputs
+    # the solver's instance and probes (partition) and the leaves errors and units; interleaved and the peers'
+    # rules use the solver's public checks of its inputs
     leaves = {"stageplan.errors", "stageplan.units"}
     assert _graph()["stageplan.planning.solver"] <= leaves | {"stageplan.planning.partition"}
     assert _graph()["stageplan.planning.partition"] <= leaves
@@ -35,8 +35,8 @@ def test_import_stageplan_does_not_import_torch() -> None:
 
 
 def test_the_planning_path_crosses_at_most_six_modules() -> None:
-    """plan(profile, p) from the API down to the solver: the modules whose functions run, besides the records it
-    reads and writes (formats) and the leaves (errors, units). Imports are done first (a warm call)."""
+    """plan(profile, p) from the API down to the solver: the modules whose functions run, besides the records
+    it reads and writes (formats) and the leaves (errors, units). Imports are done first (a warm call)."""
     code = r"""
 import inspect, sys
 import stageplan
@@ -55,7 +55,8 @@ print(" ".join(m for m in seen if not m.startswith("stageplan.formats")
                and m not in ("stageplan", "stageplan.errors", "stageplan.units", "stageplan._io")))
 """
     profile = PKG.parent / "profiles" / "cpu" / "gpt-large.json"
-    out = subprocess.run([sys.executable, "-c", code, str(profile)], check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code, str(profile)], check=True, capture_output=True,
+                         text=True)
     path = out.stdout.split()
     assert path[0] == "stageplan.planning.planner" and "stageplan.planning.solver" in path
     assert len(path) <= 6, path

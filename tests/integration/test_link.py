@@ -1,5 +1,5 @@
-"""The link between neighbouring ranks, measured by 2 gloo ranks: the ping-pong every run starts with, stageplan
-link, and the schedule's overheads."""
+"""The link between neighbouring ranks, measured by 2 gloo ranks: the ping-pong every run starts with,
+stageplan link, and the schedule's overheads."""
 
 from __future__ import annotations
 
@@ -28,22 +28,26 @@ def test_every_run_starts_with_a_ping_pong(tmp_path: Path) -> None:
     link = report.link
     assert link is not None and link["backend"] == "gloo"
     assert link["latency_s"] > 0 and link["bandwidth_bytes_per_s"] > 0
-    assert link["exchange_s"] > 0 and link["pairs"][0]["exchange_s"] == link["exchange_s"]  # one pair: its own figure
+    # one pair: its own figure
+    assert link["exchange_s"] > 0 and link["pairs"][0]["exchange_s"] == link["exchange_s"]
     assert link["sizes"][0] == 4096 and link["sizes"][-1] >= 4 * 2**20
     assert [p["ranks"] for p in link["pairs"]] == [[0, 1]]
-    assert 0 < link["action_s"] < 1e-2  # torch's own loop between two chunk calls, timed by the schedule probe
-    # the tied gradient's all-reduce, timed itself: 4 MiB takes longer than 4 KiB, and the ring constants give back
-    # the fit through both sizes at the probe's 2 ranks
+    # torch's own loop between two chunk calls, timed by the schedule probe
+    assert 0 < link["action_s"] < 1e-2
+    # the tied gradient's all-reduce, timed itself: 4 MiB takes longer than 4 KiB, and the ring constants give
+    # back the fit through both sizes at the probe's 2 ranks
     small, large = link["allreduce_s"]
     assert link["allreduce_ranks"] == 2 and link["allreduce_sizes"] == [4096, 4 * 2**20] and 0 < small < large
     fixed, rate = 2 * link["allreduce_latency_s"], link["allreduce_bandwidth_bytes_per_s"]
-    assert fixed == pytest.approx(small, rel=1e-12) and fixed + 4 * 2**20 / rate == pytest.approx(large, rel=1e-12)
+    assert fixed == pytest.approx(small, rel=1e-12) and fixed + 4 * 2**20 / rate == pytest.approx(large,
+                                                                                                  rel=1e-12)
     assert RunReport.load(tmp_path / "run.json").link == link
 
 
 def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "link.json"
-    code, stdout, err = run_cli(["link", "--backend", "gloo", "--ranks", "2", "-o", str(out), "--timeout", "60"], capsys)
+    code, stdout, err = run_cli(
+        ["link", "--backend", "gloo", "--ranks", "2", "-o", str(out), "--timeout", "60"], capsys)
     assert code == 0, err
     link = load_link(out)
     assert json.loads(out.read_text())["schema"] == "stageplan.link/1"
@@ -60,9 +64,10 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]
-    """One rank of the schedule probe; with ``delay_s``, a sleep of that long put into torch's code at ``where``:
-    "loop", entering each action of the schedule's loop (outside the chunk calls); "forward" or "backward", inside
-    each chunk's forward or backward call, just before PipelineStage runs the module (or its gradients)."""
+    """One rank of the schedule probe; with ``delay_s``, a sleep of that long put into torch's code at
+    ``where``: "loop", entering each action of the schedule's loop (outside the chunk calls); "forward" or
+    "backward", inside each chunk's forward or backward call, just before PipelineStage runs the module (or
+    its gradients)."""
     import contextlib
     import os
     import time
@@ -101,17 +106,24 @@ def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> 
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize(("where", "delay_s"), [("loop", 0.0), ("loop", 0.004), ("forward", 0.004), ("backward", 0.004)])
-def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(where: str, delay_s: float) -> None:
+@pytest.mark.parametrize(("where", "delay_s"),
+                         [("loop", 0.0), ("loop", 0.004), ("forward", 0.004), ("backward", 0.004)])
+def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(
+    where: str, delay_s: float
+) -> None:
     """Oracle: a known delay put into torch's own code shows up in the probe's figure for that place, and only
-    there: in its loop between two chunk calls (``action_s``), or in PipelineStage inside each chunk's forward or
-    backward call outside the module (``chunk_forward_s``, ``chunk_backward_s``); without it each stays well under
-    a millisecond here."""
+    there: in its loop between two chunk calls (``action_s``), or in PipelineStage inside each chunk's forward
+    or backward call outside the module (``chunk_forward_s``, ``chunk_backward_s``); without it each stays
+    well under a millisecond here."""
     got = {rank: values[0] for rank, values in spawn_ranks(_probe_in_child, 2, where, delay_s).items()}
     assert got[0] == got[1]  # every rank gets the same figures
     figures = got[0]
     assert set(figures) == {"action_s", "chunk_forward_s", "chunk_backward_s"}
-    delayed = {"loop": "action_s", "forward": "chunk_forward_s", "backward": "chunk_backward_s"}[where] if delay_s else None
+    delayed = (
+        {"loop": "action_s", "forward": "chunk_forward_s", "backward": "chunk_backward_s"}[where]
+        if delay_s
+        else None
+    )
     for key, value in figures.items():
         if key == delayed:
             assert delay_s < value < delay_s + 3e-3, (key, value)
@@ -120,8 +132,8 @@ def test_the_schedule_probe_times_what_torch_spends_around_the_chunks_layers(whe
 
 
 def _ping_pong_in_child(rank: int, port: int, gap_s: float, queue) -> None:  # type: ignore[no-untyped-def]
-    """One rank of the ping-pong, its work before each timed message (link._compute_gap) replaced by a sleep of
-    ``gap_s`` that counts its calls."""
+    """One rank of the ping-pong, its work before each timed message (link._compute_gap) replaced by a sleep
+    of ``gap_s`` that counts its calls."""
     import os
     import time
 
@@ -139,7 +151,8 @@ def _ping_pong_in_child(rank: int, port: int, gap_s: float, queue) -> None:  # t
 
     stageplan.running.link._compute_gap = gap
     try:
-        link = stageplan.running.link.ping_pong(torch.device("cpu"), sizes_bytes=(4096, 2**20), warmup=2, repeats=5)
+        link = stageplan.running.link.ping_pong(torch.device("cpu"), sizes_bytes=(4096, 2**20), warmup=2,
+                                                repeats=5)
         queue.put((rank, calls[0], link["latency_s"], link["exchange_s"]))
     finally:
         dist.destroy_process_group()
@@ -147,10 +160,10 @@ def _ping_pong_in_child(rank: int, port: int, gap_s: float, queue) -> None:  # t
 
 @pytest.mark.timing
 def test_every_timed_message_follows_the_ranks_own_work_outside_the_timer() -> None:
-    """Back to back with the message before, a fused exchange between two pinned gloo ranks stalled 3.7-4.0 ms on
-    one VM (0.16-0.33 ms after compute, as a chunk computes between receiving and sending), so the probe works
-    before every timed message: once before each of the 60 small and 5 large round trips and each of the 2 + 60
-    exchanges, on both ranks, and never inside the timer (a 5 ms gap would show in every figure)."""
+    """Back to back with the message before, a fused exchange between two pinned gloo ranks stalled 3.7-4.0 ms
+    on one VM (0.16-0.33 ms after compute, as a chunk computes between receiving and sending), so the probe
+    works before every timed message: once before each of the 60 small and 5 large round trips and each of the
+    2 + 60 exchanges, on both ranks, and never inside the timer (a 5 ms gap would show in every figure)."""
     got = spawn_ranks(_ping_pong_in_child, 2, 0.005)
     small = stageplan.running.link.SMALL_REPEATS
     assert [got[r][0] for r in (0, 1)] == [small + 5 + 2 + small] * 2

@@ -17,7 +17,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_three_notebooks_are_committed() -> None:
-    assert [p.stem for p in NOTEBOOKS] == ["01_stage_balance", "02_schedules_and_bubbles", "03_predicted_vs_measured"]
+    assert [p.stem for p in NOTEBOOKS] == ["01_stage_balance", "02_schedules_and_bubbles",
+                                           "03_predicted_vs_measured"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -27,7 +28,9 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     assert any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), "committed without outputs"
     monkeypatch.setenv("STAGEPLAN_ROOT", str(ROOT))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     assert os.listdir(tmp_path) == [path.name]  # a notebook leaves nothing behind

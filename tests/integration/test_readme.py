@@ -34,9 +34,10 @@ def test_readme_shell_commands_run(tmp_path: Path) -> None:
     for cmd in commands:
         argv = shlex.split(cmd)
         assert argv[0] in ("stageplan", "torchrun"), cmd
-        # each in its own session, ended with its children on a timeout (torchrun's workers are never orphaned)
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        # each in its own session, ended with its children on
+        # a timeout (torchrun's workers are never orphaned)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=600)
         finally:
@@ -47,7 +48,7 @@ def test_readme_shell_commands_run(tmp_path: Path) -> None:
 
 def test_readme_python_tour_runs(tmp_path: Path) -> None:
     code = _blocks("python")[0]
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, MPLBACKEND="Agg"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, MPLBACKEND="Agg"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "True" in done.stdout  # the check passed

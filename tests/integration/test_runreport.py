@@ -1,9 +1,10 @@
-"""A run's waits on its receives, against stages of known cost: layers that sleep a known time in their forward and
-backward (tests/workloads.py), so the waits follow from the sleeps, not from the machine's speed or from the two
-ranks sharing its cores; and each rank's layers timed alone after the run, against the sleeps. The oracle is the
-simulator on the sleeps themselves (hand-checked: GPipe m = 2 on forwards
-30/3 ms and backwards 20/5 ms, rank 1 waits 30 ms for microbatch 0's activation and 60 - 33 = 27 ms for 1's, rank 0
-waits 68 - 60 = 8 ms for microbatch 0's gradient; 1F1B, rank 1 waits 30 + (60 - 38) = 52 ms, rank 0 nothing)."""
+"""A run's waits on its receives, against stages of known cost: layers that sleep a known time in their
+forward and backward (tests/workloads.py), so the waits follow from the sleeps, not from the machine's speed
+or from the two ranks sharing its cores; and each rank's layers timed alone after the run, against the sleeps.
+The oracle is the simulator on the sleeps themselves (hand-checked: GPipe m = 2 on forwards
+30/3 ms and backwards 20/5 ms, rank 1 waits 30 ms for microbatch 0's activation and 60 - 33 = 27 ms for 1's,
+rank 0 waits 68 - 60 = 8 ms for microbatch 0's gradient; 1F1B, rank 1 waits 30 + (60 - 38) = 52 ms, rank 0
+nothing)."""
 
 from __future__ import annotations
 
@@ -28,19 +29,23 @@ CASES = {  # schedule: (forward ms, backward ms, boundaries)
 
 @pytest.mark.timing
 @pytest.mark.parametrize("schedule", list(CASES))
-def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_times_each_wait_on_a_receive(
+    schedule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fwd_ms, bwd_ms, bounds = CASES[schedule]
     options = {"forward_ms": fwd_ms, "backward_ms": bwd_ms}
     wl = build_workload("workloads:sleepers", options)
-    prof = profile_model(wl, microbatch_size=2, warmup=1, repeats=5, dedup=False)  # medians: a sleep can overshoot
+    # medians: a sleep can overshoot
+    prof = profile_model(wl, microbatch_size=2, warmup=1, repeats=5, dedup=False)
     v = (len(bounds) - 1) // 2
     pl = plan(prof, 2, num_microbatches=2, schedule=schedule, boundaries=bounds, virtual_stages=v)
     report = run("workloads:sleepers", pl, factory_options=options, steps=3, warmup=1, timeout_s=180,
                  output=tmp_path / "run.json")
 
-    # the waits per rank and step against the sleeps' own simulation (no link: the crossings cost what gloo takes)
-    known = simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")], [float(x) / 1e3 for x in bwd_ms.split(",")],
-                     2, virtual_stages=v).receive_wait_s
+    # the waits per rank and step against the sleeps' own
+    # simulation (no link: the crossings cost what gloo takes)
+    known = simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
+                     [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v).receive_wait_s
     if schedule == "GPipe":
         assert known == pytest.approx((0.008, 0.057), abs=1e-9)
     elif schedule == "1F1B":
@@ -62,16 +67,17 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
         # microbatch, and the compute ratio is the machine's ratio times the pipeline's
         mine = [k for st in pl.stages if st.rank == r["rank"] for k in range(st.first_layer, st.end_layer)]
         sleeps = sum(float(fwd_ms.split(",")[k]) + float(bwd_ms.split(",")[k]) for k in mine) / 1e3
-        assert sleeps <= r["retimed_compute_s"] <= sleeps + 0.003 * len(mine), (r["rank"], r["retimed_compute_s"])
+        assert sleeps <= r["retimed_compute_s"] <= sleeps + 0.003 * len(mine), (r["rank"],
+                                                                                r["retimed_compute_s"])
         assert r["machine_ratio"] * r["pipeline_ratio"] == pytest.approx(r["compute_ratio"], rel=1e-9)
 
     # the calls after idle (RESUME_GAP_S without computing): the plan counts what the sleeps' own simulation
-    # counts; in GPipe and 1F1B every gap the simulator sees is 0 or 8 ms and more, so the run counts the same, except
-    # that each step's first call also follows the barrier that starts the step, which the simulator does not have
-    # (under make test's load it took over 1 ms in 2 of 3 steps): at most one more a step; and a gap of 8 ms and more
-    # in the sleeps' simulation is one in the run, so never fewer. A sleep lasts as long
-    # after a gap as without one, so the calls after idle take the back-to-back calls' pace, give or take a sleep's
-    # overshoot
+    # counts; in GPipe and 1F1B every gap the simulator sees is 0 or 8 ms and more, so the run counts the
+    # same, except that each step's first call also follows the barrier that starts the step, which the
+    # simulator does not have (under make test's load it took over 1 ms in 2 of 3 steps): at most one more a
+    # step; and a gap of 8 ms and more in the sleeps' simulation is one in the run, so never fewer. A sleep
+    # lasts as long after a gap as without one, so the calls after idle take the back-to-back calls' pace,
+    # give or take a sleep's overshoot
     counts = _predicted_idle_calls(simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
                                             [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v))
     assert counts == {"GPipe": [1, 2], "1F1B": [0, 2], "LoopedBFS": [1, 6]}[schedule]
@@ -83,7 +89,8 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
             assert abs(r["after_idle_excess_s"]) <= 0.002 * max(counts[r["rank"]], 1), r
             assert 0.9 <= r["back_to_back_ratio"] <= 1.2, r
 
-    # one transfer event per crossing, on the receiving rank, between its producer's end and its consumer's start
+    # one transfer event per crossing, on the receiving rank,
+    # between its producer's end and its consumer's start
     ranks = [st.rank for st in pl.stages]
     n = len(bounds) - 1
     expected = {(ranks[k], "A", k, i) for k in range(1, n) for i in range(2) if ranks[k] != ranks[k - 1]}
@@ -99,17 +106,20 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
         producer = calls[("F", k - 1, i)] if e["kind"] == "A" else calls[("B", k + 1, i)]
         consumer = calls[("F", k, i)] if e["kind"] == "A" else calls[("B", k, i)]
         assert producer["end_s"] - 1e-4 <= e["start_s"] <= e["end_s"] <= consumer["start_s"] + 1e-4, e
-    # the last stage's loss of each microbatch follows that microbatch's forward (torch's shape inference on the
-    # first step computes one extra loss, which must not shift the labels)
+    # the last stage's loss of each microbatch follows that microbatch's forward (torch's shape inference on
+    # the first step computes one extra loss, which must not shift the labels)
     for i in range(2):
-        fwd, loss = sorted((e for e in events if e["kind"] == "F" and e["stage"] == n - 1 and e["microbatch"] == i),
+        fwd, loss = sorted((e for e in events if e["kind"] == "F" and e["stage"] == n - 1
+                            and e["microbatch"] == i),
                            key=lambda e: e["start_s"])
         assert fwd["end_s"] - 1e-4 <= loss["start_s"] < fwd["end_s"] + 0.002  # torch computes it right after
-        assert loss["end_s"] - loss["start_s"] < fwd["end_s"] - fwd["start_s"]  # an MSE against a sleeping layer
+        # an MSE against a sleeping layer
+        assert loss["end_s"] - loss["start_s"] < fwd["end_s"] - fwd["start_s"]
 
     # the saved report keeps them, and show prints both figures per rank
     again = RunReport.load(tmp_path / "run.json")
-    assert [r["measured_receive_wait_s"] for r in again.ranks] == [r["measured_receive_wait_s"] for r in report.ranks]
+    assert [r["measured_receive_wait_s"] for r in again.ranks] == [r["measured_receive_wait_s"]
+                                                                   for r in report.ranks]
     code, out, _ = run_cli(["show", str(tmp_path / "run.json")], capsys)
     assert code == 0
     line = next(x for x in out.splitlines() if x.startswith("waits on receives"))
@@ -118,8 +128,10 @@ def test_a_run_times_each_wait_on_a_receive(schedule: str, tmp_path: Path, capsy
                 f"{1e3 * r['measured_receive_wait_s']:.3f}") in line
     line = next(x for x in out.splitlines() if x.startswith("chunk calls after the rank computed nothing"))
     for r in report.ranks:
-        assert f"rank {r['rank']} {r['predicted_after_idle_calls']} / {r['measured_after_idle_calls']:.3g} after idle" in line
+        assert (f"rank {r['rank']} {r['predicted_after_idle_calls']} / {r['measured_after_idle_calls']:.3g} "
+                f"after idle") in line
     line = next(x for x in out.splitlines() if x.startswith("compute ratio in two"))
     for r in report.ranks:
-        assert (f"rank {r['rank']} {1e3 * r['retimed_compute_s']:.3f}, the machine now x{r['machine_ratio']:.3f} the "
-                f"profile's, inside the pipeline x{r['pipeline_ratio']:.3f} alone") in line
+        assert (f"rank {r['rank']} {1e3 * r['retimed_compute_s']:.3f}, the machine now "
+                f"x{r['machine_ratio']:.3f} the profile's, inside the pipeline x{r['pipeline_ratio']:.3f} "
+                f"alone") in line

@@ -24,7 +24,8 @@ from stageplan.zoo import gpt
 
 
 def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
-    """One of three ranks summing a tie's gradient: rank 0 holds one copy, rank 1 two (two chunks), rank 2 none."""
+    """One of three ranks summing a tie's gradient: rank 0
+    holds one copy, rank 1 two (two chunks), rank 2 none."""
     import os
 
     import torch.distributed as dist
@@ -40,39 +41,45 @@ def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no
             p.grad = torch.tensor([1.0, 2.0]) * 10 ** (rank + k)
         grads = [p.grad for p in held.values()]
         sync_tied_grads([(["w", "v"], torch.zeros(2))], held, torch.device("cpu"), across=[True])
-        queue.put((rank, [p.grad.tolist() for p in held.values()], [p.grad is g for p, g in zip(held.values(), grads)]))
+        queue.put((rank, [p.grad.tolist() for p in held.values()],
+                   [p.grad is g for p, g in zip(held.values(), grads)]))
     finally:
         dist.destroy_process_group()
 
 
 def test_a_tie_across_ranks_is_summed_over_every_copy_and_one_copy_in_place() -> None:
-    """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. A rank's one copy is
-    summed in place (its gradient tensor kept: no buffer, no sum into it, no copy back, which had made HF GPT-2's 4
-    MiB sum 4.06 ms against 2.92 ms in place, medians of 8 runs); two copies on a rank are summed there first."""
+    """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. A rank's one copy
+    is summed in place (its gradient tensor kept: no buffer, no sum into it, no copy back, which had made HF
+    GPT-2's 4 MiB sum 4.06 ms against 2.92 ms in place, medians of 8 runs); two copies on a rank are summed
+    there first."""
     got = spawn_ranks(_sum_a_tie_in_child, 3)
     assert got[0][0] == [[111.0, 222.0]] and got[1][0] == [[111.0, 222.0]] * 2 and got[2][0] == []
     assert got[0][1] == [True] and got[1][1] == [False, False]  # in place where the rank holds one copy
 
 
 @pytest.mark.parametrize("tie_with", [2, 4])
-def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie_with: int, tmp_path: Path) -> None:
+def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(
+    tie_with: int, tmp_path: Path
+) -> None:
     """On one rank the two copies' gradients are summed there (no all-reduce); on two, across the ranks."""
     from stageplan.running.launch import run
 
-    report = run("workloads:tied_blocks", _plan_for_tied_blocks(tie_with), factory_options={"tie_with": tie_with}, steps=2,
+    report = run("workloads:tied_blocks", _plan_for_tied_blocks(tie_with),
+                 factory_options={"tie_with": tie_with}, steps=2,
                  warmup=1, check=True, optimizer="adamw", output=tmp_path / "run.json")
     assert report.check is not None and report.check["passed"], report.check
-    # the sum is timed apart from the optimizer step (within what follows the schedule) and set beside its price
+    # the sum is timed apart from the optimizer step (within
+    # what follows the schedule) and set beside its price
     from stageplan.report import run_table
 
     pl = _plan_for_tied_blocks(tie_with)
-    # the oracle is the run's own ping-pong (one message, one way; ~0.2 ms here): across ranks the sum is a ring
-    # all-reduce, 2(p - 1) = 2 messages at least on each rank (measured 1.6-2.6 ms); on one rank no message is sent,
-    # and rank 1, which holds no copy, has nothing to sum (measured ~0.01 ms)
+    # the oracle is the run's own ping-pong (one message, one way; ~0.2 ms here): across ranks the sum is a
+    # ring all-reduce, 2(p - 1) = 2 messages at least on each rank (measured 1.6-2.6 ms); on one rank no
+    # message is sent, and rank 1, which holds no copy, has nothing to sum (measured ~0.01 ms)
     link_latency = report.link["latency_s"]
-    # the probe ran seconds before the sum: under make test's load it once read 0.67 ms one way, and the sum 0.49 ms;
-    # quiet, it reads 60-110 us here, so two messages take at least twice the smaller of the two (a sum that sends
-    # nothing takes ~0.01 ms)
+    # the probe ran seconds before the sum: under make test's load it once read 0.67 ms one way, and the sum
+    # 0.49 ms; quiet, it reads 60-110 us here, so two messages take at least twice the smaller of the two (a
+    # sum that sends nothing takes ~0.01 ms)
     messages_floor = 2 * min(link_latency, 1e-4)
     for row in report.ranks:
         assert 0 < row["measured_tied_sync_s"] < row["optimizer_s"]  # adamw's own step follows the sum
@@ -82,23 +89,28 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(tie
         if tie_with == 4:
             assert row["measured_tied_sync_s"] >= messages_floor, (row, link_latency)
         priced = sum(st.tied_sync_s for st in pl.stages if st.rank == row["rank"])
-        assert row["predicted_tied_sync_s"] == pytest.approx(priced, rel=1e-9) and (priced > 0) == (tie_with == 4)
+        assert row["predicted_tied_sync_s"] == pytest.approx(priced, rel=1e-9) and (priced > 0) == (tie_with
+                                                                                                    == 4)
     if tie_with == 2:
         rank1 = next(row for row in report.ranks if row["rank"] == 1)
         assert rank1["measured_tied_sync_s"] < link_latency, (rank1, link_latency)
     assert ("tied gradients' all-reduce" in run_table(report)) == (tie_with == 4)  # shown where one is priced
-    # the measured timeline (last step) holds the step's tail as the simulator draws it: per rank, after its last
-    # forward or backward, the tied all-reduce ("T", only where the tie spans ranks) and then the optimizer step ("O")
-    slack = 1e-3  # the tail is placed from perf_counter offsets, the chunk calls from their own time.time() starts
+    # the measured timeline (last step) holds the step's tail as the simulator draws it: per rank, after its
+    # last forward or backward, the tied all-reduce ("T", only where the tie spans ranks) and then the
+    # optimizer step ("O") the tail is placed from perf_counter offsets, the chunk calls from their own
+    # time.time() starts
+    slack = 1e-3
     for rank in range(2):
         mine = [e for e in report.timeline if e["rank"] == rank]
         work_end = max(e["end_s"] for e in mine if e["kind"] in ("F", "B", "W"))
         tail = {e["kind"]: e for e in mine if e["kind"] in ("T", "O")}
         assert set(tail) == ({"T", "O"} if tie_with == 4 else {"O"}), (rank, tail)
-        assert all(e["microbatch"] == -1 and e["end_s"] > e["start_s"] >= work_end - slack for e in tail.values())
+        assert all(e["microbatch"] == -1 and e["end_s"] > e["start_s"] >= work_end - slack
+                   for e in tail.values())
         if "T" in tail:
             assert tail["T"]["end_s"] <= tail["O"]["start_s"] + slack
-    assert max(e["end_s"] for e in report.timeline) == max(e["end_s"] for e in report.timeline if e["kind"] == "O")
+    assert max(e["end_s"] for e in report.timeline) == max(e["end_s"] for e in report.timeline
+                                                           if e["kind"] == "O")
     assert "optimizer step (ms per step, after the tied sum" in run_table(report)
 
 
@@ -141,8 +153,8 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None
     # its own session, so that on a timeout torchrun's workers are ended with it (never orphaned)
-    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         stdout, stderr = proc.communicate(timeout=300)
@@ -152,4 +164,5 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
     assert proc.returncode == 0, stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", stdout)]
     assert len(losses) == 3, stdout
-    torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 4), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 4), rtol=1e-5,
+                               atol=1e-6)

@@ -17,8 +17,9 @@ SMALL = ["--set", "n_layer=4", "--set", "d_model=64", "--set", "n_head=2", "--se
          "--set", "vocab_size=4096", "--set", "batch_size=8"]
 
 
-def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_cli(["tune", "gpt", *SMALL, "--stages", "2", "--microbatches", "4", "--rounds", "2",
                               "--steps", "2", "--warmup", "1", "--processes", "2", "--runs", "2",
                               "-o", str(tmp_path / "new")], capsys)
@@ -29,7 +30,8 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
     assert 1 <= len(result["rounds"]) <= 2
     final = Plan.load(tmp_path / "plan.json")
     assert list(final.boundaries) == result["final"]["boundaries"]
-    # the calibrated profile the final plan came from (re-planning it gives that plan) and the median fresh runs
+    # the calibrated profile the final plan came from
+    # (re-planning it gives that plan) and the median fresh runs
     calibrated = Profile.load(tmp_path / "profile.json")
     assert calibrated.digest() == final.profile_digest and "calibration" in calibrated.meta
     assert stageplan.plan(calibrated, 2, num_microbatches=4).boundaries == final.boundaries
@@ -39,7 +41,9 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(tmp_pat
         assert rep.measured_step_s in result[name]["measured_steps_s"]
     assert f"{tmp_path}/run_uniform.json" in out
     # the first profile was the median of two fresh processes, and the plan says so
-    assert final.profile_meta["processes"]["count"] == 2 and len(final.profile_meta["processes"]["digests"]) == 2
+    assert (
+        final.profile_meta["processes"]["count"] == 2 and len(final.profile_meta["processes"]["digests"]) == 2
+    )
     for row in [*result["rounds"], result["final"], result["uniform"]]:
         assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
         assert row["error"] == pytest.approx(row["measured_step_s"] / row["predicted_step_s"] - 1)

@@ -8,7 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-# Parameter counts of the shipped shapes, as published (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B; ...).
+# Parameter counts of the shipped shapes, as published
+# (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B; ...).
 PRESET_PARAMETERS = {
     "gpt2": 124_439_808,
     "gpt2-xl": 1_557_611_200,
@@ -37,7 +38,8 @@ def test_llama2_70b_builds_on_meta_in_seconds_under_1_gb() -> None:
         print(json.dumps({"seconds": seconds, "count": count, "rss_bytes": rss}))
     """)
     root = Path(__file__).parents[2]
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root,
+                          timeout=120,
                           env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,5 +1,5 @@
-"""stageplan.profiling.assemble: a layer's figures from its timed rounds (medians and spreads), and the parameters
-a piece holds, a tied one counted once."""
+"""stageplan.profiling.assemble: a layer's figures from its timed rounds (medians and spreads), and the
+parameters a piece holds, a tied one counted once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from stageplan.profiling.assemble import make_figures, param_totals
 
 
 def test_figures_are_the_medians_and_spreads_of_the_rounds() -> None:
-    # forward 1, 2, 3 s: median 2, inclusive quartiles 1.5 and 2.5; backward 4..7 s: median 5.5, quartiles 4.75, 6.25
+    # forward 1, 2, 3 s: median 2, inclusive quartiles 1.5 and
+    # 2.5; backward 4..7 s: median 5.5, quartiles 4.75, 6.25
     fig = make_figures([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0, 7.0], [9.0]], 10, None)
     assert (fig.forward_s, fig.forward_iqr_s) == (2.0, 1.0)
     assert (fig.backward_s, fig.backward_iqr_s) == (5.5, 1.5)

@@ -1,5 +1,5 @@
-"""stageplan.running.check: the single-process reference a run is compared with; it fails on a wrong result and
-says why when dropout makes the two differ."""
+"""stageplan.running.check: the single-process reference a run is compared with; it fails on a wrong result
+and says why when dropout makes the two differ."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def test_check_detects_a_wrong_result() -> None:
     opt.step()
     losses.append(total / 2)
     params = {k: v.detach().clone() for k, v in twin.named_parameters()}
-    good = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options, 2)
+    good = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options,
+                  2)
     assert good["passed"], good
     params["2.weight"] += 1e-2
-    bad = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options, 2)
+    bad = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options,
+                 2)
     assert not bad["passed"] and bad["worst_param"] == "2.weight"

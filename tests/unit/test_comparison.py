@@ -20,7 +20,8 @@ from stageplan.running import launch
 def test_compare_runs_nothing_when_every_method_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("identical plans were run"))
-    same = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 4) for i in range(4)), {"batch_size": 8, "microbatch_size": 2})
+    same = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 4) for i in range(4)),
+                   {"batch_size": 8, "microbatch_size": 2})
     same.save(tmp_path / "same.json")
     result = compare("workloads:faulty", 2, profile=tmp_path / "same.json", output_dir=tmp_path / "cmp")
     assert result["identical"] and all("measured_step_s" not in r for r in result["methods"].values())
@@ -33,15 +34,17 @@ SPEEDS = [1.0, 2.0, 1.3]
 
 
 def _report(step_s: float, predicted_s: float) -> RunReport:
-    return RunReport(measured_step_s=step_s, predicted_step_s=predicted_s, measured_step_iqr_s=0.0, samples_per_s=1.0,
-                     measured_bubble_fraction=0.0, predicted_bubble_fraction=0.0,
+    return RunReport(measured_step_s=step_s, predicted_step_s=predicted_s, measured_step_iqr_s=0.0,
+                     samples_per_s=1.0, measured_bubble_fraction=0.0, predicted_bubble_fraction=0.0,
                      ranks=({"measured_peak_activation_bytes": 0},), losses=(), plan={}, run_options={})
 
 
-def test_compare_runs_each_distinct_plan_in_turns_and_pairs_the_speedups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each run measures its plan's predicted step times the turn's speed. In turns, each method's median run is
-    its predicted step times the median speed, and the speed-up of runs side by side is exactly the predicted one,
-    however much the machine moved between turns."""
+def test_compare_runs_each_distinct_plan_in_turns_and_pairs_the_speedups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each run measures its plan's predicted step times the turn's speed. In turns, each method's median run
+    is its predicted step times the median speed, and the speed-up of runs side by side is exactly the
+    predicted one, however much the machine moved between turns."""
     import stageplan.running.launch
 
     calls: list[tuple[int, ...]] = []
@@ -96,6 +99,7 @@ def test_a_profile_among_the_files_compare_or_tune_write_is_refused(tmp_path: Pa
     for fn, name in ((compare, "compare.json"), (compare, "plan_optimal.json"), (tune, "plan.json")):
         prof.save(tmp_path / name)
         before = (tmp_path / name).read_text()
-        with pytest.raises(StageplanError, match=rf"--profile '.*{name}' is one of the files this command writes"):
+        with pytest.raises(StageplanError,
+                           match=rf"--profile '.*{name}' is one of the files this command writes"):
             fn("workloads:faulty", 2, profile=tmp_path / name, output_dir=tmp_path)
         assert (tmp_path / name).read_text() == before

@@ -1,5 +1,6 @@
-"""stageplan.planning.costs: evaluate(layers, boundaries, options) against closed forms: the optimizer step, the
-tied parameters' all-reduce, the schedule's per-chunk overheads, and make_options' limit on a step's size."""
+"""stageplan.planning.costs: evaluate(layers, boundaries, options) against closed forms: the optimizer step,
+the tied parameters' all-reduce, the schedule's per-chunk overheads, and make_options' limit on a step's
+size."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ GPT = str(Path(__file__).resolve().parents[2] / "profiles" / "cpu" / "gpt.json")
 
 
 def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    """--microbatches 100000000 (a slip of the finger) had planned for hours: a step's microbatches x stages is at
-    most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take."""
+    """--microbatches 100000000 (a slip of the finger) had planned for hours: a step's microbatches x stages
+    is at most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take."""
     from stageplan import Profile
     from stageplan.errors import StageplanError
     from stageplan.planning.costs import MAX_STEP_PAIRS, make_options
@@ -34,35 +35,41 @@ def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.Capt
     prof = Profile.load(GPT)
     most = MAX_STEP_PAIRS // 8
     assert make_options(prof, 4, num_microbatches=most, schedule="Interleaved1F1B").num_microbatches == most
-    with pytest.raises(StageplanError, match=rf"got {most + 1:,} x 8 = {8 * most + 8:,}; use --microbatches {most} "):
+    with pytest.raises(StageplanError,
+                       match=rf"got {most + 1:,} x 8 = {8 * most + 8:,}; use --microbatches {most} "):
         make_options(prof, 4, num_microbatches=most + 1, schedule="Interleaved1F1B")
-    # 3 ranks x 2 chunks: 166,666 would not divide into Interleaved1F1B's rounds; the line gives a multiple of 3
+    # 3 ranks x 2 chunks: 166,666 would not divide into
+    # Interleaved1F1B's rounds; the line gives a multiple of 3
     with pytest.raises(StageplanError, match=r"use --microbatches 166665 or fewer"):
         make_options(prof, 3, num_microbatches=10**6, schedule="Interleaved1F1B")
-    assert make_options(prof, 3, num_microbatches=166665, schedule="Interleaved1F1B").num_microbatches == 166665
+    assert (
+        make_options(prof, 3, num_microbatches=166665, schedule="Interleaved1F1B").num_microbatches == 166665
+    )
     code, _, err = run_cli(["plan", GPT, "--stages", "2", "--microbatches", "100000000"], capsys)
-    assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs \(microbatches x "
-                                     r"stages\), got 100,000,000 x 2 = 200,000,000; use --microbatches 500000 or fewer")
+    assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs "
+                                     r"\(microbatches x stages\), got 100,000,000 x 2 = 200,000,000; use "
+                                     r"--microbatches 500000 or fewer")
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_the_steps_fixed_cost_is_paid_once_per_rank(schedule: str, p: int, m: int, v: int) -> None:
-    """With the profile's per-step floor, a stage's optimizer time is its layers' times less the floor each (not
-    below 0; untrained layers 0) and the floor once on the rank's first chunk, where the rank steps anything: the
-    closed form, and the vectorised replay agreeing with evaluate."""
+    """With the profile's per-step floor, a stage's optimizer time is its layers' times less the floor each
+    (not below 0; untrained layers 0) and the floor once on the rank's first chunk, where the rank steps
+    anything: the closed form, and the vectorised replay agreeing with evaluate."""
     rng = np.random.default_rng(5)
     n = 13
     raw = rng.lognormal(0, 1, n)
     raw[[2, 3, 11, 12]] = 0.0  # no parameters
     raw[5] = 0.05  # below the floor: its net is 0, but its rank still steps
-    layers = tuple(LayerProfile(f"l{i}", 1.0 + i % 3, 2.0, 0, 1, 4, optimizer_s={"adam": float(o), "sgd": float(o) / 3})
+    layers = tuple(LayerProfile(f"l{i}", 1.0 + i % 3, 2.0, 0, 1, 4,
+                                optimizer_s={"adam": float(o), "sgd": float(o) / 3})
                    for i, o in enumerate(raw))
     floor = {"adam": 0.2, "sgd": 0.1}
     prof = Profile(layers, {"optimizer_step": {"floor_s": floor}})
     devices = [Device(speed=1.0 + r) for r in range(p)]
     for optimizer in ("adam", "sgd"):
-        opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer=optimizer,
-                            devices=devices)
+        opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                            optimizer=optimizer, devices=devices)
         arr = LayerArrays.of(prof, m)
         costs = SplitCosts(arr, opts)
         # and one split whose rank 1 holds only layers without parameters (2-3 and 11-12): it steps nothing
@@ -143,16 +150,18 @@ def _evaluate(prof: Profile, bounds: tuple[int, ...], p: int, **kw):  # type: ig
 
 
 def test_the_all_reduce_pays_the_links_latency_not_the_calibrated_crossing_delay() -> None:
-    # calibrate's per-crossing delay is a catch-all for waits the model lacks; a collective pays the link's latency
+    # calibrate's per-crossing delay is a catch-all for waits
+    # the model lacks; a collective pays the link's latency
     ev = _evaluate(_profile(4, [_tie(0, 3)]), (0, 2, 4), 2, boundary_latency_s=0.5, link_latency_s=0.0)
     assert ev.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES, latency=0.0), rel=1e-12)
 
 
 @pytest.mark.parametrize(("p", "bounds"), [(2, (0, 2, 4)), (3, (0, 1, 3, 4)), (4, (0, 1, 2, 3, 4))])
 def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds: tuple[int, ...]) -> None:
-    """The link probe times the collective itself (gloo's took 2-5x the ring model's point-to-point figure here):
-    its fit a + n / B at 2 ranks, stored as the ring's constants, gives back a + n / B for 2 ranks and the ring at
-    those constants for 3 and 4; the point-to-point bandwidth and latency still price the boundary bytes."""
+    """The link probe times the collective itself (gloo's took 2-5x the ring model's point-to-point figure
+    here): its fit a + n / B at 2 ranks, stored as the ring's constants, gives back a + n / B for 2 ranks and
+    the ring at those constants for 3 and 4; the point-to-point bandwidth and latency still price the boundary
+    bytes."""
     fixed, rate = 4e-4, 0.8e9  # the probe's fit at 2 ranks: 0.4 ms + bytes / 0.8 GB/s
     link = {"schema": "stageplan.link/1", "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH,
             "allreduce_latency_s": fixed / 2, "allreduce_bandwidth_bytes_per_s": rate, "allreduce_ranks": 2}
@@ -161,7 +170,8 @@ def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds:
     want = fixed + TIE_BYTES / rate if p == 2 else _ring(p, TIE_BYTES, bandwidth=rate, latency=fixed / 2)
     assert [st.tied_sync_s for st in pl.stages] == pytest.approx([want] * p, rel=1e-12)
     assert pl.cost_options["allreduce_bandwidth_bytes_per_s"] == rate
-    assert any("priced from the link's own all-reduce (0.400 ms + bytes / 0.8 GB/s at 2 ranks" in n for n in pl.notes)
+    assert any("priced from the link's own all-reduce (0.400 ms + bytes / 0.8 GB/s at 2 ranks" in n
+               for n in pl.notes)
     plain = plan(prof, p, num_microbatches=4, optimizer="none", boundaries=list(bounds),
                  link={k: v for k, v in link.items() if not k.startswith("allreduce")})
     assert [st.tied_sync_s for st in plain.stages] == pytest.approx([_ring(p, TIE_BYTES)] * p, rel=1e-12)
@@ -170,20 +180,23 @@ def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds:
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 @pytest.mark.parametrize(("p", "bounds"), [(2, (0, 2, 4)), (3, (0, 1, 3, 4)), (4, (0, 1, 2, 3, 4))])
-def test_a_tie_across_ranks_adds_one_ring_all_reduce_to_the_step(schedule: str, p: int, bounds: tuple[int, ...]) -> None:
+def test_a_tie_across_ranks_adds_one_ring_all_reduce_to_the_step(schedule: str, p: int,
+                                                                 bounds: tuple[int, ...]) -> None:
     plain = _evaluate(_profile(4, None), bounds, p, schedule=schedule)
     tied = _evaluate(_profile(4, [_tie(0, 3)]), bounds, p, schedule=schedule)
     assert tied.tied_sync_s == pytest.approx(_ring(p, TIE_BYTES), rel=1e-12)
     assert tied.predicted_step_s - plain.predicted_step_s == pytest.approx(_ring(p, TIE_BYTES), rel=1e-9)
     assert plain.tied_sync_s == 0.0
-    # once per step, per rank: held by each rank's (first) stage, never in the per-microbatch time the solver balances
+    # once per step, per rank: held by each rank's (first) stage,
+    # never in the per-microbatch time the solver balances
     assert [st.tied_sync_s for st in tied.stages] == pytest.approx([_ring(p, TIE_BYTES)] * p, rel=1e-12)
     assert [st.time_s for st in tied.stages] == [st.time_s for st in plain.stages]
     assert tied.bottleneck_s == plain.bottleneck_s
 
 
 def test_each_tie_across_ranks_is_its_own_all_reduce_and_a_tie_inside_one_layer_is_free() -> None:
-    ties = [_tie(0, 3), _tie(1, 3, nbytes=1000), _tie(2, nbytes=10**9)]  # the last one is used by one layer only
+    # the last one is used by one layer only
+    ties = [_tie(0, 3), _tie(1, 3, nbytes=1000), _tie(2, nbytes=10**9)]
     ev = _evaluate(_profile(4, ties), (0, 2, 4), 2)
     assert ev.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES) + _ring(2, 1000), rel=1e-12)
 
@@ -198,14 +211,15 @@ def test_a_tie_kept_on_one_rank_costs_nothing() -> None:
 
 
 def test_virtual_stages_map_chunks_to_ranks() -> None:
-    # 2 ranks x 2 chunks, one layer each. ZBV: rank 0 holds chunks 0 and 3, so the first and last layer share it;
-    # Interleaved1F1B: chunk k on rank k % 2, so they do not.
+    # 2 ranks x 2 chunks, one layer each. ZBV: rank 0 holds chunks 0 and 3, so the first and last layer share
+    # it; Interleaved1F1B: chunk k on rank k % 2, so they do not.
     prof = _profile(4, [_tie(0, 3)])
     zbv = _evaluate(prof, (0, 1, 2, 3, 4), 2, schedule="ZBVZeroBubble", virtual_stages=2)
     assert zbv.tied_sync_s == 0.0
     inter = _evaluate(prof, (0, 1, 2, 3, 4), 2, schedule="Interleaved1F1B", virtual_stages=2)
     assert inter.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES), rel=1e-12)
-    assert [st.tied_sync_s > 0 for st in inter.stages] == [True, True, False, False]  # each rank's first chunk
+    # each rank's first chunk
+    assert [st.tied_sync_s > 0 for st in inter.stages] == [True, True, False, False]
 
 
 def test_without_bandwidth_the_sync_is_not_priced_and_the_note_says_so() -> None:
@@ -223,7 +237,8 @@ def test_without_bandwidth_the_sync_is_not_priced_and_the_note_says_so() -> None
 def test_the_plan_timeline_holds_one_sync_per_rank_of_the_priced_length() -> None:
     prof = _profile(6, [_tie(0, 5)])
     for schedule, p, v in (("1F1B", 3, 1), ("Interleaved1F1B", 2, 2)):
-        pl = plan(prof, p, num_microbatches=2 * p, schedule=schedule, virtual_stages=v, bandwidth=BANDWIDTH, optimizer="none")
+        pl = plan(prof, p, num_microbatches=2 * p, schedule=schedule, virtual_stages=v, bandwidth=BANDWIDTH,
+                  optimizer="none")
         sim = pl.simulate()
         sync = sorted((e.rank, e.end_s - e.start_s) for e in sim.timeline if e.kind == "T")
         assert sync == [(r, pytest.approx(_ring(p, TIE_BYTES, latency=0.0), rel=1e-9)) for r in range(p)]
@@ -263,12 +278,14 @@ def test_plan_json_keeps_the_sync_and_old_plans_load() -> None:
 
 def test_bad_tie_records_are_refused() -> None:
     data = _profile(4, None).to_json()
-    for bad in ([{"names": ["a"], "layers": [0, 1], "bytes": 4}], [{"names": ["a", "b"], "layers": [3, 0], "bytes": 4}],
-                [{"names": ["a", "b"], "layers": [0, 4], "bytes": 4}], [{"names": ["a", "b"], "layers": [0], "bytes": -1}]):
+    for bad in ([{"names": ["a"], "layers": [0, 1], "bytes": 4}],
+                [{"names": ["a", "b"], "layers": [3, 0], "bytes": 4}],
+                [{"names": ["a", "b"], "layers": [0, 4], "bytes": 4}],
+                [{"names": ["a", "b"], "layers": [0], "bytes": -1}]):
         data["meta"]["tied"] = bad
-        with pytest.raises(SchemaError, match=r"meta 'tied' must be a list of \{\"names\": \[two or more FQNs\], "
-                                              r"\"layers\": \[sorted distinct layer indices below 4\].*entry 0 is .*; "
-                                              r"re-profile the model"):
+        with pytest.raises(SchemaError, match=r"meta 'tied' must be a list of \{\"names\": \[two or more "
+                                              r"FQNs\], \"layers\": \[sorted distinct layer indices below "
+                                              r"4\].*entry 0 is .*; re-profile the model"):
             Profile.from_json(data)
     data["meta"]["tied"] = {"names": []}
     with pytest.raises(SchemaError, match=r"got dict; re-profile the model"):
@@ -283,25 +300,29 @@ def _one_layer_per_chunk(seed: int, count: int, extra_f: float, extra_b: float
 
     rng = np.random.default_rng(seed)
     rows = [(float(f), float(b), int(o))
-            for f, b, o in zip(rng.lognormal(0, 1, count), rng.lognormal(0, 1, count), rng.integers(1, 100, count))]
+            for f, b,
+            o in zip(rng.lognormal(0, 1, count), rng.lognormal(0, 1, count), rng.integers(1, 100, count))]
     prof = Profile(tuple(LayerProfile(f"l{i}", f, b, 0, o, 0) for i, (f, b, o) in enumerate(rows)))
-    folded = Profile(tuple(LayerProfile(f"l{i}", f + extra_f, b + extra_b, 0, o, 0) for i, (f, b, o) in enumerate(rows)))
+    folded = Profile(
+        tuple(LayerProfile(f"l{i}", f + extra_f, b + extra_b, 0, o, 0) for i, (f, b, o) in enumerate(rows)))
     return prof, folded, rows
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
-def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int, v: int) -> None:
+def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(
+    schedule: str, p: int, m: int, v: int
+) -> None:
     """Oracle: with one layer per chunk, the schedule's a seconds per action is the same plan as each layer's
-    forward and backward a seconds longer (step, rank times, bottleneck; the lower bound too with one chunk per
-    rank, where no rank runs two chunks' overhead)."""
+    forward and backward a seconds longer (step, rank times, bottleneck; the lower bound too with one chunk
+    per rank, where no rank runs two chunks' overhead)."""
 
     from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
     S, a = p * v, 0.3
     prof, folded, _ = _one_layer_per_chunk(3, S, a, a)
     bounds = list(range(S + 1))
-    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
-              boundary_latency_s=0.25)
+    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none",
+              bandwidth_bytes_per_s=40.0, boundary_latency_s=0.25)
     ev = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, action_s=a, **kw))
     ref = evaluate(LayerArrays.of(folded, m), bounds, make_options(folded, p, **kw))
     assert ev.predicted_step_s == pytest.approx(ref.predicted_step_s, rel=1e-12)
@@ -317,11 +338,13 @@ def test_the_loops_time_prices_as_if_each_chunks_layer_took_it_longer(schedule: 
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
-def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int, v: int) -> None:
-    """Oracle: with one layer per chunk, PipelineStage's cF and cB seconds inside each chunk's forward and backward
-    are the same plan as each layer's forward cF and backward cB seconds longer: the stages' forward and backward
-    (what a run's chunk timers see), step, rank times, bottleneck; every rank's lower bound rises by (cF + cB) v.
-    The split-search's prefix sums (SplitCosts) agree with evaluate, with the loop's action_s on top."""
+def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(schedule: str, p: int, m: int,
+                                                                           v: int) -> None:
+    """Oracle: with one layer per chunk, PipelineStage's cF and cB seconds inside each chunk's forward and
+    backward are the same plan as each layer's forward cF and backward cB seconds longer: the stages' forward
+    and backward (what a run's chunk timers see), step, rank times, bottleneck; every rank's lower bound rises
+    by (cF + cB) v. The split-search's prefix sums (SplitCosts) agree with evaluate, with the loop's action_s
+    on top."""
     import numpy as np
 
     from stageplan.planning.costs import LayerArrays, evaluate, make_options
@@ -330,8 +353,8 @@ def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(sched
     S, cf, cb, a = p * v, 0.15, 0.35, 0.05
     prof, folded, rows = _one_layer_per_chunk(5, S, cf, cb)
     bounds = list(range(S + 1))
-    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none", bandwidth_bytes_per_s=40.0,
-              boundary_latency_s=0.25, action_s=a)
+    kw = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer="none",
+              bandwidth_bytes_per_s=40.0, boundary_latency_s=0.25, action_s=a)
     opts = make_options(prof, p, chunk_forward_s=cf, chunk_backward_s=cb, **kw)
     ev = evaluate(LayerArrays.of(prof, m), bounds, opts)
     ref = evaluate(LayerArrays.of(folded, m), bounds, make_options(folded, p, **kw))
@@ -347,8 +370,8 @@ def test_the_chunks_overhead_prices_as_if_each_chunks_layer_took_it_longer(sched
     assert list(f[0]) == pytest.approx([st.forward_s + a for st in ev.stages], rel=1e-12)
     assert list(b[0]) == pytest.approx([st.backward_s + a for st in ev.stages], rel=1e-12)
     # recomputation runs the layers' forward again inside the backward, not PipelineStage's code around them
-    rec = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, chunk_forward_s=cf, chunk_backward_s=cb,
-                                                                 recompute=True, **kw))
+    rec = evaluate(LayerArrays.of(prof, m), bounds, make_options(prof, p, chunk_forward_s=cf,
+                                                                 chunk_backward_s=cb, recompute=True, **kw))
     for st, (fl, bl, _) in zip(rec.stages, rows):
         assert st.backward_s == pytest.approx(float(fl) + float(bl) + cb, rel=1e-12)
     for bad in (-1.0, float("inf"), True):

@@ -1,6 +1,6 @@
 """The README's figures are the ones docs/accuracy.md records with their commands, the README stays within its
-length and says how to open the notebooks, and no tracked file speaks of the team's working history. Pure text:
-imports neither torch nor stageplan."""
+length and says how to open the notebooks, and no tracked file speaks of the team's working history. Pure
+text: imports neither torch nor stageplan."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()
 README_MAX_LINES = 300
 
 
-# A figure: a number with a unit or a ratio sign (2.2 ms, 17.5%, 1.24×, 5.6 GB). The lookbehind keeps a token from
-# starting inside another number, so "25%" never yields "5%".
+# A figure: a number with a unit or a ratio sign (2.2 ms, 17.5%, 1.24×, 5.6 GB). The lookbehind keeps a token
+# from starting inside another number, so "25%" never yields "5%".
 FIGURE = re.compile(r"(?<![\d.,])\d+(?:\.\d+)?\s?(?:%|×|x\b|ms\b|µs\b|s\b|GiB\b|GB\b|MiB\b|KiB\b)")
 
 
@@ -35,8 +35,8 @@ TEAM_WORDS = re.compile(r"\bstops? [0-9]|\bthis stop\b|\blent\b|FIELD\.md", re.I
 
 
 def figures(text: str) -> set[str]:
-    """Every figure in ``text``, whitespace removed (a figure wrapped across lines, or "2.2 ms" against "2.2ms",
-    is the same figure)."""
+    """Every figure in ``text``, whitespace removed (a figure wrapped across lines, or "2.2 ms" against
+    "2.2ms", is the same figure)."""
     return {m.replace(" ", "") for m in FIGURE.findall(re.sub(r"\s+", " ", text))}
 
 
@@ -61,7 +61,8 @@ def test_the_figure_rule() -> None:
 def test_headline_and_limitation_figures_are_recorded_in_docs_accuracy() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     recorded = figures((ROOT / "docs" / "accuracy.md").read_text(encoding="utf-8"))
-    for name, text in (("the headline table", headline_table(readme)), ("Limitations", section(readme, "Limitations"))):
+    for name, text in (("the headline table", headline_table(readme)),
+                       ("Limitations", section(readme, "Limitations"))):
         quoted = figures(text)
         assert len(quoted) >= 5, f"{name} quotes only {sorted(quoted)}: is the section still there?"
         missing = sorted(quoted - recorded)
@@ -70,7 +71,8 @@ def test_headline_and_limitation_figures_are_recorded_in_docs_accuracy() -> None
 
 def test_readme_fits_its_length() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it within {README_MAX_LINES} (move reference to docs/)"
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; keep it within {README_MAX_LINES} "
+                                       f"(move reference to docs/)")
 
 
 def _tracked_text_files() -> dict[str, str]:
@@ -93,7 +95,8 @@ def _tracked_text_files() -> dict[str, str]:
 def _with_team_words() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for name, text in _tracked_text_files().items():
-        hits = [f"{i}: {line.strip()[:100]}" for i, line in enumerate(text.splitlines(), 1) if TEAM_WORDS.search(line)]
+        hits = [f"{i}: {line.strip()[:100]}" for i,
+                line in enumerate(text.splitlines(), 1) if TEAM_WORDS.search(line)]
         if hits:
             found[name] = hits
     return found
@@ -101,5 +104,7 @@ def _with_team_words() -> dict[str, list[str]]:
 
 def test_no_tracked_file_speaks_of_the_teams_working_history() -> None:
     found = _with_team_words()
-    assert not found, "words of the team's working history (stop N, this stop, lent, the field notes) in: " + "; ".join(
-        f"{name} line {hits[0]}" for name, hits in sorted(found.items()))
+    assert not found, (
+        "words of the team's working history (stop N, this stop, lent, the field notes) in: "
+        + "; ".join(f"{name} line {hits[0]}" for name, hits in sorted(found.items()))
+    )

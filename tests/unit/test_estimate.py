@@ -1,4 +1,5 @@
-"""Analytic estimates for a GPU we do not have: FLOPs, roofline time and saved bytes against hand-derived oracles."""
+"""Analytic estimates for a GPU we do not have: FLOPs,
+roofline time and saved bytes against hand-derived oracles."""
 
 from __future__ import annotations
 
@@ -60,10 +61,17 @@ def test_table_has_every_required_gpu_with_sources() -> None:
 def test_dense_bf16_peaks_match_the_published_figures() -> None:
     # bf16 dense peaks as torchtitan's get_peak_flops (torchtitan/tools/utils.py) lists them: A100 312 T,
     # H100 SXM 989 T, H100 PCIe 756 T, H200 989 T
-    for name, tflops in {"a100-40gb": 312, "a100-80gb": 312, "h100-sxm": 989, "h100-pcie": 756, "h200": 989}.items():
+    for name, tflops in {
+        "a100-40gb": 312,
+        "a100-80gb": 312,
+        "h100-sxm": 989,
+        "h100-pcie": 756,
+        "h200": 989,
+    }.items():
         assert gpu_spec(name).peak_flops("bf16") == pytest.approx(tflops * 1e12, rel=1e-3)
     assert gpu_spec("h100-sxm").peak_flops(torch.float32) == 67e12
-    assert gpu_spec("h100-sxm").peak_flops("tf32") == pytest.approx(989e12 / 2, rel=1e-3)  # 989 is with sparsity
+    # 989 is with sparsity
+    assert gpu_spec("h100-sxm").peak_flops("tf32") == pytest.approx(989e12 / 2, rel=1e-3)
     assert gpu_spec("h100-sxm").memory_bytes == 80 * 2**30
     assert gpu_spec("h100-sxm").inter_node.bandwidth == 50e9  # 400 Gb/s NDR per GPU
 
@@ -79,7 +87,8 @@ def test_unknown_gpu_is_one_line_naming_the_known_ones() -> None:
         gpu_spec("h300")
     msg = str(info.value)
     assert "\n" not in msg
-    assert re.fullmatch(r"unknown GPU 'h300' for --device estimate:h300; known: a100-40gb, a100-80gb, .*l40s", msg), msg
+    assert re.fullmatch(r"unknown GPU 'h300' for --device estimate:h300; known: a100-40gb, a100-80gb, .*l40s",
+                        msg), msg
     with pytest.raises(StageplanError, match="unknown GPU 'h300'"):
         parse_estimate_device("estimate:h300")
 
@@ -104,16 +113,20 @@ def test_linear_flops_time_and_saved_bytes_are_the_closed_forms(gpu: str) -> Non
     est = estimate_module(lin, x, gpu=gpu, dtype="fp32", compute_efficiency=0.5, memory_efficiency=0.8)
 
     assert est.forward_flops == 2 * b * d * d
-    assert est.backward_flops == 4 * b * d * d  # input grad + weight grad (the bias grad is a sum: 0 matmul FLOPs)
+    # input grad + weight grad (the bias grad is a sum: 0 matmul FLOPs)
+    assert est.backward_flops == 4 * b * d * d
     # Kernels, bytes read + written: forward addmm(bias, x, Wᵀ) -> y; backward mm(gy, W) -> gx,
     # mm(gyᵀ, x) -> gW, sum(gy, 0) -> gb.
     fwd = [(2 * b * d * d, e * (d + b * d + d * d + b * d))]
-    bwd = [(2 * b * d * d, e * (b * d + d * d + b * d)), (2 * b * d * d, e * (b * d + b * d + d * d)), (0, e * (b * d + d))]
+    bwd = [(2 * b * d * d, e * (b * d + d * d + b * d)), (2 * b * d * d, e * (b * d + b * d + d * d)),
+           (0, e * (b * d + d))]
     assert est.forward_bytes_moved == sum(n for _, n in fwd)
     assert est.backward_bytes_moved == sum(n for _, n in bwd)
     g = gpu_spec(gpu)
-    assert est.forward_s == pytest.approx(_roofline(fwd, g.peak_fp32_flops, g.memory_bandwidth, 0.5, 0.8), rel=1e-12)
-    assert est.backward_s == pytest.approx(_roofline(bwd, g.peak_fp32_flops, g.memory_bandwidth, 0.5, 0.8), rel=1e-12)
+    assert est.forward_s == pytest.approx(_roofline(fwd, g.peak_fp32_flops, g.memory_bandwidth, 0.5, 0.8),
+                                          rel=1e-12)
+    assert est.backward_s == pytest.approx(_roofline(bwd, g.peak_fp32_flops, g.memory_bandwidth, 0.5, 0.8),
+                                           rel=1e-12)
 
     assert est.activation_bytes == b * d * e  # Linear saves its input; its weight is a parameter, excluded
     assert est.output_bytes == b * d * e
@@ -122,7 +135,8 @@ def test_linear_flops_time_and_saved_bytes_are_the_closed_forms(gpu: str) -> Non
     assert (est.method["compute_efficiency"], est.method["memory_efficiency"]) == (0.5, 0.8)
     assert est.method["sources"]["gpu"] == g.source
     # nothing was moved, cast or given a gradient
-    assert all(p.device.type == "meta" and p.grad is None and p.dtype == torch.float32 for p in lin.parameters())
+    assert all(p.device.type == "meta" and p.grad is None and p.dtype == torch.float32
+               for p in lin.parameters())
 
 
 def test_defaults_tf32_and_loss_fn() -> None:
@@ -139,7 +153,8 @@ def test_defaults_tf32_and_loss_fn() -> None:
     no_input_grad = estimate_module(lin, x, gpu="a100-80gb", dtype=None, inputs_require_grad=False)
     assert no_input_grad.backward_flops == 2 * 8 * 64 * 64  # the weight grad only (a first stage)
     layer = plain.to_layer_profile("fc")
-    assert (layer.name, layer.forward_s, layer.activation_bytes) == ("fc", plain.forward_s, plain.activation_bytes)
+    assert (layer.name, layer.forward_s, layer.activation_bytes) == ("fc", plain.forward_s,
+                                                                     plain.activation_bytes)
 
 
 def test_bad_requests_are_refused() -> None:
@@ -214,7 +229,9 @@ def _llama_layer(hidden: int, inter: int, heads: int, kv: int, dtype: torch.dtyp
     return _on_meta(lambda: LlamaDecoderLayer(cfg, 0), dtype)
 
 
-def _llama_inputs(b: int, s: int, hidden: int, heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
+def _llama_inputs(
+    b: int, s: int, hidden: int, heads: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, Any]]:
     cos = torch.empty(b, s, hidden // heads, device="meta", dtype=dtype)
     return torch.empty(b, s, hidden, device="meta", dtype=dtype), {"position_embeddings": (cos, cos)}
 

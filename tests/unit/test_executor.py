@@ -47,7 +47,8 @@ def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
     old = _ParkedThread()
     block = pin_rank_cpus(1, 2)
     new = _ParkedThread()
-    threads = [sorted(os.sched_getaffinity(t.tid)) for t in (old, new)]  # one started before pinning, one after
+    # one started before pinning, one after
+    threads = [sorted(os.sched_getaffinity(t.tid)) for t in (old, new)]
     old.stop()
     new.stop()
     queue.put({"refused": refused, "unchanged": unchanged == before, "block": block, "threads": threads,
@@ -55,8 +56,8 @@ def _pin_in_child(queue) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_pin_rank_cpus_moves_every_thread_and_new_ones_inherit() -> None:
-    """A rank's threads, those it had and those it starts after (as gloo's are), all run on its block; with more
-    ranks than CPUs nothing is pinned."""
+    """A rank's threads, those it had and those it starts after (as gloo's are), all run on its block; with
+    more ranks than CPUs nothing is pinned."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")

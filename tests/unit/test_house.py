@@ -1,5 +1,5 @@
-"""The house's dependency rules, checked by parsing imports (lazy ones too), and the fast tier's own reach: every
-module of the package is imported by a file in tests/unit."""
+"""The house's dependency rules, checked by parsing imports (lazy ones too), and the fast tier's own reach:
+every module of the package is imported by a file in tests/unit."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ MODULES = {_name(p): p for p in PKG.rglob("*.py")}
 
 # Records and planning: no torch, no torch edge, so planning from a stored profile works without torch.
 CORE = {m for m in MODULES if m.startswith(("stageplan.formats", "stageplan.planning"))} | {
-    f"stageplan.{m}" for m in ("errors", "_io", "_progress", "_version", "workload", "units", "report", "plots",
-                               "calibration")}
+    f"stageplan.{m}" for m in ("errors", "_io", "_progress", "_version", "workload", "units", "report",
+                               "plots", "calibration")}
 
 
 TORCH_EDGE = {m for m in MODULES if m.startswith(("stageplan.profiling", "stageplan.running"))} | {
@@ -35,7 +35,8 @@ def _imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
+            names.update(f"{node.module}.{a.name}" for a in node.names
+                         if f"{node.module}.{a.name}" in MODULES)
     return names
 
 
@@ -87,7 +88,10 @@ def test_retiming_is_on_the_measuring_side_not_the_profiler() -> None:
 
 def test_profiler_and_executor_measure_with_the_same_instrument() -> None:
     graph = _graph()
-    assert "stageplan.measure" in graph["stageplan.timing"] and "stageplan.measure" in graph["stageplan.running.executor"]
+    assert (
+        "stageplan.measure" in graph["stageplan.timing"]
+        and "stageplan.measure" in graph["stageplan.running.executor"]
+    )
     assert "stageplan.timing" in graph["stageplan.profiling.profiler"]
     # no second timer, median or saved-tensor hook anywhere else in the torch edge
     for mod in TORCH_EDGE - {"stageplan.measure"}:
@@ -106,15 +110,17 @@ def test_nothing_imports_the_package_root_from_below() -> None:
             if isinstance(node, ast.Import):
                 assert all(a.name != "stageplan" for a in node.names), f"{name} imports the package root"
             elif isinstance(node, ast.ImportFrom) and node.module == "stageplan":
-                assert all(f"stageplan.{a.name}" in MODULES for a in node.names), f"{name} imports from the root"
+                assert all(f"stageplan.{a.name}" in MODULES for a in node.names), (
+                    f"{name} imports from the root"
+                )
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stageplan"):
-                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
-                           and f"{node.module}.{a.name}" not in MODULES]
+                private = [a.name for a in node.names if a.name.startswith("_")
+                           and not a.name.startswith("__") and f"{node.module}.{a.name}" not in MODULES]
                 assert not private, f"{name} imports {private} from {node.module}"
 
 
@@ -144,8 +150,9 @@ UNIT = Path(__file__).resolve().parent
 
 def fast_tier_imports() -> dict[str, list[str]]:
     """Each module of the package (``__main__`` aside) with the files in tests/unit that import it: ``import
-    stageplan.x``, ``from stageplan.x import y`` and ``from stageplan import x`` count, at the top or inside a test.
-    Importing a module runs its packages' ``__init__`` first, so a package counts with any module under it."""
+    stageplan.x``, ``from stageplan.x import y`` and ``from stageplan import x`` count, at the top or inside a
+    test. Importing a module runs its packages' ``__init__`` first, so a package counts with any module under
+    it."""
     found: dict[str, list[str]] = {name: [] for name in sorted(MODULES) if name != "stageplan.__main__"}
     for path in sorted(UNIT.glob("*.py")):
         for name in _imports(path):
@@ -157,9 +164,11 @@ def fast_tier_imports() -> dict[str, list[str]]:
 
 
 def test_the_fast_tier_imports_every_module() -> None:
-    """`make test` runs tests/unit alone: every module must be imported (and so exercised) by a file there, not only
-    by the integration tier's processes. The list is printed (pytest -s, or -rP) to show which files reach what."""
+    """`make test` runs tests/unit alone: every module must be imported (and so exercised) by a file there,
+    not only by the integration tier's processes. The list is printed (pytest -s, or -rP) to show which files
+    reach what."""
     found = fast_tier_imports()
     print("\n".join(f"{name}: {' '.join(files)}" for name, files in found.items()))
     missing = [name for name, files in found.items() if not files]
-    assert not missing, f"no file in tests/unit imports {missing}; give each module a test in tests/unit/test_<module>.py"
+    assert not missing, (f"no file in tests/unit imports {missing}; give each module a test in "
+                         f"tests/unit/test_<module>.py")

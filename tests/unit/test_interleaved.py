@@ -43,7 +43,8 @@ def brute_interleaved(
     return (best if math.isfinite(best) else None), (peak_min if mem is not None else None)
 
 
-def check_interleaved(sol: InterleavedSolution, costs: Sequence[float], p: int, v: int, speeds: Sequence[float]) -> None:
+def check_interleaved(sol: InterleavedSolution, costs: Sequence[float], p: int, v: int,
+                      speeds: Sequence[float]) -> None:
     b = sol.boundaries
     C = p * v
     assert len(b) == C + 1 and b[0] == 0 and b[-1] == len(costs)
@@ -68,7 +69,8 @@ def test_interleaved_matches_brute_force(data: st.DataObject) -> None:
     if data.draw(st.booleans()):
         mem = [data.draw(st.lists(st.integers(0, 9).map(float), min_size=L, max_size=L))] * C
         if data.draw(st.booleans()):
-            mem = [data.draw(st.lists(st.integers(0, 9).map(float), min_size=L, max_size=L)) for _ in range(C)]
+            mem = [data.draw(st.lists(st.integers(0, 9).map(float), min_size=L, max_size=L))
+                   for _ in range(C)]
         limit = data.draw(st.none() | st.integers(1, 60).map(float))
     best, peak = brute_interleaved(costs, p, v, speeds, mem, limit)
     if best is None:
@@ -98,7 +100,8 @@ def test_interleaved_v1_agrees_with_solve(case: tuple[list[float], int], data: s
     assert sol.boundaries == ref.boundaries and sol.optimal
     # the MILP itself, on the same contiguous problem
     result = interleaved._solve_interleaved_milp(
-        np.asarray(costs, dtype=float), p, 1, np.asarray(speeds), None, None, 5.0, list(range(p)), None, None, None, None
+        np.asarray(costs, dtype=float), p, 1, np.asarray(speeds), None, None, 5.0, list(range(p)), None, None,
+        None, None
     )
     assert result.optimal
     assert result.bottleneck == pytest.approx(ref.bottleneck, rel=1e-9)
@@ -122,18 +125,19 @@ def test_interleaved_time_limit_reports_a_proven_bound() -> None:
 
 def test_a_highs_solve_error_is_solved_again_without_presolve() -> None:
     """Found by a random search against brute force (2 of 51,844 instances): with the incumbent's 15 as its
-    objective's upper bound, scipy 1.17.1's HiGHS ends this 3 x 2 instance in "Solve error" after its presolve, and
-    the plan fell back to the heuristic's unproven 15 where brute force finds 14."""
+    objective's upper bound, scipy 1.17.1's HiGHS ends this 3 x 2 instance in "Solve error" after its
+    presolve, and the plan fell back to the heuristic's unproven 15 where brute force finds 14."""
     costs = [1.0, 8.0, 3.0, 3.0, 3.0, 3.0, 3.0, 7.0, 2.0, 6.0]
-    best = min(max(sum(sum(costs[b[c]:b[c + 1]]) for c in (r, r + 3)) for r in range(3)) for b in all_boundaries(10, 6))
+    best = min(max(sum(sum(costs[b[c]:b[c + 1]]) for c in (r, r + 3)) for r in range(3))
+               for b in all_boundaries(10, 6))
     assert best == 14.0
     sol = solve_interleaved(costs, 3, 2, time_limit_s=20.0)
     assert sol.optimal and sol.bottleneck == best and sol.lower_bound == best
 
 
 def test_the_retry_without_presolve_gets_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever HiGHS's version: a solve error with presolve is solved again without it, within what is left of
-    the time limit, and only then; without presolve, or with no time left, the error stands."""
+    """Whatever HiGHS's version: a solve error with presolve is solved again without it, within what is left
+    of the time limit, and only then; without presolve, or with no time left, the error stands."""
     calls: list[tuple[bool, float]] = []
     original = milp.optimize.milp
 
@@ -162,8 +166,9 @@ def test_the_retry_without_presolve_gets_the_time_left(monkeypatch: pytest.Monke
 
 
 def test_a_wrong_proof_with_presolve_is_refuted_without_it() -> None:
-    """Found by the same search (2 of 45,939 instances): with the incumbent's 5.9 as its objective's upper bound,
-    HiGHS with presolve proved 5.6 optimal on this 2 x 2 instance with boundary costs, where brute force finds 5.3."""
+    """Found by the same search (2 of 45,939 instances): with the incumbent's 5.9 as its objective's upper
+    bound, HiGHS with presolve proved 5.6 optimal on this 2 x 2 instance with boundary costs, where brute
+    force finds 5.3."""
     costs, bc = [2.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0], [0.3, 0.3, 0.9, 0.9, 0.6, 0.3, 0.6]
     assert _brute(costs, 2, 2, [0, 1, 0, 1], bc) == pytest.approx(5.3)
     sol = solve_interleaved(costs, 2, 2, boundary_costs=bc, time_limit_s=20.0)
@@ -171,9 +176,9 @@ def test_a_wrong_proof_with_presolve_is_refuted_without_it() -> None:
 
 
 def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever HiGHS's version: a split proven optimal with presolve is checked by a solve without it for a split
-    better by more than _VERIFY, and replaced by the one it finds; a true proof stands; a proof at the trivial
-    bound needs no check."""
+    """Whatever HiGHS's version: a split proven optimal with presolve is checked by a solve without it for a
+    split better by more than _VERIFY, and replaced by the one it finds; a true proof stands; a proof at the
+    trivial bound needs no check."""
     calls: list[bool] = []
     original = milp.optimize.milp
     inflate = [1.0]
@@ -197,22 +202,25 @@ def test_a_proof_with_presolve_is_checked_without_it(monkeypatch: pytest.MonkeyP
     inflate[0] = 1.2
     result = milp.interleaved_milp(*args)
     assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
-    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
+    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(
+        best
+    )
     calls.clear()
     inflate[0] = 1.0
     result = milp.interleaved_milp(*args)
     assert calls == [True, False] and result.optimal and result.dual_bound == pytest.approx(best)
     calls.clear()
     flat = np.ones(8)  # 2 x 2 chunks of 2 layers: the trivial bound 4 is the optimum
-    result = milp.interleaved_milp(flat, 2, 2, np.ones(2), None, None, "time", math.inf, 4.0, 5.0, [0, 1, 0, 1])
+    result = milp.interleaved_milp(flat, 2, 2, np.ones(2), None, None, "time", math.inf, 4.0, 5.0,
+                                   [0, 1, 0, 1])
     assert calls == [True] and result.optimal and result.dual_bound == pytest.approx(4.0)
 
 
 def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """HiGHS with presolve can raise (ValueError: vector::reserve, a review's random instance): that is solved again
-    without it. A check that finds a better split but runs out of time returns it unproven (timed out), with the
-    refuted split beside it; the caller keeps the exact better of the two, unproven."""
+    """HiGHS with presolve can raise (ValueError: vector::reserve, a review's random instance): that is solved
+    again without it. A check that finds a better split but runs out of time returns it unproven (timed out),
+    with the refuted split beside it; the caller keeps the exact better of the two, unproven."""
     original = milp.optimize.milp
     mode = ["raise"]
 
@@ -227,7 +235,8 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
     monkeypatch.setattr(milp.optimize, "milp", fake)
     c = np.array([2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
     best = _brute(list(c), 2, 2, [0, 1, 0, 1])
-    args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)), 5.0, [0, 1, 0, 1])
+    args = (c, 2, 2, np.ones(2), None, None, "time", math.inf, interleaved.lower_bound(c, np.ones(2)), 5.0,
+            [0, 1, 0, 1])
     result = milp.interleaved_milp(*args)
     assert result.optimal and result.dual_bound == pytest.approx(best) and result.unchecked is None
     mode[0] = "late"
@@ -243,7 +252,9 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
     monkeypatch.setattr(milp.optimize, "milp", claims)
     result = milp.interleaved_milp(*args)
     assert not result.optimal and result.timed_out and result.unchecked is not None
-    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(best)
+    assert max(interleaved._rank_loads(c, np.ones(2), result.bounds, [0, 1, 0, 1], None)) == pytest.approx(
+        best
+    )
     sol = solve_interleaved(c, 2, 2, time_limit_s=5.0)
     assert not sol.optimal and sol.bottleneck == pytest.approx(best)
 
@@ -251,15 +262,25 @@ def test_a_raising_highs_is_solved_again_and_a_check_out_of_time_proves_nothing(
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: solve_interleaved([1] * 6, 4, 2), r"interleaved needs at least p\*v = 8 layers, the profile has 6; lower virtual_stages or profile at a finer granularity"),
+        (lambda: solve_interleaved([1] * 6, 4, 2), r"interleaved needs at least p\*v = 8 layers, the profile "
+                                                   r"has 6; lower virtual_stages or profile at a finer "
+                                                   r"granularity"),
         (lambda: solve_interleaved([1] * 6, 2, 0), r"virtual_stages \(0\) must be at least 1"),
         (lambda: solve_interleaved([1] * 6, 0, 2), r"num_ranks \(0\) must be at least 1"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, rank_speeds=[1]), r"rank_speeds has shape \(1,\); expected \(2,\) \(one relative speed per rank\)"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[[1] * 6] * 3), r"memory_bytes has shape \(3, 6\); expected \(6,\) \(one value per layer\) or \(4, 6\) \(one row per chunk\)"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, memory_limit_bytes=3), r"memory_limit_bytes is given but memory_bytes is None"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[1] * 6, memory_limit_bytes=[1, 2, 3]), r"memory_limit_bytes has shape \(3,\); expected a scalar or \(2,\) \(one limit per rank\)"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, time_limit_s=0), r"time_limit_s must be a number > 0, got 0"),
-        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[5] * 6, memory_limit_bytes=4), r"no partition of 6 layers into 4 chunks \(2 ranks x 2 virtual stages\) fits the memory limit of 4 B per rank; the smallest limit that admits a plan is 15 B"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, rank_speeds=[1]),
+         r"rank_speeds has shape \(1,\); expected \(2,\) \(one relative speed per rank\)"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[[1] * 6] * 3),
+         r"memory_bytes has shape \(3, 6\); expected \(6,\) \(one value per layer\) or \(4, 6\) \(one row "
+         r"per chunk\)"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, memory_limit_bytes=3),
+         r"memory_limit_bytes is given but memory_bytes is None"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[1] * 6, memory_limit_bytes=[1, 2, 3]),
+         r"memory_limit_bytes has shape \(3,\); expected a scalar or \(2,\) \(one limit per rank\)"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, time_limit_s=0),
+         r"time_limit_s must be a number > 0, got 0"),
+        (lambda: solve_interleaved([1] * 6, 2, 2, memory_bytes=[5] * 6, memory_limit_bytes=4),
+         r"no partition of 6 layers into 4 chunks \(2 ranks x 2 virtual stages\) fits the memory limit of 4 "
+         r"B per rank; the smallest limit that admits a plan is 15 B"),
     ],
 )
 def test_interleaved_errors(call: object, match: str) -> None:
@@ -278,7 +299,8 @@ def _brute(costs, p, v, place, bc=None, memory=None, start=None, end=None, limit
             i, j = b[ci], b[ci + 1]
             load[place[ci]] += sum(costs[i:j]) + (bc[j - 1] if bc is not None and ci < C - 1 else 0.0)
             if memory is not None:
-                mem[place[ci]] += sum(memory[i:j]) + (start[i] if start else 0.0) + (end[j - 1] if end else 0.0)
+                mem[place[ci]] += sum(memory[i:j]) + (start[i] if start else 0.0) + (end[j - 1] if end
+                                                                                     else 0.0)
         if limit is not None and max(mem) > limit:
             continue
         if best is None or max(load) < best - 1e-12:
@@ -289,9 +311,9 @@ def _brute(costs, p, v, place, bc=None, memory=None, start=None, end=None, limit
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_placement_boundary_costs_and_buffers_against_brute_force(data: st.DataObject) -> None:
-    """ZBV's V placement, a chunk's boundary time after its last layer and its first/last-layer memory terms are
-    all in the MILP: its bottleneck equals the best over every split (they were dropped: a given split beat the
-    'optimal' one by 20% with a bandwidth, and a ZBV plan was solved for the looped placement)."""
+    """ZBV's V placement, a chunk's boundary time after its last layer and its first/last-layer memory terms
+    are all in the MILP: its bottleneck equals the best over every split (they were dropped: a given split
+    beat the 'optimal' one by 20% with a bandwidth, and a ZBV plan was solved for the looped placement)."""
     L = data.draw(st.integers(4, 7))
     costs = data.draw(st.lists(st.integers(1, 9).map(float), min_size=L, max_size=L))
     place = data.draw(st.sampled_from([[0, 1, 0, 1], [0, 1, 1, 0]]))
@@ -301,8 +323,8 @@ def test_placement_boundary_costs_and_buffers_against_brute_force(data: st.DataO
     end = data.draw(st.none() | st.lists(st.integers(0, 5).map(float), min_size=L, max_size=L))
     limit = data.draw(st.none() | st.integers(10, 40).map(float))
     ref = _brute(costs, 2, 2, place, bc, memory, start, end, limit)
-    kw = dict(placement=place, boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start, memory_end_bytes=end,
-              memory_limit_bytes=limit, time_limit_s=10.0)
+    kw = dict(placement=place, boundary_costs=bc, memory_bytes=memory, memory_start_bytes=start,
+              memory_end_bytes=end, memory_limit_bytes=limit, time_limit_s=10.0)
     if ref is None:
         with pytest.raises(InfeasiblePlanError):
             solve_interleaved(costs, 2, 2, **kw)
@@ -317,8 +339,8 @@ _LIVE_SHAPES = [("Interleaved1F1B", 4), ("Interleaved1F1B", 6), ("ZBVZeroBubble"
 
 
 def test_the_smallest_limit_named_when_nothing_fits_is_the_brute_force_peak() -> None:
-    """The instance the property test below found: HiGHS's presolve returned 35 B as the optimal peak where a split
-    of 34 B exists; the refusal names the brute force's smallest peak."""
+    """The instance the property test below found: HiGHS's presolve returned 35 B as the optimal peak where a
+    split of 34 B exists; the refusal names the brute force's smallest peak."""
     from stageplan.planning.schedules import schedule_shape
 
     shape = schedule_shape("ZBVZeroBubble", 2, 4, 2)
@@ -342,10 +364,10 @@ def test_the_smallest_limit_named_when_nothing_fits_is_the_brute_force_peak() ->
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_exact_activation_peak_against_brute_force(data: st.DataObject) -> None:
-    """With activation_bytes and live_counts a rank holds its static bytes plus max_k sum_c counts[k, c] x chunk
-    c's activation bytes: the bottleneck equals the best split brute force finds under that memory, or the plan is
-    refused when none fits (summing each chunk's own peak over-counted: plans 13-37% slower, or refused, while a
-    split fitted)."""
+    """With activation_bytes and live_counts a rank holds its static bytes plus max_k sum_c counts[k, c] x
+    chunk c's activation bytes: the bottleneck equals the best split brute force finds under that memory, or
+    the plan is refused when none fits (summing each chunk's own peak over-counted: plans 13-37% slower, or
+    refused, while a split fitted)."""
     from stageplan.planning.schedules import schedule_shape
 
     name, m = data.draw(st.sampled_from(_LIVE_SHAPES))
@@ -359,8 +381,8 @@ def test_exact_activation_peak_against_brute_force(data: st.DataObject) -> None:
 
     def rank_memory(b: Sequence[int]) -> list[float]:
         chunk_act = np.array([sum(act[b[c]:b[c + 1]]) for c in range(4)])
-        return [sum(sum(static[b[c]:b[c + 1]]) for c in range(4) if place[c] == r) + float((counts[r] @ chunk_act).max())
-                for r in range(2)]
+        return [sum(sum(static[b[c]:b[c + 1]]) for c in range(4) if place[c] == r)
+                + float((counts[r] @ chunk_act).max()) for r in range(2)]
 
     def load(b: Sequence[int]) -> float:
         return max(sum(sum(costs[b[c]:b[c + 1]]) for c in range(4) if place[c] == r) for r in range(2))
@@ -384,11 +406,11 @@ def test_exact_activation_peak_against_brute_force(data: st.DataObject) -> None:
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_plan_interleaved_under_a_memory_limit_matches_brute_force_by_evaluate(data: st.DataObject) -> None:
-    """plan() with an interleaved or V schedule under a tight memory limit: no split that evaluate() scores within
-    the limit has a smaller bottleneck, and the plan itself is within it (random profiles; 2 or 3 ranks, 2 or 3 chunks
-    each).
-    Before the exact peak, 14 of 60 such cases were refused although a split fitted and 11 of 60 planned a worse
-    bottleneck."""
+    """plan() with an interleaved or V schedule under a tight memory limit: no split that evaluate() scores
+    within the limit has a smaller bottleneck, and the plan itself is within it (random profiles; 2 or 3
+    ranks, 2 or 3 chunks each).
+    Before the exact peak, 14 of 60 such cases were refused although a split fitted and 11 of 60 planned a
+    worse bottleneck."""
     from stageplan import LayerProfile, Profile, plan
     from stageplan.planning.costs import LayerArrays, evaluate, make_options
 
@@ -402,7 +424,8 @@ def test_plan_interleaved_under_a_memory_limit_matches_brute_force_by_evaluate(d
     C = p * v
     L = data.draw(st.integers(C + 1, C + 3))
     ints = st.integers(1, 9)
-    layers = tuple(LayerProfile(f"l{i}", data.draw(ints) * 1e-3, data.draw(ints) * 2e-3, data.draw(st.integers(1, 50)) * 2**20,
+    layers = tuple(LayerProfile(f"l{i}", data.draw(ints) * 1e-3, data.draw(ints) * 2e-3,
+                                data.draw(st.integers(1, 50)) * 2**20,
                                 data.draw(st.integers(0, 20)) * 2**20, data.draw(st.integers(0, 5)) * 2**20)
                    for i in range(L))
     prof = Profile(layers)
@@ -412,8 +435,8 @@ def test_plan_interleaved_under_a_memory_limit_matches_brute_force_by_evaluate(d
     peaks = sorted(max(ev.rank_memory_bytes) for _, ev in scored)
     limit = data.draw(st.sampled_from(peaks[: max(1, len(peaks) // 3)]))
     best = min(ev.bottleneck_s for _, ev in scored if max(ev.rank_memory_bytes) <= limit)
-    pl = plan(prof, p, num_microbatches=m, schedule=name, virtual_stages=v, optimizer="sgd", memory_limit=limit,
-              time_limit_s=10.0)
+    pl = plan(prof, p, num_microbatches=m, schedule=name, virtual_stages=v, optimizer="sgd",
+              memory_limit=limit, time_limit_s=10.0)
     ev = evaluate(arr, pl.boundaries, opts)
     assert max(ev.rank_memory_bytes) <= limit * (1 + 1e-12)
     assert ev.bottleneck_s == pytest.approx(best, rel=1e-9)
@@ -422,10 +445,12 @@ def test_plan_interleaved_under_a_memory_limit_matches_brute_force_by_evaluate(d
 @pytest.mark.parametrize(("kw", "needle"), [
     ({"activation_bytes": [1.0] * 5}, "go together"),
     ({"live_counts": [[[1, 0, 1, 0]], [[0, 1, 0, 1]]]}, "go together"),
-    ({"activation_bytes": [1.0] * 5, "live_counts": [[[1, 0, 1, 0]]]}, "one list of count vectors per rank (2), got 1"),
+    ({"activation_bytes": [1.0] * 5, "live_counts": [[[1, 0, 1, 0]]]},
+     "one list of count vectors per rank (2), got 1"),
     ({"activation_bytes": [1.0] * 5, "live_counts": [[[1, 0, 1]], [[0, 1, 0, 1]]]}, "vectors of 4 counts"),
     ({"activation_bytes": [1.0] * 5, "live_counts": [[[1, 1, 1, 0]], [[0, 1, 0, 1]]]}, "counts chunks [1]"),
-    ({"activation_bytes": [1.0] * 4, "live_counts": [[[1, 0, 1, 0]], [[0, 1, 0, 1]]]}, "activation_bytes has shape"),
+    ({"activation_bytes": [1.0] * 4, "live_counts": [[[1, 0, 1, 0]], [[0, 1, 0, 1]]]},
+     "activation_bytes has shape"),
 ])
 def test_live_counts_are_validated(kw: dict, needle: str) -> None:
     with pytest.raises(StageplanError) as err:
@@ -437,14 +462,15 @@ LLAMA_70B = "profiles/estimate/llama2-70b-h100-sxm.json"
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
-def test_tight_limit_on_the_70b_estimate_is_met_by_the_incumbent_alone(schedule: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """8 ranks x 2 chunks of the 70B estimate under 200 GiB (the least that fits is about 171 GiB): with the MILP
-    finding nothing before its time limit (as it does in 10 ms), the incumbent alone, seeded by contiguous solves
-    with each chunk's share of its rank's limit, finds a split that fits by evaluate. With only the 1/v share it
-    found none and the plan ended in an error ('raise time_limit_s', which no user could). The MILP is replaced by
-    one that times out at once, so that the heuristic's own wall-clock budget (the time limit) is not what a busy
-    machine decides."""
+def test_tight_limit_on_the_70b_estimate_is_met_by_the_incumbent_alone(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 ranks x 2 chunks of the 70B estimate under 200 GiB (the least that fits is about 171 GiB): with the
+    MILP finding nothing before its time limit (as it does in 10 ms), the incumbent alone, seeded by
+    contiguous solves with each chunk's share of its rank's limit, finds a split that fits by evaluate. With
+    only the 1/v share it found none and the plan ended in an error ('raise time_limit_s', which no user
+    could). The MILP is replaced by one that times out at once, so that the heuristic's own wall-clock budget
+    (the time limit) is not what a busy machine decides."""
     from pathlib import Path
 
     from stageplan import Profile, plan
@@ -454,8 +480,10 @@ def test_tight_limit_on_the_70b_estimate_is_met_by_the_incumbent_alone(schedule:
                         lambda *a, **k: milp._MilpResult(None, False, False, -math.inf, timed_out=True))
     prof = Profile.load(Path(__file__).resolve().parents[2] / LLAMA_70B)
     limit = 200 * 2**30
-    pl = plan(prof, 8, num_microbatches=16, schedule=schedule, virtual_stages=2, memory_limit=limit, time_limit_s=30)
-    opts = make_options(prof, 8, num_microbatches=16, schedule=schedule, virtual_stages=2, memory_limit_bytes=limit)
+    pl = plan(prof, 8, num_microbatches=16, schedule=schedule, virtual_stages=2, memory_limit=limit,
+              time_limit_s=30)
+    opts = make_options(prof, 8, num_microbatches=16, schedule=schedule, virtual_stages=2,
+                        memory_limit_bytes=limit)
     ev = evaluate(LayerArrays.of(prof, 16), pl.boundaries, opts)
     assert max(ev.rank_memory_bytes) <= limit
     assert max(pl.rank_memory_bytes) == max(ev.rank_memory_bytes)
@@ -474,9 +502,10 @@ def test_time_limit_is_checked_and_reaches_the_solver(capsys: pytest.CaptureFixt
             plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, time_limit_s=bad)
     path = tmp_path / "p.json"
     prof.save(path)
-    code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule", "Interleaved1F1B",
-                            "--virtual-stages", "2", "--time-limit", "0"], capsys)
-    assert_one_line_error(code, err, r"time limit must be a finite number of seconds > 0, got 0\.0; e\.g\. --time-limit 20")
+    code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule",
+                            "Interleaved1F1B", "--virtual-stages", "2", "--time-limit", "0"], capsys)
+    assert_one_line_error(
+        code, err, r"time limit must be a finite number of seconds > 0, got 0\.0; e\.g\. --time-limit 20")
     assert plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2,
                 time_limit_s=np.int64(5)).boundaries[-1] == 8  # numpy numbers are numbers
     seen = []
@@ -487,15 +516,17 @@ def test_time_limit_is_checked_and_reaches_the_solver(capsys: pytest.CaptureFixt
         return original(*args, **kwargs)
 
     monkeypatch.setattr(interleaved, "solve_interleaved", spy)
-    code, _, _ = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule", "Interleaved1F1B",
-                          "--virtual-stages", "2", "--time-limit", "7.5"], capsys)
+    code, _, _ = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "4", "--schedule",
+                          "Interleaved1F1B", "--virtual-stages", "2", "--time-limit", "7.5"], capsys)
     assert code == 0 and seen == [7.5]
 
 
-def test_a_plan_says_whether_its_milp_ran_out_of_time_or_ended_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plan the MILP did not prove says why: the time limit (the 70B test above), or, when HiGHS ends before it
-    without a usable split (numerical trouble; or a split the exact memory check refuses by HiGHS's tolerance),
-    that it is not proven, with the heuristic's split and its gap to the proven bound."""
+def test_a_plan_says_whether_its_milp_ran_out_of_time_or_ended_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan the MILP did not prove says why: the time limit (the 70B test above), or, when HiGHS ends before
+    it without a usable split (numerical trouble; or a split the exact memory check refuses by HiGHS's
+    tolerance), that it is not proven, with the heuristic's split and its gap to the proven bound."""
     from stageplan import LayerProfile, Profile, plan
 
     prof = Profile(tuple(LayerProfile(f"l{i}", 1e-3 * (1 + i % 3), 2e-3, 0, 0, 0) for i in range(8)))
@@ -537,8 +568,8 @@ def _slides_instance(data: st.DataObject):  # type: ignore[no-untyped-def]
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_slides_score_splits_as_the_solver_does(data: st.DataObject) -> None:
-    """The slides' bulk scoring (one array op over every candidate split) gives each rank the memory and load that
-    the solver's per-split functions give (whose agreement with evaluate() the plan tests assert)."""
+    """The slides' bulk scoring (one array op over every candidate split) gives each rank the memory and load
+    that the solver's per-split functions give (whose agreement with evaluate() the plan tests assert)."""
     p, place, static, start, end, costs, time_end, speeds, live, limits = _slides_instance(data)
     slides = interleaved._Slides(static, live, start, end, limits, costs, speeds, time_end, place, p, 10.0)
     splits = list(all_boundaries(costs.size, len(place)))
@@ -546,22 +577,25 @@ def test_slides_score_splits_as_the_solver_does(data: st.DataObject) -> None:
     mem = slides.memory(np.array(picked))
     loads, _ = slides.loads(np.array(picked))
     for i, b in enumerate(picked):
-        assert mem[i] == pytest.approx(interleaved._exact_rank_memory(static, live, list(b), place, p, start, end))
+        assert mem[i] == pytest.approx(
+            interleaved._exact_rank_memory(static, live, list(b), place, p, start, end))
         assert loads[i] == pytest.approx(interleaved._rank_loads(costs, speeds, list(b), place, time_end))
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_slides_never_leave_the_limits_or_slow_the_split(data: st.DataObject) -> None:
-    """repair lowers (or keeps) the bytes over the limits; faster keeps a fitting split fitting and never raises
-    its bottleneck; both return contiguous non-empty chunks (random instances, looped and V placements)."""
+    """repair lowers (or keeps) the bytes over the limits; faster keeps a fitting split fitting and never
+    raises its bottleneck; both return contiguous non-empty chunks (random instances, looped and V
+    placements)."""
     p, place, static, start, end, costs, time_end, speeds, live, limits = _slides_instance(data)
     slides = interleaved._Slides(static, live, start, end, limits, costs, speeds, time_end, place, p, 10.0)
     C, L = len(place), costs.size
     first = list(data.draw(st.sampled_from(list(all_boundaries(L, C)))))
 
     def over(b: list[int]) -> float:
-        return float(np.maximum(interleaved._exact_rank_memory(static, live, b, place, p, start, end) - limits, 0).sum())
+        return float(np.maximum(interleaved._exact_rank_memory(static, live, b, place, p, start, end)
+                                - limits, 0).sum())
 
     fixed = slides.repair(first)
     assert fixed[0] == 0 and fixed[-1] == L and all(x < y for x, y in zip(fixed, fixed[1:]))
@@ -575,14 +609,16 @@ def test_slides_never_leave_the_limits_or_slow_the_split(data: st.DataObject) ->
 
 def test_faster_takes_a_tie_up_to_rounding_and_the_solver_keeps_it() -> None:
     """Decimal costs: on 3 ranks x 3 chunks the split (0,1,2,3,5,...) has a
-    bottleneck of 26.199999999999996 by the solver's sums; faster() moves to (0,2,3,4,5,...), whose rank loads are
-    more even and whose bottleneck sums to 26.2, the same up to rounding. The solver's own check had compared the
-    two exactly and dropped the whole faster() result; it now allows the same rounding tolerance (_TIE)."""
-    costs = np.array([7.6, 6.199999999999999, 2.4, 4.8, 9.1, 4.0, 7.1, 2.8000000000000003, 2.9, 9.799999999999999, 4.5])
+    bottleneck of 26.199999999999996 by the solver's sums; faster() moves to (0,2,3,4,5,...), whose rank loads
+    are more even and whose bottleneck sums to 26.2, the same up to rounding. The solver's own check had
+    compared the two exactly and dropped the whole faster() result; it now allows the same rounding tolerance
+    (_TIE)."""
+    costs = np.array(
+        [7.6, 6.199999999999999, 2.4, 4.8, 9.1, 4.0, 7.1, 2.8000000000000003, 2.9, 9.799999999999999, 4.5])
     speeds = np.array([2.0, 0.5, 1.0])
     place = [0, 1, 2] * 3
-    slides = interleaved._Slides(np.zeros((9, 11)), None, None, None, np.full(3, 1e9), costs, speeds, None, place, 3,
-                                 10.0)
+    slides = interleaved._Slides(np.zeros((9, 11)), None, None, None, np.full(3, 1e9), costs, speeds, None,
+                                 place, 3, 10.0)
     first = [0, 1, 2, 3, 5, 6, 7, 8, 9, 11]
     quick = slides.faster(first)
     assert quick == [0, 2, 3, 4, 5, 6, 7, 8, 9, 11]
@@ -600,13 +636,14 @@ def test_faster_takes_a_tie_up_to_rounding_and_the_solver_keeps_it() -> None:
 
 
 def test_a_slide_carries_a_layer_past_a_full_neighbour() -> None:
-    """Rank 0 holds 30 bytes under a limit of 20; its neighbour, rank 1, is full (10 of 10); rank 2 has room. No
-    single boundary move fits (the layer would overfill rank 1); the slide (0,3,4,6) -> (0,2,3,6) passes a layer
-    to rank 1 as rank 1 passes one to rank 2."""
+    """Rank 0 holds 30 bytes under a limit of 20; its neighbour, rank 1, is full (10 of 10); rank 2 has room.
+    No single boundary move fits (the layer would overfill rank 1); the slide (0,3,4,6) -> (0,2,3,6) passes a
+    layer to rank 1 as rank 1 passes one to rank 2."""
     static = np.full((3, 6), 10.0)
     limits = np.array([20.0, 10.0, 40.0])
     place = [0, 1, 2]
-    slides = interleaved._Slides(static, None, None, None, limits, np.ones(6), np.ones(3), None, place, 3, 10.0)
+    slides = interleaved._Slides(static, None, None, None, limits, np.ones(6), np.ones(3), None, place, 3,
+                                 10.0)
     first = [0, 3, 4, 6]
 
     def fits(b: list[int]) -> bool:
@@ -619,10 +656,10 @@ def test_a_slide_carries_a_layer_past_a_full_neighbour() -> None:
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
 def test_sixteen_ranks_of_the_70b_estimate_under_150_gib_get_a_plan(schedule: str) -> None:
-    """16 ranks x 2 chunks of the 70B estimate at m = 16 under 150 GiB: a split fits (149.3 GiB, found by the MILP
-    in 30 s), yet with single-layer moves the incumbent stalled at 190 GiB and the plan ended in 'no interleaved
-    plan ... was found within time_limit_s=2'. With slides the default time limit gives a plan that fits by
-    evaluate."""
+    """16 ranks x 2 chunks of the 70B estimate at m = 16 under 150 GiB: a split fits (149.3 GiB, found by the
+    MILP in 30 s), yet with single-layer moves the incumbent stalled at 190 GiB and the plan ended in 'no
+    interleaved plan ... was found within time_limit_s=2'. With slides the default time limit gives a plan
+    that fits by evaluate."""
     from pathlib import Path
 
     from stageplan import Profile, plan
@@ -631,7 +668,8 @@ def test_sixteen_ranks_of_the_70b_estimate_under_150_gib_get_a_plan(schedule: st
     prof = Profile.load(Path(__file__).resolve().parents[2] / LLAMA_70B)
     limit = 150 * 2**30
     pl = plan(prof, 16, num_microbatches=16, schedule=schedule, virtual_stages=2, memory_limit=limit)
-    opts = make_options(prof, 16, num_microbatches=16, schedule=schedule, virtual_stages=2, memory_limit_bytes=limit)
+    opts = make_options(prof, 16, num_microbatches=16, schedule=schedule, virtual_stages=2,
+                        memory_limit_bytes=limit)
     ev = evaluate(LayerArrays.of(prof, 16), pl.boundaries, opts)
     assert max(ev.rank_memory_bytes) <= limit
     assert max(pl.rank_memory_bytes) == max(ev.rank_memory_bytes)

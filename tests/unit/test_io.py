@@ -1,5 +1,5 @@
-"""stageplan._io: writes are atomic, through a symlink to its target, into a pipe without replacing it, and a write
-that fails at the end keeps the result."""
+"""stageplan._io: writes are atomic, through a symlink to its target, into a pipe without replacing it, and a
+write that fails at the end keeps the result."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_an_output_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_pa
 
 
 def test_an_output_that_is_a_pipe_is_written_to_not_replaced(tmp_path: Path) -> None:
-    """-o /dev/null had replaced the device by a regular file (the rename). A pipe stands in for the device here:
-    it is written through, and stays a pipe."""
+    """-o /dev/null had replaced the device by a regular file (the rename). A pipe stands in for the device
+    here: it is written through, and stays a pipe."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     got: list[bytes] = []
@@ -48,7 +48,8 @@ def test_a_write_that_fails_at_the_end_keeps_the_result(tmp_path: Path) -> None:
 
     prof = Profile.load(_profile(tmp_path))
     target = tmp_path / "gone" / "p.json"  # the folder disappeared while the work ran
-    with pytest.raises(StageplanError, match=r"could not write .*p\.json.*; the result was kept in (/\S+\.json)") as info:
+    with pytest.raises(StageplanError,
+                       match=r"could not write .*p\.json.*; the result was kept in (/\S+\.json)") as info:
         save_or_keep(prof, target)
     kept = str(info.value).rsplit(" ", 1)[-1]
     assert Profile.load(kept) == prof

@@ -1,6 +1,6 @@
-"""stageplan.running.launch without starting a rank: what a run refuses before it spawns (another model's plan,
-bad options, a log folder holding its files, an estimate run on the CPU), its options, and an interrupted run's
-cleanup. Runs with ranks are in tests/integration/test_launch.py."""
+"""stageplan.running.launch without starting a rank: what a run refuses before it spawns (another model's
+plan, bad options, a log folder holding its files, an estimate run on the CPU), its options, and an
+interrupted run's cleanup. Runs with ranks are in tests/integration/test_launch.py."""
 
 from __future__ import annotations
 
@@ -24,29 +24,34 @@ from .test_cli import _plan_file, _profile
 
 
 @pytest.mark.usefixtures("no_spawn")
-def test_a_plan_for_other_factory_options_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_plan_for_other_factory_options_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pl = _plan_file(tmp_path, factory_options={"width": 16, "batch_size": 8})
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", pl, "--set", "width=32"], capsys)
-    assert_one_line_error(code, err, r"the plan was made for workloads:faulty with other options: width=32 \(plan: 16\)")
+    assert_one_line_error(code, err,
+                          r"the plan was made for workloads:faulty with other options: width=32 \(plan: 16\)")
 
 
 @pytest.mark.usefixtures("no_spawn")
-def test_a_plan_for_another_build_of_the_same_model_is_refused_by_the_api_too(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """Same layer names, another model: an option dropped at run time (the built-in records its defaults), an option
-    that differs through the API, and a profile taken in another dtype."""
+def test_a_plan_for_another_build_of_the_same_model_is_refused_by_the_api_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same layer names, another model: an option dropped at run time (the built-in records its defaults), an
+    option that differs through the API, and a profile taken in another dtype."""
     from stageplan.zoo import build_workload
 
     gpt = dict(build_workload("gpt", {"n_layer": 2}).factory_options)
     pl = _plan_file(tmp_path, model="gpt", factory_options={**gpt, "vocab_size": 2048}, dtype="float32")
     code, _, err = run_cli(["run", "gpt", "--set", "n_layer=2", "--plan", pl], capsys)  # vocab_size dropped
-    assert_one_line_error(code, err, r"the plan was made for gpt with other options: vocab_size=8192 \(plan: 2048\)")
+    assert_one_line_error(code, err,
+                          r"the plan was made for gpt with other options: vocab_size=8192 \(plan: 2048\)")
     with pytest.raises(StageplanError, match=r"with other options: seq_len=32 \(plan: 64\), vocab_size=8192"):
         launch.run("gpt", pl, factory_options={"n_layer": 2, "seq_len": 32})
     pl = _plan_file(tmp_path, model="gpt", factory_options=gpt, dtype="bfloat16")
     code, _, err = run_cli(["run", "gpt", "--set", "n_layer=2", "--plan", pl], capsys)
-    assert_one_line_error(code, err, r"the plan was profiled in bfloat16, and this run trains the model in its own "
-                                     r"float32: .* profile without --dtype")
+    assert_one_line_error(code, err, r"the plan was profiled in bfloat16, and this run trains the model in "
+                                     r"its own float32: .* profile without --dtype")
 
 
 def test_an_interrupted_run_removes_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,20 +68,27 @@ def test_an_interrupted_run_removes_the_weights(tmp_path: Path, monkeypatch: pyt
     assert not seen[0].exists()  # the temporary folder is gone
     with pytest.raises(KeyboardInterrupt):
         launch.run("workloads:faulty", _plan_file(tmp_path), log_dir=tmp_path / "logs")
-    assert not (tmp_path / "logs" / "payload.pt").exists() and not (tmp_path / "logs" / "weights.safetensors").exists()
+    assert (
+        not (tmp_path / "logs" / "payload.pt").exists()
+        and not (tmp_path / "logs" / "weights.safetensors").exists()
+    )
 
 
-def test_a_log_dir_holding_what_a_run_writes_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A run wrote its payload, weights and data into --log-dir and removed them afterwards, the user's files of
-    those names included (a --weights checkpoint kept there was deleted), and a stale rank1.error was blamed."""
+def test_a_log_dir_holding_what_a_run_writes_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run wrote its payload, weights and data into --log-dir and removed them afterwards, the user's files
+    of those names included (a --weights checkpoint kept there was deleted), and a stale rank1.error was
+    blamed."""
     for name in ("weights.safetensors", "rank1.error"):
         folder = tmp_path / name.replace(".", "_")
         folder.mkdir()
         (folder / name).write_text("the user's")
         (folder / "notes.txt").write_text("kept")
-        code, _, err = run_cli(["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--log-dir", str(folder)], capsys)
-        assert_one_line_error(code, err, rf"--log-dir '.*' already holds {name}, which a run writes there .* give an "
-                                         r"empty or new folder")
+        code, _, err = run_cli(
+            ["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--log-dir", str(folder)], capsys)
+        assert_one_line_error(code, err, rf"--log-dir '.*' already holds {name}, which a run writes there .* "
+                                         r"give an empty or new folder")
         assert (folder / name).read_text() == "the user's"
 
 
@@ -84,7 +96,8 @@ def test_run_takes_the_plans_optimizer_and_every_optimizer_word(tmp_path: Path) 
     prof = Profile.load(_profile(tmp_path))
     for word in ("none", "sgd", "momentum", "adam", "adamw"):
         pl = plan(prof, 2, num_microbatches=2, optimizer=word)
-        opts = launch._run_options(pl, steps=1, warmup=0, optimizer=None, lr=None, check=False, backend=None, timeout_s=10)
+        opts = launch._run_options(pl, steps=1, warmup=0, optimizer=None, lr=None, check=False, backend=None,
+                                   timeout_s=10)
         assert opts["optimizer"] == word
         assert launch._run_options(pl, steps=1, warmup=0, optimizer=word, lr=None, check=False, backend=None,
                                    timeout_s=10)["optimizer"] == word
@@ -100,28 +113,38 @@ def test_more_local_ranks_than_cores_warns(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.usefixtures("no_spawn")
-def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    meta = {"timer": "analytic", "estimate": {"gpu": "h100-sxm"}, "device": "estimate:h100-sxm", "batch_size": 8,
-            "microbatch_size": 4, "model": "workloads:faulty"}
+def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    meta = {"timer": "analytic", "estimate": {"gpu": "h100-sxm"}, "device": "estimate:h100-sxm",
+            "batch_size": 8, "microbatch_size": 4, "model": "workloads:faulty"}
     prof = Profile(tuple(LayerProfile(str(i), 1e-3, 2e-3, 0, 8, 4) for i in range(4)), meta)
     prof.save(tmp_path / "est.json")
-    code, out, _ = run_cli(["plan", str(tmp_path / "est.json"), "--stages", "2", "-o", str(tmp_path / "plan.json")], capsys)
+    code, out, _ = run_cli(
+        ["plan", str(tmp_path / "est.json"), "--stages", "2", "-o", str(tmp_path / "plan.json")], capsys)
     assert code == 0 and "ESTIMATE: times are analytic (roofline) for h100-sxm" in out
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "plan.json")], capsys)
-    assert_one_line_error(code, err, r"made from an analytic estimate for h100-sxm, not from a measurement of this machine")
+    assert_one_line_error(
+        code, err, r"made from an analytic estimate for h100-sxm, not from a measurement of this machine")
     with pytest.raises(StageplanError, match=r"this profile is an analytic GPU estimate"):
         compare("workloads:faulty", 2, profile=tmp_path / "est.json")
-    # measured on CUDA, run on CPU ranks (a CPU profile on nccl ranks is refused alike, on a machine with GPUs)
-    Profile(prof.layers, {**meta, "timer": "cuda-events", "estimate": None, "device": "cuda:0"}).save(tmp_path / "gpu.json")
-    code, _, _ = run_cli(["plan", str(tmp_path / "gpu.json"), "--stages", "2", "-o", str(tmp_path / "gpu-plan.json")], capsys)
+    # measured on CUDA, run on CPU ranks (a CPU profile on
+    # nccl ranks is refused alike, on a machine with GPUs)
+    Profile(prof.layers, {**meta, "timer": "cuda-events", "estimate": None, "device": "cuda:0"}).save(
+        tmp_path / "gpu.json"
+    )
+    code, _, _ = run_cli(
+        ["plan", str(tmp_path / "gpu.json"), "--stages", "2", "-o", str(tmp_path / "gpu-plan.json")], capsys)
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", str(tmp_path / "gpu-plan.json")], capsys)
-    assert_one_line_error(code, err, r"made from a profile measured on cuda:0, and this run trains on cpu \(gloo\): its "
-                                     r"predictions are for the other device; profile the model on cpu")
+    assert_one_line_error(code, err, r"made from a profile measured on cuda:0, and this run trains on cpu "
+                                     r"\(gloo\): its predictions are for the other device; profile the model "
+                                     r"on cpu")
     from stageplan.running.launch import _refuse_estimate_on_cpu
 
-    on_cpu = plan(Profile(prof.layers, {**meta, "timer": "perf_counter", "estimate": None, "device": "cpu"}), 2)
+    on_cpu = plan(Profile(prof.layers, {**meta, "timer": "perf_counter", "estimate": None, "device": "cpu"}),
+                  2)
     _refuse_estimate_on_cpu(on_cpu, "gloo")
-    with pytest.raises(StageplanError, match=r"measured on cpu, and this run trains on cuda \(nccl\).*--backend gloo"):
+    with pytest.raises(StageplanError,
+                       match=r"measured on cpu, and this run trains on cuda \(nccl\).*--backend gloo"):
         _refuse_estimate_on_cpu(on_cpu, "nccl")
     from stageplan.plots import plot_stage_balance
 
@@ -131,17 +154,19 @@ def test_an_estimated_profile_is_labelled_and_not_run_on_the_cpu(tmp_path: Path,
 @pytest.mark.usefixtures("no_spawn")
 def test_check_is_refused_when_the_reference_cannot_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    # the faulty model: 3 x Linear(16, 16) = 3 x 272 x 4 B = 3.19 KiB. On a machine with 1 KiB free the factory's
-    # weights are not written, the ranks initialise by FQN, and the reference that --check trains would not fit
+    # the faulty model: 3 x Linear(16, 16) = 3 x 272 x 4 B = 3.19 KiB. On a machine with 1 KiB free the
+    # factory's weights are not written, the ranks initialise by FQN, and the reference that --check trains
+    # would not fit
     monkeypatch.setattr(launch, "_available_bytes", lambda: 1024)
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--check"], capsys)
-    assert_one_line_error(code, err, r"--check trains the whole model in one process, and this model's parameters "
-                                     r"\(3.19 KiB, twice that with gradients\) would not fit in the 1.00 KiB available "
-                                     r"here; run without --check")
+    assert_one_line_error(code, err, r"--check trains the whole model in one process, and this model's "
+                                     r"parameters \(3.19 KiB, twice that with gradients\) would not fit in "
+                                     r"the 1.00 KiB available here; run without --check")
 
 
 def _toy_plan(tmp_path: Path, *, layers: int = 4, m: int = 2, schedule: str = "GPipe") -> str:
-    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(layers)), {"batch_size": 8, "microbatch_size": 4})
+    prof = Profile(tuple(LayerProfile(str(i), 1.0, 1.0, 0, 0, 0) for i in range(layers)),
+                   {"batch_size": 8, "microbatch_size": 4})
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "plan.json"
     plan(prof, 2, num_microbatches=m, method="uniform", schedule=schedule).save(path)
@@ -153,15 +178,29 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     plan_path = _toy_plan(tmp_path)
     cases = [
-        (["run", "workloads:mlp", "--plan", plan_path], r"the plan does not match this model: it has 4 layers, the model 8"),
-        (["run", "workloads:faulty", "--plan", str(tmp_path / "missing.json")], r"plan file .*missing.json' does not exist"),
-        (["run", "workloads:faulty", "--set", "batch_size=7", "--plan", plan_path],
-         r"the batch of 7 does not divide into the plan's 2 microbatches"),
-        (["run", "workloads:faulty", "--plan", plan_path, "--optimizer", "lamb"], r"unknown optimizer 'lamb'"),
-        # priced at the profile's microbatch of 4 for 4 microbatches (a batch of 16): this batch of 8 would run 4 of 2
-        (["run", "workloads:faulty", "--plan", _toy_plan(tmp_path / "m4", m=4)],
-         r"the plan prices 4 microbatches of 4 samples \(a batch of 16\), and this model's batch of 8 makes 4 "
-         r"microbatches of 2, .* plan --microbatches 2, profile at --microbatch-size 2"),
+        (
+            ["run", "workloads:mlp", "--plan", plan_path],
+            r"the plan does not match this model: it has 4 layers, the model 8",
+        ),
+        (
+            ["run", "workloads:faulty", "--plan", str(tmp_path / "missing.json")],
+            r"plan file .*missing.json' does not exist",
+        ),
+        (
+            ["run", "workloads:faulty", "--set", "batch_size=7", "--plan", plan_path],
+            r"the batch of 7 does not divide into the plan's 2 microbatches",
+        ),
+        (
+            ["run", "workloads:faulty", "--plan", plan_path, "--optimizer", "lamb"],
+            r"unknown optimizer 'lamb'",
+        ),
+        # priced at the profile's microbatch of 4 for 4 microbatches
+        # (a batch of 16): this batch of 8 would run 4 of 2
+        (
+            ["run", "workloads:faulty", "--plan", _toy_plan(tmp_path / "m4", m=4)],
+            r"the plan prices 4 microbatches of 4 samples \(a batch of 16\), and this model's batch of 8 "
+            r"makes 4 microbatches of 2, .* plan --microbatches 2, profile at --microbatch-size 2",
+        ),
     ]
     for argv, pattern in cases:
         code, _, err = run_cli(argv, capsys)
@@ -171,12 +210,14 @@ def test_bad_run_input_is_refused_before_spawning(tmp_path: Path, capsys: pytest
     data["cost_options"].update(num_microbatches=1, schedule="1F1B")
     Path(plan_path).write_text(json.dumps(data))
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", plan_path], capsys)
-    assert_one_line_error(code, err, r"1F1B needs num_microbatches >= num_ranks, got num_microbatches=1 < num_ranks=2")
-    # torchrun's environment half set, or out of range (tracebacks before), then a world size that does not match
+    assert_one_line_error(code, err,
+                          r"1F1B needs num_microbatches >= num_ranks, got num_microbatches=1 < num_ranks=2")
+    # torchrun's environment half set, or out of range
+    # (tracebacks before), then a world size that does not match
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     code, _, err = run_cli(["run", "workloads:faulty", "--plan", _toy_plan(tmp_path)], capsys)
-    assert_one_line_error(code, err, r"looks like a torchrun launch, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are "
-                                     r"not set; start it with torchrun")
+    assert_one_line_error(code, err, r"looks like a torchrun launch, but RANK, WORLD_SIZE, MASTER_ADDR, "
+                                     r"MASTER_PORT are not set; start it with torchrun")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29999")):
         monkeypatch.setenv(key, value)
@@ -194,7 +235,8 @@ def test_a_run_stepping_another_optimizer_than_the_plan_priced_says_so(tmp_path:
 
     pl = Plan.load(_toy_plan(tmp_path))  # priced with plan's default, adam
     kw = dict(steps=2, warmup=0, lr=None, check=False, backend=None, timeout_s=10.0)
-    with pytest.warns(UserWarning, match=r"the plan priced a adam step and this run steps sgd: .* plan with --optimizer sgd"):
+    with pytest.warns(UserWarning, match=r"the plan priced a adam step and this run steps sgd: .* plan with "
+                                         r"--optimizer sgd"):
         assert _run_options(pl, optimizer="sgd", **kw)["optimizer"] == "sgd"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

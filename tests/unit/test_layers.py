@@ -114,8 +114,8 @@ def test_a_child_sequential_wrapped_by_other_code() -> None:
 def test_a_model_without_containers_is_refused_with_the_remedy() -> None:
     model = nn.Module()
     model.fc = nn.Linear(2, 2)
-    with pytest.raises(WorkloadError, match=r"cannot find layers in Module: .*no nn\.ModuleList and no child nn\.Sequential; "
-                                            r"name the layers explicitly"):
+    with pytest.raises(WorkloadError, match=r"cannot find layers in Module: .*no nn\.ModuleList and no child "
+                                            r"nn\.Sequential; name the layers explicitly"):
         resolve_layer_names(model, None)
 
 

@@ -1,5 +1,5 @@
-"""stageplan.formats.link: LINK.json loaded and checked, and plan --link priced exactly as --bandwidth with the
-measured latency per crossing and the schedule's overheads around each chunk."""
+"""stageplan.formats.link: LINK.json loaded and checked, and plan --link priced exactly as --bandwidth with
+the measured latency per crossing and the schedule's overheads around each chunk."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def test_a_link_file_with_a_bad_all_reduce_rank_count_is_one_line_from_plan(
     from conftest import assert_one_line_error, run_cli
 
     link = tmp_path / "LINK.json"
-    link.write_text(json.dumps({"schema": "stageplan.link/1", "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH,
+    link.write_text(json.dumps({"schema": "stageplan.link/1", "latency_s": LATENCY,
+                                "bandwidth_bytes_per_s": BANDWIDTH,
                                 "allreduce_latency_s": 1e-4, "allreduce_bandwidth_bytes_per_s": 1e9,
                                 "allreduce_ranks": 1}))
     code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--link", str(link)], capsys)
@@ -86,9 +87,11 @@ def test_plan_link_prices_bytes_as_bandwidth_and_adds_the_latency(tmp_path: Path
     assert linked.simulate().step_s == pytest.approx(linked.predicted_step_s)  # the stored plan replays it
     assert linked.cost_options["boundary_latency_s"] == 0.5
     assert linked.cost_options["bandwidth_bytes_per_s"] == 1e6
-    assert ("boundary latency 500.000 ms per crossing, the one-way latency measured by stageplan link (gloo, 0 pairs) in"
+    assert ("boundary latency 500.000 ms per crossing, the one-way latency measured by stageplan link (gloo, "
+            "0 pairs) in"
             in "\n".join(linked.notes))
-    assert any(n.startswith("link bandwidth 0.001 GB/s one way prices the boundary bytes") for n in linked.notes)
+    assert any(n.startswith("link bandwidth 0.001 GB/s one way prices the boundary bytes")
+               for n in linked.notes)
     assert not any("not modelled" in n for n in linked.notes)
     assert any("not modelled" in n for n in bare.notes)
     # a dict works as the file does
@@ -101,7 +104,9 @@ def test_plan_link_prices_bytes_as_bandwidth_and_adds_the_latency(tmp_path: Path
         exchanged = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=fused)
     assert exchanged.predicted_step_s == pytest.approx(6 + 2 * (1.0 + 0.75))
     assert exchanged.cost_options["boundary_latency_s"] == 0.75
-    assert "750.000 ms per crossing, a fused send/receive exchange measured by stageplan link" in "\n".join(exchanged.notes)
+    assert "750.000 ms per crossing, a fused send/receive exchange measured by stageplan link" in "\n".join(
+        exchanged.notes
+    )
 
 
 def test_cli_plan_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,17 +125,20 @@ def test_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     prof = tmp_path / "prof.json"
     _profile().save(prof)
     link = _link_file(tmp_path)
-    code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(link), "--bandwidth", "1GB/s"], capsys)
+    code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(link), "--bandwidth", "1GB/s"],
+                           capsys)
     assert_one_line_error(code, err, r"--link and --bandwidth.*give one")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"schema": "stageplan.link/9", "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}))
+    bad.write_text(
+        json.dumps({"schema": "stageplan.link/9", "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}))
     code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(bad)], capsys)
     assert_one_line_error(code, err, r"'stageplan.link/9'.*'stageplan.link/1'")
     neg = tmp_path / "neg.json"
     neg.write_text(json.dumps({"schema": LINK_SCHEMA, "latency_s": 1e-5, "bandwidth_bytes_per_s": 0}))
     code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(neg)], capsys)
     assert_one_line_error(code, err, r"bandwidth_bytes_per_s > 0.*stageplan link")
-    code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(tmp_path / "missing.json")], capsys)
+    code, _, err = run_cli(["plan", str(prof), "--stages", "2", "--link", str(tmp_path / "missing.json")],
+                           capsys)
     assert_one_line_error(code, err, r"does not exist")
     code, _, err = run_cli(["link", "--ranks", "1", "-o", str(tmp_path / "l.json")], capsys)
     assert_one_line_error(code, err, r"num_ranks must be an integer >= 2, got 1; e.g. --ranks 2")
@@ -145,7 +153,8 @@ def test_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_load_link_refuses_a_mangled_exchange() -> None:
     for bad in (True, -1.0, float("nan"), "fast"):
         with pytest.raises(StageplanError, match="exchange_s"):
-            load_link({"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "exchange_s": bad})
+            load_link({"schema": "stageplan.link/1", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9,
+                       "exchange_s": bad})
 
 
 def test_load_link_checks_the_figures() -> None:
@@ -155,14 +164,17 @@ def test_load_link_checks_the_figures() -> None:
     with pytest.raises(Exception, match=r"latency_s >= 0"):
         load_link({"schema": LINK_SCHEMA, "latency_s": -1, "bandwidth_bytes_per_s": 5})
     # true read as 1 s of latency, and a number where the pairs go broke the plan's note (len of an int)
-    with pytest.raises(SchemaError, match=r"has latency_s = True and bandwidth_bytes_per_s = 5; both must be numbers"):
+    with pytest.raises(SchemaError,
+                       match=r"has latency_s = True and bandwidth_bytes_per_s = 5; both must be numbers"):
         load_link({"schema": LINK_SCHEMA, "latency_s": True, "bandwidth_bytes_per_s": 5})
-    # the exception's text had stood where the field's name goes: "mangles field could not convert string to float"
-    with pytest.raises(SchemaError, match=r"has latency_s = 0 and bandwidth_bytes_per_s = 'fast'; both must be "
-                                          r"numbers \(seconds, bytes/s\)"):
+    # the exception's text had stood where the field's name
+    # goes: "mangles field could not convert string to float"
+    with pytest.raises(SchemaError, match=r"has latency_s = 0 and bandwidth_bytes_per_s = 'fast'; both must "
+                                          r"be numbers \(seconds, bytes/s\)"):
         load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": "fast"})
     for field, value in (("pairs", 5), ("backend", 3)):
-        with pytest.raises(SchemaError, match=rf"{field} = {value}\b.*; pairs must be a list and backend a name"):
+        with pytest.raises(SchemaError,
+                           match=rf"{field} = {value}\b.*; pairs must be a list and backend a name"):
             load_link({"schema": LINK_SCHEMA, "latency_s": 0, "bandwidth_bytes_per_s": 5, field: value})
 
 
@@ -177,7 +189,8 @@ def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_
     assert timed.predicted_step_s == pytest.approx(bare.predicted_step_s + 4 * 0.25)
     assert timed.simulate().step_s == pytest.approx(timed.predicted_step_s)  # the stored plan replays it
     for st, was in zip(timed.stages, bare.stages):
-        assert (st.forward_s, st.backward_s) == (was.forward_s, was.backward_s)  # what a run's chunk timers see
+        # what a run's chunk timers see
+        assert (st.forward_s, st.backward_s) == (was.forward_s, was.backward_s)
         assert st.action_s == 0.5 and st.time_s == pytest.approx(was.time_s + 0.5)
     assert timed.bottleneck_s == pytest.approx(bare.bottleneck_s + 0.5)
     assert timed.lower_bound_s == pytest.approx(bare.lower_bound_s + 0.5)
@@ -192,9 +205,10 @@ def test_a_link_with_the_schedules_action_time_prices_it_around_every_chunk(tmp_
 
 
 def test_a_link_with_the_chunks_overhead_prices_it_inside_every_chunk(tmp_path: Path) -> None:
-    """Closed form: GPipe, p = 2, m = 1, forward 1 s, backward 2 s, one layer per rank; PipelineStage's 0.1 s in
-    each forward and 0.2 s in each backward lengthen the four actions on the critical path (F0, F1, B1, B0) by
-    0.6 s, and each stage's forward, backward and time by 0.1, 0.2 and 0.3 s; a link without the figures says so."""
+    """Closed form: GPipe, p = 2, m = 1, forward 1 s, backward 2 s, one layer per rank; PipelineStage's 0.1 s
+    in each forward and 0.2 s in each backward lengthen the four actions on the critical path (F0, F1, B1, B0)
+    by 0.6 s, and each stage's forward, backward and time by 0.1, 0.2 and 0.3 s; a link without the figures
+    says so."""
     base = json.loads(_link_file(tmp_path, latency_s=0.5, bandwidth=1e6).read_text())
     with pytest.warns(UserWarning, match="bubble"):
         bare = plan(_profile(), 2, num_microbatches=1, schedule="GPipe", link=base)
@@ -208,7 +222,8 @@ def test_a_link_with_the_chunks_overhead_prices_it_inside_every_chunk(tmp_path: 
     assert timed.bottleneck_s == pytest.approx(bare.bottleneck_s + 0.3)
     assert timed.lower_bound_s == pytest.approx(bare.lower_bound_s + 0.3)
     assert (timed.cost_options["chunk_forward_s"], timed.cost_options["chunk_backward_s"]) == (0.1, 0.2)
-    assert any("100.000 ms inside each chunk's forward and 200.000 ms inside its backward" in n for n in timed.notes)
+    assert any("100.000 ms inside each chunk's forward and 200.000 ms inside its backward" in n
+               for n in timed.notes)
     assert any("has no action_s, chunk_forward_s, chunk_backward_s" in n for n in bare.notes)
     assert not any("schedule probe has no" in n for n in plan(
         _profile(), 2, num_microbatches=2, link={**base, "action_s": 0.0, "chunk_forward_s": 0.1,

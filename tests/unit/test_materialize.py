@@ -33,8 +33,8 @@ from stageplan.zoo import gpt
 def test_the_cli_profiles_a_model_fn_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # small enough to fit: materialised whole from meta (initialised by FQN); --streaming: one layer at a time
     for flags, how in (([], "whole-model"), (["--streaming"], "layer-at-a-time")):
-        code, _, err = run_cli(["profile", "workloads:big", *flags, "--warmup", "0", "--repeats", "1", "--quiet",
-                                "-o", str(tmp_path / "big.json")], capsys)
+        code, _, err = run_cli(["profile", "workloads:big", *flags, "--warmup", "0", "--repeats", "1",
+                                "--quiet", "-o", str(tmp_path / "big.json")], capsys)
         assert code == 0, err
         prof = Profile.load(tmp_path / "big.json")
         assert len(prof) == 4 and prof.meta["materialized"] == how
@@ -73,12 +73,14 @@ def test_only_one_piece_is_materialised_with_the_checkpoints_tensors(tmp_path: P
     got = dict(last.named_parameters(remove_duplicate=False))
     want = dict(real.model.named_parameters(remove_duplicate=False))
     for name, p in got.items():
-        torch.testing.assert_close(p, want[name], rtol=0, atol=0)  # the head reads the embedding through the tie
+        # the head reads the embedding through the tie
+        torch.testing.assert_close(p, want[name], rtol=0, atol=0)
     # the materialised stage computes what the real model's layers compute
     with torch.no_grad():
         pos = torch.arange(SMALL["seq_len"])
         hidden = real.model.blocks[0](real.model.tok_emb(real.inputs[:2]) + real.model.pos_emb(pos))
-        torch.testing.assert_close(last(hidden), real.model.head(real.model.ln_f(real.model.blocks[2](real.model.blocks[1](hidden)))))
+        torch.testing.assert_close(last(hidden), real.model.head(
+            real.model.ln_f(real.model.blocks[2](real.model.blocks[1](hidden)))))
 
 
 def test_fqn_init_is_the_same_wherever_it_runs_and_defined() -> None:
@@ -90,7 +92,8 @@ def test_fqn_init_is_the_same_wherever_it_runs_and_defined() -> None:
     c = initialize_by_fqn(model, ["2.weight"], "cpu", seed=1)
     assert all(torch.equal(a[n], b[n]) for n in names) and torch.equal(c["2.weight"], a["2.weight"])
     assert not torch.equal(initialize_by_fqn(model, names, "cpu", seed=2)["0.weight"], a["0.weight"])
-    assert torch.equal(a["1.weight"], torch.ones(4)) and torch.equal(a["1.bias"], torch.zeros(4))  # LayerNorm's own rule
+    # LayerNorm's own rule
+    assert torch.equal(a["1.weight"], torch.ones(4)) and torch.equal(a["1.bias"], torch.zeros(4))
     assert all(torch.isfinite(t).all() for t in a.values())
     ref = reference_model(model, torch.device("cpu"), seed=1)
     assert all(torch.equal(p, a[n]) for n, p in ref.named_parameters())
@@ -112,8 +115,10 @@ def test_checkpoint_refusals(tmp_path: Path) -> None:
         Checkpoint(tmp_path)
     with init_empty_weights():
         model = nn.Linear(2, 3)
-    with pytest.raises(StageplanError, match=r"weights tensor 'weight' has shape \(2, 2\), the model's 'weight' \(3, 2\)"):
-        real_parameters(model, ["weight"], "cpu", weights=Checkpoint({"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}))
+    with pytest.raises(StageplanError,
+                       match=r"weights tensor 'weight' has shape \(2, 2\), the model's 'weight' \(3, 2\)"):
+        real_parameters(model, ["weight"], "cpu",
+                        weights=Checkpoint({"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}))
 
 
 def test_an_hf_folder_with_an_index_reads_only_what_is_asked(tmp_path: Path) -> None:
@@ -132,14 +137,16 @@ def test_an_hf_folder_with_an_index_reads_only_what_is_asked(tmp_path: Path) -> 
 def test_safetensors_are_read_exactly_without_mapping_the_file(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3), "d": torch.zeros(0),
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3),
+               "d": torch.zeros(0),
                "e": torch.tensor([True, False]), "f": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
     save_file(tensors, str(tmp_path / "t.safetensors"))
     got = Checkpoint(tmp_path / "t.safetensors").read(["f", "b", "a", "c", "d", "e"])
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "t.safetensors").read_bytes()[:-8])
-    with pytest.raises(StageplanError, match=r"cut.safetensors' is not a safetensors file .*not fully covered"):
+    with pytest.raises(StageplanError,
+                       match=r"cut.safetensors' is not a safetensors file .*not fully covered"):
         Checkpoint(tmp_path / "cut.safetensors")
 
 
@@ -160,7 +167,8 @@ def test_a_tied_state_dict_is_stored_once_and_read_through_the_tie(tmp_path: Pat
     from stageplan.materialize import save_tensors
 
     real = gpt(**SMALL).model
-    save_tensors(real.state_dict().items(), tmp_path / "sd.safetensors")  # detached aliases of one tied weight
+    # detached aliases of one tied weight
+    save_tensors(real.state_dict().items(), tmp_path / "sd.safetensors")
     ckpt = Checkpoint(tmp_path / "sd.safetensors")
     got = real_parameters(meta_copy(real), ["head.weight"], "cpu", weights=ckpt)["head.weight"]
     assert torch.equal(got, real.tok_emb.weight)
@@ -168,7 +176,8 @@ def test_a_tied_state_dict_is_stored_once_and_read_through_the_tie(tmp_path: Pat
 
 def test_an_index_with_a_malformed_weight_map_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": null}')
-    with pytest.raises(StageplanError, match=r"is not an HF safetensors index \(weight_map is NoneType, not an object\)"):
+    with pytest.raises(StageplanError,
+                       match=r"is not an HF safetensors index \(weight_map is NoneType, not an object\)"):
         Checkpoint(tmp_path)
 
 

@@ -102,7 +102,8 @@ def test_gaps_are_shared_between_stamped_neighbours_and_spans_never_overlap() ->
 
 
 class _Pair(nn.Module):
-    """A layer with its own input and a memory shared with the other layers (as a decoder's cross-attention)."""
+    """A layer with its own input and a memory shared with
+    the other layers (as a decoder's cross-attention)."""
 
     def __init__(self, backward_s: float) -> None:
         super().__init__()
@@ -169,9 +170,9 @@ def test_a_strided_view_counts_from_its_first_to_its_last_element() -> None:
 
 
 def test_the_loss_target_of_a_microbatch_counts_as_the_microbatch() -> None:
-    """An MLP with MSE, batch 64, microbatch 32: the last layer (Tanh + loss) saves its output and the target's
-    microbatch slice, 32 x 16 float32 each. The slice used to count as the whole batch's target storage (2 KiB too
-    many here; 32 KiB in the wider MLP of the issue that found it)."""
+    """An MLP with MSE, batch 64, microbatch 32: the last layer (Tanh + loss) saves its output and the
+    target's microbatch slice, 32 x 16 float32 each. The slice used to count as the whole batch's target
+    storage (2 KiB too many here; 32 KiB in the wider MLP of the issue that found it)."""
     from stageplan.profiling.profiler import profile_model
     from stageplan.workload import Workload
 
@@ -188,9 +189,12 @@ def test_medians_and_microbatches() -> None:
     assert median_iqr([5.0]) == (5.0, 0.0)
     assert microbatch_size_for(8, 4) == 2
     assert torch.equal(microbatch(torch.arange(8), 1, 2), torch.tensor([2, 3]))
-    with pytest.raises(StageplanError, match=r"the batch of 8 does not divide into the plan's 3 microbatches"):
+    with pytest.raises(
+        StageplanError, match=r"the batch of 8 does not divide into the plan's 3 microbatches"
+    ):
         microbatch_size_for(8, 3)
-    with pytest.raises(StageplanError, match=r"microbatch size 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]"):
+    with pytest.raises(StageplanError,
+                       match=r"microbatch size 3 does not divide the batch of 8; use one of \[1, 2, 4, 8\]"):
         check_microbatch_size(8, 3)
 
 
@@ -208,7 +212,9 @@ def test_the_allocator_thresholds_are_set_once_on_glibc() -> None:
 
 
 @pytest.mark.parametrize("llc_mib", [4, 32, 128, 480, 1152])
-def test_the_cache_flush_writes_twice_the_cache_up_to_its_cap(monkeypatch: pytest.MonkeyPatch, llc_mib: int) -> None:
+def test_the_cache_flush_writes_twice_the_cache_up_to_its_cap(
+    monkeypatch: pytest.MonkeyPatch, llc_mib: int
+) -> None:
     """Twice the last-level cache (so that what the last repeat left there is evicted), but never more than
     FLUSH_CAP_BYTES: a VM here is shown its host's shared 480 MiB L3, and the uncapped 960 MiB buffer lifted a
     streamed profile's peak memory by 1.3 GB. The buffer written is the size stated."""
@@ -226,9 +232,9 @@ def test_the_cache_flush_writes_twice_the_cache_up_to_its_cap(monkeypatch: pytes
 
 
 def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a clock the test moves: a 0.5 s warm-up round, then 0.25 s rounds. Timing starts with round 1 (t = 0.5);
-    rounds 2-4 start at 0.75, 1.0 and 1.25 while the timed ones span less than 1 s, and the check at 1.5 finds 1 s
-    spanned. Where the repeats take longer than min_time, the repeats decide."""
+    """On a clock the test moves: a 0.5 s warm-up round, then 0.25 s rounds. Timing starts with round 1 (t =
+    0.5); rounds 2-4 start at 0.75, 1.0 and 1.25 while the timed ones span less than 1 s, and the check at 1.5
+    finds 1 s spanned. Where the repeats take longer than min_time, the repeats decide."""
     import types
 
     from stageplan import measure
@@ -252,8 +258,8 @@ def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.timing
 def test_the_timer_gives_each_chunk_call_the_idle_gap_before_it_across_drains() -> None:
-    """Oracle: known sleeps between the calls. A receive's wait is idle; a mark (the optimizer step's end) restarts
-    the count; the first call ever has nothing before it."""
+    """Oracle: known sleeps between the calls. A receive's wait is idle; a mark (the optimizer step's end)
+    restarts the count; the first call ever has nothing before it."""
     import time
 
     from stageplan.measure import Timer

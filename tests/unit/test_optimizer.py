@@ -21,8 +21,8 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
     before = [p.detach().clone() for p in model.parameters()]
-    prof = profile_model(Workload(model, torch.randn(4, 1024), loss_fn=_sum_loss), microbatch_size=4, warmup=1,
-                         repeats=5, streaming=False)
+    prof = profile_model(Workload(model, torch.randn(4, 1024), loss_fn=_sum_loss), microbatch_size=4,
+                         warmup=1, repeats=5, streaming=False)
     lin, relu = prof.layers
     assert lin.optimizer_s is not None and set(lin.optimizer_s) == {"sgd", "momentum", "adam", "adamw"}
     assert 0 < lin.optimizer_s["sgd"] < lin.optimizer_s["adam"]  # adam reads and writes two more states
@@ -34,7 +34,8 @@ def test_profiler_times_adam_above_sgd_on_a_big_linear_and_leaves_the_model_alon
 
 
 class _Detached(nn.Module):
-    """A linear layer plus a parameter its backward never reaches (used detached): that parameter gets no gradient."""
+    """A linear layer plus a parameter its backward never
+    reaches (used detached): that parameter gets no gradient."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -46,13 +47,15 @@ class _Detached(nn.Module):
 
 
 @pytest.mark.parametrize(("streaming", "sparse"), [(False, False), (True, False), (False, True)])
-def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeypatch: pytest.MonkeyPatch,
-                                                                         streaming: bool, sparse: bool) -> None:
-    """An embedding's gradient is zero on the rows its batch does not use, and a CPU Adam step over those zeros
-    costs twice one over ones (torch's sqrt of 0): so the profiler steps the layer's own gradient. Oracle: with the
-    output's gradient all ones, row r of the table's gradient is (times r occurs in the batch) x ones; a sparse
-    table's gradient is stepped as its dense equal (torch's dense optimizers refuse sparse ones); a parameter the
-    backward does not reach is not stepped, as torch's optimizers skip a None gradient."""
+def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(
+    monkeypatch: pytest.MonkeyPatch, streaming: bool, sparse: bool
+) -> None:
+    """An embedding's gradient is zero on the rows its batch does not use, and a CPU Adam step over those
+    zeros costs twice one over ones (torch's sqrt of 0): so the profiler steps the layer's own gradient.
+    Oracle: with the output's gradient all ones, row r of the table's gradient is (times r occurs in the
+    batch) x ones; a sparse table's gradient is stepped as its dense equal (torch's dense optimizers refuse
+    sparse ones); a parameter the backward does not reach is not stepped, as torch's optimizers skip a None
+    gradient."""
     from stageplan.profiling import optimizer as profiler
 
     seen: list[list[torch.Tensor]] = []
@@ -62,7 +65,8 @@ def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeyp
             seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
             return super().step(closure)
 
-    monkeypatch.setattr(profiler, "_OPTIMIZERS", {**profiler._OPTIMIZERS, "sgd": lambda ps: Recording(ps, lr=1e-3)})
+    monkeypatch.setattr(profiler, "_OPTIMIZERS",
+                        {**profiler._OPTIMIZERS, "sgd": lambda ps: Recording(ps, lr=1e-3)})
     torch.manual_seed(0)
     vocab, dim = 64, 4
     model = nn.Sequential(nn.Embedding(vocab, dim, sparse=sparse), _Detached(dim))
@@ -74,20 +78,22 @@ def test_each_layers_step_is_timed_on_the_gradient_its_own_backward_made(monkeyp
     expected = torch.bincount(idx.flatten(), minlength=vocab).float()[:, None].expand(vocab, dim)
     for g in table:
         torch.testing.assert_close(g, expected)
-    head = [g for grads in seen for g in grads if g.shape == (3, dim)]  # the last layer: the loss's own gradient
+    # the last layer: the loss's own gradient
+    head = [g for grads in seen for g in grads if g.shape == (3, dim)]
     expected_head = torch.ones(3, 1) * model[0](idx).detach().sum(dim=(0, 1))[None, :]
     assert head
     for g in head:
         torch.testing.assert_close(g, expected_head)
-    assert not [g for grads in seen for g in grads if g.shape == (1, 1, 3)]  # the detached parameter: never stepped
+    # the detached parameter: never stepped
+    assert not [g for grads in seen for g in grads if g.shape == (1, 1, 3)]
 
 
 def test_identical_layers_reuse_the_measured_optimizer_step() -> None:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 1..4 alike: 3 and 4 reuse 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the spread of two tiny layers on a shared machine
-        prof = profile_model(Workload(model, torch.randn(4, 64), loss_fn=_sum_loss), microbatch_size=4, warmup=0,
-                             repeats=2, streaming=True)
+        prof = profile_model(Workload(model, torch.randn(4, 64), loss_fn=_sum_loss), microbatch_size=4,
+                             warmup=0, repeats=2, streaming=True)
     rows = {x.name: x for x in prof.layers}
     assert any(x.measured_as is not None for x in prof.layers)
     for x in prof.layers:
@@ -104,4 +110,5 @@ def test_estimate_prices_the_optimizer_step_by_bytes_moved() -> None:
                          device="estimate:h100-sxm")
     rate = 0.7 * gpu_spec("h100-sxm").memory_bandwidth  # the default eta_m
     for x in prof.layers:
-        assert x.optimizer_s == pytest.approx({k: n * x.param_bytes / rate for k, n in OPTIMIZER_PASSES.items()})
+        assert x.optimizer_s == pytest.approx(
+            {k: n * x.param_bytes / rate for k, n in OPTIMIZER_PASSES.items()})

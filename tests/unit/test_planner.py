@@ -37,9 +37,11 @@ MS = 1e-3
 
 
 def xyz(opt_ms: float) -> Profile:
-    """Three layers of 1 ms forward; backward 1, 1 and 1.2 ms; only the middle layer's optimizer step costs time."""
+    """Three layers of 1 ms forward; backward 1, 1 and 1.2
+    ms; only the middle layer's optimizer step costs time."""
     rows = [("x", 1.0, 1.0, 0.0), ("y", 1.0, 1.0, opt_ms), ("z", 1.0, 1.2, 0.0)]
-    return Profile(tuple(LayerProfile(n, f * MS, b * MS, 0, 0, 0, optimizer_s={"adam": o * MS}) for n, f, b, o in rows))
+    return Profile(
+        tuple(LayerProfile(n, f * MS, b * MS, 0, 0, 0, optimizer_s={"adam": o * MS}) for n, f, b, o in rows))
 
 
 def lm_profile(times: list[float], act: list[int] | None = None, *, batch: int = 8, mb: int = 2) -> Profile:
@@ -48,7 +50,8 @@ def lm_profile(times: list[float], act: list[int] | None = None, *, batch: int =
     names = ["tok_emb+pos_emb", *[f"blocks.{i}" for i in range(n - 2)], "ln_f+head"]
     act = act if act is not None else [0] * n
     layers = tuple(LayerProfile(names[i], t * 0.4, t * 0.6, act[i], 0, 0) for i, t in enumerate(times))
-    return Profile(layers, {"batch_size": batch, "microbatch_size": mb, "named_layers": names[1:-1], "model": "toy"})
+    return Profile(layers,
+                   {"batch_size": batch, "microbatch_size": mb, "named_layers": names[1:-1], "model": "toy"})
 
 
 E, t, L, m = "E", "t", "L", "m"
@@ -66,13 +69,15 @@ def test_the_three_ways_to_give_a_split_agree_and_are_exclusive() -> None:
     assert by_layout.versus_optimal["given"] == "E,t*2|t*2,L"
     assert by_fqns.versus_optimal["given"][1] == ["blocks.2", "blocks.3", "ln_f", "head"]
     assert by_cuts.stages == by_layout.stages == by_fqns.stages
-    with pytest.raises(StageplanError, match=r"got boundaries and megatron_layout: each gives a split to score; pass "
-                                             r"only one of boundaries, megatron_layout and fqns"):
+    with pytest.raises(StageplanError, match=r"got boundaries and megatron_layout: each gives a split to "
+                                             r"score; pass only one of boundaries, megatron_layout and fqns"):
         plan(prof, 2, boundaries=[0, 3, 6], megatron_layout="E,t*2|t*2,L")
-    with pytest.raises(StageplanError, match=r"method 'uniform' chooses a split but fqns gives one; drop one of them"):
+    with pytest.raises(StageplanError,
+                       match=r"method 'uniform' chooses a split but fqns gives one; drop one of them"):
         plan(prof, 2, method="uniform", fqns=[["tok_emb+pos_emb"], ["blocks.0"]])
-    with pytest.raises(StageplanError, match=r"the Megatron layout gives 3 stages but 2 ranks x 1 chunks need 2; give "
-                                             r"2 stages, or plan 3 \(--stages 3, one chunk per rank\)"):
+    with pytest.raises(StageplanError, match=r"the Megatron layout gives 3 stages but 2 ranks x 1 chunks "
+                                             r"need 2; give 2 stages, or plan 3 \(--stages 3, one chunk per "
+                                             r"rank\)"):
         plan(prof, 2, megatron_layout="Et|tt|tL")
     with pytest.raises(StageplanError, match=r"megatron_layout must be a string such as 'E,t\*4\|t\*4,L'"):
         plan(prof, 2, megatron_layout=["E"])  # type: ignore[arg-type]
@@ -97,7 +102,8 @@ def make_profile(times, act=None, params=None, out=None, *, named=True, batch=8,
     params = params if params is not None else [0] * n
     out = out if out is not None else [0] * n
     names = ["embed", *[f"blocks.{i}" for i in range(n - 2)], "head+norm"]
-    layers = tuple(LayerProfile(names[i], float(times[i]) * 0.4, float(times[i]) * 0.6, int(act[i]), int(out[i]), int(params[i]))
+    layers = tuple(LayerProfile(names[i], float(times[i]) * 0.4, float(times[i]) * 0.6, int(act[i]),
+                                int(out[i]), int(params[i]))
                    for i in range(n))
     meta = {"batch_size": batch, "microbatch_size": mb, "model": "toy"}
     if named:
@@ -148,7 +154,8 @@ def test_invariants_and_optimality_on_random_profiles(seed: int) -> None:
 
 
 def test_memory_moves_layers_off_stage_zero_under_1f1b() -> None:
-    # 8 equal layers, 100 activation bytes each. 1F1B with p=2, m=4: stage 0 holds 2 microbatches, stage 1 holds 1.
+    # 8 equal layers, 100 activation bytes each. 1F1B with
+    # p=2, m=4: stage 0 holds 2 microbatches, stage 1 holds 1.
     prof = make_profile([1.0] * 8, act=[100] * 8)
     free = plan(prof, 2, num_microbatches=4, schedule="1F1B", optimizer="none")
     assert free.boundaries == (0, 4, 8)
@@ -157,7 +164,8 @@ def test_memory_moves_layers_off_stage_zero_under_1f1b() -> None:
     assert capped.boundaries == (0, 3, 8)  # stage 0: 2 x 300 = 600 <= 700; stage 1: 1 x 500 = 500
     assert max(capped.rank_memory_bytes) <= 700
     gpipe = plan(prof, 2, num_microbatches=4, schedule="GPipe", optimizer="none")
-    assert max(gpipe.rank_memory_bytes) == 1600 > max(free.rank_memory_bytes)  # GPipe holds all 4 microbatches
+    # GPipe holds all 4 microbatches
+    assert max(gpipe.rank_memory_bytes) == 1600 > max(free.rank_memory_bytes)
     with pytest.raises(InfeasiblePlanError, match=r"smallest limit that admits a plan is") as info:
         plan(prof, 2, num_microbatches=4, schedule="GPipe", optimizer="none", memory_limit=700)
     assert info.value.min_memory_limit_bytes == pytest.approx(1600)
@@ -184,7 +192,10 @@ def test_heterogeneous_devices_and_bandwidth() -> None:
     slow = plan(prof, 2, num_microbatches=4, devices=[1.0, 0.5])
     assert slow.bottleneck_s == pytest.approx(brute_force(times, 2, [1.0, 0.5]), rel=1e-9)
     fast = plan(prof, 2, num_microbatches=4, devices=[Device(1.0), Device(1.0)])
-    assert slow.stages[1].end_layer - slow.stages[1].first_layer <= fast.stages[1].end_layer - fast.stages[1].first_layer
+    assert (
+        slow.stages[1].end_layer - slow.stages[1].first_layer
+        <= fast.stages[1].end_layer - fast.stages[1].first_layer
+    )
     comm = plan(prof, 2, num_microbatches=4, bandwidth="1MB/s")
     assert comm.stages[0].comm_s == pytest.approx(2.0) and comm.stages[1].comm_s == 0
     assert not any("not modelled" in n for n in comm.notes)
@@ -201,7 +212,8 @@ def test_auto_picks_the_fastest_feasible_candidate() -> None:
 
 def test_interleaved_rank_loads() -> None:
     times = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0]
-    pl = plan(make_profile(times, act=[10] * 8), 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    pl = plan(make_profile(times, act=[10] * 8), 2, num_microbatches=4, schedule="Interleaved1F1B",
+              virtual_stages=2)
     assert pl.num_chunks == 4 and pl.virtual_stages == 2
     loads = [sum(st.time_s for st in pl.stages if st.rank == r) for r in range(2)]
     assert pl.rank_time_s == pytest.approx(loads) and pl.bottleneck_s == pytest.approx(max(loads))
@@ -229,8 +241,8 @@ def test_small_m_warns() -> None:
 
 
 def test_precision_holds_the_bytes_a_megatron_user_expects() -> None:
-    """ZeRO accounting, closed form: mixed precision with Adam holds 16 bytes per parameter (2 weights, 2 grads,
-    4 fp32 master, 4 + 4 Adam moments); pure bf16 with Adam 8; fp32 with SGD 8 (weights and grads)."""
+    """ZeRO accounting, closed form: mixed precision with Adam holds 16 bytes per parameter (2 weights, 2
+    grads, 4 fp32 master, 4 + 4 Adam moments); pure bf16 with Adam 8; fp32 with SGD 8 (weights and grads)."""
     count = 1000
     layers = tuple(LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 4 * count, param_count=count) for i in range(4))
     prof = Profile(layers, {"dtype": "float32"})
@@ -242,17 +254,21 @@ def test_precision_holds_the_bytes_a_megatron_user_expects() -> None:
             static = st.memory["total"] - st.memory["activations"] - st.memory["buffers"]
             assert static == per_param * count * len(st.layers), (precision, optimizer)
         assert pl.stages[0].memory["master"] == (4 * count * 2 if precision.endswith("mixed") else 0)
-    # 2 layers x 1000 params x 16 B = 32000 B per stage: a 31 KB limit is refused with the smallest cap that works
-    with pytest.raises(InfeasiblePlanError, match=r"the smallest limit that admits a plan is 31.25 KiB") as info:
+    # 2 layers x 1000 params x 16 B = 32000 B per stage: a 31
+    # KB limit is refused with the smallest cap that works
+    with pytest.raises(
+        InfeasiblePlanError, match=r"the smallest limit that admits a plan is 31.25 KiB"
+    ) as info:
         plan(prof, 2, num_microbatches=2, precision="bf16-mixed", optimizer="adam", memory_limit=31000)
     assert info.value.min_memory_limit_bytes == 32000
-    with pytest.raises(StageplanError, match=r"unknown precision 'fp8'; use one of fp32, bf16, bf16-mixed, fp16-mixed"):
+    with pytest.raises(StageplanError,
+                       match=r"unknown precision 'fp8'; use one of fp32, bf16, bf16-mixed, fp16-mixed"):
         plan(prof, 2, num_microbatches=2, precision="fp8")
 
 
 def test_a_plan_for_another_batch_than_the_profiled_one_says_how_to_run_it() -> None:
-    """A plan keeps its profile's microbatch size for any m; when m microbatches of it are not the profiled model's
-    batch, the plan says so (stageplan run splits the model's own batch and refuses the mismatch)."""
+    """A plan keeps its profile's microbatch size for any m; when m microbatches of it are not the profiled
+    model's batch, the plan says so (stageplan run splits the model's own batch and refuses the mismatch)."""
     prof = make_profile([1.0] * 6)  # batch 8, microbatch 2
 
     def batch_notes(pl: Plan) -> list[str]:
@@ -264,15 +280,17 @@ def test_a_plan_for_another_batch_than_the_profiled_one_says_how_to_run_it() -> 
     (note,) = batch_notes(plan(prof, 2, num_microbatches=8))
     assert ("prices 8 microbatches of 2 samples, a batch of 16, and the profiled model's batch is 8" in note
             and "plan --microbatches 4, or profile at --microbatch-size 1" in note)
-    (note,) = batch_notes(plan(prof, 2, num_microbatches=16))  # 16 does not divide 8: only a bigger batch runs it
+    # 16 does not divide 8: only a bigger batch runs it
+    (note,) = batch_notes(plan(prof, 2, num_microbatches=16))
     assert note.endswith("build the model with a batch of 32") and "--microbatch-size" not in note
-    (note,) = batch_notes(plan(make_profile([1.0] * 6, mb=1), 2, num_microbatches=64))  # the 70B way: m free at mb 1
+    # the 70B way: m free at mb 1
+    (note,) = batch_notes(plan(make_profile([1.0] * 6, mb=1), 2, num_microbatches=64))
     assert "64 microbatches of 1 sample, a batch of 64" in note
 
 
 def test_auto_where_nothing_fits_names_the_memory_limit_not_the_last_schedule_tried() -> None:
-    """schedule='auto' tries Interleaved1F1B last; with 3 layers it cannot run 4 chunks, and that error used to
-    stand in for the memory limit every candidate missed."""
+    """schedule='auto' tries Interleaved1F1B last; with 3 layers it cannot run 4 chunks, and that error used
+    to stand in for the memory limit every candidate missed."""
     prof = make_profile([1.0, 1.0, 1.0], act=[1 << 20] * 3, params=[1 << 20] * 3)
     with pytest.raises(InfeasiblePlanError, match=r"alone needs .* more than the memory limit of 1\.00 MiB"):
         plan(prof, 2, memory_limit="1MiB", schedule="auto")
@@ -297,10 +315,13 @@ def test_eight_stages_cannot_hold_70b_and_the_smallest_cap_is_named() -> None:
     per_param = 16
     static_per_stage = sum(x.param_count for x in prof.layers) * per_param / 8
     assert static_per_stage > 128 * 1e9
-    with pytest.raises(InfeasiblePlanError, match=r"no partition of 82 layers into 8 stages fits the memory limit of "
-                                                  r"80.00 GiB per stage; the smallest limit that admits a plan is") as info:
+    with pytest.raises(InfeasiblePlanError, match=r"no partition of 82 layers into 8 stages fits the memory "
+                                                  r"limit of 80.00 GiB per stage; the smallest limit that "
+                                                  r"admits a plan is") as info:
         stageplan.plan(prof, 8, num_microbatches=64, **OPTIONS)
-    assert info.value.min_memory_limit_bytes is not None and info.value.min_memory_limit_bytes > static_per_stage
+    assert (
+        info.value.min_memory_limit_bytes is not None and info.value.min_memory_limit_bytes > static_per_stage
+    )
 
 
 def test_sixteen_stages_with_recompute_fit_80_gib() -> None:
@@ -321,9 +342,9 @@ def test_sixteen_stages_with_recompute_fit_80_gib() -> None:
 
 def test_model_flops_utilisation_is_in_a_plausible_band() -> None:
     """A sanity band, not an oracle (the efficiencies are ours): Megatron's model FLOPs per step,
-    72 B s L h^2 (1 + s/6h + V/12hL) (Narayanan et al. 2021), over 16 x peak x the predicted step. Published MFU:
-    41-48% (Megatron, H100), 33-39% (torchtitan). Recomputation (a third more compute) and the 1F1B bubble at
-    m = 64, p = 16 (19%) come off the estimate's 45% compute efficiency."""
+    72 B s L h^2 (1 + s/6h + V/12hL) (Narayanan et al. 2021), over 16 x peak x the predicted step. Published
+    MFU: 41-48% (Megatron, H100), 33-39% (torchtitan). Recomputation (a third more compute) and the 1F1B
+    bubble at m = 64, p = 16 (19%) come off the estimate's 45% compute efficiency."""
     prof = _profile()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -370,7 +391,8 @@ def test_an_old_profile_plans_with_the_note_and_the_same_boundaries() -> None:
         assert b.predicted_step_s > a.predicted_step_s
         assert b.simulate().step_s == pytest.approx(b.predicted_step_s, rel=1e-12)
         assert any(e.kind == "O" for e in b.simulate().timeline)
-        assert sum(st.optimizer_s for st in b.stages) == pytest.approx(sum(x.optimizer_s["adam"] for x in new.layers))  # type: ignore[index]
+        adam = [x.optimizer_s["adam"] for x in new.layers]  # type: ignore[index]
+        assert sum(st.optimizer_s for st in b.stages) == pytest.approx(sum(adam))
     assert "optimizer ms" in plan_table(b)
 
 

@@ -49,7 +49,8 @@ def test_the_timeline_draws_the_sync_with_its_own_colour_and_legend() -> None:
     from stageplan.plots import COLORS, plot_timeline
 
     ax = plot_timeline(simulate("1F1B", [1.0] * 2, [2.0] * 2, 4, optimizer_s=[0.5, 0.5], tied_sync_s=0.25))
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward", "tied sync", "optimizer", "idle"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward", "tied sync",
+                                                                   "optimizer", "idle"]
     assert COLORS["T"] not in {COLORS[k] for k in ("F", "B", "I", "W", "O", "idle")}
 
 
@@ -58,7 +59,8 @@ matplotlib.use("Agg")
 
 def _profile() -> Profile:
     times = [1, 2, 3, 4, 5, 6]
-    layers = tuple(LayerProfile(f"l{i}", t * 1e-3, 2 * t * 1e-3, 1000 * t, 10, 100 * t) for i, t in enumerate(times))
+    layers = tuple(LayerProfile(f"l{i}", t * 1e-3, 2 * t * 1e-3, 1000 * t, 10, 100 * t) for i,
+                   t in enumerate(times))
     return Profile(layers, {"batch_size": 8, "microbatch_size": 2, "model": "toy"})
 
 
@@ -153,10 +155,12 @@ def test_predicted_vs_measured_draws_each_ranks_layers_alone_after_the_run() -> 
                                                                   pytest.approx([11.0, 10.5, 11.0, 13.0])]
     # a report without them draws neither
     ax = plot_predicted_vs_measured(rep)
-    assert not [c for c in ax.collections if "alone" in str(c.get_label()) or type(c).__name__ == "LineCollection"]
+    assert not [c for c in ax.collections if "alone" in str(c.get_label())
+                or type(c).__name__ == "LineCollection"]
 
 
-@pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<svg"), (".pdf", b"%PDF"), (".PDF", b"%PDF")])
+@pytest.mark.parametrize(("suffix", "magic"),
+                         [(".png", b"\x89PNG"), (".svg", b"<svg"), (".pdf", b"%PDF"), (".PDF", b"%PDF")])
 def test_save_writes_the_format_its_suffix_names(tmp_path: Path, suffix: str, magic: bytes) -> None:
     path = tmp_path / f"fig{suffix}"
     save(plot_stage_balance(plan(_profile(), 3, num_microbatches=4)), path)
@@ -171,16 +175,19 @@ def test_save_writes_the_format_its_suffix_names(tmp_path: Path, suffix: str, ma
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # what open() gives, not mkstemp's 0o600
 
 
-@pytest.mark.parametrize(("name", "said"), [("fig.jpg", "suffix '.jpg' is not supported"), ("fig", "it has no suffix"),
+@pytest.mark.parametrize(("name", "said"), [("fig.jpg", "suffix '.jpg' is not supported"),
+                                            ("fig", "it has no suffix"),
                                             ("fig.png.bak", "suffix '.bak' is not supported")])
 def test_save_refuses_other_suffixes_before_writing(tmp_path: Path, name: str, said: str) -> None:
     ax = plot_stage_balance(plan(_profile(), 3, num_microbatches=4))
-    with pytest.raises(StageplanError, match=re.escape(f"{str(tmp_path / name)!r}: {said}") + ".*use .png, .svg or .pdf"):
+    with pytest.raises(StageplanError,
+                       match=re.escape(f"{str(tmp_path / name)!r}: {said}") + ".*use .png, .svg or .pdf"):
         save(ax, str(tmp_path / name))
     assert list(tmp_path.iterdir()) == []
 
 
-def test_save_replaces_an_existing_file_and_cleans_up_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_replaces_an_existing_file_and_cleans_up_on_failure(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "fig.png"
     path.write_bytes(b"old")
     ax = plot_stage_balance(plan(_profile(), 3, num_microbatches=4))
@@ -233,7 +240,8 @@ def test_legends_sit_outside_the_data_and_text_is_at_least_8pt(which: str) -> No
     sim = pl.simulate()
     ax = {
         "balance": lambda: plot_stage_balance(pl),
-        "compare": lambda: plot_stage_balance({m: plan(_profile(), 3, num_microbatches=4, method=m) for m in METHODS}),
+        "compare": lambda: plot_stage_balance(
+            {m: plan(_profile(), 3, num_microbatches=4, method=m) for m in METHODS}),
         "memory": lambda: plot_memory(pl),
         "layers": lambda: plot_layer_costs(_profile(), pl),
         "timeline": lambda: plot_timeline(_report(tuple(sim.to_pandas().to_dict("records")))),
@@ -252,7 +260,8 @@ def test_legends_sit_outside_the_data_and_text_is_at_least_8pt(which: str) -> No
 
 @pytest.mark.parametrize("source", ["toy", "gpt"])
 def test_memory_writes_each_stage_in_flight_count_inside_the_axes(source: str) -> None:
-    prof = _profile() if source == "toy" else Profile.load(Path(__file__).parents[2] / "profiles" / "cpu" / "gpt.json")
+    prof = _profile() if source == "toy" else Profile.load(Path(__file__).parents[2] / "profiles" / "cpu"
+                                                           / "gpt.json")
     pl = plan(prof, 4 if source == "gpt" else 3, num_microbatches=8)
     ax = plot_memory(pl)
     assert [t.get_text() for t in ax.texts] == [f"x{st.inflight}" for st in pl.stages]
@@ -298,7 +307,8 @@ def test_predicted_vs_measured_tick_labels_do_not_touch(scale: float) -> None:
     # old log axis wrote '3x10^1' and '4x10^1' 2 px apart.
     stages = tuple({"rank": r, "predicted_compute_s": scale * 0.022 * (1 + 0.05 * r),
                     "measured_compute_s": scale * 0.025 * (1 + 0.04 * r)} for r in range(4))
-    rep = dataclasses.replace(_report(), ranks=stages, predicted_step_s=scale * 0.09, measured_step_s=scale * 0.099)
+    rep = dataclasses.replace(_report(), ranks=stages, predicted_step_s=scale * 0.09,
+                              measured_step_s=scale * 0.099)
     _fig, axes = plt.subplots(1, 2, figsize=(13, 3.5), gridspec_kw={"width_ratios": [2.5, 1]})
     ax = plot_predicted_vs_measured(rep, ax=axes[1])
     renderer = _drawn(ax)

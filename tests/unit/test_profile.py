@@ -1,5 +1,5 @@
-"""stageplan.formats.profile: Profile / LayerProfile round trips, refusals, merging over processes, the optimizer
-and tie records, and every stored profile under profiles/ validates and plans."""
+"""stageplan.formats.profile: Profile / LayerProfile round trips, refusals, merging over processes, the
+optimizer and tie records, and every stored profile under profiles/ validates and plans."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_there_are_stored_profiles() -> None:
 def test_profile_validates_and_plans(path: Path) -> None:
     prof = Profile.load(path)
     assert len(prof) >= 4
-    for key in ("model", "device", "dtype", "microbatch_size", "torch_version", "repeats", "date", "whole_model_s"):
+    for key in ("model", "device", "dtype", "microbatch_size", "torch_version", "repeats", "date",
+                "whole_model_s"):
         assert key in prof.meta, key
     assert all(x.forward_s > 0 and x.backward_s >= 0 for x in prof.layers)
     pl = plan(prof, 2)
@@ -53,7 +54,8 @@ def test_stored_links_price_a_stored_profile() -> None:
 
 def _profile() -> Profile:
     layers = tuple(
-        LayerProfile(name=f"l{i}", forward_s=0.001 * (i + 1), backward_s=0.002 * (i + 1), activation_bytes=100 * i,
+        LayerProfile(name=f"l{i}", forward_s=0.001 * (i + 1), backward_s=0.002 * (i + 1),
+                     activation_bytes=100 * i,
                      output_bytes=64, param_bytes=4096, param_count=1024, forward_iqr_s=1e-5)
         for i in range(4)
     )
@@ -66,7 +68,8 @@ def test_round_trip(tmp_path: Path) -> None:
     p.save(path)
     data = json.loads(path.read_text())
     assert data["schema"] == "stageplan.profile/1"
-    assert set(data["layers"][0]) >= {"name", "forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes"}
+    assert set(data["layers"][0]) >= {"name", "forward_s", "backward_s", "activation_bytes", "output_bytes",
+                                      "param_bytes"}
     q = Profile.load(path)
     assert q == p and q.digest() == p.digest()
     assert q.sum_vs_whole == pytest.approx(sum(x.time_s for x in p.layers) / 0.02)
@@ -76,7 +79,8 @@ def test_round_trip(tmp_path: Path) -> None:
 def test_newer_schema_is_refused_naming_both(tmp_path: Path) -> None:
     data = _profile().to_json()
     data["schema"] = "stageplan.profile/2"
-    with pytest.raises(SchemaError, match=r"schema 'stageplan.profile/2' but this stageplan reads 'stageplan.profile/1'"):
+    with pytest.raises(SchemaError,
+                       match=r"schema 'stageplan.profile/2' but this stageplan reads 'stageplan.profile/1'"):
         Profile.from_json(data)
     data["schema"] = "something/1"
     with pytest.raises(SchemaError, match=r"schema 'something/1', expected 'stageplan.profile/1'"):
@@ -86,7 +90,8 @@ def test_newer_schema_is_refused_naming_both(tmp_path: Path) -> None:
 def test_bad_costs_are_refused() -> None:
     data = _profile().to_json()
     data["layers"][1]["forward_s"] = -1.0
-    with pytest.raises(SchemaError, match=r"layer 1 \('l1'\) has forward_s = -1.0; costs must be finite numbers >= 0"):
+    with pytest.raises(SchemaError,
+                       match=r"layer 1 \('l1'\) has forward_s = -1.0; costs must be finite numbers >= 0"):
         Profile.from_json(data)
     data = _profile().to_json()
     del data["layers"][0]["output_bytes"]
@@ -116,10 +121,13 @@ def test_scaled() -> None:
 
 def _one_layer(forward_s: float, backward_s: float, acc: float | None, adam: float | None, load: float,
                whole: float | None) -> Profile:
-    layer = LayerProfile(name="l0", forward_s=forward_s, backward_s=backward_s, activation_bytes=128, output_bytes=64,
+    layer = LayerProfile(name="l0", forward_s=forward_s, backward_s=backward_s, activation_bytes=128,
+                         output_bytes=64,
                          param_bytes=4096, param_count=1024, forward_iqr_s=forward_s / 10, backward_iqr_s=0.0,
-                         backward_accumulate_s=acc, optimizer_s=None if adam is None else {"adam": adam, "sgd": adam / 4})
-    meta = {"model": "toy", "device": "cpu", "microbatch_size": 2, "whole_model_s": whole, "load_average_1min": load}
+                         backward_accumulate_s=acc,
+                         optimizer_s=None if adam is None else {"adam": adam, "sgd": adam / 4})
+    meta = {"model": "toy", "device": "cpu", "microbatch_size": 2, "whole_model_s": whole,
+            "load_average_1min": load}
     return Profile((layer,), meta)
 
 
@@ -130,8 +138,9 @@ def test_merge_profiles_takes_each_times_median_over_processes() -> None:
             _one_layer(1.1, 2.6, 1.4, 0.3, 0.9, 2.9)]
     merged = merge_profiles(runs)
     (row,) = merged.layers
-    # medians by hand: forward {1.0, 1.3, 1.1} -> 1.1; backward {2.0, 1.8, 2.6} -> 2.0; accumulating {1.5, 1.2, 1.4}
-    # -> 1.4; adam {0.4, 0.5, 0.3} -> 0.4; forward IQR {0.1, 0.13, 0.11} -> 0.11; whole {3.0, 3.2, 2.9} -> 3.0
+    # medians by hand: forward {1.0, 1.3, 1.1} -> 1.1; backward {2.0, 1.8, 2.6} -> 2.0; accumulating {1.5,
+    # 1.2, 1.4} -> 1.4; adam {0.4, 0.5, 0.3} -> 0.4; forward IQR {0.1, 0.13, 0.11} -> 0.11; whole {3.0, 3.2,
+    # 2.9} -> 3.0
     assert (row.forward_s, row.backward_s, row.backward_accumulate_s) == (1.1, 2.0, 1.4)
     assert row.optimizer_s == {"adam": 0.4, "sgd": 0.1}
     assert row.forward_iqr_s == pytest.approx(0.11)
@@ -145,18 +154,23 @@ def test_merge_profiles_takes_each_times_median_over_processes() -> None:
     procs = merged.meta["processes"]
     assert procs["count"] == 3 and procs["digests"] == [p.digest() for p in runs]
     # range = (max - min) / median: forward (1.3 - 1.0) / 1.1, backward (2.6 - 1.8) / 2.0
-    assert procs["range"] == [{"layer": "l0", "forward": pytest.approx(0.3 / 1.1), "backward": pytest.approx(0.4)}]
-    # an even count takes the middle two's mean; a profile without accumulating backward or optimizer keeps None
+    assert procs["range"] == [
+        {"layer": "l0", "forward": pytest.approx(0.3 / 1.1), "backward": pytest.approx(0.4)}]
+    # an even count takes the middle two's mean; a profile
+    # without accumulating backward or optimizer keeps None
     pair = merge_profiles([runs[0], _one_layer(1.2, 2.2, None, None, 0.0, None)])
     assert pair.layers[0].forward_s == pytest.approx(1.1) and pair.layers[0].backward_accumulate_s is None
     assert pair.layers[0].optimizer_s is None and pair.meta["whole_model_s"] is None
     assert merge_profiles(runs[:1]) is runs[0]
     # the optimizer step's fixed cost, per optimizer, is a time like the others: its median over the processes
     for run, floor in zip(runs, (0.03, 0.01, 0.02)):
-        run.meta["optimizer_step"] = {"floor_s": {"adam": floor, "sgd": floor / 2}, "optimizers": {"adam": "Adam"}}
+        run.meta["optimizer_step"] = {"floor_s": {"adam": floor, "sgd": floor / 2},
+                                      "optimizers": {"adam": "Adam"}}
     merged = merge_profiles(runs)
-    assert merged.meta["optimizer_step"] == {"floor_s": {"adam": 0.02, "sgd": 0.01}, "optimizers": {"adam": "Adam"}}
-    runs[1].meta.pop("optimizer_step")  # one profile without it: the first's meta stands, as for any other key
+    assert merged.meta["optimizer_step"] == {"floor_s": {"adam": 0.02, "sgd": 0.01},
+                                             "optimizers": {"adam": "Adam"}}
+    # one profile without it: the first's meta stands, as for any other key
+    runs[1].meta.pop("optimizer_step")
     assert merge_profiles(runs).meta["optimizer_step"]["floor_s"] == {"adam": 0.03, "sgd": 0.015}
 
 
@@ -165,8 +179,8 @@ def test_merge_profiles_refuses_profiles_of_other_models_or_conditions() -> None
 
     base = _one_layer(1.0, 2.0, None, None, 0.0, None)
     other_mb = Profile(base.layers, {**base.meta, "microbatch_size": 4})
-    with pytest.raises(SchemaError, match=r"profile 1 has microbatch_size = 4 where profile 0 has 2; merge profiles "
-                                          r"taken under the same conditions"):
+    with pytest.raises(SchemaError, match=r"profile 1 has microbatch_size = 4 where profile 0 has 2; merge "
+                                          r"profiles taken under the same conditions"):
         merge_profiles([base, other_mb])
     renamed = Profile((LayerProfile("x", 1.0, 2.0, 0, 0, 0),), dict(base.meta))
     with pytest.raises(SchemaError, match=r"profile 1 has layers \['x'\] where profile 0 has \['l0'\]"):
@@ -191,6 +205,7 @@ def test_profile_json_round_trip_and_digest() -> None:
 def test_bad_optimizer_times_are_refused() -> None:
     data = Profile.load(GPT).to_json()
     data["layers"][0]["optimizer_s"] = {"adam": -1.0}
-    with pytest.raises(SchemaError, match=r"layer 0 \('tok_emb\+pos_emb'\) has optimizer_s = \{'adam': -1.0\}; it must map "
-                                          r"optimizer names to finite seconds >= 0, or be null; re-profile the model"):
+    with pytest.raises(SchemaError, match=r"layer 0 \('tok_emb\+pos_emb'\) has optimizer_s = \{'adam': "
+                                          r"-1.0\}; it must map optimizer names to finite seconds >= 0, or "
+                                          r"be null; re-profile the model"):
         Profile.from_json(data)

@@ -1,4 +1,5 @@
-"""stageplan.running.link without ranks: the docstring examples, and an estimated profile gets its GPU's link."""
+"""stageplan.running.link without ranks: the docstring
+examples, and an estimated profile gets its GPU's link."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ def test_docstring_examples() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
-@pytest.mark.parametrize(("gpu", "bandwidth", "name"), [("h100-sxm", 450e9, "NVLink"), ("mi300x", None, "xGMI")])
-def test_estimated_profile_gets_its_gpus_link_within_a_node(gpu: str, bandwidth: float | None, name: str) -> None:
+@pytest.mark.parametrize(("gpu", "bandwidth", "name"),
+                         [("h100-sxm", 450e9, "NVLink"), ("mi300x", None, "xGMI")])
+def test_estimated_profile_gets_its_gpus_link_within_a_node(
+    gpu: str, bandwidth: float | None, name: str
+) -> None:
     table = json.loads((Path(stageplan.running.link.__file__).parents[1] / "gpus.json").read_text())
     row = table["gpus"][gpu]["intra_node"]
     bandwidth = bandwidth or float(row["bandwidth"])
@@ -35,6 +39,9 @@ def test_estimated_profile_gets_its_gpus_link_within_a_node(gpu: str, bandwidth:
     assert not any("communication between stages is not modelled" in n for n in pl.notes)
     # a bandwidth or a link given replaces the default
     given = plan(prof, 2, num_microbatches=4, bandwidth="25GB/s")
-    assert given.cost_options["bandwidth_bytes_per_s"] == 25e9 and not any("no link given" in n for n in given.notes)
-    linked = plan(prof, 2, num_microbatches=4, link={"schema": LINK_SCHEMA, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9})
-    assert linked.cost_options["bandwidth_bytes_per_s"] == 1e9 and not any("no link given" in n for n in linked.notes)
+    assert given.cost_options["bandwidth_bytes_per_s"] == 25e9 and not any("no link given" in n
+                                                                           for n in given.notes)
+    linked = plan(prof, 2, num_microbatches=4,
+                  link={"schema": LINK_SCHEMA, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9})
+    assert linked.cost_options["bandwidth_bytes_per_s"] == 1e9 and not any("no link given" in n
+                                                                           for n in linked.notes)

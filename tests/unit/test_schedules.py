@@ -1,4 +1,5 @@
-"""Tests of stageplan.planning.schedules: torch's own execution order, closed forms, hand-computed timelines."""
+"""Tests of stageplan.planning.schedules: torch's own
+execution order, closed forms, hand-computed timelines."""
 
 from __future__ import annotations
 
@@ -250,22 +251,25 @@ def test_gpipe_two_stages_by_hand() -> None:
     # rank 1: F(1,0) max(0, 1)+0.5=1.5-3.5, F(1,1) max(3.5, 2)+0.5=4-6, B(1,0) 6-10, B(1,1) 10-14
     # rank 0: B(0,0) max(2, 10)+0.5=10.5-12.5, B(0,1) max(12.5, 14)+0.5=14.5-16.5  -> step 16.5
     assert simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5]).step_s == 16.5
-    # LoopedBFS at one stage per rank runs the same order, but torch's multi-stage runtime posts receives ahead,
-    # so a message moves as soon as it is sent: start = max(rank free, producer end + 0.5).
+    # LoopedBFS at one stage per rank runs the same order, but torch's multi-stage runtime posts receives
+    # ahead, so a message moves as soon as it is sent: start = max(rank free, producer end + 0.5).
     # rank 1: F(1,0) 1.5-3.5, F(1,1) max(3.5, 2.5)=3.5-5.5, B(1,0) 5.5-9.5, B(1,1) 9.5-13.5
     # rank 0: B(0,0) 9.5+0.5=10-12, B(0,1) 13.5+0.5=14-16  -> step 16
     ahead = simulate("LoopedBFS", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
-    assert sorted((e.rank, e.stage, e.microbatch, e.kind) for e in ahead.timeline if e.kind not in "AG") == sorted(
-        (e.rank, e.stage, e.microbatch, e.kind) for e in sim.timeline)
+    assert sorted(
+        (e.rank, e.stage, e.microbatch, e.kind) for e in ahead.timeline if e.kind not in "AG"
+    ) == sorted((e.rank, e.stage, e.microbatch, e.kind) for e in sim.timeline)
     assert ahead.step_s == 16.0
     # Each crossing is an event of its own on the receiving rank, from when the message moves to its arrival:
-    # activations "A" to rank 1's forwards, gradients "G" to rank 0's backwards (hand-computed above; LoopedBFS
-    # runs its backwards last microbatch first, so the gradient at 9.5 is microbatch 1's).
-    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in ahead.timeline if e.kind in "AG"}
+    # activations "A" to rank 1's forwards, gradients "G" to rank 0's backwards (hand-computed above;
+    # LoopedBFS runs its backwards last microbatch first, so the gradient at 9.5 is microbatch 1's).
+    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in ahead.timeline
+             if e.kind in "AG"}
     assert moves == {(1, 1, 0, "A"): (1.0, 1.5), (1, 1, 1, "A"): (2.0, 2.5), (0, 0, 1, "G"): (9.5, 10.0),
                      (0, 0, 0, "G"): (13.5, 14.0)}
     on_demand = simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
-    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in on_demand.timeline if e.kind in "AG"}
+    moves = {(e.rank, e.stage, e.microbatch, e.kind): (e.start_s, e.end_s) for e in on_demand.timeline
+             if e.kind in "AG"}
     assert moves == {(1, 1, 0, "A"): (1.0, 1.5), (1, 1, 1, "A"): (3.5, 4.0), (0, 0, 0, "G"): (10.0, 10.5),
                      (0, 0, 1, "G"): (14.0, 14.5)}
     assert on_demand.busy_s == sim.busy_s  # a transfer occupies the link, not the rank
@@ -273,7 +277,8 @@ def test_gpipe_two_stages_by_hand() -> None:
 
 def _random_step(schedule: str, p: int, m: int, v: int, seed: int
                  ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, Simulation, schedules.ScheduleShape]:
-    """Seeded per-stage forward (1-2), backward (2-4) and comm (0.1-0.5) times, their simulated step and the shape."""
+    """Seeded per-stage forward (1-2), backward (2-4) and comm
+    (0.1-0.5) times, their simulated step and the shape."""
     n = p * v
     rng = np.random.default_rng(seed)
     fwd, bwd, comm = rng.uniform(1, 2, n), rng.uniform(2, 4, n), rng.uniform(0.1, 0.5, n - 1)
@@ -282,7 +287,9 @@ def _random_step(schedule: str, p: int, m: int, v: int, seed: int
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
-def test_every_crossing_is_one_transfer_event_that_feeds_its_action(schedule: str, p: int, m: int, v: int) -> None:
+def test_every_crossing_is_one_transfer_event_that_feeds_its_action(
+    schedule: str, p: int, m: int, v: int
+) -> None:
     n, fwd, bwd, comm, sim, shape = _random_step(schedule, p, m, v, seed=7)
     owner = shape.stage_ranks
     compute = {(e.stage, e.microbatch, e.kind): e for e in sim.timeline if e.kind not in "AG"}
@@ -299,17 +306,18 @@ def test_every_crossing_is_one_transfer_event_that_feeds_its_action(schedule: st
         assert e.rank == owner[k]
         assert e.end_s - e.start_s == pytest.approx(took, rel=1e-12)
         assert e.start_s >= producer.end_s - 1e-12  # it moves once produced...
-        assert compute[(k, i, "F" if e.kind == "A" else grads)].start_s >= e.end_s - 1e-12  # ...and feeds its action
+        # ...and feeds its action
+        assert compute[(k, i, "F" if e.kind == "A" else grads)].start_s >= e.end_s - 1e-12
     assert sim.step_s == max(e.end_s for e in compute.values())
     assert not [e for e in simulate(schedule, fwd, bwd, m, virtual_stages=v).timeline if e.kind in "AG"]
 
 
 def test_receive_waits_by_hand() -> None:
-    # GPipe, f = (1, 2), b = (2, 4), m = 2, comm 0.5 (the transfers hand-computed above). Rank 1 posts F(1,0)'s
-    # receive at 0, the activation arrives at 1.5 (wait 1.5), F(1,0) 1.5-3.5; F(1,1) posted at 3.5, arrives
-    # 4.0 (0.5). Rank 0 waits for its forward sends (received at 1.5 and 4.0) before posting B(0,0)'s receive at
-    # 4.0; the gradient leaves at 10 and arrives at 10.5 (6.5), B(0,0) 10.5-12.5; B(0,1) posted at 12.5, its
-    # gradient leaves at 14 and arrives at 14.5 (2.0).
+    # GPipe, f = (1, 2), b = (2, 4), m = 2, comm 0.5 (the transfers hand-computed above). Rank 1 posts
+    # F(1,0)'s receive at 0, the activation arrives at 1.5 (wait 1.5), F(1,0) 1.5-3.5; F(1,1) posted at 3.5,
+    # arrives 4.0 (0.5). Rank 0 waits for its forward sends (received at 1.5 and 4.0) before posting B(0,0)'s
+    # receive at 4.0; the gradient leaves at 10 and arrives at 10.5 (6.5), B(0,0) 10.5-12.5; B(0,1) posted at
+    # 12.5, its gradient leaves at 14 and arrives at 14.5 (2.0).
     on_demand = simulate("GPipe", [1.0, 2.0], [2.0, 4.0], 2, comm_s=[0.5])
     assert on_demand.receive_wait_s == pytest.approx((8.5, 2.0), abs=1e-12)
     # 1F1B, m = 3, no comm (the step by hand below): rank 1 waits 1 for F(1,0) and nothing else (F(1,1) and
@@ -318,13 +326,17 @@ def test_receive_waits_by_hand() -> None:
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
-def test_receive_waits_are_the_gaps_before_the_actions_fed_across_ranks(schedule: str, p: int, m: int, v: int) -> None:
+def test_receive_waits_are_the_gaps_before_the_actions_fed_across_ranks(
+    schedule: str, p: int, m: int, v: int
+) -> None:
     n, _, _, _, sim, shape = _random_step(schedule, p, m, v, seed=11)
     owner, last = shape.stage_ranks, n - 1
-    gaps = [0.0] * p  # oracle: per rank, the idle gap just before each action whose input comes from another rank
+    # oracle: per rank, the idle gap just before each action whose input comes from another rank
+    gaps = [0.0] * p
     for rank in range(p):
         free = 0.0
-        for e in sorted((e for e in sim.timeline if e.rank == rank and e.kind in "FBIW"), key=lambda e: e.start_s):
+        for e in sorted((e for e in sim.timeline if e.rank == rank and e.kind in "FBIW"),
+                        key=lambda e: e.start_s):
             fed = (e.kind == "F" and e.stage > 0 and owner[e.stage - 1] != rank) or \
                 (e.kind in "BI" and e.stage < last and owner[e.stage + 1] != rank)
             if fed:
@@ -351,8 +363,8 @@ def test_1f1b_two_stages_by_hand() -> None:
     assert sim.step_s == 21.0
     assert sim.busy_s == (9.0, 18.0)
     assert sim.bubble_fraction == pytest.approx(15.0 / 42.0)
-    # With comm 0.5 (each receive posted when the rank gets to the action: start = max(free, producer end) + 0.5):
-    # rank 1: F(1,0) 1.5-3.5, B(1,0) 3.5-7.5, F(1,1) max(7.5, 2)+0.5=8-10, B(1,1) 10-14
+    # With comm 0.5 (each receive posted when the rank gets to the action: start = max(free, producer end) +
+    # 0.5): rank 1: F(1,0) 1.5-3.5, B(1,0) 3.5-7.5, F(1,1) max(7.5, 2)+0.5=8-10, B(1,1) 10-14
     # rank 0: B(0,0) max(2, 7.5)+0.5=8-10, F(0,2) 10-11, B(0,1) max(11, 14)+0.5=14.5-16.5
     # rank 1: F(1,2) max(14, 11)+0.5=14.5-16.5, B(1,2) 16.5-20.5
     # rank 0: B(0,2) max(16.5, 20.5)+0.5=21-23  -> step 23
@@ -363,8 +375,8 @@ def test_gpipe_three_stages_with_comm_by_hand() -> None:
     # f = (1, 2, 1), b = (2, 3, 1), comm = (0.5, 0.25), m = 2; start = max(rank free, producer end) + comm.
     # rank 0: F(0,0) 0-1, F(0,1) 1-2
     # rank 1: F(1,0) 1+0.5=1.5-3.5, F(1,1) max(3.5, 2)+0.5=4-6
-    # rank 2: F(2,0) 3.5+0.25=3.75-4.75, F(2,1) max(4.75, 6)+0.25=6.25-7.25, B(2,0) 7.25-8.25, B(2,1) 8.25-9.25
-    # rank 1: B(1,0) max(6, 8.25)+0.25=8.5-11.5, B(1,1) max(11.5, 9.25)+0.25=11.75-14.75
+    # rank 2: F(2,0) 3.5+0.25=3.75-4.75, F(2,1) max(4.75, 6)+0.25=6.25-7.25, B(2,0) 7.25-8.25, B(2,1)
+    # 8.25-9.25 rank 1: B(1,0) max(6, 8.25)+0.25=8.5-11.5, B(1,1) max(11.5, 9.25)+0.25=11.75-14.75
     # rank 0: B(0,0) max(2, 11.5)+0.5=12-14, B(0,1) max(14, 14.75)+0.5=15.25-17.25  -> step 17.25
     sim = simulate("GPipe", [1.0, 2.0, 1.0], [2.0, 3.0, 1.0], 2, comm_s=[0.5, 0.25])
     assert sim.step_s == 17.25
@@ -608,10 +620,11 @@ def test_docstring_examples() -> None:
 @settings(max_examples=80, deadline=None)
 @given(case=st.sampled_from(_CASES),
        data=st.data())
-def test_live_counts_give_each_ranks_exact_activation_peak(case: tuple[str, int, int, int], data: st.DataObject) -> None:
-    """A rank's activation peak is the largest of sum_c counts[c] x bytes of chunk c over its live-count vectors,
-    against a replay of its order by hand (+ bytes on F, - on B, or on W in zero-bubble schedules); and no vector
-    is covered by another."""
+def test_live_counts_give_each_ranks_exact_activation_peak(case: tuple[str, int, int, int],
+                                                           data: st.DataObject) -> None:
+    """A rank's activation peak is the largest of sum_c counts[c] x bytes of chunk c over its live-count
+    vectors, against a replay of its order by hand (+ bytes on F, - on B, or on W in zero-bubble schedules);
+    and no vector is covered by another."""
     name, p, m, v = case
     shape = schedules.schedule_shape(name, p, m, v)
     chunk = np.array(data.draw(st.lists(st.integers(0, 1000), min_size=p * v, max_size=p * v)), dtype=float)
@@ -645,7 +658,8 @@ class _P2PStage(_RecordingStage):
 
 
 def _torch_send_waits(name: str, p: int, m: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The rank's log from torch's loop: compute actions, ("post", ops) per batch posted, ("wait", ops) per wait."""
+    """The rank's log from torch's loop: compute actions,
+    ("post", ops) per batch posted, ("wait", ops) per wait."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     log: list[Any] = []
@@ -656,7 +670,8 @@ def _torch_send_waits(name: str, p: int, m: int, rank: int, monkeypatch: pytest.
         return list(ops)
 
     monkeypatch.setattr(torch_schedules, "_batch_p2p", batch)
-    monkeypatch.setattr(torch_schedules, "_sorted_batch_p2p", lambda ops, desc=None: {0: batch(ops)} if ops else {})
+    monkeypatch.setattr(torch_schedules, "_sorted_batch_p2p", lambda ops,
+                        desc=None: {0: batch(ops)} if ops else {})
     monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", lambda works: log.append(("wait", tuple(works))))
     stage = _P2PStage(rank, p, p, rank, log)
     torch_schedules.get_schedule_class(name)(stage, m)._step_microbatches()
@@ -705,10 +720,11 @@ def test_send_waits_are_where_torchs_loop_waits(name: str, monkeypatch: pytest.M
 
 
 def test_a_rank_steps_its_optimizer_once_its_last_gradient_is_received() -> None:
-    """GPipe, 2 ranks, m = 4, no transfer time; rank 0 slower (F 2, B 3) than rank 1 (F 1, B 1), whose optimizer
-    step takes 10. Closed form: rank 1's last backward ends at 4*2 + 1 + 4*1 = 13, but its gradient is received
-    only when rank 0 posts that receive, after its third backward: 4*2 + 1 + 1 + 3*3 = 19; rank 1's step()
-    returns then, and its optimizer ends at 29 (without the wait: 23). Rank 0 ends at 4*2 + 1 + 1 + 4*3 = 22."""
+    """GPipe, 2 ranks, m = 4, no transfer time; rank 0 slower (F 2, B 3) than rank 1 (F 1, B 1), whose
+    optimizer step takes 10. Closed form: rank 1's last backward ends at 4*2 + 1 + 4*1 = 13, but its gradient
+    is received only when rank 0 posts that receive, after its third backward: 4*2 + 1 + 1 + 3*3 = 19; rank
+    1's step() returns then, and its optimizer ends at 29 (without the wait: 23). Rank 0 ends at 4*2 + 1 + 1 +
+    4*3 = 22."""
     sim = simulate("GPipe", [2.0, 1.0], [3.0, 1.0], 4, optimizer_s=[0.0, 10.0])
     assert sim.step_s == 29.0
     opt = next(e for e in sim.timeline if e.kind == "O")
@@ -717,19 +733,20 @@ def test_a_rank_steps_its_optimizer_once_its_last_gradient_is_received() -> None
 
 
 def test_idle_before_each_call_by_hand() -> None:
-    """GPipe, 2 ranks, 2 microbatches, forwards 30 / 3 ms, backwards 20 / 5 ms (the sleepers' run test). Rank 0:
-    F0 0-30, F1 30-60, B0 68-88 (rank 1's B0 ends at 68), B1 88-108; rank 1: F0 30-33, F1 60-63, B0 63-68,
+    """GPipe, 2 ranks, 2 microbatches, forwards 30 / 3 ms, backwards 20 / 5 ms (the sleepers' run test). Rank
+    0: F0 0-30, F1 30-60, B0 68-88 (rank 1's B0 ends at 68), B1 88-108; rank 1: F0 30-33, F1 60-63, B0 63-68,
     B1 68-73; the step is 108 ms. Rank 0's F0 follows its own previous step's end (108 - 108 = 0): no gap, B0
-    waits 8 ms. Rank 1's F0 comes 30 ms into the step after its previous step ended 35 ms before the end: 65 ms;
-    F1 waits 27 ms."""
+    waits 8 ms. Rank 1's F0 comes 30 ms into the step after its previous step ended 35 ms before the end: 65
+    ms; F1 waits 27 ms."""
     sim = simulate("GPipe", [0.030, 0.003], [0.020, 0.005], 2)
     assert sim.step_s == pytest.approx(0.108)
     gaps = {(e.rank, e.kind, e.microbatch): idle for e, idle in sim.idle_before()}
     assert gaps == pytest.approx({(0, "F", 0): 0.0, (0, "F", 1): 0.0, (0, "B", 0): 0.008, (0, "B", 1): 0.0,
-                                  (1, "F", 0): 0.065, (1, "F", 1): 0.027, (1, "B", 0): 0.0, (1, "B", 1): 0.0}, abs=1e-12)
-    # an optimizer step is busy: rank 0's F0 now counts from its optimizer's end (108-112), rank 1's from its own,
-    # which starts once its last send is received: rank 0 posts B1's receive at 88, so 88-90, and F0 idles
-    # 112 - 90 + 30 = 52 ms
+                                  (1, "F", 0): 0.065, (1, "F", 1): 0.027, (1, "B", 0): 0.0, (1, "B", 1): 0.0},
+                                 abs=1e-12)
+    # an optimizer step is busy: rank 0's F0 now counts from its optimizer's end (108-112), rank 1's from its
+    # own, which starts once its last send is received: rank 0 posts B1's receive at 88, so 88-90, and F0
+    # idles 112 - 90 + 30 = 52 ms
     sim = simulate("GPipe", [0.030, 0.003], [0.020, 0.005], 2, optimizer_s=[0.004, 0.002])
     gaps = {(e.rank, e.kind, e.microbatch): idle for e, idle in sim.idle_before()}
     assert sim.step_s == pytest.approx(0.112)
@@ -750,8 +767,8 @@ def test_equal_stages_step_is_the_closed_form_plus_one_optimizer_step(schedule: 
 
 
 def test_each_rank_steps_after_its_own_last_backward() -> None:
-    # 1F1B, equal stages: rank r ends its last backward at (m + p - 1)(f + b) - r b; its optimizer step o_r follows,
-    # and the step ends when the last of them does.
+    # 1F1B, equal stages: rank r ends its last backward at (m + p - 1)(f + b) - r b; its optimizer step o_r
+    # follows, and the step ends when the last of them does.
     p, m, f, b = 4, 8, 1.0, 2.0
     o = [0.0, 1.0, 3.0, 10.0]
     sim = simulate("1F1B", [f] * p, [b] * p, m, optimizer_s=o)
@@ -765,7 +782,8 @@ def test_each_rank_steps_after_its_own_last_backward() -> None:
 
 
 def test_interleaved_rank_runs_one_optimizer_step_over_its_chunks() -> None:
-    sim = simulate("Interleaved1F1B", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2, optimizer_s=[0.5, 0.25, 1.0, 2.0])
+    sim = simulate("Interleaved1F1B", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2,
+                   optimizer_s=[0.5, 0.25, 1.0, 2.0])
     events = sorted((e.rank, e.stage, e.end_s - e.start_s) for e in sim.timeline if e.kind == "O")
     assert events == [(0, 0, pytest.approx(1.5)), (1, 1, pytest.approx(2.25))]
     without = simulate("Interleaved1F1B", [1.0] * 4, [2.0] * 4, 4, virtual_stages=2)
@@ -773,15 +791,17 @@ def test_interleaved_rank_runs_one_optimizer_step_over_its_chunks() -> None:
 
 
 def test_optimizer_times_are_validated() -> None:
-    with pytest.raises(ValueError, match=r"optimizer_s must have 2 values, got 3; pass one optimizer-step time per stage"):
+    with pytest.raises(ValueError, match=r"optimizer_s must have 2 values, got 3; pass one optimizer-step "
+                                         r"time per stage"):
         simulate("1F1B", [1.0, 1.0], [1.0, 1.0], 2, optimizer_s=[1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match=r"optimizer_s must be finite and >= 0 seconds, got optimizer_s\[1\] = -1.0"):
+    with pytest.raises(ValueError,
+                       match=r"optimizer_s must be finite and >= 0 seconds, got optimizer_s\[1\] = -1.0"):
         simulate("1F1B", [1.0, 1.0], [1.0, 1.0], 2, optimizer_s=[1.0, -1.0])
 
 
 def test_the_sync_is_a_collective_after_the_last_backward_and_before_each_optimizer_step() -> None:
-    # 1F1B, equal stages: rank r ends its last backward at (m + p - 1)(f + b) - r b, rank 0 last; the all-reduce
-    # starts there on every rank and each rank's optimizer step follows it.
+    # 1F1B, equal stages: rank r ends its last backward at (m + p - 1)(f + b) - r b, rank 0 last; the
+    # all-reduce starts there on every rank and each rank's optimizer step follows it.
     p, m, f, b, t = 4, 8, 1.0, 2.0, 0.75
     o = [0.5, 1.0, 0.0, 2.0]
     sim = simulate("1F1B", [f] * p, [b] * p, m, optimizer_s=o, tied_sync_s=t)
@@ -798,5 +818,6 @@ def test_the_sync_is_a_collective_after_the_last_backward_and_before_each_optimi
 
 
 def test_a_bad_sync_time_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"tied_sync_s must be finite and >= 0 seconds, got -1.0; fix the profile"):
+    with pytest.raises(ValueError,
+                       match=r"tied_sync_s must be finite and >= 0 seconds, got -1.0; fix the profile"):
         simulate("1F1B", [1.0, 1.0], [1.0, 1.0], 2, tied_sync_s=-1.0)

@@ -104,7 +104,8 @@ def test_partition_balanced_integer_weights_and_examples() -> None:
     [
         (lambda: partition_uniform(4, 0), r"num_parts \(0\) must be at least 1"),
         (lambda: partition_uniform(-1, 2), r"num_items must be an integer >= 0, got -1"),
-        (lambda: partition_balanced([1, float("nan")], 2), r"weights\[1\] is nan; every weight must be finite"),
+        (lambda: partition_balanced([1, float("nan")], 2),
+         r"weights\[1\] is nan; every weight must be finite"),
         (lambda: partition_balanced([[1, 2]], 2), r"weights must be one-dimensional .* got shape \(1, 2\)"),
         (lambda: partition_balanced([1, 2], 0), r"num_parts \(0\) must be at least 1"),
     ],
@@ -125,8 +126,8 @@ E, t, L, m = "E", "t", "L", "m"
 
 
 def test_a_given_split_is_scored_against_the_optimal_plan(tmp_path: Path) -> None:
-    # layers 1,2,2,2,2,3 (fwd + bwd) on 2 ranks: (0, 3, 6) and (0, 4, 6) both have the optimal bottleneck 7; only
-    # the first fits 700 bytes (rank 0 holds 2 microbatches in flight: 2 x 300, not 2 x 400)
+    # layers 1,2,2,2,2,3 (fwd + bwd) on 2 ranks: (0, 3, 6) and (0, 4, 6) both have the optimal bottleneck 7;
+    # only the first fits 700 bytes (rank 0 holds 2 microbatches in flight: 2 x 300, not 2 x 400)
     prof = lm_profile([1.0, 2, 2, 2, 2, 3], act=[100] * 6)
     opt = plan(prof, 2, num_microbatches=4, optimizer="none", memory_limit=700)
     given = plan(prof, 2, num_microbatches=4, optimizer="none", boundaries=[0, 2, 6], memory_limit=700)
@@ -138,7 +139,8 @@ def test_a_given_split_is_scored_against_the_optimal_plan(tmp_path: Path) -> Non
     # 1F1B, m = 4: rank 0 holds 2 microbatches of 2 layers, rank 1 one of 4: 400 bytes each
     assert v["rank_memory_bytes"] == [400.0, 400.0] and v["memory_limit_bytes"] == [700, 700]
     assert v["memory_headroom_bytes"] == [300.0, 300.0]
-    free = plan(prof, 2, num_microbatches=4, optimizer="none")  # without the limit the tie-break takes (0, 4, 6)
+    # without the limit the tie-break takes (0, 4, 6)
+    free = plan(prof, 2, num_microbatches=4, optimizer="none")
     assert free.boundaries == (0, 4, 6) and free.predicted_step_s < opt.predicted_step_s
     same = plan(prof, 2, num_microbatches=4, optimizer="none", boundaries=list(free.boundaries))
     assert same.versus_optimal["bottleneck_ratio"] == 1.0 and same.versus_optimal["step_ratio"] == 1.0
@@ -146,7 +148,9 @@ def test_a_given_split_is_scored_against_the_optimal_plan(tmp_path: Path) -> Non
     assert opt.versus_optimal == {} and given.tie_break == {}
     table = plan_table(given)
     assert "given split (--boundaries [0, 2, 6]) against the optimal plan under the same options:" in table
-    assert f"optimal boundaries {v['optimal_boundaries']}; bottleneck 9000.000 vs 7000.000 ms = 1.286x" in table
+    assert (
+        f"optimal boundaries {v['optimal_boundaries']}; bottleneck 9000.000 vs 7000.000 ms = 1.286x" in table
+    )
     assert "headroom MiB" in table
     given.save(tmp_path / "given.json")
     assert Plan.load(tmp_path / "given.json") == given  # the evidence survives the JSON round trip
@@ -173,37 +177,41 @@ def test_split_costs_price_splits_as_evaluate_does(schedule: str, p: int, m: int
                    enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n), rng.integers(0, 100, n),
                                  rng.integers(1, 100, n), rng.integers(0, 50, n))))
     prof = Profile(layers)
-    for bandwidth, recompute, action in ((None, False, 0.0), (40.0, True, 0.0), (40.0, False, 0.3), (40.0, True, 0.3)):
+    for bandwidth, recompute, action in ((None, False, 0.0), (40.0, True, 0.0), (40.0, False, 0.3),
+                                         (40.0, True, 0.3)):
         opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
                             bandwidth_bytes_per_s=bandwidth, recompute=recompute, boundary_latency_s=0.25,
                             action_s=action)
         arr = LayerArrays.of(prof, m)
         costs = SplitCosts(arr, opts)
         S = opts.num_chunks
-        splits = np.array([[0, *sorted(rng.choice(np.arange(1, n), S - 1, replace=False)), n] for _ in range(12)])
+        splits = np.array(
+            [[0, *sorted(rng.choice(np.arange(1, n), S - 1, replace=False)), n] for _ in range(12)])
         f, b, c, mem = costs.split(splits)
         steps, loads = costs.steps(f, b, c), costs.rank_time(f, b, c)
         for row, cuts in enumerate(splits):
             ev = evaluate(arr, cuts, opts)
             assert steps[row] == pytest.approx(ev.predicted_step_s, rel=1e-12)
             assert loads[row] == pytest.approx(ev.rank_time_s, rel=1e-12)
-            # exact for interleaved ranks too: their activations at the peak over their order, as evaluate counts
+            # exact for interleaved ranks too: their activations
+            # at the peak over their order, as evaluate counts
             assert mem[row] == pytest.approx(ev.rank_memory_bytes, rel=1e-12)
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), [("1F1B", 3, 600, 1), ("GPipe", 2, 301, 1),
-                                                      ("Interleaved1F1B", 2, 256, 2), ("ZBVZeroBubble", 2, 200, 2)])
+                                                      ("Interleaved1F1B", 2, 256, 2),
+                                                       ("ZBVZeroBubble", 2, 200, 2)])
 def test_split_costs_price_long_steps_as_evaluate_does(schedule: str, p: int, m: int, v: int) -> None:
-    """The step graph's levels now come from one topological pass (they took one relaxation round per level, each
-    over every node: m = 8192 planned in 14.5 s, against 1.7 s now); at hundreds of microbatches the batch pricer
-    still prices every split as evaluate's own simulation does."""
+    """The step graph's levels now come from one topological pass (they took one relaxation round per level,
+    each over every node: m = 8192 planned in 14.5 s, against 1.7 s now); at hundreds of microbatches the
+    batch pricer still prices every split as evaluate's own simulation does."""
     rng = np.random.default_rng(11)
     n = 9
     layers = tuple(LayerProfile(f"l{i}", float(a), float(b), 10, 10, 10)
                    for i, (a, b) in enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))))
     prof = Profile(layers)
-    opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, bandwidth_bytes_per_s=40.0,
-                        boundary_latency_s=0.25)
+    opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                        bandwidth_bytes_per_s=40.0, boundary_latency_s=0.25)
     arr = LayerArrays.of(prof, m)
     costs = SplitCosts(arr, opts)
     S = opts.num_chunks
@@ -215,11 +223,12 @@ def test_split_costs_price_long_steps_as_evaluate_does(schedule: str, p: int, m:
 
 
 def test_tie_break_keeps_the_solvers_split_when_it_fits_only_at_the_exact_peak() -> None:
-    """The solver holds an interleaved rank to its exact activation peak; the tie-break used to list splits by the
-    sum of each chunk's peak, so the solver's split (19 MiB on rank 0 by evaluate, 21 by that sum) fell out of the
-    list and a slower split with the same bottleneck was taken: 49 -> 53 ms."""
+    """The solver holds an interleaved rank to its exact activation peak; the tie-break used to list splits by
+    the sum of each chunk's peak, so the solver's split (19 MiB on rank 0 by evaluate, 21 by that sum) fell
+    out of the list and a slower split with the same bottleneck was taken: 49 -> 53 ms."""
     MiB = 2**20
-    rows = [(3, 2, 3, 2), (1, 3, 0, 0), (2, 1, 1, 1), (1, 3, 1, 2), (2, 3, 2, 2)]  # fwd ms, bwd ms, act MiB, param MiB
+    # fwd ms, bwd ms, act MiB, param MiB
+    rows = [(3, 2, 3, 2), (1, 3, 0, 0), (2, 1, 1, 1), (1, 3, 1, 2), (2, 3, 2, 2)]
     prof = Profile(tuple(LayerProfile(f"l{i}", f * 1e-3, b * 1e-3, a * MiB, 0, w * MiB)
                          for i, (f, b, a, w) in enumerate(rows)))
     kw = dict(num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, optimizer="none")
@@ -262,15 +271,19 @@ def test_the_tie_break_finds_the_lowest_step_among_equal_bottleneck_splits() -> 
         # few distinct costs, so that many splits share the optimal bottleneck
         times = [float(x) for x in rng.choice([1.0, 2.0, 3.0], n)]
         prof = lm_profile(times, [int(x) for x in rng.integers(0, 100, n)])
-        for schedule, p, m, v, kw in (("GPipe", 3, 4, 1, {}), ("1F1B", 2, 4, 1, {"bandwidth_bytes_per_s": 1e3}),
-                                      ("1F1B", 3, 3, 1, {"memory_limit_bytes": 400.0}), ("Interleaved1F1B", 2, 4, 2, {}),
-                                      ("1F1B", 3, 6, 1, {"devices": [Device(1.0), Device(0.5), Device(2.0)]})):
+        for schedule, p, m, v, kw in (
+            ("GPipe", 3, 4, 1, {}),
+            ("1F1B", 2, 4, 1, {"bandwidth_bytes_per_s": 1e3}),
+            ("1F1B", 3, 3, 1, {"memory_limit_bytes": 400.0}),
+            ("Interleaved1F1B", 2, 4, 2, {}),
+            ("1F1B", 3, 6, 1, {"devices": [Device(1.0), Device(0.5), Device(2.0)]}),
+        ):
             if p * v > n:
                 continue
             try:
                 pl = quiet_plan(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
-                                memory_limit=kw.get("memory_limit_bytes"), bandwidth=kw.get("bandwidth_bytes_per_s"),
-                                devices=kw.get("devices"))
+                                memory_limit=kw.get("memory_limit_bytes"),
+                                bandwidth=kw.get("bandwidth_bytes_per_s"), devices=kw.get("devices"))
             except StageplanError:
                 continue  # no split fits the limit
             tie = pl.tie_break
@@ -280,7 +293,8 @@ def test_the_tie_break_finds_the_lowest_step_among_equal_bottleneck_splits() -> 
             assert pl.predicted_step_s == pytest.approx(low, rel=1e-9)
             assert pl.predicted_step_s <= tie["from_step_s"] * (1 + 1e-12)
             moved += tuple(pl.boundaries) != tuple(tie["from_boundaries"])
-    assert moved >= 5  # not all trivial: the tie-break changed the solver's split in 11 of these cases when written
+    # not all trivial: the tie-break changed the solver's split in 11 of these cases when written
+    assert moved >= 5
 
 
 def test_the_tie_break_on_a_stored_profile_says_what_it_gained() -> None:
@@ -311,7 +325,8 @@ def test_the_descent_keeps_the_bottleneck_and_never_raises_the_step(monkeypatch:
 def test_the_tie_break_work_is_bounded_at_a_thousand_layers() -> None:
     rng = np.random.default_rng(0)
     times = rng.lognormal(0, 0.5, 1000) * 1e-3
-    prof = Profile(tuple(LayerProfile(f"b.{i}", float(x) * 0.4, float(x) * 0.6, 100, 10, 50) for i, x in enumerate(times)))
+    prof = Profile(tuple(LayerProfile(f"b.{i}", float(x) * 0.4, float(x) * 0.6, 100, 10, 50) for i,
+                         x in enumerate(times)))
     pl = plan(prof, 64, num_microbatches=128)
     assert pl.tie_break["splits_evaluated"] <= max(1, search._TIE_WORK // (2 * 64 * 128))
     assert pl.predicted_step_s <= pl.tie_break["from_step_s"] * (1 + 1e-12)
@@ -320,32 +335,38 @@ def test_the_tie_break_work_is_bounded_at_a_thousand_layers() -> None:
 @pytest.mark.parametrize("opt_ms", [3.0, 0.5, 0.05, 0.0])
 def test_closed_form_the_least_bottleneck_is_not_the_fastest_step(opt_ms: float) -> None:
     """GPipe, 2 ranks, one microbatch, the timeline by hand:
-    [0, 2, 3]: rank 0 runs x, y forward (0-2), rank 1 z (2-3) and its backward (3-4.2), rank 0 backward (4.2-6.2), then
-    rank 0's optimizer (y): step 6.2 + O; bottleneck max(4, 2.2) = 4 ms, the least.
-    [0, 1, 3]: rank 0 x (0-1), rank 1 y, z forward (1-3) and backward (3-5.2), rank 0 backward (5.2-6.2); rank 1's
-    optimizer (y) runs from 5.2: step max(6.2, 5.2 + O); bottleneck 4.2 ms."""
+    [0, 2, 3]: rank 0 runs x, y forward (0-2), rank 1 z (2-3) and its backward (3-4.2), rank 0 backward
+    (4.2-6.2), then rank 0's optimizer (y): step 6.2 + O; bottleneck max(4, 2.2) = 4 ms, the least.
+    [0, 1, 3]: rank 0 x (0-1), rank 1 y, z forward (1-3) and backward (3-5.2), rank 0 backward (5.2-6.2); rank
+    1's optimizer (y) runs from 5.2: step max(6.2, 5.2 + O); bottleneck 4.2 ms."""
     prof = xyz(opt_ms)
     least = quiet_plan(prof, 2, num_microbatches=1, schedule="GPipe")
     fastest = quiet_plan(prof, 2, num_microbatches=1, schedule="GPipe", objective="step")
     assert least.boundaries == (0, 2, 3)
-    assert least.bottleneck_s == pytest.approx(4.0 * MS) and least.predicted_step_s == pytest.approx((6.2 + opt_ms) * MS)
+    assert least.bottleneck_s == pytest.approx(4.0 * MS) and least.predicted_step_s == pytest.approx(
+        (6.2 + opt_ms) * MS
+    )
     other = max(6.2, 5.2 + opt_ms) * MS
     search = least.step_search
     assert search["objective"] == "bottleneck" and search["exhaustive"]
     assert search["from_boundaries"] == [0, 2, 3]
     if opt_ms == 0.0:  # a tie: the least-bottleneck split stays
         assert fastest.boundaries == (0, 2, 3) and search["to_boundaries"] == [0, 2, 3]
-        assert not any("objective step" in n or "larger bottleneck" in n for n in [*least.notes, *fastest.notes])
+        assert not any("objective step" in n or "larger bottleneck" in n
+                       for n in [*least.notes, *fastest.notes])
         return
     assert fastest.boundaries == (0, 1, 3) and search["to_boundaries"] == [0, 1, 3]
-    assert fastest.predicted_step_s == pytest.approx(other) and fastest.bottleneck_s == pytest.approx(4.2 * MS)
-    assert search["to_step_s"] == pytest.approx(other) and search["to_bottleneck_s"] == pytest.approx(4.2 * MS)
+    assert fastest.predicted_step_s == pytest.approx(other) and fastest.bottleneck_s == pytest.approx(4.2
+                                                                                                      * MS)
+    assert search["to_step_s"] == pytest.approx(other) and search["to_bottleneck_s"] == pytest.approx(4.2
+                                                                                                      * MS)
     assert fastest.cost_options["objective"] == "step" and least.cost_options["objective"] == "bottleneck"
     assert fastest.step_search["objective"] == "step"
     note = next(n for n in fastest.notes if n.startswith("objective step"))
     assert f"predicted step {(6.2 + opt_ms):.3f} -> {other * 1e3:.3f} ms" in note and "[0, 2, 3]" in note
     # the default names the faster split only when it is at least 1% faster (0.05 ms: 6.25 -> 6.2, 0.8%)
-    named = [n for n in least.notes if n.startswith("a split with a larger bottleneck predicts a faster step")]
+    named = [n for n in least.notes
+             if n.startswith("a split with a larger bottleneck predicts a faster step")]
     if other / ((6.2 + opt_ms) * MS) <= 0.99:
         assert len(named) == 1 and "[0, 1, 3]" in named[0] and "--objective step" in named[0]
     else:
@@ -365,7 +386,8 @@ def brute_force(prof: Profile, p: int, m: int, schedule: str, v: int, **kw) -> t
 def random_profile(rng: np.random.Generator, n: int) -> Profile:
     f = rng.lognormal(0, 0.6, n) * MS
     b = f * rng.uniform(1.2, 2.5, n)
-    opt = rng.choice([0.0, 0.0, 1.0, 4.0], n) * MS  # a few layers with a heavy optimizer step, as an LM head's
+    # a few layers with a heavy optimizer step, as an LM head's
+    opt = rng.choice([0.0, 0.0, 1.0, 4.0], n) * MS
     act = rng.integers(0, 100, n)
     out = rng.integers(0, 200, n)
     return Profile(tuple(LayerProfile(f"l{i}", float(f[i]), float(b[i]), int(act[i]), int(out[i]), 10,
@@ -385,7 +407,8 @@ def test_the_step_objective_finds_the_lowest_step_of_every_split() -> None:
         for schedule, p, m, v, kw in CASES:
             if p * v > len(prof):
                 continue
-            args = dict(num_microbatches=m, schedule=schedule, virtual_stages=v, memory_limit=kw.get("memory_limit_bytes"),
+            args = dict(num_microbatches=m, schedule=schedule, virtual_stages=v,
+                        memory_limit=kw.get("memory_limit_bytes"),
                         bandwidth=kw.get("bandwidth_bytes_per_s"), devices=kw.get("devices"))
             try:
                 least = quiet_plan(prof, p, **args)
@@ -402,12 +425,13 @@ def test_the_step_objective_finds_the_lowest_step_of_every_split() -> None:
             assert fastest.predicted_step_s <= least.predicted_step_s * (1 + 1e-12)
             assert max(fastest.rank_memory_bytes) <= (kw.get("memory_limit_bytes") or np.inf)
             moved += fastest.boundaries != least.boundaries
-    assert moved >= 5, moved  # not all trivial: the objectives chose different splits in 11 of these cases when written
+    # not all trivial: the objectives chose different splits in 11 of these cases when written
+    assert moved >= 5, moved
 
 
 def test_the_descents_never_end_slower_than_their_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Too many splits to list: descents from the least-bottleneck split, the uniform and the parameter-balanced
-    ones. The result is no slower than any of the three (each scored as a given split)."""
+    """Too many splits to list: descents from the least-bottleneck split, the uniform and the
+    parameter-balanced ones. The result is no slower than any of the three (each scored as a given split)."""
     monkeypatch.setattr(split_search, "_TIE_SPLITS", 1)
     rng = np.random.default_rng(5)
     prof = random_profile(rng, 40)
@@ -418,16 +442,17 @@ def test_the_descents_never_end_slower_than_their_seeds(monkeypatch: pytest.Monk
     seeds = [search["from_boundaries"], list(partition_uniform(40, 6)),
              list(partition_balanced([lp.param_bytes for lp in prof.layers], 6))]
     for seed in seeds:
-        assert pl.predicted_step_s <= quiet_plan(prof, 6, boundaries=seed, **kw).predicted_step_s * (1 + 1e-12)
+        assert pl.predicted_step_s <= quiet_plan(prof, 6, boundaries=seed, **kw).predicted_step_s * (1
+                                                                                                     + 1e-12)
     assert pl.predicted_step_s == pytest.approx(search["to_step_s"], rel=1e-9)
     assert search["splits_evaluated"] <= max(1, split_search._TIE_WORK // (2 * 6 * 12))
 
 
 def test_an_interleaved_rank_sum_hides_unbalanced_chunks() -> None:
-    """Interleaved ranks are balanced on the sum of their chunks, and the sum hides how the chunks are cut: two
-    ranks x 2 chunks over twelve layers of 1 ms (f 0.4, b 0.6), 4 microbatches. Every split below puts 6 layers on
-    each rank (chunks 0 and 2 on rank 0), and their steps span 26.4 to 33.0 ms. Both objectives end at the lowest
-    step of every split (brute force)."""
+    """Interleaved ranks are balanced on the sum of their chunks, and the sum hides how the chunks are cut:
+    two ranks x 2 chunks over twelve layers of 1 ms (f 0.4, b 0.6), 4 microbatches. Every split below puts 6
+    layers on each rank (chunks 0 and 2 on rank 0), and their steps span 26.4 to 33.0 ms. Both objectives end
+    at the lowest step of every split (brute force)."""
     prof = Profile(tuple(LayerProfile(f"l{i}", 0.4 * MS, 0.6 * MS, 0, 0, 0) for i in range(12)))
     kw = dict(num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
     splits = ([0, 3, 6, 9, 12], [0, 2, 6, 10, 12], [0, 5, 6, 7, 12])
@@ -447,7 +472,10 @@ def test_a_given_split_is_scored_against_the_objectives_optimum() -> None:
     assert given.versus_optimal["step_ratio"] == pytest.approx(9.2 / 8.2)
     assert given.cost_options["objective"] == "step" and given.step_search == {}
     default = quiet_plan(prof, 2, num_microbatches=1, schedule="GPipe", boundaries=[0, 2, 3])
-    assert default.versus_optimal["optimal_boundaries"] == [0, 2, 3] and default.versus_optimal["step_ratio"] == 1.0
+    assert (
+        default.versus_optimal["optimal_boundaries"] == [0, 2, 3]
+        and default.versus_optimal["step_ratio"] == 1.0
+    )
 
 
 def test_objective_refusals_in_the_api() -> None:
@@ -455,7 +483,8 @@ def test_objective_refusals_in_the_api() -> None:
     with pytest.raises(StageplanError, match=r"objective 'fastest' is unknown; use bottleneck .* or step"):
         plan(prof, 2, objective="fastest")
     for method in ("uniform", "parameters"):
-        with pytest.raises(StageplanError, match=rf"objective 'step' chooses among splits, but method '{method}' fixes"):
+        with pytest.raises(StageplanError,
+                           match=rf"objective 'step' chooses among splits, but method '{method}' fixes"):
             plan(prof, 2, method=method, objective="step")
     for fn in (tuning.tune, comparison.compare):
         with pytest.raises(StageplanError, match=r"objective 'Step' is unknown"):
@@ -466,25 +495,31 @@ def test_cli_objective(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     path = tmp_path / "p.json"
     xyz(3.0).save(path)
     out_path = tmp_path / "plan.json"
-    code, out, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule", "GPipe",
-                              "--objective", "step", "--compare", "-o", str(out_path)], capsys)
+    code, out, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule",
+                              "GPipe", "--objective", "step", "--compare", "-o", str(out_path)], capsys)
     assert code == 0, err
     assert "optimal plan (objective step), GPipe" in out and "boundaries [0, 1, 3]" in out
     saved = Plan.load(out_path)
     assert saved.boundaries == (0, 1, 3) and saved.cost_options["objective"] == "step"
     code, out, _ = run_cli(["show", str(out_path)], capsys)
     assert code == 0 and "(objective step)" in out and "note: objective step:" in out
-    code, out, _ = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule", "GPipe"], capsys)
-    assert "boundaries [0, 2, 3]" in out and "note: a split with a larger bottleneck predicts a faster step" in out
+    code, out, _ = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule", "GPipe"],
+                           capsys)
+    assert (
+        "boundaries [0, 2, 3]" in out
+        and "note: a split with a larger bottleneck predicts a faster step" in out
+    )
     before = out_path.read_bytes()
     for extra, pattern in ((["--objective", "speed"], r"objective 'speed' is unknown"),
-                           (["--objective", "step", "--method", "uniform"], r"method 'uniform' fixes the split")):
-        code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule", "GPipe",
-                                *extra, "-o", str(out_path)], capsys)
+                           (["--objective", "step", "--method", "uniform"],
+                            r"method 'uniform' fixes the split")):
+        code, _, err = run_cli(["plan", str(path), "--stages", "2", "--microbatches", "1", "--schedule",
+                                "GPipe", *extra, "-o", str(out_path)], capsys)
         assert_one_line_error(code, err, pattern)
     assert out_path.read_bytes() == before  # nothing half-written over the plan
     for cmd in ("tune", "compare"):
-        code, _, err = run_cli([cmd, "gpt", "--stages", "2", "--objective", "nope", "-o", str(tmp_path / cmd)], capsys)
+        code, _, err = run_cli(
+            [cmd, "gpt", "--stages", "2", "--objective", "nope", "-o", str(tmp_path / cmd)], capsys)
         assert_one_line_error(code, err, r"objective 'nope' is unknown")
         assert not (tmp_path / cmd).exists()
 
@@ -506,8 +541,9 @@ def _levels_by_relaxation(deps: np.ndarray) -> np.ndarray | None:
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 4), st.randoms(use_true_random=False), st.booleans())
 def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: bool) -> None:
-    """Random DAGs (each node's dependencies drawn from the nodes before it in a shuffled order, "none" = n mixed
-    in, repeats allowed) get the levels of the relaxation; with one edge turned back into a cycle, both say so."""
+    """Random DAGs (each node's dependencies drawn from the nodes before it in a shuffled order, "none" = n
+    mixed in, repeats allowed) get the levels of the relaxation; with one edge turned back into a cycle, both
+    say so."""
     from stageplan.planning.search import _group_by, _longest_path_levels
 
     order = list(range(n))
@@ -519,7 +555,8 @@ def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: boo
                 deps[row, node] = order[rnd.randrange(pos)]
     if cycle and n > 1:
         first, last = order[0], order[-1]
-        deps[0, first] = last  # last depends, through some chain or directly, on nothing that reaches first...
+        # last depends, through some chain or directly, on nothing that reaches first...
+        deps[0, first] = last
         deps[0, last] = first  # ...and now first and last depend on each other
     want, got = _levels_by_relaxation(deps), _longest_path_levels(deps)
     if want is None:
@@ -527,20 +564,23 @@ def test_step_graph_levels_equal_relaxation(n: int, k: int, rnd: Any, cycle: boo
         return
     assert got is not None and got.tolist() == want.tolist()
     depth = int(want.max()) + 1
-    assert [g.tolist() for g in _group_by(got, depth)] == [np.flatnonzero(want == lv).tolist() for lv in range(depth)]
+    assert [g.tolist() for g in _group_by(got, depth)] == [np.flatnonzero(want == lv).tolist()
+                                                           for lv in range(depth)]
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), SCHEDULE_CASES)
 def test_split_costs_price_the_optimizer_step_as_evaluate_does(schedule: str, p: int, m: int, v: int) -> None:
     rng = np.random.default_rng(11)
     n = 11
-    layers = tuple(LayerProfile(f"l{i}", float(a), float(b), 0, 1, 4, optimizer_s={"adam": float(o), "sgd": float(o) / 3})
+    layers = tuple(LayerProfile(f"l{i}", float(a), float(b), 0, 1, 4,
+                                optimizer_s={"adam": float(o), "sgd": float(o) / 3})
                    for i, (a, b, o) in enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n),
                                                      rng.lognormal(1, 1, n))))
     prof = Profile(layers)
     devices = [Device(speed=1.0 + r) for r in range(p)]
     for optimizer in ("adam", "sgd", "none"):
-        opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, optimizer=optimizer,
+        opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                            optimizer=optimizer,
                             devices=devices, bandwidth_bytes_per_s=40.0, boundary_latency_s=0.25)
         arr = LayerArrays.of(prof, m)
         costs = SplitCosts(arr, opts)
@@ -562,10 +602,13 @@ def test_split_costs_price_the_tied_sync_as_evaluate_does(schedule: str, p: int,
     rng = np.random.default_rng(5)
     n = 11
     layers = tuple(LayerProfile(f"l{i}", float(a), float(b), 0, 1, 4, optimizer_s={"adam": float(o)})
-                   for i, (a, b, o) in enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))))
+                   for i, (a, b, o)
+                   in enumerate(zip(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))))
     prof = Profile(layers, {"tied": [_tie(0, n - 1, nbytes=40), _tie(2, 3, 7, nbytes=15)]})
-    opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v, bandwidth_bytes_per_s=10.0,
-                        boundary_latency_s=0.25, link_latency_s=0.25, devices=[Device(speed=1.0 + r) for r in range(p)])
+    opts = make_options(prof, p, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                        bandwidth_bytes_per_s=10.0,
+                        boundary_latency_s=0.25, link_latency_s=0.25,
+                        devices=[Device(speed=1.0 + r) for r in range(p)])
     arr = LayerArrays.of(prof, m)
     costs = SplitCosts(arr, opts)
     splits = np.array([[0, *sorted(rng.choice(np.arange(1, n), opts.num_chunks - 1, replace=False)), n]

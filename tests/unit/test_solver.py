@@ -57,7 +57,8 @@ def brute(
     end: Sequence[float] | Rows | None = None,
     limit: float | Sequence[float] | None = None,
 ) -> tuple[tuple[int, ...] | None, float | None]:
-    """(the partition the documented rule picks or None when infeasible, min over partitions of peak memory)."""
+    """(the partition the documented rule picks or None when
+    infeasible, min over partitions of peak memory)."""
     L = len(costs)
     sp = list(speeds) if speeds is not None else [1.0] * p
     bcr = rows_of(bc, p, L)
@@ -158,7 +159,9 @@ def instance(draw: st.DrawFn, max_layers: int = 8) -> tuple[list[float], int]:
     return costs, p
 
 
-def rows_strategy(draw: Callable[..., Any], p: int, L: int, values: st.SearchStrategy[float]) -> list[float] | Rows:
+def rows_strategy(
+    draw: Callable[..., Any], p: int, L: int, values: st.SearchStrategy[float]
+) -> list[float] | Rows:
     if draw(st.booleans()):
         return draw(st.lists(values, min_size=L, max_size=L))
     return [draw(st.lists(values, min_size=L, max_size=L)) for _ in range(p)]
@@ -383,13 +386,14 @@ def test_planner_shaped_instances_use_the_greedy_path_and_match_dp(seed: int) ->
         return result
 
     with patch.object(partition, "_probe_fast", counted):
-        sol = solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end, memory_limit_bytes=limit)
+        sol = solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end,
+                    memory_limit_bytes=limit)
     assert settled and all(settled)
     check_solution(sol, costs.tolist(), p, bc=bc.tolist(), mem=mem.tolist(), end=end.tolist(),
                    limit=limit.tolist())
     ends = np.broadcast_to(end, (p, L))
-    assert sol.bottleneck == dp_bottleneck(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, zeros, ends,
-                                           limit)
+    assert sol.bottleneck == dp_bottleneck(costs, p, np.ones(p), np.broadcast_to(bc, (p, L)), mem, zeros,
+                                           ends, limit)
     with patch.object(solver, "fast_applies", lambda *args: False), \
             patch.object(partition, "fast_applies", lambda *args: False):
         assert solve(costs, p, boundary_costs=bc, memory_bytes=mem, memory_end_bytes=end,
@@ -510,10 +514,13 @@ def test_infeasible_single_layer_message() -> None:
 def test_infeasible_names_the_layer_that_fits_nowhere_not_one_whose_buffer_it_need_not_carry() -> None:
     """Layer 0's send buffer (an end term) goes with it only where it closes a stage; with layer 1 beside it,
     it fits: the layer to blame is layer 2, whose own 600 B fit no stage of 500 B."""
-    with pytest.raises(InfeasiblePlanError, match=r"layer 2 alone needs 600 B \(600 bytes\) on any stage") as info:
+    with pytest.raises(
+        InfeasiblePlanError, match=r"layer 2 alone needs 600 B \(600 bytes\) on any stage"
+    ) as info:
         solve([1, 1, 1], 2, memory_bytes=[10, 10, 600], memory_end_bytes=[2000, 0, 0], memory_limit_bytes=500)
     assert info.value.min_memory_limit_bytes == 600.0
-    with pytest.raises(InfeasiblePlanError, match=r"layer 0 alone needs 1\.95 KiB"):  # the first layer opens stage 0
+    with pytest.raises(InfeasiblePlanError, match=r"layer 0 alone needs 1\.95 KiB"):
+        # the first layer opens stage 0
         solve([1, 1, 1], 2, memory_bytes=[0, 10, 10], memory_start_bytes=[2000, 0, 0], memory_limit_bytes=500)
 
 
@@ -530,28 +537,47 @@ def test_infeasible_vector_limits_are_listed() -> None:
         ({"costs": [], "num_stages": 1}, r"costs is empty; profile at least one layer"),
         ({"costs": [[1, 2]], "num_stages": 1}, r"costs must be one-dimensional .* got shape \(1, 2\)"),
         ({"costs": ["a"], "num_stages": 1}, r"costs must be numeric"),
-        ({"costs": [1, float("nan")], "num_stages": 1}, r"costs\[1\] is nan; every value must be a finite number >= 0 \(seconds\); re-profile"),
-        ({"costs": [1, -1], "num_stages": 1}, r"costs\[1\] is -1\.0; every value must be a finite number >= 0"),
+        ({"costs": [1, float("nan")], "num_stages": 1},
+         r"costs\[1\] is nan; every value must be a finite number >= 0 \(seconds\); re-profile"),
+        ({"costs": [1, -1], "num_stages": 1},
+         r"costs\[1\] is -1\.0; every value must be a finite number >= 0"),
         ({"costs": [1, float("inf")], "num_stages": 1}, r"costs\[1\] is inf"),
-        ({"costs": [1] * 8, "num_stages": 9}, r"num_stages \(9\) exceeds the number of layers \(8\); use fewer stages or profile at a finer granularity"),
+        ({"costs": [1] * 8, "num_stages": 9}, r"num_stages \(9\) exceeds the number of layers \(8\); use "
+                                              r"fewer stages or profile at a finer granularity"),
         ({"costs": [1], "num_stages": 0}, r"num_stages \(0\) must be at least 1"),
         ({"costs": [1], "num_stages": 1.5}, r"num_stages must be an integer, got 1\.5"),
         ({"costs": [1], "num_stages": True}, r"num_stages must be an integer, got True"),
-        ({"costs": [1, 1], "num_stages": 2, "stage_speeds": [1]}, r"stage_speeds has shape \(1,\); expected \(2,\) \(one relative speed per stage\)"),
-        ({"costs": [1, 1], "num_stages": 2, "stage_speeds": [1, 0]}, r"stage_speeds\[1\] is 0\.0; every speed must be finite and > 0"),
-        ({"costs": [1, 1], "num_stages": 2, "boundary_costs": [1, 1, 1]}, r"boundary_costs has shape \(3,\); expected \(2,\) \(one value per layer\) or \(2, 2\) \(one row per stage\)"),
-        ({"costs": [1, 1], "num_stages": 2, "boundary_costs": [1, -2]}, r"boundary_costs\[1\] is -2\.0; every value must be a finite number >= 0 \(seconds\)"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, float("nan")]}, r"memory_bytes\[1\] is nan; every value must be a finite number >= 0 \(bytes\)"),
+        ({"costs": [1, 1], "num_stages": 2, "stage_speeds": [1]},
+         r"stage_speeds has shape \(1,\); expected \(2,\) \(one relative speed per stage\)"),
+        ({"costs": [1, 1], "num_stages": 2, "stage_speeds": [1, 0]},
+         r"stage_speeds\[1\] is 0\.0; every speed must be finite and > 0"),
+        ({"costs": [1, 1], "num_stages": 2, "boundary_costs": [1, 1, 1]},
+         r"boundary_costs has shape \(3,\); expected \(2,\) \(one value per layer\) or \(2, 2\) \(one row "
+         r"per stage\)"),
+        ({"costs": [1, 1], "num_stages": 2, "boundary_costs": [1, -2]},
+         r"boundary_costs\[1\] is -2\.0; every value must be a finite number >= 0 \(seconds\)"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, float("nan")]},
+         r"memory_bytes\[1\] is nan; every value must be a finite number >= 0 \(bytes\)"),
         ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, -1]}, r"memory_bytes\[1\] is -1\.0"),
-        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [[1, 1]]}, r"memory_bytes has shape \(1, 2\); expected \(2,\) \(one value per layer\) or \(2, 2\) \(one row per stage\)"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, 1], "memory_start_bytes": [1]}, r"memory_start_bytes has shape \(1,\)"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, 1], "memory_end_bytes": [-1, 0]}, r"memory_end_bytes\[0\] is -1\.0"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_limit_bytes": 5}, r"memory_limit_bytes is given but memory_bytes is None; pass per-layer memory_bytes"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_start_bytes": [1, 1]}, r"memory_start_bytes is given but memory_bytes is None"),
-        ({"costs": [1, 1], "num_stages": 1, "memory_end_bytes": [1, 1]}, r"memory_end_bytes is given but memory_bytes is None"),
-        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": [1, 2, 3]}, r"memory_limit_bytes has shape \(3,\); expected a scalar or \(2,\) \(one limit per stage\)"),
-        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": 0}, r"memory_limit_bytes is 0\.0; every limit must be > 0 bytes"),
-        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": [1, float("nan")]}, r"memory_limit_bytes\[1\] is nan"),
+        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [[1, 1]]},
+         r"memory_bytes has shape \(1, 2\); expected \(2,\) \(one value per layer\) or \(2, 2\) \(one row "
+         r"per stage\)"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, 1], "memory_start_bytes": [1]},
+         r"memory_start_bytes has shape \(1,\)"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_bytes": [1, 1], "memory_end_bytes": [-1, 0]},
+         r"memory_end_bytes\[0\] is -1\.0"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_limit_bytes": 5},
+         r"memory_limit_bytes is given but memory_bytes is None; pass per-layer memory_bytes"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_start_bytes": [1, 1]},
+         r"memory_start_bytes is given but memory_bytes is None"),
+        ({"costs": [1, 1], "num_stages": 1, "memory_end_bytes": [1, 1]},
+         r"memory_end_bytes is given but memory_bytes is None"),
+        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": [1, 2, 3]},
+         r"memory_limit_bytes has shape \(3,\); expected a scalar or \(2,\) \(one limit per stage\)"),
+        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": 0},
+         r"memory_limit_bytes is 0\.0; every limit must be > 0 bytes"),
+        ({"costs": [1, 1], "num_stages": 2, "memory_bytes": [1, 1], "memory_limit_bytes": [1, float("nan")]},
+         r"memory_limit_bytes\[1\] is nan"),
     ],
 )
 def test_solve_errors(kwargs: dict[str, object], match: str) -> None:

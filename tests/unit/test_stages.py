@@ -26,8 +26,8 @@ def _plan_for_tied_blocks(tie_with: int) -> Plan:
     wl = build_workload("workloads:tied_blocks", {"tie_with": tie_with})
     prof = profile_model(wl, microbatch_size=2, warmup=0, repeats=1, streaming=False, dedup=False)
     assert [t.layers for t in prof.tied] == [(0, tie_with)]
-    return plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2, boundaries=(0, 1, 2, 4, 5),
-                bandwidth=BANDWIDTH, optimizer="adamw")
+    return plan(prof, 2, num_microbatches=4, schedule="Interleaved1F1B", virtual_stages=2,
+                boundaries=(0, 1, 2, 4, 5), bandwidth=BANDWIDTH, optimizer="adamw")
 
 
 @pytest.mark.parametrize(("tie_with", "across"), [(2, False), (4, True)])
@@ -40,13 +40,14 @@ def test_the_executor_knows_which_ties_span_ranks(tie_with: int, across: bool) -
     assert (pl.tied_sync_s > 0) == across
     model = meta_copy(build_workload("workloads:tied_blocks", {"tie_with": tie_with}).model)
     ties = tie_groups(model)
-    cut = cut_stages(model, (torch.zeros(2, 16),), pl.layer_names, pl.boundaries, pl.profile_meta.get("layers_arg"))
+    cut = cut_stages(model, (torch.zeros(2, 16),), pl.layer_names, pl.boundaries,
+                     pl.profile_meta.get("layers_arg"))
     assert ties_across_ranks(ties, cut, pl) == [across]
 
 
 def test_a_tie_on_one_rank_is_summed_there_without_communication() -> None:
-    """No process group exists here: an all-reduce would raise. Two copies on this rank are summed; one copy of a
-    tie no other rank holds is left alone."""
+    """No process group exists here: an all-reduce would raise. Two copies on this rank are summed; one copy
+    of a tie no other rank holds is left alone."""
     from stageplan.running.stages import sync_tied_grads
 
     shared = torch.nn.Parameter(torch.zeros(2))
@@ -55,7 +56,8 @@ def test_a_tie_on_one_rank_is_summed_there_without_communication() -> None:
     sync_tied_grads([(["x.weight", "y.weight"], shared)], {"x.weight": a, "y.weight": b}, torch.device("cpu"),
                     across=[False])
     assert torch.equal(a.grad, torch.tensor([11.0, 22.0])) and torch.equal(b.grad, a.grad)
-    sync_tied_grads([(["x.weight", "y.weight"], shared)], {"x.weight": a}, torch.device("cpu"), across=[False])
+    sync_tied_grads([(["x.weight", "y.weight"], shared)], {"x.weight": a}, torch.device("cpu"),
+                    across=[False])
     assert torch.equal(a.grad, torch.tensor([11.0, 22.0]))
 
 
@@ -64,7 +66,8 @@ def test_build_pipeline_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     plan(prof, 2, num_microbatches=2).save(tmp_path / "plan.json")
     with pytest.raises(Exception, match=r"rank 0 of world size 3 does not fit the plan's 2 ranks"):
         build_pipeline(lambda: torch.nn.Linear(2, 2), tmp_path / "plan.json", rank=0, world_size=3)
-    with pytest.raises(Exception, match=r"Linear is not an nn.Sequential, so cutting it .* pass example_inputs"):
+    with pytest.raises(Exception,
+                       match=r"Linear is not an nn.Sequential, so cutting it .* pass example_inputs"):
         build_pipeline(lambda: torch.nn.Linear(2, 2), tmp_path / "plan.json", rank=0, world_size=2)
     # a checkpoint that lacks a stage's tensors names the missing keys
     from stageplan.materialize import init_empty_weights, real_parameters
@@ -73,14 +76,16 @@ def test_build_pipeline_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(Exception, match=r"the weights lack 2 tensor\(s\) this stage needs: 1.weight, 1.bias"):
         real_parameters(model, ["0.weight", "1.weight", "1.bias"], "cpu",
                         weights=Checkpoint({"0.weight": torch.zeros(2, 2)}))
-    code, _, err = run_cli(["run", "gpt", "--plan", str(tmp_path / "plan.json"), "--weights", str(tmp_path / "nope")],
+    code, _, err = run_cli(["run", "gpt", "--plan", str(tmp_path / "plan.json"), "--weights",
+                            str(tmp_path / "nope")],
                            capsys)
     assert code == 2 and "weights" in err and "do not exist" in err
 
 
 def test_build_pipeline_refuses_a_plan_for_another_model(tmp_path: Path) -> None:
     names = ["tok_emb+pos_emb", *[f"blocks.{i}" for i in range(6)], "ln_f+head"]
-    prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names), {"batch_size": 8, "microbatch_size": 2})
+    prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names),
+                   {"batch_size": 8, "microbatch_size": 2})
     plan(prof, 2, num_microbatches=4).save(tmp_path / "plan.json")
     data = gpt(n_layer=4, tied=True)
     with pytest.raises(Exception, match=r"the plan does not match this model: it has 8 layers, the model 6"):

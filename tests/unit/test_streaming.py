@@ -22,7 +22,8 @@ from stageplan.zoo import gpt, hf_llama
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# A busy 2-core machine moves a small layer's median by tens of percent between rounds; the spread check warns.
+# A busy 2-core machine moves a small layer's median by
+# tens of percent between rounds; the spread check warns.
 pytestmark = pytest.mark.filterwarnings("ignore:identical layers .* apart:UserWarning")
 
 
@@ -46,7 +47,8 @@ def gpt_dedup(gpt4: Workload) -> Profile:
 
 @pytest.fixture(scope="module")
 def gpt_every(gpt4: Workload) -> Profile:
-    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False, dedup=False, order="layer")
+    return profile_model(gpt4, microbatch_size=2, warmup=1, repeats=5, streaming=False, dedup=False,
+                         order="layer")
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +57,19 @@ def gpt_streamed(gpt4: Workload) -> Profile:
 
 
 @pytest.mark.timing
-def test_dedup_keeps_bytes_names_and_plans_and_times_stay_within_noise(gpt_dedup: Profile, gpt_every: Profile) -> None:
+def test_dedup_keeps_bytes_names_and_plans_and_times_stay_within_noise(
+    gpt_dedup: Profile, gpt_every: Profile
+) -> None:
     assert _bytes(gpt_dedup) == _bytes(gpt_every)
     for p, q in [(plan(gpt_dedup, 2), plan(gpt_every, 2)),
                  (plan(gpt_dedup, 3, method="parameters"), plan(gpt_every, 3, method="parameters"))]:
         assert p.boundaries == q.boundaries
     assert gpt_dedup.meta["dedup"] is True and gpt_every.meta["dedup"] is False
-    assert gpt_dedup.meta["layers_measured"] == 5 and gpt_every.meta["layers_measured"] == 6  # emb, block x3, head
+    # emb, block x3, head
+    assert gpt_dedup.meta["layers_measured"] == 5 and gpt_every.meta["layers_measured"] == 6
     assert all(x.measured_as is None for x in gpt_every.layers) and gpt_every.meta["dedup_spread"] is None
-    # Times: the one measured block against the median of the four measured separately (generous: shared cores).
+    # Times: the one measured block against the median of
+    # the four measured separately (generous: shared cores).
     every = statistics.median(x.time_s for x in gpt_every.layers if x.name.startswith("blocks."))
     once = gpt_dedup.layers[1].time_s
     assert 0.5 < once / every < 2.0, (once, every)
@@ -73,16 +79,19 @@ def test_dedup_keeps_bytes_names_and_plans_and_times_stay_within_noise(gpt_dedup
 
 
 def test_measured_as_names_the_second_block_and_never_the_embedding_or_head(gpt_dedup: Profile) -> None:
-    # the first block follows the embedding and keeps its own figures; the rest follow a block, as the second does
+    # the first block follows the embedding and keeps its own
+    # figures; the rest follow a block, as the second does
     assert [x.measured_as for x in gpt_dedup.layers] == [None, None, None, "blocks.1", "blocks.1", None]
     second = gpt_dedup.layers[2]
     for x in gpt_dedup.layers[3:5]:
-        assert (x.forward_s, x.backward_s, x.activation_bytes) == (second.forward_s, second.backward_s, second.activation_bytes)
+        assert (x.forward_s, x.backward_s, x.activation_bytes) == (second.forward_s, second.backward_s,
+                                                                   second.activation_bytes)
     assert gpt_dedup.meta["distinct_layers"] == 3 and gpt_dedup.meta["layers_reused"] == 2
 
 
 def test_sequential_chain_groups_by_module_input_and_loss() -> None:
-    wl = mlp(width=16, depth=4)  # Linear, Tanh x4: the first Linear gets no input gradient, the last Tanh the loss
+    # Linear, Tanh x4: the first Linear gets no input gradient, the last Tanh the loss
+    wl = mlp(width=16, depth=4)
     dedup = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, order="layer")
     every = profile_model(wl, microbatch_size=4, warmup=0, repeats=2, dedup=False, order="layer")
     assert [x.measured_as for x in dedup.layers] == [None, None, None, None, None, "3", "4", None]
@@ -92,30 +101,36 @@ def test_sequential_chain_groups_by_module_input_and_loss() -> None:
 
 
 def test_measured_as_loads_from_old_files_and_leaves_the_digest_alone() -> None:
-    old = Profile.load(ROOT / "tests" / "data" / "old-format" / "gpt.json")  # written before measured_as existed
+    # written before measured_as existed
+    old = Profile.load(ROOT / "tests" / "data" / "old-format" / "gpt.json")
     assert all(x.measured_as is None for x in old.layers)
     tagged = Profile(tuple(replace(x, measured_as="blocks.0") for x in old.layers), old.meta)
     assert tagged.digest() == old.digest()
     assert Profile.from_json(json.loads(json.dumps(tagged.to_json()))) == tagged
     bad = tagged.to_json()
     bad["layers"][0]["measured_as"] = 3
-    with pytest.raises(StageplanError, match=r"layer 0 \('tok_emb\+pos_emb'\) has measured_as = 3; it must be a layer name"):
+    with pytest.raises(StageplanError,
+                       match=r"layer 0 \('tok_emb\+pos_emb'\) has measured_as = 3; it must be a layer name"):
         Profile.from_json(bad)
 
 
-def test_streaming_gives_the_whole_model_profile_bytes(gpt4: Workload, gpt_dedup: Profile, gpt_streamed: Profile) -> None:
+def test_streaming_gives_the_whole_model_profile_bytes(gpt4: Workload, gpt_dedup: Profile,
+                                                       gpt_streamed: Profile) -> None:
     assert _bytes(gpt_streamed) == _bytes(gpt_dedup)
     assert [x.measured_as for x in gpt_streamed.layers] == [x.measured_as for x in gpt_dedup.layers]
     meta = gpt_streamed.meta
     assert meta["materialized"] == "layer-at-a-time" and gpt_dedup.meta["materialized"] == "whole-model"
     assert meta["whole_model_s"] is None and meta["whole_model"] == "skipped: layer-at-a-time"
     assert gpt_streamed.sum_vs_whole is None and meta["sum_vs_whole"] is None
-    assert meta["peak_rss_bytes"] > 0 and all(x.forward_s > 0 and x.backward_s > 0 for x in gpt_streamed.layers)
-    assert all(p.device.type == "cpu" and p.grad is None for p in gpt4.model.parameters())  # the user's model, untouched
+    assert meta["peak_rss_bytes"] > 0 and all(x.forward_s > 0 and x.backward_s > 0
+                                              for x in gpt_streamed.layers)
+    # the user's model, untouched
+    assert all(p.device.type == "cpu" and p.grad is None for p in gpt4.model.parameters())
 
 
 def test_streaming_an_hf_model_built_on_meta_matches_the_real_one() -> None:
-    # A model on meta traces with meta tensors flowing: its pieces' device constants must be pointed at the CPU.
+    # A model on meta traces with meta tensors flowing: its
+    # pieces' device constants must be pointed at the CPU.
     real = hf_llama(n_layer=2, d_model=64, seq_len=32, vocab_size=512)
     from stageplan.materialize import init_empty_weights
 
@@ -124,7 +139,8 @@ def test_streaming_an_hf_model_built_on_meta_matches_the_real_one() -> None:
     whole = profile_model(real, microbatch_size=2, warmup=0, repeats=1, streaming=False)
     streamed = profile_model(on_meta, microbatch_size=2, warmup=0, repeats=1, streaming=True)
     assert _bytes(streamed) == _bytes(whole)
-    assert [x.measured_as for x in streamed.layers] == [None, None, None, None]  # a pair of blocks: both measured
+    # a pair of blocks: both measured
+    assert [x.measured_as for x in streamed.layers] == [None, None, None, None]
     assert all(p.device.type == "meta" for p in on_meta.model.parameters())
 
 
@@ -153,8 +169,9 @@ def test_streaming_is_chosen_when_the_whole_model_would_not_fit(monkeypatch: pyt
     tight = profile_model(wl, microbatch_size=4, warmup=0, repeats=1)
     assert roomy.meta["materialized"] == "whole-model" and tight.meta["materialized"] == "layer-at-a-time"
     check = tight.meta["memory_check"]
-    # 2 x parameters (copy + gradients) + what the whole forward saves, counted by hand for Linear, Tanh, Linear,
-    # Tanh at 4 x 16 floats: the input, the first Tanh's output (the second Linear's input: one storage), the last's.
+    # 2 x parameters (copy + gradients) + what the whole forward saves, counted by hand for Linear, Tanh,
+    # Linear, Tanh at 4 x 16 floats: the input, the first Tanh's output (the second Linear's input: one
+    # storage), the last's.
     params, acts = 4 * 2 * (16 * 16 + 16), 3 * 4 * 4 * 16
     assert check["activation_bytes"] == acts and check["whole_model_bytes"] == 2 * params + acts
     assert check["free_bytes"] == 1000
@@ -166,44 +183,64 @@ def test_estimate_bytes_are_the_measured_bytes_and_times_are_analytic() -> None:
     est = profile_model(wl, microbatch_size=4, device="estimate:h100-sxm")
     assert _bytes(est) == _bytes(measured)  # fp32, no attention: the same saved tensors, counted two ways
     assert [x.measured_as for x in est.layers] == [x.measured_as for x in measured.layers]
-    assert all(x.forward_s > 0 and x.backward_s > 0 and x.backward_accumulate_s == x.backward_s for x in est.layers)
+    assert all(x.forward_s > 0 and x.backward_s > 0 and x.backward_accumulate_s == x.backward_s
+               for x in est.layers)
     meta = est.meta
-    assert meta["timer"] == "analytic" and meta["device"] == "estimate:h100-sxm" and meta["whole_model_s"] is None
-    assert meta["estimate"]["gpu"] == "h100-sxm" and meta["estimate"]["eta_c"] == 0.45 and meta["estimate"]["eta_m"] == 0.7
+    assert (
+        meta["timer"] == "analytic"
+        and meta["device"] == "estimate:h100-sxm"
+        and meta["whole_model_s"] is None
+    )
+    assert (
+        meta["estimate"]["gpu"] == "h100-sxm"
+        and meta["estimate"]["eta_c"] == 0.45
+        and meta["estimate"]["eta_m"] == 0.7
+    )
     assert "±25%" in meta["estimate"]["accuracy"] and meta["estimate"]["sources"]["gpu"]
-    faster = profile_model(wl, microbatch_size=4, device="estimate:h100-sxm", compute_efficiency=0.9, memory_efficiency=1.0)
+    faster = profile_model(wl, microbatch_size=4, device="estimate:h100-sxm", compute_efficiency=0.9,
+                           memory_efficiency=1.0)
     assert faster.meta["estimate"]["eta_c"] == 0.9
     assert all(f.forward_s < e.forward_s for f, e in zip(faster.layers, est.layers))
 
 
-def test_estimate_of_a_gpt_in_bfloat16_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["profile", "gpt", "--set", "n_layer=3", "--set", "d_model=64", "--device", "estimate:h100-sxm", "--quiet"]
+def test_estimate_of_a_gpt_in_bfloat16_from_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["profile", "gpt", "--set", "n_layer=3", "--set", "d_model=64", "--device", "estimate:h100-sxm",
+            "--quiet"]
     assert run_cli([*base, "-o", str(tmp_path / "f32.json")], capsys)[0] == 0
     assert run_cli([*base, "--dtype", "bfloat16", "-o", str(tmp_path / "bf16.json")], capsys)[0] == 0
     f32, bf16 = Profile.load(tmp_path / "f32.json"), Profile.load(tmp_path / "bf16.json")
     assert bf16.meta["dtype"] == "bfloat16" and bf16.meta["materialized"].startswith("none")
-    assert [2 * x.param_bytes for x in bf16.layers] == [x.param_bytes for x in f32.layers]  # built in bf16: exact
+    # built in bf16: exact
+    assert [2 * x.param_bytes for x in bf16.layers] == [x.param_bytes for x in f32.layers]
     assert [x.measured_as for x in bf16.layers] == [None, None, None, "blocks.1", None]
     assert torch.get_default_dtype() == torch.float32  # restored after the build
     assert all(x.forward_s > 0 for x in bf16.layers)
 
 
-def test_unknown_gpu_and_misplaced_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_gpu_and_misplaced_options_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = str(tmp_path / "x.json")
     code, _, err = run_cli(["profile", "gpt", "--device", "estimate:h300", "-o", out], capsys)
-    assert_one_line_error(code, err, r"unknown GPU 'h300' for --device estimate:h300; known: a100-40gb, .*h100-sxm")
+    assert_one_line_error(code, err,
+                          r"unknown GPU 'h300' for --device estimate:h300; known: a100-40gb, .*h100-sxm")
     code, _, err = run_cli(["profile", "gpt", "--compute-efficiency", "0.5", "-o", out], capsys)
-    assert_one_line_error(code, err, r"compute_efficiency \(0.5\) applies to estimates only; use it with --device estimate:GPU")
-    code, _, err = run_cli(["profile", "gpt", "--device", "estimate:h100-sxm", "--memory-efficiency", "2", "-o", out], capsys)
+    assert_one_line_error(
+        code, err, r"compute_efficiency \(0.5\) applies to estimates only; use it with --device estimate:GPU")
+    code, _, err = run_cli(
+        ["profile", "gpt", "--device", "estimate:h100-sxm", "--memory-efficiency", "2", "-o", out], capsys)
     assert_one_line_error(code, err, r"memory_efficiency must be a fraction in \(0, 1\], got 2.0")
-    with pytest.raises(StageplanError, match=r"streaming must be True, False or None and dedup True or False, got streaming='yes'"):
+    with pytest.raises(StageplanError, match=r"streaming must be True, False or None and dedup True or "
+                                             r"False, got streaming='yes'"):
         profile_model(mlp(), microbatch_size=2, streaming="yes")  # type: ignore[arg-type]
 
 
 def test_cli_streaming_and_no_dedup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
-    small = ["profile", "gpt", "--set", "n_layer=3", "--set", "d_model=64", "--set", "vocab_size=512", "--warmup", "0",
-             "--repeats", "1"]
+    small = ["profile", "gpt", "--set", "n_layer=3", "--set", "d_model=64", "--set", "vocab_size=512",
+             "--warmup", "0", "--repeats", "1"]
     code, stdout, _ = run_cli([*small, "--streaming", "-o", str(out)], capsys)
     assert code == 0
     assert "whole model not timed (skipped: layer-at-a-time)" in stdout and "= blocks.1" in stdout
@@ -225,4 +262,5 @@ def test_the_fake_chain_gives_each_layers_inputs_and_the_bytes_crossing_each_bou
     x = torch.randn(4, 16)
     inputs, crossing = fake_chain(cut_layers(model, (x,)), (x,), torch.device("cpu"))
     assert [[tuple(v.shape) for v in values] for values in inputs] == [[(4, 16)], [(4, 32)], [(4, 32)]]
-    assert crossing == [4 * 32 * 4, 4 * 32 * 4, 0]  # float32 activations; nothing crosses after the last layer
+    # float32 activations; nothing crosses after the last layer
+    assert crossing == [4 * 32 * 4, 4 * 32 * 4, 0]

@@ -18,14 +18,19 @@ from .test_profiler import COLD, HOT, _between, _evictees
 def test_retime_follows_the_profiles_order_with_the_next_layer_in_the_chain() -> None:
     wl = _evictees(4)
     names = ["0", "1", "2", "3"]
-    # a rank's layers in a stage's order run with the layer after them (timed, not returned): layer 1 follows 2
+    # a rank's layers in a stage's order run with the layer
+    # after them (timed, not returned): layer 1 follows 2
     got = retime_layers(wl, names, [0, 1], 2, "cpu", warmup=1, repeats=5, order="stage")
-    assert sorted(got) == [0, 1] and all(_between(got[k][1], COLD) and _between(got[k][2], COLD) for k in got), got
-    got = retime_layers(wl, names, [1, 3], 2, "cpu", warmup=1, repeats=5, order="stage")  # layer 2 joins 1's chain
+    assert sorted(got) == [0, 1] and all(
+        _between(got[k][1], COLD) and _between(got[k][2], COLD) for k in got
+    ), got
+    # layer 2 joins 1's chain
+    got = retime_layers(wl, names, [1, 3], 2, "cpu", warmup=1, repeats=5, order="stage")
     assert sorted(got) == [1, 3] and _between(got[1][1], COLD) and _between(got[3][1], HOT), got
     got = retime_layers(wl, names, [0, 1], 2, "cpu", warmup=1, repeats=5)  # the default: each alone
     assert all(_between(got[k][1], HOT) and _between(got[k][2], HOT) for k in got), got
-    with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'diagonal'; e\.g\. --order stage"):
+    with pytest.raises(StageplanError,
+                       match=r"order must be one of stage, layer, got 'diagonal'; e\.g\. --order stage"):
         retime_layers(wl, names, [0], 2, "cpu", order="diagonal")
 
 
@@ -62,6 +67,7 @@ def test_retime_times_only_the_layers_asked_for_at_their_known_cost_as_the_profi
 
 def test_retime_refuses_a_plan_whose_layers_are_not_this_models_cut() -> None:
     wl = _sleepers()
-    with pytest.raises(StageplanError, match=r"the model cuts into 3 layers here \(0, 1, 2\) and the plan has 2 \(a, b\): "
-                                             r"its profile is of another model.*profile this model and plan again"):
+    with pytest.raises(StageplanError, match=r"the model cuts into 3 layers here \(0, 1, 2\) and the plan "
+                                             r"has 2 \(a, b\): its profile is of another model.*profile this "
+                                             r"model and plan again"):
         retime_layers(wl, ["a", "b"], [0], 2, "cpu")

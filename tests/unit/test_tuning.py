@@ -18,8 +18,8 @@ from .test_planner import quiet_plan
 
 
 def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fake runs (known steps, calibration the identity): tune's rounds and final plan are the step objective's
-    plan of the profile; the uniform reference is the uniform split."""
+    """Fake runs (known steps, calibration the identity): tune's rounds and final plan are the step
+    objective's plan of the profile; the uniform reference is the uniform split."""
     from types import SimpleNamespace
 
     import stageplan.running.launch
@@ -36,7 +36,8 @@ def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatc
     result = tuning.tune("gpt", 2, profile=prof, rounds=2, objective="step")
     want = quiet_plan(prof, 2, objective="step")
     assert result["final"]["boundaries"] == list(want.boundaries) and result["objective"] == "step"
-    assert [pl.cost_options.get("objective") for pl in ran] == ["step", "step", None]  # round 1, final, uniform
+    # round 1, final, uniform
+    assert [pl.cost_options.get("objective") for pl in ran] == ["step", "step", None]
     assert ran[-1].method == "uniform"
 
 
@@ -45,18 +46,19 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert_one_line_error(code, err, r"rounds must be an integer >= 1, got 0")
     code, _, err = run_cli(["tune", "gpt", "--stages", "2", "-o", "/proc/tune"], capsys)
     assert_one_line_error(code, err, r"cannot write")
-    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--processes", "0", "-o", str(tmp_path / "t")], capsys)
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--processes", "0", "-o", str(tmp_path / "t")],
+                           capsys)
     assert_one_line_error(code, err, r"processes must be an integer >= 1, got 0; e\.g\. --processes 3")
     prof = str(Path(__file__).resolve().parents[2] / "profiles" / "cpu" / "gpt.json")
     # tuning again from the calibrated profile a tune wrote, into the same folder, would overwrite it
     (tmp_path / "again").mkdir()
     (tmp_path / "again" / "profile.json").write_bytes(Path(prof).read_bytes())
-    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--profile", str(tmp_path / "again" / "profile.json"),
-                            "-o", str(tmp_path / "again")], capsys)
+    code, _, err = run_cli(["tune", "gpt", "--stages", "2", "--profile",
+                            str(tmp_path / "again" / "profile.json"), "-o", str(tmp_path / "again")], capsys)
     assert_one_line_error(code, err, r"is one of the files this command writes into")
     code, _, err = run_cli(["compare", "gpt", "--stages", "2", "--processes", "2", "--profile", prof], capsys)
-    assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile gives the "
-                                     r"profile to start from; drop one of them")
+    assert_one_line_error(code, err, r"--processes 2 profiles the model in fresh processes, and --profile "
+                                     r"gives the profile to start from; drop one of them")
     # refused before a profile is taken (it was refused only by the first run, after a 7 s profile)
     from stageplan.profiling import profiler
 
@@ -68,14 +70,18 @@ def test_tune_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         for cmd in ("tune", "compare"):
             code, _, err = run_cli([cmd, "gpt", "--set", "n_layer=2", "--stages", "2", "--microbatches", "3",
                                     "-o", str(tmp_path / "t")], capsys)
-            assert_one_line_error(code, err, r"the batch of 8 does not divide into the plan's 3 microbatches.* or plan "
-                                             r"with one of \[1, 2, 4, 8\] microbatches")
+            assert_one_line_error(code, err, r"the batch of 8 does not divide into the plan's 3 "
+                                             r"microbatches.* or plan with one of \[1, 2, 4, 8\] "
+                                             r"microbatches")
     assert not (tmp_path / "t").exists()
 
 
-def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--runs K: a round's plan runs K times back to back and calibrate gets the run whose step is the median; the
-    final and uniform plans then run K times each in turns (fake runs of known step, the calibration recorded)."""
+def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--runs K: a round's plan runs K times back to back and calibrate gets the run whose step is the median;
+    the final and uniform plans then run K times each in turns (fake runs of known step, the calibration
+    recorded)."""
     from types import SimpleNamespace
 
     import stageplan.running.launch
@@ -101,18 +107,21 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(m
     assert len(ran) == 3 + 2 * 3
     first, final, uniform = result["rounds"][0], result["final"], result["uniform"]
     assert len(result["rounds"]) == 1 and first["measured_steps_s"] == [0.30, 0.20, 0.10]
-    assert first["measured_step_s"] == 0.20 and calibrated == [ran[1][1]]  # the median run, neither the first nor the last
+    # the median run, neither the first nor the last
+    assert first["measured_step_s"] == 0.20 and calibrated == [ran[1][1]]
     assert {b for b, _ in ran[:3]} == {tuple(first["boundaries"])}
     # then in turns: final, uniform, final, ...
     assert [b for b, _ in ran[3:]] == [tuple(final["boundaries"]), tuple(uniform["boundaries"])] * 3
-    assert final["measured_steps_s"] == [0.21, 0.22, 0.19] and uniform["measured_steps_s"] == [0.25, 0.26, 0.24]
-    assert result["final_over_uniform_measured"] == pytest.approx(statistics.median([0.25 / 0.21, 0.26 / 0.22, 0.24 / 0.19]))
+    assert final["measured_steps_s"] == [0.21, 0.22, 0.19] and uniform["measured_steps_s"] == [0.25, 0.26,
+                                                                                               0.24]
+    assert result["final_over_uniform_measured"] == pytest.approx(
+        statistics.median([0.25 / 0.21, 0.26 / 0.22, 0.24 / 0.19]))
 
 
 def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """--order reaches the profile compare and tune take, in this process and in fresh ones (the profiler and the
-    runs are stand-ins that record what they were asked: a stored profile, fixed steps)."""
+    """--order reaches the profile compare and tune take, in this process and in fresh ones (the profiler and
+    the runs are stand-ins that record what they were asked: a stored profile, fixed steps)."""
     from types import SimpleNamespace
 
     import stageplan.comparison as comparison
@@ -137,7 +146,8 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
     tuning.tune("gpt", 2, rounds=1, order="stage", processes=2)
     assert comparison.compare("gpt", 2, order="layer", objective="step")["objective"] == "step"
     tuning.tune("gpt", 2, rounds=1)
-    assert asked == ["layer", "stage", "layer", None]  # None: profile_model's default (stage where the model fits)
+    # None: profile_model's default (stage where the model fits)
+    assert asked == ["layer", "stage", "layer", None]
     # refused before any profile: an unknown order, and an order with a profile to start from
     with pytest.raises(StageplanError, match=r"order must be one of stage, layer, got 'chain'"):
         tuning.tune("gpt", 2, order="chain")
@@ -145,7 +155,7 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
     for cmd in ("tune", "compare"):
         code, _, err = run_cli([cmd, "gpt", "--stages", "2", "--order", "layer", "--profile", prof,
                                 "-o", str(tmp_path / cmd)], capsys)
-        assert_one_line_error(code, err, rf"--order layer sets how the profile {cmd} takes times its layers, and "
-                                         r"--profile gives the profile to start from; drop one of them")
+        assert_one_line_error(code, err, rf"--order layer sets how the profile {cmd} takes times its layers, "
+                                         r"and --profile gives the profile to start from; drop one of them")
         assert not (tmp_path / cmd).exists()
     assert len(asked) == 4

@@ -1,4 +1,5 @@
-"""The generic Hugging Face workload: configs and presets, meta builds, layers found without patterns, bad input."""
+"""The generic Hugging Face workload: configs and presets,
+meta builds, layers found without patterns, bad input."""
 
 from __future__ import annotations
 
@@ -23,33 +24,39 @@ def test_hf_workloads_without_transformers_name_the_extra(monkeypatch: pytest.Mo
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
     for factory in (hf_gpt2, hf_llama):
-        with pytest.raises(WorkloadError, match=r"need the 'transformers' package.*pip install 'stageplan\[hf\]'"):
+        with pytest.raises(WorkloadError,
+                           match=r"need the 'transformers' package.*pip install 'stageplan\[hf\]'"):
             factory()
 
 
-_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                vocab_size=256, max_position_embeddings=128)
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=256, max_position_embeddings=128)
 
 
 # Tiny configs (hidden 64, 2 layers, vocabulary 256) and the layers cut_layers must find in each, unaided.
 TINY: dict[str, tuple[dict[str, Any], list[str]]] = {
     "llama": (_DECODER, ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
-    "mistral": ({**_DECODER, "sliding_window": 8}, ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
+    "mistral": ({**_DECODER, "sliding_window": 8},
+                ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
     "qwen2": (_DECODER, ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
-    "gemma": ({**_DECODER, "head_dim": 16}, ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
-    "gpt2": (dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=128, bos_token_id=0, eos_token_id=0,
-                  attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1),
-             ["transformer.wte+transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f+lm_head"]),
+    "gemma": ({**_DECODER, "head_dim": 16},
+              ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
+    "gpt2": (dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=128, bos_token_id=0,
+                  eos_token_id=0, attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1),
+             ["transformer.wte+transformer.wpe", "transformer.h.0", "transformer.h.1",
+              "transformer.ln_f+lm_head"]),
     "mixtral": ({**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
                 ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"]),
-    "opt": (dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, word_embed_proj_dim=64,
+    "opt": (dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
+                 word_embed_proj_dim=64,
                  max_position_embeddings=128, pad_token_id=1, bos_token_id=2, eos_token_id=2, dropout=0.1),
-            ["model.decoder.embed_tokens+model.decoder.embed_positions", "model.decoder.layers.0", "model.decoder.layers.1",
-             "model.decoder.final_layer_norm+lm_head"]),
+            ["model.decoder.embed_tokens+model.decoder.embed_positions", "model.decoder.layers.0",
+             "model.decoder.layers.1", "model.decoder.final_layer_norm+lm_head"]),
 }
 
 
-# Parameter counts of the shipped shapes, as published (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B; ...).
+# Parameter counts of the shipped shapes, as published
+# (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B; ...).
 PRESET_PARAMETERS = {
     "gpt2": 124_439_808,
     "gpt2-xl": 1_557_611_200,
@@ -92,7 +99,8 @@ def test_meta_build_has_the_real_shapes_buffers_and_inputs(model_type: str, tmp_
     meta = hf(config=path, seq_len=16, batch_size=4, seed=3, meta=True)
     assert num_parameters(meta.model) == num_parameters(real.model)
     real_params = dict(real.model.named_parameters())
-    assert {n: p.shape for n, p in meta.model.named_parameters()} == {n: p.shape for n, p in real_params.items()}
+    assert {n: p.shape for n, p in meta.model.named_parameters()} == {n: p.shape for n,
+                                                                      p in real_params.items()}
     assert all(p.device.type == "meta" for p in meta.model.parameters())
     real_buffers = dict(real.model.named_buffers())
     for name, buf in meta.model.named_buffers():  # RoPE inv_freq and friends stay real, with the same values
@@ -104,13 +112,15 @@ def test_meta_build_has_the_real_shapes_buffers_and_inputs(model_type: str, tmp_
 
 def test_a_model_without_sdpa_falls_back_to_eager_with_a_warning(tmp_path: Path) -> None:
     path = tmp_path / "bloom.json"
-    path.write_text(json.dumps({"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}))
-    with pytest.warns(UserWarning, match=r"BloomForCausalLM does not support attn_implementation='sdpa' .* built with 'eager'"):
+    path.write_text(
+        json.dumps({"model_type": "bloom", "hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}))
+    with pytest.warns(UserWarning, match=r"BloomForCausalLM does not support attn_implementation='sdpa' .* "
+                                         r"built with 'eager'"):
         wl = hf(config=str(path), seq_len=16, batch_size=2)
     assert wl.model.config._attn_implementation == "eager"
     cut = cut_layers(wl.model, (wl.inputs,))
-    assert cut.names == ["transformer.word_embeddings+transformer.word_embeddings_layernorm", "transformer.h.0",
-                         "transformer.h.1", "transformer.ln_f+lm_head"]
+    assert cut.names == ["transformer.word_embeddings+transformer.word_embeddings_layernorm",
+                         "transformer.h.0", "transformer.h.1", "transformer.ln_f+lm_head"]
     with torch.no_grad():
         torch.testing.assert_close(cut.run((wl.inputs,)), wl.model(wl.inputs))
 
@@ -120,7 +130,8 @@ def test_inputs_are_token_ids_and_the_target_is_the_next_token(tmp_path: Path) -
     assert wl.inputs.shape == wl.target.shape == (3, 32)
     assert wl.inputs.dtype == torch.long and int(wl.inputs.min()) >= 0 and int(wl.inputs.max()) < 256
     assert torch.equal(wl.inputs[:, 1:], wl.target[:, :-1])
-    assert not torch.equal(wl.inputs, hf(config=tiny_config(tmp_path, "llama"), seq_len=32, batch_size=3, seed=2).inputs)
+    assert not torch.equal(wl.inputs,
+                           hf(config=tiny_config(tmp_path, "llama"), seq_len=32, batch_size=3, seed=2).inputs)
     with torch.no_grad():
         loss = wl.compute_loss(wl.model(wl.inputs), wl.target)
     assert loss.shape == () and 4.0 < float(loss) < 7.0  # about log(256) = 5.5 for an untrained model
@@ -130,7 +141,8 @@ def test_options_are_recorded_and_dropout_is_off(tmp_path: Path) -> None:
     path = tiny_config(tmp_path, "gpt2")
     wl = build_workload("hf", {"config": path, "seq_len": 16})
     assert wl.name == "hf"
-    assert wl.factory_options == dict(config=path, preset=None, seq_len=16, batch_size=8, seed=0, dtype="float32", meta=False)
+    assert wl.factory_options == dict(config=path, preset=None, seq_len=16, batch_size=8, seed=0,
+                                      dtype="float32", meta=False)
     cfg = wl.model.config
     assert (cfg.attn_pdrop, cfg.embd_pdrop, cfg.resid_pdrop, cfg.use_cache) == (0.0, 0.0, 0.0, False)
     assert cfg._attn_implementation == "sdpa"
@@ -156,7 +168,8 @@ def test_dtype_is_the_build_default_so_rope_buffers_stay_exact(tmp_path: Path) -
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     inv_freq = dict(bf16.model.named_buffers())["model.rotary_emb.inv_freq"]
     assert inv_freq.dtype == torch.float32  # not cast, unlike .to(bfloat16)
-    torch.testing.assert_close(inv_freq, dict(fp32.model.named_buffers())["model.rotary_emb.inv_freq"], rtol=0, atol=0)
+    torch.testing.assert_close(inv_freq, dict(fp32.model.named_buffers())["model.rotary_emb.inv_freq"],
+                               rtol=0, atol=0)
 
 
 def test_model_pickles_through_its_module_level_class(tmp_path: Path) -> None:
@@ -186,21 +199,46 @@ def test_every_preset_names_its_source_and_builds_on_meta_to_the_published_count
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({}, r"give exactly one of config and preset, got neither .*--set preset=NAME \(one of: .*llama2-70b"),
+        (
+            {},
+            r"give exactly one of config and preset, got neither .*--set preset=NAME \(one of: .*llama2-70b",
+        ),
         ({"config": "x.json", "preset": "gpt2"}, r"give exactly one of config and preset, got both"),
-        ({"preset": "llama9-1t"}, r"unknown preset 'llama9-1t'; known presets: gpt2, gpt2-xl, llama2-13b, .*opt-175b"),
+        (
+            {"preset": "llama9-1t"},
+            r"unknown preset 'llama9-1t'; known presets: gpt2, gpt2-xl, llama2-13b, .*opt-175b",
+        ),
         ({"preset": "../presets/gpt2"}, r"unknown preset '../presets/gpt2'"),
-        ({"config": "{tmp}/missing.json"}, r"config file '.*missing.json' does not exist; pass the path of a local config.json"),
+        (
+            {"config": "{tmp}/missing.json"},
+            r"config file '.*missing.json' does not exist; pass the path of a local config.json",
+        ),
         ({"config": "{tmp}/notjson.json"}, r"cannot read config '.*notjson.json' as JSON \(JSONDecodeError"),
-        ({"config": "{tmp}/unknown.json"}, r"model_type 'no-such-model', which transformers 5\.\d+\.\d+ does not know"),
+        (
+            {"config": "{tmp}/unknown.json"},
+            r"model_type 'no-such-model', which transformers 5\.\d+\.\d+ does not know",
+        ),
         ({"config": "{tmp}/untyped.json"}, r"has no model_type field; add one"),
         ({"config": "{tmp}/t5.json"}, r"describes a t5 model, which is not a causal language model"),
-        ({"config": "{tmp}/badheads.json"}, r"cannot build a llama config from config '.*badheads.json' \(.*The hidden size \(64\) "
-                                              r"is not a multiple of the number of attention heads \(5\)\.\); fix that field"),
-        ({"config": "{tmp}/badsize.json"}, r"transformers cannot build LlamaForCausalLM from config .*negative dimension -5.*; "
-                                           r"fix the config, or pick a preset"),
-        ({"preset": "gpt2", "seq_len": 2048}, r"seq_len \(2048\) exceeds the model's max_position_embeddings \(1024\)"),
-        ({"preset": "gpt2", "dtype": "float64"}, r"option dtype must be one of float32, bfloat16, float16, got 'float64'"),
+        (
+            {"config": "{tmp}/badheads.json"},
+            r"cannot build a llama config from config '.*badheads.json' "
+            r"\(.*The hidden size \(64\) is not a multiple of the number "
+            r"of attention heads \(5\)\.\); fix that field",
+        ),
+        (
+            {"config": "{tmp}/badsize.json"},
+            r"transformers cannot build LlamaForCausalLM from config "
+            r".*negative dimension -5.*; fix the config, or pick a preset",
+        ),
+        (
+            {"preset": "gpt2", "seq_len": 2048},
+            r"seq_len \(2048\) exceeds the model's max_position_embeddings \(1024\)",
+        ),
+        (
+            {"preset": "gpt2", "dtype": "float64"},
+            r"option dtype must be one of float32, bfloat16, float16, got 'float64'",
+        ),
         ({"preset": "gpt2", "meta": "yes"}, r"option meta must be true or false"),
         ({"preset": "gpt2", "batch_size": 0}, r"option batch_size must be a positive integer"),
     ],
@@ -210,9 +248,11 @@ def test_bad_input_is_a_workload_error(options: dict[str, Any], pattern: str, tm
     (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 64}))
     (tmp_path / "untyped.json").write_text(json.dumps({"hidden_size": 64}))
     (tmp_path / "t5.json").write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2}))
-    (tmp_path / "badheads.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5,
+    (tmp_path / "badheads.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                        "num_attention_heads": 5,
                                                          "num_key_value_heads": 5, "vocab_size": 256}))
-    (tmp_path / "badsize.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    (tmp_path / "badsize.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                       "num_attention_heads": 4,
                                                         "intermediate_size": -5, "vocab_size": 256}))
     options = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in options.items()}
     with pytest.raises(WorkloadError, match=pattern) as info:
@@ -220,14 +260,17 @@ def test_bad_input_is_a_workload_error(options: dict[str, Any], pattern: str, tm
     assert isinstance(info.value, StageplanError) and "\n" not in str(info.value)
 
 
-def test_cli_refuses_an_unknown_preset_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_an_unknown_preset_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, _, err = run_cli(["profile", "hf", "--set", "preset=nope", "-o", str(tmp_path / "p.json")], capsys)
     assert_one_line_error(code, err, r"unknown preset 'nope'; known presets: .*llama2-70b")
 
 
 def test_cli_profiles_a_local_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
-    code, _, err = run_cli(["profile", "hf", "--set", f"config={tiny_config(tmp_path, 'llama')}", "--set", "seq_len=16",
+    code, _, err = run_cli(["profile", "hf", "--set", f"config={tiny_config(tmp_path, 'llama')}", "--set",
+                            "seq_len=16",
                             "--warmup", "1", "--repeats", "2", "--quiet", "-o", str(out)], capsys)
     assert code == 0, err
     data = json.loads(out.read_text())
@@ -239,7 +282,8 @@ def test_gpt_refuses_a_word_for_tied(capsys: pytest.CaptureFixture[str], tmp_pat
     """--set tied=no reached the factory as the string 'no', and bool('no') built a tied model."""
     assert build_workload("gpt", {"tied": True, "n_layer": 1}).factory_options["tied"] is True
     assert build_workload("gpt", {"tied": False, "n_layer": 1}).factory_options["tied"] is False
-    with pytest.raises(WorkloadError, match=r"gpt: option tied must be true or false, got 'no'; pass --set tied=true"):
+    with pytest.raises(WorkloadError,
+                       match=r"gpt: option tied must be true or false, got 'no'; pass --set tied=true"):
         build_workload("gpt", {"tied": "no"})
     code, _, err = run_cli(["profile", "gpt", "--set", "tied=no", "-o", str(tmp_path / "p.json")], capsys)
     assert_one_line_error(code, err, r"option tied must be true or false, got 'no'")
