@@ -18,6 +18,7 @@ from stageplan.errors import InfeasiblePlanError, StageplanError
 from stageplan.planning.milp import LiveActivations, interleaved_milp
 from stageplan.planning.partition import INF, BoolArray, FloatArray, IntArray
 from stageplan.planning.solver import (
+    TIE_REL,
     lower_bound,
     solve,
     validate_costs,
@@ -30,9 +31,6 @@ from stageplan.units import format_bytes, format_limits
 
 __all__ = ["InterleavedSolution", "solve_interleaved"]
 
-# Relative tolerance of a tie: two sums of the same costs
-# in another order are equal within it (float rounding).
-_TIE = 1e-12
 
 
 @dataclass(frozen=True)
@@ -381,7 +379,7 @@ def _incumbent(s: _Split) -> tuple[list[int], float]:
                 heur, upper = cand, load
     if heur and slides is not None:  # slides from the best start only: at 128 chunks each costs about 1 s
         quick = slides.faster(heur)
-        # faster() takes a bottleneck equal up to rounding (_TIE) as a tie, to lower the largest chunk; the
+        # faster() takes a bottleneck equal up to rounding (TIE_REL) as a tie, to lower the largest chunk; the
         # bulk sums round in another order than bottleneck_of, so the split is checked again with that same
         # tolerance (an exact test would drop a faster() result over one ulp, 26.2 against 26.199999999999996)
         if s.fits(quick) and _no_slower(s.bottleneck_of(quick), upper):
@@ -411,7 +409,7 @@ def _best_split(s: _Split, found_by_milp: tuple[list[int] | None, ...], proven: 
     # equal bottlenecks: keep the split whose largest chunk is smallest (a chunk is what the schedule waits
     # on; a proven-optimal MILP split of the 70B estimate with 20-layer and 1-layer chunks simulated 15.9 s
     # against 11.1 s)
-    tied = [t for t in candidates if t[0] <= best * (1 + _TIE)]
+    tied = [t for t in candidates if t[0] <= best * (1 + TIE_REL)]
     _, _, bounds, _ = min(tied, key=lambda t: t[1])
     optimal = any(t[3] for t in tied)  # a proven optimum's bottleneck is shared by every tied split
     bottleneck = best
@@ -579,7 +577,7 @@ def _single_moves(b: list[int], place: list[int], d: list[float], cost_of: Calla
                 new = {ra: load[ra], rb: load[rb]}
                 new[ra] += ca - cost[ci - 1]
                 new[rb] += cb - cost[ci]
-                if max(x / d[r] for r, x in new.items()) >= max(load[r] / d[r] for r in new) * (1 - _TIE):
+                if max(x / d[r] for r, x in new.items()) >= max(load[r] / d[r] for r in new) * (1 - TIE_REL):
                     continue
                 if guard is not None and not guard.admits(b, ci, nb, ra, rb):
                     continue
@@ -593,8 +591,8 @@ def _single_moves(b: list[int], place: list[int], d: list[float], cost_of: Calla
 
 def _no_slower(bottleneck: float, upper: float) -> bool:
     """Whether a bottleneck summed one way is no slower than ``upper`` summed another, up to their rounding (a
-    tie within _TIE of each, as the slides take them)."""
-    return bottleneck <= upper * (1 + 2 * _TIE)
+    tie within TIE_REL of each, as the slides take them)."""
+    return bottleneck <= upper * (1 + 2 * TIE_REL)
 
 
 class _Slides:
@@ -675,8 +673,8 @@ class _Slides:
             better = np.zeros(len(cands), dtype=bool)
             tied = np.ones(len(cands), dtype=bool)
             for key, ref in zip(keys, now):
-                better |= tied & (key < ref * (1 - _TIE))
-                tied &= key <= ref * (1 + _TIE)
+                better |= tied & (key < ref * (1 - TIE_REL))
+                tied &= key <= ref * (1 + TIE_REL)
             idx = np.flatnonzero(better)
             if admissible is not None and len(idx):
                 idx = idx[admissible(cands[idx])]

@@ -26,7 +26,7 @@ from stageplan.planning.costs import (
     trained_mask,
 )
 from stageplan.planning.schedules import WEIGHT_GRAD_SHARE, Action, ScheduleShape
-from stageplan.planning.solver import shape_text, validate_count
+from stageplan.planning.solver import TIE_REL, shape_text, validate_count
 
 # ------------------------------------------------------------------------------------------------------
 # Many splits at once: the searches that try hundreds of splits (the planner's tie-break) price them here.
@@ -404,7 +404,6 @@ _TIE_NODES = 2048
 _TIE_WORK = 2**20
 _TIE_ROUNDS = 8
 _STEP_ROUNDS = 64  # the step search's descents (from several seeds) may move further
-_TIE_REL = 1e-12  # bottleneck and step tolerance (relative), as the solver's own ties
 
 
 def _alive_positions(costs: SplitCosts, cap: float, most: int) -> np.ndarray | None:
@@ -513,10 +512,10 @@ def _equal_bottleneck_splits(costs: SplitCosts, cap: float, most: int) -> list[t
 
 
 def _best(splits: np.ndarray, steps: np.ndarray, keep: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
-    """The split with the lowest step; among steps within _TIE_REL of it, ``keep`` (the solver's split, which
+    """The split with the lowest step; among steps within TIE_REL of it, ``keep`` (the solver's split, which
     also has the least memory pressure) when it is one, else the lexicographically smallest."""
     low = float(steps.min())
-    tied = [tuple(int(v) for v in row) for row in splits[steps <= low * (1 + _TIE_REL)]]
+    tied = [tuple(int(v) for v in row) for row in splits[steps <= low * (1 + TIE_REL)]]
     return (keep if keep in tied else min(tied)), low
 
 
@@ -540,7 +539,7 @@ def _lowest_step(costs: SplitCosts, start: tuple[int, ...], cap: float, rounds: 
         f, b, c, _ = costs.split(cand)
         best, step = _best(cand, costs.split_steps(cand, f, b, c), start)
         evaluated = len(listed)
-        if step > step0 * (1 + _TIE_REL):  # the start was not listed: never trade it for a slower split
+        if step > step0 * (1 + TIE_REL):  # the start was not listed: never trade it for a slower split
             best, step = start, step0
     if exhaustive:
         return {"boundaries": best, "step_s": step, "from_step_s": step0, "splits_evaluated": evaluated,
@@ -580,10 +579,10 @@ def _lowest_step(costs: SplitCosts, start: tuple[int, ...], cap: float, rounds: 
                 break
             evaluated += pick.size
             new, low = _best(cand[pick], costs.split_steps(cand[pick], f[pick], b[pick], c[pick]), here)
-            if low >= here_step * (1 - _TIE_REL):
+            if low >= here_step * (1 - TIE_REL):
                 break
             here, here_step = new, low
-        if here_step < step * (1 - _TIE_REL):
+        if here_step < step * (1 - TIE_REL):
             best, step = here, here_step
     return {"boundaries": best, "step_s": step, "from_step_s": step0, "splits_evaluated": evaluated,
             "exhaustive": False}
@@ -594,7 +593,7 @@ def _tie_break(costs: SplitCosts, start: tuple[int, ...]) -> tuple[tuple[int, ..
     lowest simulated step: every such split when there are few (exhaustive), else a descent from the solver's
     split that moves one boundary at a time, best move first, while the step falls. Bounded by _TIE_*."""
     f, b, c, _ = costs.split(np.array([start]))
-    cap = float(costs.rank_time(f, b, c).max()) * (1 + _TIE_REL)
+    cap = float(costs.rank_time(f, b, c).max()) * (1 + TIE_REL)
     found = _lowest_step(costs, start, cap, _TIE_ROUNDS)
     return found["boundaries"], {"from_boundaries": list(start), "to_boundaries": list(found["boundaries"]),
                                  "from_step_s": found["from_step_s"], "to_step_s": found["step_s"],

@@ -29,11 +29,12 @@ from stageplan.planning.partition import (
 )
 from stageplan.units import format_bytes, format_limits
 
-__all__ = ["Solution", "lower_bound", "solve"]
+__all__ = ["TIE_REL", "Solution", "lower_bound", "solve"]
 
-# Two bottlenecks (or two memory utilisations) within this relative distance count as equal: the
-# tie-breaking rules below then decide. Bisection also stops once its bracket is this narrow.
-_TIE_REL = 1e-12
+# Two bottlenecks (or two memory utilisations, or two steps) within this relative distance count as equal: two
+# sums of the same costs in another order differ by float rounding. The tie-breaking rules then decide, here
+# and in the split search and the interleaved solver; bisection also stops once its bracket is this narrow.
+TIE_REL = 1e-12
 
 
 
@@ -203,7 +204,7 @@ def _minimise(
     value: Callable[[list[int]], float],
     try_lo_first: bool,
 ) -> tuple[float, list[int]]:
-    """Smallest threshold admitting a partition, to within _TIE_REL; hi must be admissible (by best).
+    """Smallest threshold admitting a partition, to within TIE_REL; hi must be admissible (by best).
 
     A feasible probe snaps hi down to the actual value of the partition it found; an infeasible
     probe lifts lo to its next event (the next candidate value), or to the probe point itself.
@@ -218,7 +219,7 @@ def _minimise(
     from_lo = first = try_lo_first
     galloping = True
     gap = 1.0 / 64
-    while hi > lo and hi - lo > _TIE_REL * hi:
+    while hi > lo and hi - lo > TIE_REL * hi:
         if lo > 0 and hi > 4 * lo:
             mid = math.sqrt(lo * hi)  # far apart: bisect in log space
         else:
@@ -309,12 +310,12 @@ def solve(
 
     # 1. the optimal bottleneck
     best_time, best = _least_time(inst, relaxed, first.bounds)
-    time_cap = best_time + _TIE_REL * best_time
+    time_cap = best_time + TIE_REL * best_time
     util_cap = INF
     # 2. among (near-)optimal partitions, the smallest peak memory utilisation
     if inst.has_memory:
         best_util, best = _least_util(inst, relaxed, time_cap, best)
-        util_cap = best_util + _TIE_REL * best_util
+        util_cap = best_util + TIE_REL * best_util
     # 3. among those, the lexicographically smallest boundaries
     bounds = lex_smallest(inst, time_cap, util_cap) or best
     return _solution(inst, bounds)
@@ -382,7 +383,7 @@ def _least_time(inst: Instance, relaxed: Instance | None, first: list[int]) -> t
         r_time, _ = _minimise(relaxed.time_lower, max_time(relaxed, r_first.bounds), r_first.bounds,
                               lambda t: run_probe(relaxed, t, INF), lambda r: r.next_time,
                               lambda b: max_time(relaxed, b), try_lo_first=True)
-        time_lo = max(time_lo, r_time * (1.0 - _TIE_REL))
+        time_lo = max(time_lo, r_time * (1.0 - TIE_REL))
     return _minimise(
         time_lo,
         max_time(inst, first),
@@ -405,7 +406,7 @@ def _least_util(inst: Instance, relaxed: Instance | None, time_cap: float,
             r_util, _ = _minimise(relaxed.util_lower, max_util(relaxed, r_probe.bounds), r_probe.bounds,
                                   lambda u: run_probe(relaxed, time_cap, u, time_events=False),
                                   lambda r: r.next_util, lambda b: max_util(relaxed, b), try_lo_first=False)
-            util_lo = max(util_lo, r_util * (1.0 - _TIE_REL))
+            util_lo = max(util_lo, r_util * (1.0 - TIE_REL))
     return _minimise(
         util_lo,
         max_util(inst, best),
