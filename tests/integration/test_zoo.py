@@ -8,20 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-# Parameter counts of the shipped shapes, as published
-# (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B; ...).
-PRESET_PARAMETERS = {
-    "gpt2": 124_439_808,
-    "gpt2-xl": 1_557_611_200,
-    "llama2-7b": 6_738_415_616,
-    "llama2-13b": 13_015_864_320,
-    "llama2-70b": 68_976_648_192,
-    "llama3-8b": 8_030_261_248,
-    "llama3-70b": 70_553_706_496,
-    "mistral-7b": 7_241_732_096,
-    "qwen2-7b": 7_615_616_512,
-    "opt-175b": 174_604_468_224,
-}
+from unit.test_zoo import PRESET_PARAMETERS
 
 
 def test_llama2_70b_builds_on_meta_in_seconds_under_1_gb() -> None:

@@ -105,6 +105,6 @@ def _with_team_words() -> dict[str, list[str]]:
 def test_no_tracked_file_speaks_of_the_teams_working_history() -> None:
     found = _with_team_words()
     assert not found, (
-        "words of the team's working history (stop N, this stop, lent, the field notes) in: "
+        "words of the team's working history (numbered stops, the internal field notes) in: "
         + "; ".join(f"{name} line {hits[0]}" for name, hits in sorted(found.items()))
     )
