@@ -58,7 +58,7 @@ def interleaved_medians(fn: Callable[[], object], ref: Callable[[], object], rou
 
 
 def planner_inputs(num_layers: int, p: int, seed: int, limit: float | None = None) -> dict[str, Any]:
-    """The planner's real solver input (costmodel.solver_inputs) for a synthetic 1F1B profile.
+    """The planner's real solver input (planning.costs.solver_inputs) for a synthetic 1F1B profile.
 
     1F1B with m = 2p microbatches: stage k holds min(p - k, m) microbatches of activations in flight
     (Megatron's warm-up count), so memory rows differ by stage, shape (p, L); Adam keeps 4 x parameter
@@ -81,7 +81,7 @@ def planner_inputs(num_layers: int, p: int, seed: int, limit: float | None = Non
 
 
 def solve_planner(inp: dict[str, Any], p: int) -> Solution:
-    """solve() called exactly as stageplan.api calls it."""
+    """solve() called exactly as the split search (planning.search.split_by_method) calls it."""
     return solve(inp["costs"], p, stage_speeds=inp["speeds"], boundary_costs=inp["boundary_costs"],
                  memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
                  memory_end_bytes=inp["memory_end_bytes"], memory_limit_bytes=inp["limits"])

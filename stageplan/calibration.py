@@ -136,7 +136,7 @@ def _optimizer_as_run(prof: Profile, rep: RunReport) -> tuple[Profile, dict[str,
         measured[int(row["rank"])] = float(took)
     cost = rep.plan.get("cost_options") or {}
     speeds = [float(d.get("speed", 1.0)) for d in cost.get("devices") or []]
-    # as costmodel.optimizer_floor reads it
+    # as planning.costs.optimizer_floor reads it
     floor = float(LayerArrays.of(prof).optimizer_floor_s.get(opt, 0.0))
     p = int(rep.plan["num_ranks"])
     mine: dict[int, list[int]] = {}

@@ -2,7 +2,7 @@
 
 Rank 0 gathers every rank's measurements, runs the single-process check when asked (check.py) and writes the
 RunReport (runreport.py). Spawning and watching the ranks is launch.py's job. The executor takes a Plan and
-nothing else from the planning side (it never imports solver, costmodel or api).
+nothing else from the planning side (it never imports stageplan.planning).
 """
 
 from __future__ import annotations
