@@ -215,6 +215,9 @@ def _add_plan_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                    help="the solver's time per MILP solve of an interleaved or V plan (--virtual-stages > "
                         "1); a plan that hits it says how close to the proven optimum it is")
     p.add_argument("--compare", action="store_true", help="also print every method side by side")
+    p.add_argument("--explain", action="store_true",
+                   help="print each note whole (by default a note is cut to one line; the plan's JSON has "
+                        "them all)")
     p.add_argument("--export", default=None, help="print the split for another tool: split-spec, torchtitan, "
                    "megatron, deepspeed or torchgpipe (stdout then carries only the export; the table goes "
                    "to stderr)")
@@ -303,6 +306,8 @@ def _add_show_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                                    "it.")
     p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
+    p.add_argument("--explain", action="store_true",
+                   help="a plan's notes whole (by default each is one line)")
     p.add_argument("--trace", metavar="OUT.json", help="a plan's predicted step or a run's measured one as "
                    "Chrome trace-event JSON, to open in Perfetto (ui.perfetto.dev): a track per rank")
 
@@ -443,7 +448,8 @@ def _cmd_show(a: argparse.Namespace) -> int:
                              "run.json)")
     tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table,
                               "compare": compare_run_table}
-    table = tables[kind](obj)  # first: a file it cannot read leaves an existing figure as it was
+    # first: a file it cannot read leaves an existing figure as it was
+    table = plan_table(obj, explain=a.explain) if kind == "plan" else tables[kind](obj)
     if a.plot is not None:
         _plot(kind, obj, a.plot)
     if a.trace is not None:
@@ -523,7 +529,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
     export = result.export(a.export) if a.export else None
     table_out = sys.stderr if export is not None else sys.stdout
-    print(plan_table(result), file=table_out)
+    print(plan_table(result, explain=a.explain), file=table_out)
     if a.compare:
         print(file=table_out)
         print(compare_table({m: plan(prof, a.stages, method=m,

@@ -111,14 +111,33 @@ def profile_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: Plan) -> str:
+# A note printed without --explain fits one terminal line: "note: " and at most this many characters
+NOTE_WIDTH = 100
+
+
+def note_line(note: str, width: int = NOTE_WIDTH) -> str:
+    """A note's one-line form: its first clause (up to the first "; "), cut at a word within ``width``
+    characters, with " ..." where anything was left out (--explain, or the plan's JSON, has the whole note).
+
+    >>> note_line("no bandwidth given: comm is not modelled; give --bandwidth or --link")
+    'no bandwidth given: comm is not modelled ...'
+    >>> note_line("short")
+    'short'
+    """
+    head = note.split("; ", 1)[0]
+    if len(head) > width:
+        head = head[:width].rsplit(" ", 1)[0].rstrip(",:;(")
+    return head if head == note else f"{head} ..."
+
+
+def plan_table(plan: Plan, *, explain: bool = False) -> str:
     """Per-stage table (layers, ms, MiB, % of the bottleneck) and the plan's headline figures. fwd, bwd, comm
     and time are per microbatch; "optimizer ms" is the stage's optimizer step, once per step; "tied sync ms"
     (shown when the plan puts a tied parameter on two or more ranks) is the rank's tied-gradient all-reduce,
     once per step before the optimizer step, on the rank's first stage; "chunk ms" (shown when the link timed
     it) is what PipelineStage spends inside the stage's forward and backward outside its layers, part of fwd
     and bwd; "loop ms" (likewise) is what torch's schedule spends around the stage's forward and backward,
-    outside them."""
+    outside them. A note is one line (:func:`note_line`) unless ``explain``."""
     tied = plan.tied_sync_s > 0
     loop = any(st.action_s > 0 for st in plan.stages)
     chunk = any(st.chunk_s > 0 for st in plan.stages)
@@ -164,7 +183,9 @@ def plan_table(plan: Plan) -> str:
                      "optimizer step (a tied parameter is on two or more ranks)")
     if plan.versus_optimal:
         lines.extend(_versus_optimal_lines(plan))
-    lines.extend(f"note: {n}" for n in plan.notes)
+    lines.extend(f"note: {n if explain else note_line(n)}" for n in plan.notes)
+    if not explain and any(note_line(n) != n for n in plan.notes):
+        lines.append("(notes cut to one line: --explain prints them whole)")
     if plan.candidates:
         lines.append("candidates:")
         crow = [[c["schedule"], c["num_microbatches"], c.get("microbatch_size", ""),

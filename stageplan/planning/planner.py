@@ -211,8 +211,8 @@ def estimate_label(meta: dict[str, Any]) -> str | None:
     if meta.get("timer") != "analytic":
         return None
     gpu = (meta.get("estimate") or {}).get("gpu") or str(meta.get("device", "")).removeprefix("estimate:")
-    return (f"ESTIMATE: times are analytic (roofline) for {gpu or 'a GPU'}, not measured; roughly +-25% in "
-            "absolute time, ratios between layers are steadier")
+    return (f"ESTIMATE: times are analytic (roofline) for {gpu or 'a GPU'}, not measured and not yet checked "
+            "against a GPU; ratios between layers are steadier than absolute times")
 
 
 def rescaled_profile(profile: Profile, factor: float) -> Profile:

@@ -60,8 +60,9 @@ from stageplan.timing import LayerContext, distinct_params, meta_cut
 # benchmarks). An MFU is a whole-step figure, so using it per op is pessimistic for the matmuls and leaves
 # room for what this model ignores (launches, communication). With the memory-bound ops on top, a LLaMA-70B
 # block (bf16, sequence 4096, flash) comes out at 40% implied MFU on an H100 SXM. The published figures span
-# 33-48%, so one MFU for every model is good to about +-25% in absolute time; ratios between layers, which the
-# solver needs, are steadier.
+# 33-48%, so one MFU for every model moves absolute times by a quarter either way, and no GPU has checked them
+# yet (benchmarks/gpu_profiles.sh does, where one is); ratios between layers, which the solver needs, are
+# steadier.
 DEFAULT_COMPUTE_EFFICIENCY = 0.45
 # Default memory efficiency eta_m: memory-bound kernels (elementwise, norms, softmax) typically reach
 # 60-80% of the spec-sheet HBM bandwidth (STREAM-like copies on A100/H100); 0.7 is the middle.
@@ -475,7 +476,7 @@ def _run_fake(module: nn.Module, args_t: tuple[Any, ...], kwargs_d: dict[str, An
     return _FakeRun(recorder.ops, saved_bytes, output_bytes, sdpa_calls.calls)
 
 
-ESTIMATE_ACCURACY = "roughly ±25% in absolute time; ratios between layers are what the solver needs"
+ESTIMATE_ACCURACY = "analytic, not yet checked against a GPU; ratios between layers are what the solver needs"
 
 
 def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | None,

@@ -651,7 +651,7 @@ def test_a_new_link_prices_a_calibrated_profiles_boundaries_and_keeps_what_its_l
     (tmp_path / "link.json").write_text(json.dumps(new_link))
     code, out, err = run_cli(["plan", str(tmp_path / "cal.json"), "--stages", "2", "--microbatches", str(M),
                               "--boundaries", "0,2,5", "--optimizer", "none", "--link",
-                              str(tmp_path / "link.json")],
+                              str(tmp_path / "link.json"), "--explain"],
                              capsys)
     assert code == 0, err
     assert "the chunk overheads stay the calibrating run's" in out

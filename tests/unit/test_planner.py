@@ -91,7 +91,7 @@ def test_a_head_larger_than_total_over_p_is_named_as_the_bound() -> None:
     assert "'ln_f+head' takes 10000.000 ms per microbatch, at least total / p = 3750.000 ms" in note
     assert "sit idle 6" in note and "finer --layers" in note and "fewer stages" in note
     assert "vocabulary-parallel head" in note
-    assert f"note: {note}" in plan_table(pl)
+    assert f"note: {note}" in plan_table(pl, explain=True)
     balanced = plan(lm_profile([1.0] * 8), 2, num_microbatches=4)
     assert not any(n.startswith("one layer bounds") for n in balanced.notes)
 

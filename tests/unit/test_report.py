@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +27,42 @@ def test_run_table_names_each_ranks_cpus(placed: list, line: str) -> None:  # ty
 def test_a_report_from_before_pinning_prints_no_placement_line() -> None:
     pl = plan(_profile(), 2, num_microbatches=4, boundaries=[0, 2, 5], optimizer="none")
     assert "CPUs per rank" not in run_table(_report(pl))
+
+
+def test_a_big_plans_notes_are_one_line_each_unless_explained() -> None:
+    """The 20-stage plan of the LLaMA-2-70B estimate: every note one line (at most "note: " and NOTE_WIDTH
+    characters), a closing line says how to see them whole, and explain prints each note as the plan holds
+    it."""
+    import warnings
+    from pathlib import Path
+
+    from stageplan import Profile, plan
+    from stageplan.report import NOTE_WIDTH, note_line, plan_table
+
+    prof = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "estimate"
+                        / "llama2-70b-h100-sxm.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl = plan(prof, 20, num_microbatches=40)
+    assert len(pl.notes) >= 3 and any(len(n) > 2 * NOTE_WIDTH for n in pl.notes)
+    short = [ln for ln in plan_table(pl).splitlines() if ln.startswith("note: ")]
+    assert len(short) == len(pl.notes) and all(len(ln) <= len("note: ") + NOTE_WIDTH + 4 for ln in short)
+    assert short[0].startswith("note: ESTIMATE: times are analytic") and short[0].endswith(" ...")
+    assert plan_table(pl).splitlines()[-1] == "(notes cut to one line: --explain prints them whole)"
+    whole = [ln for ln in plan_table(pl, explain=True).splitlines() if ln.startswith("note: ")]
+    assert whole == [f"note: {n}" for n in pl.notes]
+    assert note_line("a; b") == "a ..." and note_line("x" * 300).endswith("...") and note_line("a b") == "a b"
+
+
+def test_cli_plan_and_show_take_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import run_cli
+
+    est = str(Path(__file__).resolve().parents[2] / "profiles" / "estimate" / "llama2-70b-h100-sxm.json")
+    code, out, _ = run_cli(["plan", est, "--stages", "20", "--microbatches", "40", "-o",
+                            str(tmp_path / "p.json")],
+                           capsys)
+    assert (
+        code == 0 and "--explain prints them whole" in out and "ratios between layers are steadier" not in out
+    )
+    code, out, _ = run_cli(["show", str(tmp_path / "p.json"), "--explain"], capsys)
+    assert code == 0 and "a GPU; ratios between layers are steadier" in out

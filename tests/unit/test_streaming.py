@@ -196,7 +196,9 @@ def test_estimate_bytes_are_the_measured_bytes_and_times_are_analytic() -> None:
         and meta["estimate"]["eta_c"] == 0.45
         and meta["estimate"]["eta_m"] == 0.7
     )
-    assert "±25%" in meta["estimate"]["accuracy"] and meta["estimate"]["sources"]["gpu"]
+    assert (
+        "not yet checked against a GPU" in meta["estimate"]["accuracy"] and meta["estimate"]["sources"]["gpu"]
+    )
     faster = profile_model(wl, microbatch_size=4, device="estimate:h100-sxm", compute_efficiency=0.9,
                            memory_efficiency=1.0)
     assert faster.meta["estimate"]["eta_c"] == 0.9
