@@ -453,9 +453,9 @@ def _cmd_show(a: argparse.Namespace) -> int:
     if a.plot is not None:
         _plot(kind, obj, a.plot)
     if a.trace is not None:
-        from stageplan.formats.trace import save_trace
+        from stageplan._io import write_json_atomic
 
-        save_trace(obj.chrome_trace(), a.trace)
+        write_json_atomic(a.trace, obj.chrome_trace())
     print(table)
     return 0
 

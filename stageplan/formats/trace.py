@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from stageplan._io import write_json_atomic
 from stageplan.formats.timeline import TimelineEvent
 
 # A timeline event's kind, as the trace names it (TimelineEvent's kinds; the run and the simulator share them)
@@ -66,8 +65,3 @@ def _row(event: TimelineEvent | Mapping[str, Any]) -> dict[str, Any]:
         return {"rank": event.rank, "stage": event.stage, "microbatch": event.microbatch, "kind": event.kind,
                 "start_s": event.start_s, "end_s": event.end_s}
     return dict(event)
-
-
-def save_trace(trace: Mapping[str, Any], path: str) -> None:
-    """Write a trace atomically (a temporary file renamed over ``path``)."""
-    write_json_atomic(path, dict(trace))
