@@ -119,7 +119,56 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_command(sub)
     _add_tune_command(sub)
     _add_show_command(sub)
+    _add_layout_command(sub)
     return parser
+
+
+def _add_layout_command(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "layout", help="choose pipeline x data x tensor degrees, microbatching, schedule, recompute and "
+                       "sharding for N devices -> LAYOUT.json",
+        description="Search the layout grid with the exact split inside each candidate. Default grid: "
+                    "tensor parallel 1, 2, 4, 8 (up to a node; HF decoders only), every pipeline degree "
+                    "dividing N / t up to the layers, microbatch sizes 1, 2, 4, 8, GPipe, 1F1B and "
+                    "Interleaved1F1B with every valid v, recompute none or full, sharding ddp, zero1 or "
+                    "fsdp.")
+    p.add_argument("source", nargs="+", metavar="PROFILE.json | MODEL",
+                   help="profiles (one per microbatch size), or a model spec such as hf with --set "
+                        "preset=NAME")
+    p.add_argument("--set", dest="factory_options", action="append", metavar="KEY=VALUE", default=None,
+                   help="an option for the model's factory, e.g. --set preset=llama3-70b (repeatable)")
+    p.add_argument("--device", default=None, help="for a model spec: estimate:GPU (e.g. estimate:h100-sxm), "
+                   "cpu or cuda")
+    p.add_argument("--devices", type=int, required=True, help="N, the devices to lay the model out on")
+    p.add_argument("--devices-per-node", type=int, default=8, help="devices in a node (default 8)")
+    p.add_argument("--memory-limit", default=None, help="per-device memory, e.g. 80GiB")
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences (samples) per step")
+    p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16, bf16-mixed or fp16-mixed "
+                   "(default bf16-mixed)")
+    p.add_argument("--grad-dtype", default="param", help="param (gradients in the weights' dtype, ZeRO's 16 "
+                   "B/param with Adam) or fp32 (Megatron's main gradients, 18 B/param)")
+    p.add_argument("--optimizer", default="adam", help="none, sgd, momentum, adam or adamw")
+    p.add_argument("--intra-node-bandwidth", default=None, help="per GPU, one way, e.g. 450GB/s (default: "
+                   "the estimated GPU's link)")
+    p.add_argument("--inter-node-bandwidth", default=None, help="per GPU, one way, e.g. 50GB/s")
+    p.add_argument("--tensor-parallel", default=None, help="degrees to try, e.g. 1,2,4,8")
+    p.add_argument("--pipeline-parallel", default=None, help="pipeline degrees to try (default: every one)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with tensor parallelism (Megatron's)")
+    p.add_argument("--microbatch-sizes", default=None, help="b to try, e.g. 1,2,4,8")
+    p.add_argument("--schedule", default=None, help="schedules to try, e.g. 1F1B,Interleaved1F1B")
+    p.add_argument("--virtual-stages", default=None,
+                   help="v to try for Interleaved1F1B (default: every valid)")
+    p.add_argument("--recompute", default=None, help="none, full or none,full (default both)")
+    p.add_argument("--sharding", default=None, help="ddp, zero1, fsdp or a list (default all three)")
+    p.add_argument("--context-parallel", type=int, default=1, help="not modelled: only 1 is accepted")
+    p.add_argument("--top", type=int, default=10, help="layouts to simulate and list (default 10)")
+    p.add_argument("--given", default=None, metavar="tp=4,pp=8,dp=2,mbs=1,sharding=zero1[,vp=5][,sp=1]"
+                   "[,layout=L]", help="score a layout you already run beside the best (layout: Megatron's "
+                   "--pipeline-model-parallel-layout, last)")
+    p.add_argument("--export", default=None, help="print the best layout for torchtitan (TOML), megatron "
+                   "(arguments) or deepspeed (JSON config)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-o", "--output", default=None, metavar="LAYOUT.json", help="where to write the layout")
 
 
 def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -374,8 +423,12 @@ def _load_any(path: str) -> tuple[str, Any]:
     if schema.startswith("stageplan.compare/"):
         _check_compare(data, path)
         return "compare", data
+    if schema.startswith("stageplan.layout/"):
+        from stageplan.formats.layout import Layout
+
+        return "layout", Layout.from_json(data, source=f"layout {path!r}")
     raise StageplanError(
-        f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run and compare files")
+        f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run, compare and layout files")
 
 
 def _check_compare(data: dict[str, Any], path: str) -> None:
@@ -418,6 +471,10 @@ def _plot(kind: str, obj: Any, path: str) -> None:
                              f"result: stageplan compare -o DIR writes its figures; drop --plot {path}")
     if kind == "profile":
         ax = plot_layer_costs(obj)
+    elif kind == "layout":
+        from stageplan.plots import plot_layouts
+
+        ax = plot_layouts(obj)
     elif kind == "plan":
         _fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         plot_stage_balance(obj, ax=axes[0])
@@ -446,8 +503,10 @@ def _cmd_show(a: argparse.Namespace) -> int:
         raise StageplanError(f"--trace draws a step's timeline, and {a.path!r} is a {kind} with none; give a "
                              "plan (stageplan plan ... -o plan.json) or a run report (stageplan run ... -o "
                              "run.json)")
+    from stageplan.report import layout_table
+
     tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table,
-                              "compare": compare_run_table}
+                              "compare": compare_run_table, "layout": layout_table}
     # first: a file it cannot read leaves an existing figure as it was
     table = plan_table(obj, explain=a.explain) if kind == "plan" else tables[kind](obj)
     if a.plot is not None:
@@ -674,7 +733,52 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile, "plan": _cmd_plan,
+def _names(text: str | None, flag: str) -> list[str] | None:
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()] or None
+
+
+def _cmd_layout(a: argparse.Namespace) -> int:
+    from stageplan._io import check_output_path
+    from stageplan.layouting import layout
+    from stageplan.report import layout_table
+
+    warnings.simplefilter("ignore", PlanNote)
+    if a.output is not None:
+        check_output_path(a.output, tuple(a.source))
+    recompute = None
+    if a.recompute is not None:
+        kinds = _names(a.recompute, "--recompute") or []
+        bad = [k for k in kinds if k not in ("none", "full")]
+        if bad:
+            raise StageplanError(f"--recompute takes none, full or none,full, got {a.recompute!r}")
+        recompute = [k == "full" for k in kinds]
+    source = a.source if len(a.source) > 1 or a.source[0].endswith(".json") else a.source[0]
+    result = layout(source, a.devices, global_batch_size=a.global_batch_size, memory_limit=a.memory_limit,
+                    devices_per_node=a.devices_per_node, device=a.device,
+                    options=parse_set(a.factory_options),
+                    precision=a.precision, grad_dtype=a.grad_dtype, optimizer=a.optimizer,
+                    intra_node_bandwidth=a.intra_node_bandwidth, inter_node_bandwidth=a.inter_node_bandwidth,
+                    tensor_parallel=_ints(a.tensor_parallel, "--tensor-parallel", "1,2,4,8"),
+                    sequence_parallel=a.sequence_parallel,
+                    microbatch_sizes=_ints(a.microbatch_sizes, "--microbatch-sizes", "1,2,4"),
+                    schedules=_names(a.schedule, "--schedule"),
+                    virtual_stages=_ints(a.virtual_stages, "--virtual-stages", "2,4"), recompute=recompute,
+                    shardings=_names(a.sharding, "--sharding"), top=a.top, given=a.given,
+                    context_parallel=a.context_parallel, progress=not a.quiet,
+                    pipeline_parallel=_ints(a.pipeline_parallel, "--pipeline-parallel", "4,8"))
+    export = result.export(a.export) if a.export else None
+    out = sys.stderr if export is not None else sys.stdout
+    print(layout_table(result, top=a.top), file=out)
+    if a.output is not None:
+        save_or_keep(result, a.output)
+        print(f"wrote {a.output}", file=out)
+    if export is not None:
+        print(export)
+    return 0
+
+
+COMMANDS = {"layout": _cmd_layout, "compare": _cmd_compare, "tune": _cmd_tune, "profile": _cmd_profile,
+            "plan": _cmd_plan,
             "run": _cmd_run, "link": _cmd_link, "calibrate": _cmd_calibrate, "show": _cmd_show}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stageplan.errors import StageplanError
+from stageplan.formats.layout import Layout
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
@@ -364,3 +365,32 @@ def save(ax: Axes, path: str | os.PathLike[str]) -> None:
     fig.tight_layout()  # type: ignore[union-attr]
     # bbox_inches="tight": legends placed outside the axes are kept, not cropped
     write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"))  # type: ignore[union-attr]
+
+
+def plot_layouts(layout: Layout, ax: Axes | None = None) -> Axes:
+    """Each priced candidate's predicted step against its fullest device's memory: feasible ones filled, the
+    memory limit as a line, the chosen layout named."""
+    ax = _axes(ax)
+    gib = 1024.0**3
+    cands = [c for c in layout.candidates if c.peak_memory_bytes is not None]
+    xs = [c.peak_memory_bytes / gib for c in cands]  # type: ignore[operator]
+    ys = [c.step_s for c in cands]
+    ax.scatter(xs, ys, s=14, c="#4C72B0", alpha=0.6, label="feasible candidates")
+    over = [c for c in layout.over_limit if c.peak_memory_bytes is not None and c.step_s < float("inf")]
+    if over:
+        ax.scatter([c.peak_memory_bytes / gib for c in over], [c.step_s for c in over],  # type: ignore[operator]
+                   s=14, facecolors="none", edgecolors="#937860", label="over the memory limit")
+    if layout.memory_limit_bytes is not None:
+        ax.axvline(layout.memory_limit_bytes / gib, color="#C44E52", linestyle="--", label="memory limit")
+    best = layout.best
+    ax.scatter([(best.peak_memory_bytes or 0) / gib], [best.step_s], s=60, c="#DD8452", marker="*",
+               label=f"chosen: {best.degrees}", zorder=3)
+    if layout.given is not None and layout.given.peak_memory_bytes is not None:
+        g = layout.given
+        ax.scatter([(g.peak_memory_bytes or 0.0) / gib], [g.step_s], s=50, c="#55A868", marker="D",
+                   label=f"given: {g.degrees}", zorder=3)
+    ax.set_xlabel("fullest device (GiB)")
+    ax.set_ylabel("predicted step (s)")
+    ax.set_title(f"layouts of {layout.num_devices} devices{_estimated(layout.plan) if layout.plan else ''}")
+    ax.legend(fontsize=LEGEND_PT, loc="best")
+    return ax

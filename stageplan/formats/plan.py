@@ -56,6 +56,9 @@ class StagePlan:
     # (CostOptions.chunk_forward_s + chunk_backward_s); part of forward_s and backward_s (a run's chunk timers
     # see it); 0 without a measured link
     chunk_s: float = 0.0
+    # seconds of the rank's data-parallel gradient sync the step sees (exposed), once per step after its last
+    # backward; held by the rank's first stage; 0 with one replica and in plans made before it existed
+    dp_sync_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ class Plan:
     @property
     def num_microbatches(self) -> int:
         return int(self.cost_options["num_microbatches"])
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the pipeline (d); 1 in plans made before layouts."""
+        return int(self.cost_options.get("data_parallel", 1))
 
     @property
     def schedule(self) -> str:
@@ -355,8 +363,9 @@ _STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", 
                   "chunk_s")
 
 
-_OPTION_SECONDS = ("boundary_latency_s", "link_latency_s", "action_s", "chunk_forward_s", "chunk_backward_s")
-_OPTION_NAMES = ("method", "objective", "optimizer", "precision")
+_OPTION_SECONDS = ("boundary_latency_s", "link_latency_s", "action_s", "chunk_forward_s", "chunk_backward_s",
+                   "dp_latency_s")
+_OPTION_NAMES = ("method", "objective", "optimizer", "precision", "sharding", "grad_dtype")
 
 
 def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception]) -> None:
@@ -364,7 +373,7 @@ def check_cost_options(cost: dict[str, Any], bad: Callable[[str, Any], Exception
     of the wrong kind: the schedule and microbatch counts, the link's seconds and bandwidth, the devices, the
     names. A hand-edited file otherwise ended in a traceback there."""
     counts = {"num_microbatches": cost.get("num_microbatches"),
-              "virtual_stages": cost.get("virtual_stages", 1)}
+              "virtual_stages": cost.get("virtual_stages", 1), "data_parallel": cost.get("data_parallel", 1)}
     if cost.get("microbatch_size") is not None:  # null: a plan priced at the profile's own size
         counts["microbatch_size"] = cost["microbatch_size"]
     for key, value in counts.items():

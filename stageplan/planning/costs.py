@@ -24,25 +24,21 @@ from stageplan.formats.plan import Evidence, StagePlan
 from stageplan.formats.profile import Profile
 from stageplan.formats.schedule import normalize_schedule
 from stageplan.planning.schedules import ScheduleShape, one_way_delays, schedule_shape, simulate_shape
+from stageplan.planning.sharding import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    bytes_per_param,
+    check_sharding,
+    data_parallel_sync,
+)
 from stageplan.planning.solver import lower_bound
 from stageplan.units import format_bytes
 
 # Optimizer state held per parameter byte (states kept in the parameters' dtype):
 # sgd keeps nothing; SGD with momentum keeps one buffer; Adam/AdamW keep exp_avg and exp_avg_sq.
-OPTIMIZER_STATE_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0,
-                                            "adamw": 2.0}
+OPTIMIZER_STATE_FACTOR: dict[str, float] = {k: float(v) for k, v in OPTIMIZER_STATES.items()}
 # Gradients: one per parameter byte, except with optimizer "none" (inference-like: no grads kept).
 GRAD_FACTOR: dict[str, float] = {"none": 0.0, "sgd": 1.0, "momentum": 1.0, "adam": 1.0, "adamw": 1.0}
-# Bytes per parameter as training holds them, by precision: (weights, gradients, fp32 master copy, each
-# optimizer state). Mixed precision keeps low-precision weights and gradients plus fp32 master weights and
-# fp32 optimizer states: with Adam 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. 2020,
-# section 3). Without a precision the parameters, gradients and states take the profiled parameters' bytes.
-PRECISIONS: dict[str, tuple[float, float, float, float]] = {
-    "fp32": (4.0, 4.0, 0.0, 4.0),
-    "bf16": (2.0, 2.0, 0.0, 2.0),
-    "bf16-mixed": (2.0, 2.0, 4.0, 4.0),
-    "fp16-mixed": (2.0, 2.0, 4.0, 4.0),
-}
 
 
 @dataclass(frozen=True)
@@ -90,6 +86,14 @@ class CostOptions:
     # link
     allreduce_latency_s: float | None = None
     allreduce_bandwidth_bytes_per_s: float | None = None
+    # Data parallelism around the pipeline (planning.sharding): d replicas of every stage, what each holds
+    # (ddp, zero1, fsdp), the dtype its gradients are reduced in, and the replicas' link (per GPU, one way);
+    # d = 1 is one pipeline, as before.
+    data_parallel: int = 1
+    sharding: str = "ddp"
+    grad_dtype: str = "param"
+    dp_bandwidth_bytes_per_s: float | None = None
+    dp_latency_s: float = 0.0
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -135,7 +139,9 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  latency_source: str = "fitted by calibrate from a run", link_latency_s: float = 0.0,
                  action_s: float = 0.0, chunk_forward_s: float = 0.0, chunk_backward_s: float = 0.0,
                  allreduce_latency_s: float | None = None,
-                 allreduce_bandwidth_bytes_per_s: float | None = None) -> CostOptions:
+                 allreduce_bandwidth_bytes_per_s: float | None = None, data_parallel: int = 1,
+                 sharding: str = "ddp", grad_dtype: str = "param",
+                 dp_bandwidth_bytes_per_s: float | None = None, dp_latency_s: float = 0.0) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
     if len(profile) == 0:
         raise StageplanError(
@@ -223,10 +229,29 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                     "give both from a measured link (stageplan link -o LINK.json), or neither")
     ar = (None, None) if allreduce_latency_s is None else (float(allreduce_latency_s),
                                                             float(allreduce_bandwidth_bytes_per_s))  # type: ignore[arg-type]
+    _check_data_parallel(data_parallel, sharding, grad_dtype, precision, dp_bandwidth_bytes_per_s,
+                         dp_latency_s)
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs,
                        bool(recompute),
                        float(boundary_latency_s), precision, latency_source, float(link_latency_s),
-                       float(action_s), float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1], shape)
+                       float(action_s), float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1],
+                       int(data_parallel), sharding, grad_dtype, dp_bandwidth_bytes_per_s,
+                       float(dp_latency_s), shape=shape)
+
+
+def _check_data_parallel(data_parallel: object, sharding: str, grad_dtype: str, precision: str | None,
+                         bandwidth: float | None, latency_s: float) -> None:
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise StageplanError(f"data_parallel must be an integer >= 1, got {data_parallel!r}; e.g. 2 replicas")
+    check_sharding(sharding, grad_dtype)
+    if (sharding != "ddp" or grad_dtype != "param") and precision is None:
+        raise StageplanError(f"sharding {sharding!r} with gradients in {grad_dtype!r} needs a precision to "
+                             "count bytes per parameter; give one, e.g. --precision bf16-mixed")
+    if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise StageplanError(f"the data-parallel bandwidth must be a positive number of bytes/s, got "
+                             f"{bandwidth!r}; e.g. 50GB/s")
+    if not (math.isfinite(latency_s) and latency_s >= 0):
+        raise StageplanError(f"the data-parallel latency must be >= 0 seconds, got {latency_s!r}")
 
 
 @dataclass(frozen=True)
@@ -428,14 +453,16 @@ def memory_terms(arr: LayerArrays, opts: CostOptions) -> dict[str, MemoryTerm]:
                                     None),
         }
     else:
-        weight, grad, master, state = PRECISIONS[opts.precision]
-        training = opts.optimizer != "none"
+        # by sharding mode, on average over the replicas (planning.sharding); zero1's partition of whole
+        # tensors can load one replica more, which the layout search checks on the split
+        per = bytes_per_param(opts.precision, opts.optimizer, opts.sharding, opts.data_parallel,
+                              opts.grad_dtype)
         count = arr.param_count
         terms = {
-            "params": MemoryTerm(rows(weight * count), None, None),
-            "grads": MemoryTerm(rows(GRAD_FACTOR[opts.optimizer] * grad * count), None, None),
-            "master": MemoryTerm(rows((master if training else 0.0) * count), None, None),
-            "optimizer": MemoryTerm(rows(OPTIMIZER_STATE_FACTOR[opts.optimizer] * state * count), None, None),
+            "params": MemoryTerm(rows(per.weights * count), None, None),
+            "grads": MemoryTerm(rows(per.grads * count), None, None),
+            "master": MemoryTerm(rows(per.master * count), None, None),
+            "optimizer": MemoryTerm(rows(per.optimizer * count), None, None),
         }
     if opts.recompute:
         stage_input = np.concatenate([[0.0], arr.output_bytes[:-1]])
@@ -515,6 +542,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     L = len(arr.forward_s)
     p = opts.num_ranks
     tied = float(tied_sync_time(arr, np.array([boundaries]), opts)[0])
+    dp_sync = data_parallel_sync_s(arr, boundaries, opts)
     stages = []
     for s in range(len(boundaries) - 1):
         i, j = int(boundaries[s]), int(boundaries[s + 1])
@@ -528,7 +556,8 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         c = 2.0 * float(comm[j - 1]) if j < L else 0.0
         mem = {kind: term.stage(s, i, j) for kind, term in terms.items()}
         mem["total"] = sum(mem.values())
-        o = float(opt_time[i:j].sum()) / dev.speed  # once per step, not per microbatch: not in time_s
+        # once per step, not per microbatch: not in time_s; zero1 and fsdp step only the rank's 1/d share
+        o = float(opt_time[i:j].sum()) / dev.speed / (opts.data_parallel if opts.sharding != "ddp" else 1)
         first = ranks.index(ranks[s]) == s
         if first and floor > 0:
             # the step's fixed cost, once per rank with anything to step, on its first chunk
@@ -536,6 +565,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
             if any(trained[int(boundaries[k]):int(boundaries[k + 1])].any() for k in mine):
                 o += floor / dev.speed
         t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
+        sync = dp_sync[ranks[s]] if first else 0.0  # the replicas' sync, held by the rank's first chunk
         a = 2.0 * opts.action_s  # the schedule's loop around the chunk's forward and its backward
         stages.append(
             StagePlan(
@@ -555,6 +585,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
                 t,
                 a,
                 opts.chunk_forward_s + opts.chunk_backward_s,
+                sync,
             )
         )
     rank_time = [0.0] * p
@@ -565,11 +596,11 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     if opts.recompute:  # in-flight stage inputs plus one microbatch recomputed; per stage, summed per rank
         peaks = tuple(sum(st.memory["activations"] for st in stages if st.rank == r) for r in range(p))
     else:
-        peaks = _rank_peak_activation_bytes(arr, boundaries, shape)
+        peaks = rank_peak_activation_bytes(arr, boundaries, shape)
     sim = simulate_shape(shape, np.array([st.forward_s for st in stages]) + opts.action_s,
                          np.array([st.backward_s for st in stages]) + opts.action_s,
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
-                         np.array([st.optimizer_s for st in stages]), tied)
+                         np.array([st.optimizer_s + st.dp_sync_s for st in stages]), tied)
     bottleneck = max(rank_time)
     # every rank pays the schedule's loop and PipelineStage's
     # overhead around each of its v chunks, whatever the split
@@ -585,6 +616,32 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
         balance_efficiency=lower / bottleneck if bottleneck > 0 else 1.0, predicted_step_s=sim.step_s,
         bubble_fraction=sim.bubble_fraction, notes=tuple(notes),
     )
+
+
+def data_parallel_sync_s(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> list[float]:
+    """Per rank, the exposed seconds of its replicas' gradient sync per step
+    (``sharding.data_parallel_sync``): after its last backward and before its optimizer step, like the tied
+    all-reduce. 0 with one replica, and without a data-parallel bandwidth (the layout search always gives
+    one)."""
+    p, d = opts.num_ranks, opts.data_parallel
+    if d <= 1 or opts.dp_bandwidth_bytes_per_s is None:
+        return [0.0] * p
+    per = (bytes_per_param(opts.precision, opts.optimizer, opts.sharding, d, opts.grad_dtype)
+           if opts.precision is not None else None)
+    ranks = opts.shape.stage_ranks
+    out = []
+    for r in range(p):
+        mine = [s for s in range(len(boundaries) - 1) if ranks[s] == r]
+        count = sum(float(arr.param_count[boundaries[s]:boundaries[s + 1]].sum()) for s in mine)
+        params = sum(float(arr.param_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in mine)
+        speed = opts.devices[r].speed
+        last_backward = (
+            sum(float(arr.backward_s[boundaries[s] : boundaries[s + 1]].sum()) for s in mine) / speed
+        )
+        grads, weights = (per.grads * count, per.weights * count) if per is not None else (params, params)
+        out.append(data_parallel_sync(opts.sharding, d, grads, weights, last_backward,
+                                      opts.dp_bandwidth_bytes_per_s, opts.dp_latency_s).exposed_s)
+    return out
 
 
 def _evidence_notes(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions, rank_mem: Sequence[float],
@@ -634,7 +691,7 @@ def _tied_note(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -
             "modelled (tied_sync_s = 0); give a bandwidth to price it")
 
 
-def _rank_peak_activation_bytes(
+def rank_peak_activation_bytes(
     arr: LayerArrays, boundaries: Sequence[int], shape: ScheduleShape
 ) -> tuple[float, ...]:
     """Per rank, the peak of live saved-activation bytes over its torch order (+ on F, - on B, or on W in

@@ -116,13 +116,16 @@ def _step_search_note(search: dict[str, Any]) -> str | None:
             "plans for the step")
 
 
-def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
+def make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str, meta_extra: dict[str, Any],
                given: tuple[int, ...] | None = None, given_as: str = "boundaries", given_input: Any = None,
                time_limit_s: float = 2.0, objective: str = "bottleneck") -> Plan:
     tie: dict[str, Any] = {}
     search: dict[str, Any] = {}
     if method == "optimal":
         boundaries, solver_evidence, tie, search = optimal_split(arr, opts, objective, time_limit_s)
+    elif method == "layout":  # the layout search's split (planning.layouts), already chosen and simulated
+        assert given is not None
+        boundaries, solver_evidence = tuple(given), {}
     else:
         boundaries, solver_evidence = split_by_method(method, arr, opts, given, given_as, time_limit_s)
     ev = evaluate(arr, boundaries, opts, profile.names)
@@ -310,7 +313,7 @@ def plan(
         opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                             optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
                             recompute=recompute, precision=precision, **price.options())
-        cand = _make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
+        cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
         return cand.with_notes((*cand.notes, price.note)) if price.note else cand
 

@@ -396,8 +396,26 @@ class ScheduleShape:
         [5.0, 3.0]
         """
         chunk_bytes = np.asarray(chunk_bytes, dtype=float)
-        return np.stack([(chunk_bytes @ np.asarray(k, dtype=float).T).max(axis=-1) for k in self.live_counts],
-                        axis=-1)
+        return np.stack([(chunk_bytes @ k.T).max(axis=-1) for k in self._forward_counts], axis=-1)
+
+    @cached_property
+    def _forward_counts(self) -> tuple[np.ndarray, ...]:
+        """Per rank, every distinct count vector after a forward (``live_counts`` before its pruning of
+        dominated moments, which costs O(n^2) in the moments): the same peaks for bytes >= 0, at a matrix
+        product's cost; a layout search computes them for hundreds of schedules."""
+        release = "W" if self.zero_bubble else "B"
+        out = []
+        for order in self.orders:
+            held = [0] * self.num_chunks
+            seen: set[tuple[int, ...]] = set()
+            for action in order:
+                if action.kind == "F":
+                    held[action.stage] += 1
+                    seen.add(tuple(held))
+                elif action.kind == release:
+                    held[action.stage] -= 1
+            out.append(np.array(sorted(seen), dtype=float).reshape(len(seen), self.num_chunks))
+        return tuple(out)
 
 
 def schedule_shape(

@@ -260,6 +260,7 @@ def solve(
     memory_start_bytes: ArrayLike | None = None,
     memory_end_bytes: ArrayLike | None = None,
     memory_limit_bytes: ArrayLike | None = None,
+    tie_break: bool = True,
 ) -> Solution:
     """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage time.
 
@@ -277,7 +278,9 @@ def solve(
     O(pL) numpy otherwise; with start terms it costs O(pL log L). Ties are broken deterministically: among
     partitions whose bottleneck is within 1e-12 (relative) of the optimum, the one with the smallest maximum
     memory utilisation ``max_k memory_k / limit_k`` (``max_k memory_k`` without limits; again within 1e-12
-    relative) wins, then the lexicographically smallest ``boundaries``.
+    relative) wins, then the lexicographically smallest ``boundaries``. ``tie_break=False`` skips both
+    tie-breaks and returns the first optimal split the bisection found (still deterministic): for callers that
+    need the bottleneck and a split that fits, such as the layout search.
 
     Raises ``StageplanError`` on invalid input and ``InfeasiblePlanError`` (with
     ``min_memory_limit_bytes``, the smallest uniform limit that admits a plan) when no partition
@@ -310,6 +313,8 @@ def solve(
 
     # 1. the optimal bottleneck
     best_time, best = _least_time(inst, relaxed, first.bounds)
+    if not tie_break:
+        return _solution(inst, best)
     time_cap = best_time + TIE_REL * best_time
     util_cap = INF
     # 2. among (near-)optimal partitions, the smallest peak memory utilisation
@@ -319,6 +324,25 @@ def solve(
     # 3. among those, the lexicographically smallest boundaries
     bounds = lex_smallest(inst, time_cap, util_cap) or best
     return _solution(inst, bounds)
+
+
+def fits_memory(num_layers: int, num_stages: int, *, memory_bytes: ArrayLike,
+                memory_start_bytes: ArrayLike | None = None, memory_end_bytes: ArrayLike | None = None,
+                memory_limit_bytes: ArrayLike) -> bool:
+    """Whether any split of ``num_layers`` layers into ``num_stages`` stages fits the memory limits (the terms
+    as in :func:`solve`): one reachable-set probe, without the bisection :func:`solve` runs to name the
+    smallest limit when none fits.
+
+    >>> fits_memory(4, 2, memory_bytes=[3, 1, 1, 3], memory_limit_bytes=4)
+    True
+    >>> fits_memory(4, 2, memory_bytes=[3, 1, 1, 3], memory_limit_bytes=3)
+    False
+    """
+    c, p, _, _ = _validated_times(np.zeros(int(num_layers)), num_stages, None, None)
+    memory, start, end, limits = _validated_memory(c.size, p, memory_bytes, memory_start_bytes,
+                                                   memory_end_bytes, memory_limit_bytes)
+    inst = build_instance(c, p, np.ones(p), None, memory, start, end, limits)
+    return bool(run_probe(inst, INF, INF).feasible)
 
 
 def _validated_times(

@@ -56,7 +56,32 @@ PROGRESS_PREFIX = "stageplan-progress: "
 
 
 def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
-    return plan if isinstance(plan, Plan) else Plan.load(plan)
+    """A Plan, or a plan file, or a layout file's best layout (its plan); one that is not a single pipeline
+    is refused: replicas and tensor-parallel shards have no executor yet."""
+    if isinstance(plan, Plan):
+        loaded = plan
+    else:
+        from stageplan._io import read_json
+
+        data = read_json(plan, "plan")
+        if str(data.get("schema", "")).startswith("stageplan.layout/"):
+            from stageplan.formats.layout import Layout
+
+            layout = Layout.from_json(data, source=str(plan))
+            if layout.plan is None:
+                raise StageplanError(
+                    f"{str(plan)!r} holds no plan of its best layout; run stageplan layout again")
+            loaded = layout.plan
+        else:
+            loaded = Plan.from_json(data, source=f"plan {str(plan)!r}")
+    tp = int(loaded.profile_meta.get("tensor_parallel") or 1)
+    if loaded.data_parallel > 1 or tp > 1:
+        raise StageplanError(f"this plan lays the model out with {loaded.data_parallel} data-parallel "
+                             f"replicas and {tp}-way tensor parallelism, and stageplan run trains one "
+                             "pipeline; lay it out with --pipeline-parallel equal to --devices (one replica, "
+                             "t = 1) to run it here, or train it with the exported torchtitan or Megatron "
+                             "configuration")
+    return loaded
 
 
 def run(

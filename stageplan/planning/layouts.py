@@ -1,0 +1,878 @@
+"""The layout grid for N devices: pipeline x data x tensor degrees, microbatching, schedule, recompute and
+sharding, each priced with the exact split inside; bounds first, the simulator on the best K (no torch).
+
+How a candidate is priced (units: seconds, bytes):
+
+- Its profile is the one measured or estimated at its microbatch size b and tensor-parallel degree t (a
+  block's shard, with heads, key/value heads and the MLP divided by t), or one at another b scaled linearly
+  (labelled). Tensor parallelism's all-reduces are added to each block's forward and backward
+  (``sharding.tensor_parallel_block_s``); with sequence parallelism the boundary carries b*s*h/t and the
+  norms' and residuals' saved inputs are divided by t.
+- The split is the exact min-max split of ``solver.solve`` under the memory limit, with each layer's memory
+  by sharding mode (``sharding.bytes_per_param``). Interleaved candidates are split chunk by chunk (the same
+  solver over p*v chunks: a heuristic for the rank loads, which their bound still holds).
+- The step, in closed form: (m + (p-1)/v) x the slowest rank's time per microbatch (Narayanan et al. 2021,
+  section 2.2: the bubble is (p-1)/v of a microbatch's pass), plus the slowest rank's exposed data-parallel
+  sync and optimizer step and the tied all-reduce. The best ``top`` are then simulated over torch's order
+  (``costs.evaluate``) and ranked by the simulated step.
+- Bounds, valid before any split: the step is at least (m + (p-1)/v) x max(total / p, largest layer), and the
+  fullest device at least max(sum of memory / p, largest layer's), with the fewest microbatches in flight any
+  stage holds. A candidate is priced only if its bound beats the best step found so far (best-first by bound),
+  so pricing every candidate (``bounds=False``) picks the same best.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from stageplan.errors import InfeasiblePlanError, StageplanError
+from stageplan.formats.layout import Candidate, Layout
+from stageplan.formats.profile import Profile
+from stageplan.formats.schedule import check_microbatches, normalize_schedule
+from stageplan.planning.costs import (
+    CostOptions,
+    LayerArrays,
+    data_parallel_sync_s,
+    evaluate,
+    make_options,
+    memory_terms,
+    optimizer_time,
+    rank_peak_activation_bytes,
+    solver_inputs,
+    tied_sync_time,
+)
+from stageplan.planning.planner import make_plan
+from stageplan.planning.sharding import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    SHARDINGS,
+    bytes_per_param,
+    check_sharding,
+    tensor_parallel_block_s,
+    zero1_shares,
+)
+from stageplan.planning.solver import fits_memory, solve
+from stageplan.units import format_bytes
+
+# The default grid (docs/cost-model.md, `stageplan layout --help`).
+DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
+DEFAULT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+DEFAULT_RECOMPUTE = (False, True)
+LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class Network:
+    """The devices' links, per GPU and one way (``sharding`` module docstring): within a node and across
+    nodes, and the per-message latency of every collective and transfer."""
+
+    devices_per_node: int
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def bandwidth(self, spans_nodes: bool) -> float:
+        return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
+
+
+@dataclass(frozen=True)
+class _Point:
+    """One grid point before pricing."""
+
+    t: int
+    p: int
+    d: int
+    b: int
+    m: int
+    schedule: str
+    v: int
+    recompute: bool
+    sharding: str
+
+
+@dataclass
+class _Prepared:
+    """A (b, t) profile with tensor parallelism priced in, and what the bounds need from it."""
+
+    profile: Profile
+    scaled_from: int | None
+    tp_s: np.ndarray  # per layer, tensor-parallel seconds per microbatch (forward + backward), no recompute
+    tp_forward_s: np.ndarray
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _layout_model(profile: Profile) -> dict[str, Any] | None:
+    """The model's shape for tensor parallelism's traffic and MFU: ``meta["layout_model"]`` (written with the
+    layout's own estimates), else read off an HF preset's profile (its preset's hidden size, its sequence, its
+    blocks and parameters); None for other models."""
+    model = profile.meta.get("layout_model")
+    if isinstance(model, dict):
+        return model
+    options = profile.meta.get("factory_options") or {}
+    preset, seq = options.get("preset"), options.get("seq_len")
+    if not isinstance(preset, str) or not isinstance(seq, int):
+        return None
+    path = resources.files("stageplan").joinpath(f"presets/{preset}.json")
+    if not path.is_file():
+        return None
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    element = 2 if str(profile.meta.get("dtype")) in ("bfloat16", "float16") else 4
+    return {"params": float(sum(x.param_count for x in profile.layers)),
+            "num_layers": len(profile.meta.get("named_layers") or ()),
+            "hidden_size": int(fields["hidden_size"]), "seq_len": seq, "activation_element_bytes": element}
+
+
+def _block_mask(profile: Profile) -> np.ndarray:
+    """Which layers are the model's named blocks (the transformer blocks tensor parallelism splits)."""
+    named = set(profile.meta.get("named_layers") or ())
+    return np.array([x.name in named for x in profile.layers], dtype=bool)
+
+
+def prepare_profile(profile: Profile, t: int, network: Network, *, sequence_parallel: bool = False,
+                    scaled_from: int | None = None) -> _Prepared:
+    """The profile of a t-way shard with its tensor-parallel communication priced into each block's forward
+    and backward; with sequence parallelism, each block's boundary divided by t and its norms' and residuals'
+    saved inputs too (Korthikanti et al. 2022, section 4.2.2: the two norms' inputs and outputs, 4 x b*s*h
+    elements a block, are what sequence parallelism shards; a shard profiled at the full sequence counts them
+    whole)."""
+    L = len(profile)
+    zeros = np.zeros(L)
+    if t <= 1:
+        return _Prepared(profile, scaled_from, zeros, zeros)
+    model = _layout_model(profile)
+    if model is None:
+        raise StageplanError(
+            f"tensor parallelism (t = {t}) needs a profile of the t-way shard with the model's shape "
+            "(meta layout_model): make it with stageplan layout MODEL --device estimate:GPU, or use t = 1")
+    blocks = _block_mask(profile)
+    b = int(profile.meta.get("microbatch_size") or 1)
+    tokens, hidden = b * int(model["seq_len"]), int(model["hidden_size"])
+    elem = float(model.get("activation_element_bytes", 2))
+    fwd, bwd = tensor_parallel_block_s(tokens, hidden, elem, t, network.intra_node_bytes_per_s,
+                                       network.latency_s)
+    layers = []
+    for i, x in enumerate(profile.layers):
+        if not blocks[i]:
+            layers.append(x)
+            continue
+        act, out = x.activation_bytes, x.output_bytes
+        if sequence_parallel:
+            act = max(0, int(act - (1 - 1 / t) * 4 * tokens * hidden * elem))
+            out = int(out / t)
+        layers.append(replace(x, forward_s=x.forward_s + fwd, backward_s=x.backward_s + bwd,
+                              backward_accumulate_s=None if x.backward_accumulate_s is None
+                              else x.backward_accumulate_s + bwd, activation_bytes=act, output_bytes=out))
+    if sequence_parallel:  # the embedding's output is the first block's input: sharded the same way
+        first = int(np.argmax(blocks)) if blocks.any() else 0
+        if first > 0:
+            x = layers[first - 1]
+            layers[first - 1] = replace(x, output_bytes=int(x.output_bytes / t))
+    tp = np.where(blocks, fwd + bwd, 0.0)
+    return _Prepared(Profile(tuple(layers), dict(profile.meta)), scaled_from, tp,
+                     np.where(blocks, fwd, 0.0))
+
+
+def scale_profile(profile: Profile, b: int) -> Profile:
+    """``profile`` (measured at its own microbatch size) at microbatch size ``b``: times and activation and
+    boundary bytes linear in the batch (an extrapolation, labelled on the candidate)."""
+    b0 = int(profile.meta.get("microbatch_size") or 1)
+    f = b / b0
+    layers = tuple(replace(x, forward_s=x.forward_s * f, backward_s=x.backward_s * f,
+                           backward_accumulate_s=None if x.backward_accumulate_s is None
+                           else x.backward_accumulate_s * f, activation_bytes=int(x.activation_bytes * f),
+                           output_bytes=int(x.output_bytes * f)) for x in profile.layers)
+    return Profile(layers, {**profile.meta, "microbatch_size": b})
+
+
+def _peak_flops(profile: Profile) -> float | None:
+    """The estimated GPU's dense bf16 peak (gpus.json), for MFU; None for a measured profile."""
+    gpu = (profile.meta.get("estimate") or {}).get("gpu")
+    if not gpu:
+        return None
+    table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
+    row = table["gpus"].get(str(gpu).lower())
+    return None if row is None else float(row["peak_flops"]["bf16"])
+
+
+def model_flops_per_token(model: Mapping[str, Any], recompute: bool = False) -> float:
+    """Training FLOPs per token: 6N + 12 x layers x hidden x seq (PaLM, Chowdhery et al. 2022, appendix B: the
+    matmuls of N parameters forward and backward, plus attention's). With full recompute the hardware runs the
+    forward again: 8N + 16 x layers x hidden x seq (hardware FLOPs, for HFU).
+
+    >>> model_flops_per_token({"params": 1e9, "num_layers": 10, "hidden_size": 1000, "seq_len": 100})
+    6012000000.0
+    """
+    n, attn = float(model["params"]), float(model["num_layers"]) * float(model["hidden_size"]) * float(
+        model["seq_len"])
+    return (8 * n + 16 * attn) if recompute else (6 * n + 12 * attn)
+
+
+@dataclass
+class _Search:
+    """The state of one search: inputs, caches and counts."""
+
+    profiles: dict[tuple[int, int], _Prepared]
+    num_devices: int
+    global_batch_size: int
+    network: Network
+    memory_limit_bytes: float | None
+    precision: str
+    grad_dtype: str
+    optimizer: str
+    sequence_parallel: bool = False
+    free_splits: dict[tuple[Any, ...], tuple[int, ...]] = field(default_factory=dict)
+
+    def arrays(self, b: int, t: int, m: int, cache: dict[tuple[int, int, int], LayerArrays]) -> LayerArrays:
+        key = (b, t, m)
+        if key not in cache:
+            cache[key] = LayerArrays.of(self.profiles[(b, t)].profile, m)
+        return cache[key]
+
+    def spans(self, pt: _Point) -> dict[str, bool]:
+        """Which groups span nodes with tensor innermost, then data, then pipeline (torchtitan's ParallelDims
+        order): a group spans nodes when its ranks lie more than a node apart."""
+        n = self.network.devices_per_node
+        return {"tp": pt.t > n, "dp": pt.t * pt.d > n, "pp": pt.p > 1 and pt.t * pt.d * pt.p > n}
+
+    def options(self, pt: _Point, arr_profile: Profile) -> CostOptions:
+        spans = self.spans(pt)
+        return make_options(arr_profile, pt.p, num_microbatches=pt.m, schedule=pt.schedule,
+                            virtual_stages=pt.v, optimizer=self.optimizer,
+                            memory_limit_bytes=self.memory_limit_bytes, recompute=pt.recompute,
+                            precision=self.precision,
+                            bandwidth_bytes_per_s=self.network.bandwidth(spans["pp"]),
+                            link_latency_s=self.network.latency_s, data_parallel=pt.d, sharding=pt.sharding,
+                            grad_dtype=self.grad_dtype,
+                            dp_bandwidth_bytes_per_s=self.network.bandwidth(spans["dp"]),
+                            dp_latency_s=self.network.latency_s)
+
+
+def _min_inflight(schedule: str, m: int) -> int:
+    """The fewest microbatches any stage holds at its peak: every one under GPipe; one on 1F1B's last stage
+    and interleaved's last chunk."""
+    return m if schedule == "GPipe" else 1
+
+
+def lower_bounds(arr: LayerArrays, pt: _Point, per_param_bytes: float) -> tuple[float, float]:
+    """(step, fullest device's memory) no split of this candidate can beat (module docstring).
+
+    >>> from stageplan.formats.profile import LayerProfile, Profile
+    >>> prof = Profile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 10, 1, 0) for i in range(4)))
+    >>> lower_bounds(LayerArrays.of(prof), _Point(1, 2, 1, 1, 4, "1F1B", 1, False, "ddp"), 0.0)
+    (30.0, 26.666666666666668)
+    """
+    lt = arr.forward_s * (2.0 if pt.recompute else 1.0) + arr.backward_s
+    per_mb = max(float(lt.sum()) / pt.p, float(lt.max()))
+    step = (pt.m + (pt.p - 1) / pt.v) * per_mb
+    static = arr.param_count * per_param_bytes
+    # recomputed, a stage holds one microbatch's activations of all its layers while it recomputes them (a
+    # rank of v chunks, of one chunk at a time: at least 1/v of its layers' on average)
+    acts = (arr.activation_bytes / pt.v if pt.recompute
+            else arr.activation_bytes * _min_inflight(pt.schedule, pt.m))
+    memory = max(float((static + acts).sum()) / pt.p, float((static + acts).max()))
+    if pt.schedule == "1F1B" and not pt.recompute and pt.p > 1:
+        # weighting stage s by 1/f_s, f_s = min(p - s, m) in flight (1F1B): max_s M_s >= sum_s (static_s / f_s
+        # + act_s) / sum_s 1/f_s >= (total static / max f + total activations) / sum_s 1/f_s
+        f = np.minimum(np.arange(pt.p, 0, -1), pt.m)
+        memory = max(memory, (float(static.sum()) / float(f.max()) + float(arr.activation_bytes.sum()))
+                     / float((1.0 / f).sum()))
+    return step, memory
+
+
+def _grid(search: _Search, L: int, tensor_parallel: Sequence[int], pipeline_parallel: Sequence[int] | None,
+          microbatch_sizes: Sequence[int],
+          schedules: Sequence[str], virtual_stages: Sequence[int] | None, recompute: Sequence[bool],
+          shardings: Sequence[str], rejected: dict[str, dict[str, Any]]) -> list[_Point]:
+    """Every grid point p x d x t = N, b x m x d = B that torch's schedules accept; the families left out, in
+    ``rejected``."""
+    N, B = search.num_devices, search.global_batch_size
+    points = []
+    for t in tensor_parallel:
+        if N % t:
+            continue
+        if not any((b, t) in search.profiles for b in microbatch_sizes):
+            continue
+        for p in _divisors(N // t):
+            if pipeline_parallel is not None and p not in pipeline_parallel:
+                continue
+            if p > L:
+                _reject(rejected, f"pp > {L} layers", "more stages than layers")
+                continue
+            d = N // (t * p)
+            for b in microbatch_sizes:
+                if (b, t) not in search.profiles:
+                    continue
+                if B % (b * d):
+                    _reject(rejected, f"b*dp does not divide {B}",
+                            f"the global batch {B} is not a multiple of b x dp")
+                    continue
+                m = B // (b * d)
+                for sched in schedules:
+                    vs = [1]
+                    if sched == "Interleaved1F1B":
+                        if p == 1:
+                            continue
+                        vs = [v for v in (virtual_stages or range(2, L // p + 1)) if v >= 2 and p * v <= L]
+                    for v in vs:
+                        try:
+                            check_microbatches(sched, p, m, v)
+                        except StageplanError:
+                            _reject(rejected, f"{sched} microbatch rule", f"torch's {sched} refuses these m")
+                            continue
+                        for rc in recompute:
+                            for sh in (shardings if d > 1 else ("ddp",)):
+                                points.append(_Point(t, p, d, b, m, sched, v, rc, sh))
+    return points
+
+
+def _reject(rejected: dict[str, dict[str, Any]], family: str, why: str, by: float | None = None) -> None:
+    row = rejected.setdefault(family, {"family": family, "why": why, "count": 0})
+    row["count"] += 1
+    if by is not None:
+        row["least_over_bytes"] = min(row.get("least_over_bytes", math.inf), by)
+
+
+def _split(arr: LayerArrays, opts: CostOptions, free: dict[tuple[Any, ...], tuple[int, ...]],
+           fits: Any) -> tuple[int, ...]:
+    """The exact min-max split under the memory limit (per chunk for interleaved candidates, each chunk under
+    its rank's limit, then checked per rank). One probe first says whether any split fits. The split without
+    memory rows is solved once per time problem (``free``) and kept where it fits (``fits``): it is then
+    optimal under the limit as well; else the solver runs with the memory rows."""
+    inp = solver_inputs(arr, opts)
+    limits = inp["limits"]
+    memory = {"memory_bytes": inp["memory_bytes"], "memory_start_bytes": inp["memory_start_bytes"],
+              "memory_end_bytes": inp["memory_end_bytes"],
+              "memory_limit_bytes": limits if limits is None or opts.virtual_stages == 1
+              else limits[np.asarray(opts.shape.stage_ranks)]}
+    if limits is not None and not fits_memory(len(arr.forward_s), opts.num_chunks, **memory):
+        raise InfeasiblePlanError("no split fits the memory limit")
+    key = (id(arr), opts.num_ranks, opts.virtual_stages, opts.recompute, opts.bandwidth_bytes_per_s)
+    if key not in free:
+        free[key] = tuple(solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
+                                boundary_costs=inp["boundary_costs"], tie_break=False).boundaries)
+    if limits is None or fits(free[key], inp["memory_bytes"], inp["memory_start_bytes"],
+                              inp["memory_end_bytes"]):
+        return free[key]
+    sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
+                boundary_costs=inp["boundary_costs"], tie_break=False, **memory)
+    return tuple(sol.boundaries)
+
+
+def _zero1_extra(
+    profile: Profile, boundaries: Sequence[int], opts: CostOptions
+) -> tuple[list[float], str | None]:
+    """Per rank, the bytes the fullest replica holds beyond the 1/d average under zero1's partition of whole
+    tensors (``sharding.zero1_shares``), from the profile's per-layer tensor sizes (meta param_tensors); zeros
+    and a note where the profile lists none."""
+    p, d = opts.num_ranks, opts.data_parallel
+    if opts.sharding != "zero1" or d <= 1 or opts.precision is None:
+        return [0.0] * p, None
+    tensors = profile.meta.get("param_tensors")
+    if not isinstance(tensors, list) or len(tensors) != len(profile):
+        return [0.0] * p, ("zero1's partition of whole tensors is taken as 1/d: the profile lists no tensor "
+                           "sizes (meta param_tensors)")
+    per = bytes_per_param(opts.precision, opts.optimizer, "zero1", d, opts.grad_dtype)
+    sharded_per_elem = (per.master + per.optimizer) * d  # bytes per element of an owned tensor
+    ranks = opts.shape.stage_ranks
+    out = []
+    for r in range(p):
+        numels = [n for s in range(len(boundaries) - 1) if ranks[s] == r
+                  for layer in range(boundaries[s], boundaries[s + 1]) for n in tensors[layer]]
+        if not numels:
+            out.append(0.0)
+            continue
+        shares = zero1_shares(numels, d)
+        out.append((max(shares) - sum(numels) / d) * sharded_per_elem)
+    return out, None
+
+
+def price(search: _Search, pt: _Point, prepared: _Prepared, arr: LayerArrays, opts: CostOptions,
+          boundaries: Sequence[int], lower_step_s: float) -> Candidate:
+    """The closed-form step, its parts and the fullest device's memory for a split (module docstring)."""
+    L = len(arr.forward_s)
+    b = np.asarray(boundaries)
+    S, p = opts.num_chunks, opts.num_ranks
+    ranks = np.asarray(opts.shape.stage_ranks)
+    lt = arr.forward_s * (2.0 if pt.recompute else 1.0) + arr.backward_s
+    tp = prepared.tp_s + (prepared.tp_forward_s if pt.recompute else 0.0)
+    comm = arr.output_bytes / opts.bandwidth_bytes_per_s if opts.bandwidth_bytes_per_s else np.zeros(L)
+    pre_lt, pre_tp = np.concatenate([[0.0], np.cumsum(lt)]), np.concatenate([[0.0], np.cumsum(tp)])
+    chunk_time = pre_lt[b[1:]] - pre_lt[b[:-1]]
+    chunk_tp = pre_tp[b[1:]] - pre_tp[b[:-1]]
+    chunk_comm = np.array([2.0 * comm[b[s + 1] - 1] if b[s + 1] < L else 0.0 for s in range(S)])
+    rank_time = np.bincount(ranks, chunk_time + chunk_comm, minlength=p)
+    slowest = int(np.argmax(rank_time))
+    per_mb = float(rank_time[slowest])
+    mine = ranks == slowest
+    # once per step, after the last backward: the optimizer (1/d of it under zero1 and fsdp), the replicas'
+    # sync and the tied all-reduce
+    opt_layer = optimizer_time(arr, opts) / (pt.d if pt.sharding != "ddp" else 1)
+    pre_opt = np.concatenate([[0.0], np.cumsum(opt_layer)])
+    rank_opt = np.bincount(ranks, pre_opt[b[1:]] - pre_opt[b[:-1]], minlength=p)
+    sync = np.array(data_parallel_sync_s(arr, boundaries, opts))
+    tied = float(tied_sync_time(arr, b[None, :], opts)[0])
+    tail = int(np.argmax(rank_opt + sync))
+    step = (pt.m + (pt.p - 1) / pt.v) * per_mb + float(rank_opt[tail] + sync[tail]) + tied
+    parts = {"compute_s": pt.m * float((chunk_time - chunk_tp)[mine].sum()),
+             "bubble_s": (pt.p - 1) / pt.v * per_mb,
+             "pipeline_transfer_s": pt.m * float(chunk_comm[mine].sum()) + tied,
+             "dp_sync_s": float(sync[tail]), "tp_comm_s": pt.m * float(chunk_tp[mine].sum()),
+             "optimizer_s": float(rank_opt[tail])}
+    memory, by_kind = _rank_memory(search, prepared.profile, arr, boundaries, opts)
+    fullest = int(np.argmax(memory))
+    return _candidate(search, pt, prepared, boundaries, step, lower_step_s, memory, by_kind[fullest], parts)
+
+
+def _rank_memory(search: _Search, profile: Profile, arr: LayerArrays, boundaries: Sequence[int],
+                 opts: CostOptions) -> tuple[list[float], list[dict[str, float]]]:
+    terms = memory_terms(arr, opts)
+    ranks = opts.shape.stage_ranks
+    p = opts.num_ranks
+    by_kind: list[dict[str, float]] = [dict.fromkeys(terms, 0.0) for _ in range(p)]
+    for s in range(len(boundaries) - 1):
+        for kind, term in terms.items():
+            if kind != "activations" or opts.recompute:
+                by_kind[ranks[s]][kind] += term.stage(s, int(boundaries[s]), int(boundaries[s + 1]))
+    if not opts.recompute:
+        for r, peak in enumerate(rank_peak_activation_bytes(arr, boundaries, opts.shape)):
+            by_kind[r]["activations"] = peak
+    extra, _ = _zero1_extra(profile, boundaries, opts)
+    for r in range(p):
+        by_kind[r]["zero1_imbalance"] = extra[r]
+    return [sum(k.values()) for k in by_kind], by_kind
+
+
+def _candidate(search: _Search, pt: _Point, prepared: _Prepared, boundaries: Sequence[int] | None,
+               step: float, lower_step_s: float, memory: Sequence[float], by_kind: Mapping[str, float],
+               parts: Mapping[str, float]) -> Candidate:
+    limit = search.memory_limit_bytes
+    peak = max(memory)
+    tps, mfu, hfu = _rates(search, prepared, pt, step)
+    spans = tuple(k for k, v in search.spans(pt).items() if v)
+    over = limit is not None and peak > limit * (1 + 1e-12)
+    return Candidate(pt.t, pt.p, pt.d, pt.b, pt.m, pt.schedule, pt.v, pt.recompute, pt.sharding,
+                     search.sequence_parallel and pt.t > 1,
+                     None if boundaries is None else tuple(int(x) for x in boundaries), step, None,
+                     lower_step_s,
+                     peak, dict(by_kind), tuple(float(x) for x in memory), dict(parts), tps, mfu, hfu,
+                     not over, (f"fullest device {format_bytes(peak)}, over the limit by "
+                                f"{format_bytes(peak - limit)}" if over and limit is not None else None),
+                     prepared.scaled_from, spans)
+
+
+def _rates(search: _Search, prepared: _Prepared, pt: _Point, step: float
+           ) -> tuple[float | None, float | None, float | None]:
+    """Tokens per second per device, MFU and HFU (an estimate's, against its GPU's dense bf16 peak) of a step
+    of ``step`` seconds; None where the profile does not give the model's shape or the GPU."""
+    model = _layout_model(prepared.profile)
+    tokens = search.global_batch_size * int(model["seq_len"]) if model else None
+    if not tokens or not (0 < step < math.inf):
+        return None, None, None
+    tps = tokens / step / search.num_devices
+    peak_flops = _peak_flops(prepared.profile)
+    if not model or not peak_flops or "params" not in model:
+        return tps, None, None
+    denominator = step * search.num_devices * peak_flops
+    return (tps, model_flops_per_token(model) * tokens / denominator,
+            model_flops_per_token(model, pt.recompute) * tokens / denominator)
+
+
+def _point_of(c: Candidate) -> _Point:
+    return _Point(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.microbatch_size,
+                  c.num_microbatches, c.schedule, c.virtual_stages, c.recompute, c.sharding)
+
+
+def search_layouts(
+    profiles: Mapping[tuple[int, int], Profile], num_devices: int, *, global_batch_size: int,
+    network: Network, memory_limit_bytes: float | None = None, precision: str = "bf16-mixed",
+    grad_dtype: str = "param", optimizer: str = "adam",
+    tensor_parallel: Sequence[int] = DEFAULT_TENSOR_PARALLEL,
+    microbatch_sizes: Sequence[int] = DEFAULT_MICROBATCH_SIZES,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES, virtual_stages: Sequence[int] | None = None,
+    recompute: Sequence[bool] = DEFAULT_RECOMPUTE, shardings: Sequence[str] = SHARDINGS,
+    sequence_parallel: bool = False, top: int = 10, bounds: bool = True,
+    pipeline_parallel: Sequence[int] | None = None,
+) -> Layout:
+    """Search the layout grid over ``num_devices`` devices given the profiles per (microbatch size, tensor
+    degree), and rank the feasible candidates (module docstring). Refusals name the rule, the values and the
+    remedy; a grid with no feasible candidate raises ``InfeasiblePlanError`` with the smallest memory limit
+    that admits one."""
+    _check(num_devices, global_batch_size, network, precision, grad_dtype, optimizer, tensor_parallel,
+           microbatch_sizes, schedules, shardings, top, memory_limit_bytes)
+    prepared = _prepared(profiles, network, tensor_parallel, microbatch_sizes, sequence_parallel)
+    L = len(next(iter(prepared.values())).profile)
+    search = _Search(prepared, num_devices, global_batch_size, network, memory_limit_bytes, precision,
+                     grad_dtype, optimizer, sequence_parallel)
+    rejected: dict[str, dict[str, Any]] = {}
+    points = _grid(search, L, tensor_parallel, pipeline_parallel, microbatch_sizes,
+                   [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings, rejected)
+    if not points:
+        raise StageplanError(
+            f"no layout of {num_devices} devices fits the grid: p x dp x tp must be {num_devices} with p <= "
+            f"{L} layers and the global batch {global_batch_size} a multiple of b x dp "
+            f"({'; '.join(r['why'] for r in rejected.values()) or 'no profile for these degrees'}); change "
+            "--devices, --global-batch-size or --microbatch-sizes")
+    arrays: dict[tuple[int, int, int], LayerArrays] = {}
+    bounded = []
+    for pt in points:
+        arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+        per = bytes_per_param(precision, optimizer, pt.sharding, pt.d, grad_dtype).total
+        bounded.append((*lower_bounds(arr, pt, per), pt))
+    bounded.sort(key=lambda x: (x[0], _order_key(x[2])))
+    priced: list[Candidate] = []
+    over_limit: list[Candidate] = []
+    counts = {"grid": len(points), "priced": 0, "pruned_by_time": 0, "pruned_by_memory": 0, "infeasible": 0}
+    best = math.inf
+    least_over: float | None = None
+    sibling_fits: dict[_Point, bool] = {}
+    for step_lb, mem_lb, pt in bounded:
+        if bounds and memory_limit_bytes is not None and mem_lb > memory_limit_bytes:
+            counts["pruned_by_memory"] += 1
+            _reject(rejected, _family(pt), "memory: its lower bound is over the limit",
+                    mem_lb - memory_limit_bytes)
+            least_over = mem_lb if least_over is None else min(least_over, mem_lb)
+            continue
+        if bounds and step_lb > best * (1 + 1e-9) and len(priced) >= top:
+            counts["pruned_by_time"] += 1
+            continue
+        if bounds and _lightest_sibling_misses(search, pt, shardings, arrays, sibling_fits):
+            counts["infeasible"] += 1
+            _reject(rejected, _family(pt), "memory: no split fits the limit, even with the lightest sharding")
+            continue
+        counts["priced"] += 1
+        cand = _price_point(search, pt, arrays, step_lb)
+        if not cand.feasible:
+            counts["infeasible"] += 1
+            over = (cand.peak_memory_bytes or math.inf) - (memory_limit_bytes or 0.0)
+            _reject(rejected, _family(pt), "memory: no split fits the limit", over)
+            need = cand.peak_memory_bytes
+            if need is not None:
+                least_over = need if least_over is None else min(least_over, need)
+            if need is not None and math.isfinite(need):
+                over_limit.append(cand)
+            continue
+        priced.append(cand)
+        priced.sort(key=lambda c: (c.step_s, _order_key(_point_of(c))))
+        if len(priced) >= top:
+            best = priced[top - 1].step_s
+    if not priced:
+        raise _none_fits(search, bounded, arrays, counts["grid"])
+    layout = _finish(search, priced, rejected, counts, top, arrays, L)
+    return replace(layout, over_limit=tuple(over_limit))
+
+
+def _none_fits(search: _Search, bounded: list[tuple[float, float, _Point]],
+               arrays: dict[tuple[int, int, int], LayerArrays], grid: int) -> InfeasiblePlanError:
+    """Why no candidate fits: the candidate with the lowest memory bound and the limit its best split needs
+    (the solver's exact figure), and whether one sequence's activations alone overflow a device (then only
+    context parallelism, which stageplan does not model, would fit it)."""
+    limit = float(search.memory_limit_bytes or 0.0)
+    _, _, pt = min(bounded, key=lambda x: (x[1], _order_key(x[2])))
+    prep = search.profiles[(pt.b, pt.t)]
+    arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+    opts = search.options(pt, prep.profile)
+    inp = solver_inputs(arr, opts)
+    needed = None
+    try:
+        sol = solve(inp["costs"], opts.num_chunks, memory_bytes=inp["memory_bytes"],
+                    memory_start_bytes=inp["memory_start_bytes"], memory_end_bytes=inp["memory_end_bytes"],
+                    memory_limit_bytes=limit)
+        # the chunks fit one by one, and a rank of several chunks, or zero1's partition, does not
+        needed = max(_rank_memory(search, prep.profile, arr, sol.boundaries, opts)[0])
+    except InfeasiblePlanError as exc:
+        needed = exc.min_memory_limit_bytes
+    closest = f"{_family(pt)} b{pt.b} {pt.schedule}"
+    need = f"; the closest, {closest}, needs {format_bytes(needed)}" if needed else ""
+    smallest_b = min(b for (b, t) in search.profiles if t == pt.t)
+    widest = max(t for (_, t) in search.profiles)
+    act = float(max(x.activation_bytes for x in search.profiles[(smallest_b, widest)].profile.layers))
+    context = (f"; one block's activations for one microbatch at tp {widest} alone take {format_bytes(act)}: "
+               "the sequence does not fit without context parallelism, which stageplan does not model"
+               if act > limit else "")
+    return InfeasiblePlanError(
+        f"no layout of {search.num_devices} devices fits {format_bytes(limit)} per device ({grid} candidates)"
+        f"{need}{context}; raise --memory-limit, add --devices, or allow --sharding fsdp and --recompute "
+        f"full",
+        min_memory_limit_bytes=needed)
+
+
+def _lightest_sibling_misses(
+    search: _Search,
+    pt: _Point,
+    shardings: Sequence[str],
+    arrays: dict[tuple[int, int, int], LayerArrays],
+    cache: dict[_Point, bool],
+) -> bool:
+    """Whether the same candidate with the sharding that holds the fewest bytes per parameter (its memory rows
+    are below this one's, layer by layer) has no split that fits: then this one has none either. Memoised, so
+    a family of shardings costs one feasibility probe."""
+    if search.memory_limit_bytes is None or pt.d == 1:
+        return False
+    light = min(shardings, key=lambda sh: (bytes_per_param(search.precision, search.optimizer, sh, pt.d,
+                                                           search.grad_dtype).total, SHARDINGS.index(sh)))
+    if light == pt.sharding:
+        return False
+    sibling = replace(pt, sharding=light)
+    if sibling not in cache:
+        prep = search.profiles[(pt.b, pt.t)]
+        arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+        opts = search.options(sibling, prep.profile)
+        inp = solver_inputs(arr, opts)
+        limits = inp["limits"]
+        if opts.virtual_stages > 1:
+            limits = limits[np.asarray(opts.shape.stage_ranks)]
+        cache[sibling] = fits_memory(len(arr.forward_s), opts.num_chunks, memory_bytes=inp["memory_bytes"],
+                                     memory_start_bytes=inp["memory_start_bytes"],
+                                     memory_end_bytes=inp["memory_end_bytes"], memory_limit_bytes=limits)
+    return not cache[sibling]
+
+
+def _order_key(pt: _Point) -> tuple[Any, ...]:
+    """Deterministic tie order between candidates of equal step: fewer pipeline stages, less tensor
+    parallelism, larger microbatches, no recompute, the simpler schedule and sharding first."""
+    return (pt.p, pt.t, -pt.b, pt.recompute, LAYOUT_SCHEDULES.index(pt.schedule), pt.v,
+            SHARDINGS.index(pt.sharding))
+
+
+def _family(pt: _Point) -> str:
+    return (f"tp{pt.t} pp{pt.p} dp{pt.d} {pt.sharding}{' recompute' if pt.recompute else ''}")
+
+
+def _price_point(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int], LayerArrays],
+                 step_lb: float) -> Candidate:
+    prep = search.profiles[(pt.b, pt.t)]
+    arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+    opts = search.options(pt, prep.profile)
+    limit = search.memory_limit_bytes
+
+    def fits(boundaries: tuple[int, ...], rows: np.ndarray, start: np.ndarray | None, end: np.ndarray | None
+             ) -> bool:
+        if limit is None:
+            return True
+        # each chunk at its own peak, summed per rank: an upper bound on the rank's peak (exact for one chunk
+        # a rank); only where it is over does the exact count over torch's order run
+        upper = np.zeros(opts.num_ranks)
+        for s in range(len(boundaries) - 1):
+            i, j = boundaries[s], boundaries[s + 1]
+            upper[opts.shape.stage_ranks[s]] += (rows[s, i:j].sum()
+                                                 + (start[s, i] if start is not None else 0)
+                                                 + (end[j - 1] if end is not None else 0))
+        extra, _ = _zero1_extra(prep.profile, boundaries, opts)
+        if (upper + np.asarray(extra)).max() <= limit:
+            return True
+        return max(_rank_memory(search, prep.profile, arr, boundaries, opts)[0]) <= limit
+
+    try:
+        boundaries = _split(arr, opts, search.free_splits, fits)
+    except InfeasiblePlanError as exc:
+        need = getattr(exc, "min_memory_limit_bytes", None)
+        return _candidate(search, pt, prep, None, math.inf, step_lb,
+                          [need if need is not None else math.inf], {}, {})
+    return price(search, pt, prep, arr, opts, boundaries, step_lb)
+
+
+def _finish(
+    search: _Search,
+    priced: list[Candidate],
+    rejected: dict[str, dict[str, Any]],
+    counts: dict[str, int],
+    top: int,
+    arrays: dict[tuple[int, int, int], LayerArrays],
+    L: int,
+) -> Layout:
+    """Simulate the best ``top`` over torch's order, rank them by the simulated step, and make the best's
+    Plan (the exact split with its tie-break, as ``plan`` makes it)."""
+    finalists = []
+    for c in priced[:top]:
+        pt = _point_of(c)
+        prep = search.profiles[(pt.b, pt.t)]
+        arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+        opts = search.options(pt, prep.profile)
+        assert c.boundaries is not None
+        ev = evaluate(arr, c.boundaries, opts)
+        tps, mfu, hfu = _rates(search, prep, pt, ev.predicted_step_s)
+        finalists.append(replace(c, simulated_step_s=ev.predicted_step_s, tokens_per_s_per_device=tps,
+                                 mfu=mfu, hfu=hfu))
+    finalists.sort(key=lambda c: (c.step_s, _order_key(_point_of(c))))
+    best = finalists[0]
+    pt = _point_of(best)
+    prep = search.profiles[(pt.b, pt.t)]
+    arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+    opts = search.options(pt, prep.profile)
+    meta = {"microbatch_size": pt.b, "tensor_parallel": pt.t}
+    plan = make_plan(prep.profile, arr, opts, "optimal", meta) if pt.v == 1 else None
+    if plan is None or plan.predicted_step_s > best.step_s * (1 + 1e-12):
+        # interleaved: the MILP balances the ranks' loads, which the simulated step need not follow; keep the
+        # split the search simulated where it is faster
+        plan = make_plan(prep.profile, arr, opts, "layout", meta, given=best.boundaries)
+    memory, by_kind = _rank_memory(search, prep.profile, arr, plan.boundaries, opts)
+    tps, mfu, hfu = _rates(search, prep, pt, plan.predicted_step_s)
+    best = replace(best, boundaries=plan.boundaries, simulated_step_s=plan.predicted_step_s,
+                   tokens_per_s_per_device=tps, mfu=mfu, hfu=hfu,
+                   peak_memory_bytes=max(memory), memory_bytes=by_kind[int(np.argmax(memory))],
+                   rank_memory_bytes=tuple(memory))
+    finalists[0] = best
+    ranked = tuple(finalists) + tuple(priced[top:])
+    notes = []
+    if best.scaled_from_microbatch_size is not None:
+        notes.append(f"the best candidate's profile is scaled from microbatch size "
+                     f"{best.scaled_from_microbatch_size} to {best.microbatch_size}: profile at that size to "
+                     "confirm")
+    _, zero1_note = _zero1_extra(prep.profile, plan.boundaries, opts)
+    if zero1_note:
+        notes.append(zero1_note)
+    options = {"precision": search.precision, "grad_dtype": search.grad_dtype, "optimizer": search.optimizer,
+               "devices_per_node": search.network.devices_per_node,
+               "intra_node_bytes_per_s": search.network.intra_node_bytes_per_s,
+               "inter_node_bytes_per_s": search.network.inter_node_bytes_per_s,
+               "latency_s": search.network.latency_s, "layers": L}
+    return Layout(search.num_devices, search.network.devices_per_node, search.global_batch_size,
+                  search.memory_limit_bytes, ranked,
+                  tuple(sorted(rejected.values(), key=lambda r: r["family"])),
+                  counts, options, plan, None, tuple(notes))
+
+
+def _prepared(profiles: Mapping[tuple[int, int], Profile], network: Network, tensor_parallel: Sequence[int],
+              microbatch_sizes: Sequence[int], sequence_parallel: bool) -> dict[tuple[int, int], _Prepared]:
+    """Each (b, t) of the grid with a profile: its own, or
+    the nearest measured b at that t scaled linearly."""
+    out: dict[tuple[int, int], _Prepared] = {}
+    lengths = {len(p) for p in profiles.values()}
+    if len(lengths) > 1:
+        raise StageplanError(f"the profiles have different layer counts ({sorted(lengths)}); give profiles "
+                             "of one model, one per microbatch size and tensor degree")
+    for t in tensor_parallel:
+        have = sorted(b for (b, tt) in profiles if tt == t)
+        if not have:
+            continue
+        for b in microbatch_sizes:
+            if (b, t) in profiles:
+                prof, scaled = profiles[(b, t)], None
+            else:
+                src = max([x for x in have if x <= b], default=have[0])
+                prof, scaled = scale_profile(profiles[(src, t)], b), src
+            out[(b, t)] = prepare_profile(prof, t, network, sequence_parallel=sequence_parallel,
+                                          scaled_from=scaled)
+    if not out:
+        raise StageplanError(f"no profile for tensor-parallel degrees {list(tensor_parallel)}; give a "
+                             "profile per degree, or --tensor-parallel 1 for a profile of the whole model")
+    return out
+
+
+def _check(
+    num_devices: object,
+    global_batch_size: object,
+    network: Network,
+    precision: str,
+    grad_dtype: str,
+    optimizer: str,
+    tensor_parallel: Sequence[int],
+    microbatch_sizes: Sequence[int],
+    schedules: Sequence[str],
+    shardings: Sequence[str],
+    top: object,
+    memory_limit: float | None,
+) -> None:
+    for name, value in (("the device count", num_devices), ("the global batch size", global_batch_size),
+                        ("devices per node", network.devices_per_node), ("--top", top)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise StageplanError(f"{name} must be an integer >= 1, got {value!r}")
+    for what, values in (("tensor-parallel degree", tensor_parallel), ("microbatch size", microbatch_sizes)):
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad or not values:
+            raise StageplanError(f"each {what} must be an integer >= 1, got {list(values)!r}")
+    over = [t for t in tensor_parallel if t > network.devices_per_node]
+    if over:
+        raise StageplanError(
+            f"tensor parallelism stays within a node: t = {over[0]} exceeds the "
+            f"{network.devices_per_node} devices per node; use --tensor-parallel "
+            f"{','.join(str(t) for t in tensor_parallel if t <= network.devices_per_node) or 1}"
+        )
+    if not any(num_devices % t == 0 for t in tensor_parallel):  # type: ignore[operator]
+        raise StageplanError(f"{num_devices} devices is not a multiple of any tensor-parallel degree "
+                             f"{list(tensor_parallel)}; use a device count they divide")
+    if precision not in PRECISIONS:
+        raise StageplanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    for sh in shardings:
+        check_sharding(sh, grad_dtype)
+    for s in schedules:
+        if normalize_schedule(s) not in LAYOUT_SCHEDULES:
+            raise StageplanError(f"the layout search prices {', '.join(LAYOUT_SCHEDULES)}, got {s!r}; plan a "
+                                 "zero-bubble schedule for one layout with stageplan plan --schedule")
+    for bw in (network.intra_node_bytes_per_s, network.inter_node_bytes_per_s):
+        if not (math.isfinite(bw) and bw > 0):
+            raise StageplanError(f"bandwidths must be positive bytes/s, got {bw!r}; e.g. "
+                                 "--inter-node-bandwidth 50GB/s")
+    if memory_limit is not None and not (math.isfinite(memory_limit) and memory_limit > 0):
+        raise StageplanError(f"memory limit must be a positive number of bytes, got {memory_limit!r}; e.g. "
+                             "--memory-limit 80GiB")
+
+
+def score_given(
+    profiles: Mapping[tuple[int, int], Profile], num_devices: int, *, global_batch_size: int,
+    network: Network,
+    memory_limit_bytes: float | None, precision: str, grad_dtype: str, optimizer: str, t: int, p: int, d: int,
+    b: int, schedule: str, v: int, recompute: bool, sharding: str, sequence_parallel: bool = False,
+    boundaries: Sequence[int] | None = None,
+) -> Candidate:
+    """Price one layout the user already runs, as the search prices its candidates (its own split where
+    ``boundaries`` gives one, else the exact split), and simulate it."""
+    check_sharding(sharding, grad_dtype)
+    if (b, t) not in {(bb, tt) for (bb, tt) in profiles} and not any(tt == t for (_, tt) in profiles):
+        raise StageplanError(f"no profile at tensor-parallel degree {t} for the given layout; profile the "
+                             "t-way shard (stageplan layout MODEL --device estimate:GPU makes them)")
+    prepared = _prepared(profiles, network, [t], [b], sequence_parallel)
+    search = _Search(prepared, num_devices, global_batch_size, network, memory_limit_bytes, precision,
+                     grad_dtype, optimizer, sequence_parallel)
+    m = global_batch_size // (b * d)
+    name = normalize_schedule(schedule)
+    check_microbatches(name, p, m, v)
+    pt = _Point(t, p, d, b, m, name, v, recompute, sharding)
+    prep = prepared[(b, t)]
+    arr = LayerArrays.of(prep.profile, m)
+    opts = search.options(pt, prep.profile)
+    if boundaries is None:
+        step_lb = lower_bounds(arr, pt, bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total)[
+            0
+        ]
+        cand = _price_point(search, pt, {(b, t, m): arr}, step_lb)
+        if cand.boundaries is None:
+            return cand
+        boundaries = cand.boundaries
+    bounds = tuple(int(x) for x in boundaries)
+    L = len(arr.forward_s)
+    if len(bounds) != opts.num_chunks + 1 or bounds[0] != 0 or bounds[-1] != L or any(
+            x >= y for x, y in zip(bounds, bounds[1:])):
+        raise StageplanError(f"the given split has {len(bounds) - 1} stages for pp {p} x vp {v} = "
+                             f"{opts.num_chunks} chunks over {L} layers; give a layout with "
+                             f"{opts.num_chunks} "
+                             "stages")
+    step_lb = lower_bounds(arr, pt, bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total)[0]
+    cand = price(search, pt, prep, arr, opts, bounds, step_lb)
+    ev = evaluate(arr, bounds, opts)
+    tps, mfu, hfu = _rates(search, prep, pt, ev.predicted_step_s)
+    return replace(cand, simulated_step_s=ev.predicted_step_s, tokens_per_s_per_device=tps, mfu=mfu, hfu=hfu)
+
+
+__all__ = [
+    "Network",
+    "lower_bounds",
+    "model_flops_per_token",
+    "prepare_profile",
+    "scale_profile",
+    "score_given",
+    "search_layouts",
+]

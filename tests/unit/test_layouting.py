@@ -1,0 +1,129 @@
+"""stageplan.layout and `stageplan layout` from stored profiles: the search, the user's own layout scored
+beside it, the exports, `show`, and bad input in one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stageplan.cli import main
+from stageplan.errors import StageplanError
+from stageplan.formats.layout import Layout
+from stageplan.layouting import layout, parse_given
+from unit.test_layouts import lm_profile
+
+LINKS = ["--intra-node-bandwidth", "100GB/s", "--inter-node-bandwidth", "10GB/s", "--devices-per-node", "4"]
+
+
+@pytest.fixture
+def profile_path(tmp_path: Path) -> str:
+    path = tmp_path / "profile.json"
+    lm_profile().save(path)
+    return str(path)
+
+
+def test_api_lays_out_stored_profiles_and_scores_a_given_layout(profile_path: str) -> None:
+    lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=4, intra_node_bandwidth="100GB/s",
+                 inter_node_bandwidth="10GB/s", memory_limit="6GiB", microbatch_sizes=[1],
+                 given="tp=1,pp=4,dp=2,mbs=1,sharding=zero1,layout=Et*3|t*3|t*3|t*3L")
+    assert lay.best.feasible and lay.plan is not None
+    given = lay.given
+    assert given is not None
+    assert (given.pipeline_parallel, given.data_parallel, given.sharding) == (4, 2, "zero1")
+    assert given.boundaries == (0, 4, 7, 10, 14)
+    assert given.step_s >= lay.best.step_s * (1 - 1e-12)  # the best is at least as fast as any layout
+
+
+def test_parse_given_reads_megatron_names_and_the_layout_last() -> None:
+    assert parse_given("tp=2,pp=4,dp=1,mbs=2,vp=3,sp=1,recompute=full,layout=E,t*2|t*2,L") == {
+        "layout": "E,t*2|t*2,L", "t": 2, "p": 4, "d": 1, "b": 2, "v": 3, "sp": True, "recompute": True}
+    with pytest.raises(StageplanError, match=r"--given takes key=value pairs among .*, got 'ep=2'"):
+        parse_given("tp=2,ep=2")
+
+
+def test_given_degrees_must_multiply_to_the_devices(profile_path: str) -> None:
+    with pytest.raises(StageplanError, match=r"--given's degrees multiply to 4 x 4 x 1 = 16, not the 8 "
+                                             r"devices; give tp, pp and dp whose product is 8"):
+        layout(profile_path, 8, global_batch_size=16, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10,
+               microbatch_sizes=[1], given="pp=4,dp=4")
+    with pytest.raises(StageplanError, match=r"--given's b x dp = 2 x 4 does not divide the global batch 12"):
+        layout(profile_path, 8, global_batch_size=12, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10,
+               microbatch_sizes=[1], given="pp=2,dp=4,mbs=2")
+
+
+def test_context_parallelism_and_unpriced_links_are_refused(profile_path: str) -> None:
+    with pytest.raises(StageplanError, match=r"context parallelism \(cp = 2\) is not modelled"):
+        layout(profile_path, 8, global_batch_size=16, context_parallel=2)
+    with pytest.raises(StageplanError, match=r"a layout prices its links: give --intra-node-bandwidth and "
+                                             r"--inter-node-bandwidth"):
+        layout(profile_path, 8, global_batch_size=16)
+
+
+def test_cli_layout_writes_a_layout_that_show_reads_and_plots(profile_path: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "layout.json"
+    rc = main(["layout", profile_path, "--devices", "8", "--global-batch-size", "16", "--memory-limit",
+               "6GiB", "--microbatch-sizes", "1,2", "--quiet", "-o", str(out), *LINKS])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "layouts of 8 devices (4 a node, 6 GiB each), global batch 16" in text
+    assert "searched " in text and "priced " in text
+    data = json.loads(out.read_text())
+    assert data["schema"] == "stageplan.layout/1"
+    best = Layout.load(out).best
+    assert best.pipeline_parallel * best.data_parallel * best.tensor_parallel == 8
+    assert best.microbatch_size * best.num_microbatches * best.data_parallel == 16
+    assert main(["show", str(out), "--plot", str(tmp_path / "layout.png")]) == 0
+    shown = capsys.readouterr().out
+    assert f"best {best.degrees}" in shown
+    assert (tmp_path / "layout.png").stat().st_size > 10_000
+
+
+def test_cli_exports_the_best_layout_or_refuses_in_one_line(profile_path: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["layout", profile_path, "--devices", "8", "--global-batch-size", "16", "--microbatch-sizes", "1",
+            "--quiet", *LINKS]
+    assert main([*args, "--sharding", "zero1", "--pipeline-parallel", "4", "--export", "megatron"]) == 0
+    out = capsys.readouterr().out
+    assert "--pipeline-model-parallel-size 4" in out and "--use-distributed-optimizer" in out
+    assert "--global-batch-size 16" in out and '--pipeline-model-parallel-layout "E' in out
+    assert main([*args, "--sharding", "zero1", "--pipeline-parallel", "4", "--export", "torchtitan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torchtitan has no zero1" in err
+    assert main([*args, "--sharding", "fsdp", "--pipeline-parallel", "4", "--schedule", "1F1B",
+                 "--export", "torchtitan"]) == 0
+    toml = capsys.readouterr().out
+    assert "data_parallel_shard_degree = 2" in toml and "pipeline_parallel_degree = 4" in toml
+    assert main([*args, "--sharding", "fsdp", "--pipeline-parallel", "4", "--export", "deepspeed"]) == 2
+    assert "DeepSpeed's pipeline engine refuses ZeRO stage 2 and 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--context-parallel", "2"], "context parallelism (cp = 2) is not modelled"),
+    (["--tensor-parallel", "8"],
+     "tensor parallelism stays within a node: t = 8 exceeds the 4 devices per node"),
+    (["--recompute", "some"], "--recompute takes none, full or none,full"),
+    (["--memory-limit", "100MiB"], "no layout of 8 devices fits 100.00 MiB per device"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(profile_path: str, capsys: pytest.CaptureFixture[str],
+                                              extra: list[str], message: str) -> None:
+    rc = main(
+        ["layout", profile_path, "--devices", "8", "--global-batch-size", "16", "--quiet", *LINKS, *extra])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_run_takes_a_layouts_plan_and_refuses_replicas(profile_path: str, tmp_path: Path) -> None:
+    from stageplan.running.launch import run
+
+    lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=4, intra_node_bandwidth=1e11,
+                 inter_node_bandwidth=1e10, microbatch_sizes=[1], pipeline_parallel=[4], shardings=["ddp"])
+    path = tmp_path / "layout.json"
+    lay.save(path)
+    with pytest.raises(StageplanError, match=r"this plan lays the model out with 2 data-parallel replicas "
+                                             r"and 1-way tensor parallelism, and stageplan run trains one "
+                                             r"pipeline"):
+        run("gpt", path)

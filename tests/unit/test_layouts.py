@@ -1,0 +1,217 @@
+"""The layout search: exact inside (d = t = 1 is today's plan), the same best with and without its bounds,
+valid bounds, the embedding on the first stage whole, zero1's partition, refusals in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from stageplan.errors import InfeasiblePlanError, StageplanError
+from stageplan.formats.layout import Candidate, Layout
+from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.planning.layouts import Network, lower_bounds, prepare_profile, scale_profile, search_layouts
+from stageplan.planning.planner import plan
+from stageplan.planning.sharding import bytes_per_param
+
+NET = Network(devices_per_node=4, intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9)
+GiB = 1024.0**3
+
+
+def lm_profile(blocks: int = 12, *, b: int = 1, vocab_params: int = 50_000_000,
+               block_params: int = 20_000_000,
+               act: int = 400_000_000, hidden: int = 1024, seq: int = 2048) -> Profile:
+    """A decoder's profile at microbatch size b: an embedding, identical blocks (one heavier in the middle), a
+    head; times in seconds, memory in bytes, the model's shape for tensor parallelism and MFU."""
+    out = b * seq * hidden * 2
+    layers = [LayerProfile("embed", 0.001 * b, 0.001 * b, 0, out, 2 * vocab_params, vocab_params)]
+    for i in range(blocks):
+        heavy = 1.5 if i == blocks // 2 else 1.0
+        layers.append(LayerProfile(f"layers.{i}", 0.01 * b * heavy, 0.02 * b * heavy, act * b, out,
+                                   2 * block_params, block_params))
+    layers.append(LayerProfile("head", 0.008 * b, 0.016 * b, 3 * act * b, 0, 2 * vocab_params, vocab_params))
+    params = 2 * vocab_params + blocks * block_params
+    meta = {"microbatch_size": b, "named_layers": [f"layers.{i}" for i in range(blocks)],
+            "layout_model": {"params": params, "num_layers": blocks, "hidden_size": hidden, "seq_len": seq,
+                             "activation_element_bytes": 2},
+            "param_tensors": [[vocab_params]] + [[block_params // 4] * 4] * blocks + [[vocab_params]]}
+    return Profile(tuple(layers), meta)
+
+
+def search(n: int = 8, batch: int = 16, **kw: object) -> Layout:
+    kw.setdefault("tensor_parallel", [1])
+    kw.setdefault("microbatch_sizes", [1, 2])
+    return search_layouts({(1, 1): lm_profile(), (2, 1): lm_profile(b=2)}, n, global_batch_size=batch,
+                          network=NET, **kw)  # type: ignore[arg-type]
+
+
+def test_one_pipeline_of_fixed_depth_is_todays_plan_exactly() -> None:
+    prof = lm_profile()
+    for p, m in ((4, 8), (2, 4), (7, 14)):
+        lay = search_layouts({(1, 1): prof}, p, global_batch_size=m, network=NET, tensor_parallel=[1],
+                             pipeline_parallel=[p], microbatch_sizes=[1], schedules=["1F1B"],
+                             recompute=[False], shardings=["ddp"])
+        best = lay.best
+        assert (best.pipeline_parallel, best.data_parallel, best.num_microbatches) == (p, 1, m)
+        bandwidth = NET.inter_node_bytes_per_s if p > NET.devices_per_node else NET.intra_node_bytes_per_s
+        ref = plan(prof, p, num_microbatches=m, bandwidth=bandwidth, precision="bf16-mixed")
+        assert lay.plan is not None
+        assert lay.plan.boundaries == ref.boundaries
+        assert lay.plan.predicted_step_s == pytest.approx(ref.predicted_step_s, rel=1e-12)
+        assert best.simulated_step_s == pytest.approx(ref.predicted_step_s, rel=1e-12)
+        assert lay.plan.rank_memory_bytes == pytest.approx(ref.rank_memory_bytes, rel=1e-12)
+
+
+@pytest.mark.parametrize("limit", [None, 6 * GiB, 3.2 * GiB])
+def test_bounds_prune_but_never_change_the_best(limit: float | None) -> None:
+    kw = {"memory_limit_bytes": limit, "microbatch_sizes": [1, 2], "top": 3}
+    pruned, full = search(**kw), search(bounds=False, **kw)
+    assert pruned.best.degrees == full.best.degrees
+    assert pruned.best.step_s == full.best.step_s
+    assert [c.degrees for c in pruned.candidates[:3]] == [c.degrees for c in full.candidates[:3]]
+    assert full.counts["pruned_by_time"] == full.counts["pruned_by_memory"] == 0
+    assert full.counts["priced"] == full.counts["grid"]
+    assert pruned.counts["priced"] < full.counts["priced"]
+
+
+def test_every_priced_step_is_at_least_its_bound() -> None:
+    lay = search(bounds=False, top=1000)
+    assert len(lay.candidates) > 50
+    for c in lay.candidates:
+        assert c.predicted_step_s is not None and c.lower_bound_step_s is not None
+        assert c.predicted_step_s >= c.lower_bound_step_s * (1 - 1e-12), c.degrees
+
+
+def test_memory_bound_is_below_every_split_brute_force() -> None:
+    """For each candidate of a small grid, the memory bound is at most the least fullest-device memory over
+    every split (enumerated)."""
+    import itertools
+
+    from stageplan.planning.costs import LayerArrays
+    from stageplan.planning.layouts import _Point
+
+    prof = lm_profile(blocks=5)
+    L = len(prof)
+    for sched, rc, p, m in itertools.product(["GPipe", "1F1B"], [False, True], [2, 3], [3, 6]):
+        pt = _Point(1, p, 1, 1, m, sched, 1, rc, "ddp")
+        arr = LayerArrays.of(prof, m)
+        per = bytes_per_param("bf16-mixed", "adam").total
+        _, bound = lower_bounds(arr, pt, per)
+        best = min(_fullest(prof, (0, *cut, L), pt) for cut in itertools.combinations(range(1, L), p - 1))
+        assert bound <= best * (1 + 1e-12), (sched, rc, p, m)
+
+
+def _fullest(prof: Profile, bounds: tuple[int, ...], pt: object) -> float:
+    from stageplan.planning.costs import evaluate, make_options
+
+    opts = make_options(prof, pt.p, num_microbatches=pt.m, schedule=pt.schedule,  # type: ignore[attr-defined]
+                        recompute=pt.recompute, precision="bf16-mixed")  # type: ignore[attr-defined]
+    from stageplan.planning.costs import LayerArrays
+
+    return max(evaluate(LayerArrays.of(prof, pt.m), bounds, opts).rank_memory_bytes)  # type: ignore[attr-defined]
+
+
+def test_the_first_stage_holds_the_whole_embedding() -> None:
+    """NeMo's pre-filter divides the embedding by p; the first stage holds all of it (with its blocks)."""
+    prof = lm_profile(vocab_params=400_000_000)
+    lay = search_layouts({(1, 1): prof}, 4, global_batch_size=8, network=NET, tensor_parallel=[1],
+                         pipeline_parallel=[4], microbatch_sizes=[1], schedules=["1F1B"], recompute=[False],
+                         shardings=["ddp"])
+    assert lay.plan is not None
+    first = lay.plan.stages[0]
+    count = sum(prof.layers[i].param_count for i in range(first.first_layer, first.end_layer))
+    assert first.memory["params"] == pytest.approx(2.0 * count)  # bf16 weights of exactly its own layers
+    assert first.memory["optimizer"] == pytest.approx(8.0 * count)
+    total = sum(x.param_count for x in prof.layers)
+    divided = 16.0 * total / 4  # every stage's static memory if the embedding were spread over p
+    assert first.memory["params"] + first.memory["grads"] + first.memory["master"] + first.memory[
+        "optimizer"] != pytest.approx(divided, rel=0.05)
+
+
+def test_zero1_counts_the_fullest_replica_of_whole_tensors() -> None:
+    prof = lm_profile(vocab_params=400_000_000)
+    lay = search_layouts({(1, 1): prof}, 8, global_batch_size=16, network=NET, tensor_parallel=[1],
+                         pipeline_parallel=[2], microbatch_sizes=[1], schedules=["1F1B"], recompute=[False],
+                         shardings=["zero1"])
+    best = lay.best
+    assert (best.pipeline_parallel, best.data_parallel, best.sharding) == (2, 4, "zero1")
+    assert lay.plan is not None
+    # rank 0 holds the embedding tensor (400 M) and its blocks' 5 M tensors: the embedding alone is one
+    # replica's load, against a 1/4 average
+    first = lay.plan.stages[0]
+    numels = [400_000_000] + [5_000_000] * 4 * (first.end_layer - 1)
+    extra = (max(400_000_000, sum(numels) / 4) - sum(numels) / 4) * 12  # master 4 + Adam 8 bytes, owned
+    assert best.rank_memory_bytes[0] - lay.plan.rank_memory_bytes[0] == pytest.approx(extra, rel=1e-9)
+
+
+def test_tensor_parallelism_adds_its_all_reduces_to_the_blocks_only() -> None:
+    prof = lm_profile()
+    prep = prepare_profile(prof, 4, NET)
+    tokens_bytes = 1 * 2048 * 1024 * 2
+    one = 2 * 3 / 4 * tokens_bytes / NET.intra_node_bytes_per_s
+    assert prep.profile.layers[0].forward_s == prof.layers[0].forward_s  # the embedding
+    assert prep.profile.layers[1].forward_s == pytest.approx(prof.layers[1].forward_s + 2 * one)
+    assert prep.profile.layers[1].backward_s == pytest.approx(prof.layers[1].backward_s + 2 * one)
+    sp = prepare_profile(prof, 4, NET, sequence_parallel=True)
+    assert sp.profile.layers[1].output_bytes == prof.layers[1].output_bytes // 4
+    assert sp.profile.layers[1].activation_bytes == prof.layers[1].activation_bytes - 3 / 4 * 4 * tokens_bytes
+    bare = Profile(prof.layers, {"microbatch_size": 1})
+    with pytest.raises(StageplanError, match=r"tensor parallelism \(t = 2\) needs a profile of the t-way "
+                                             r"shard with the model's shape"):
+        prepare_profile(bare, 2, NET)
+
+
+def test_a_microbatch_size_without_its_profile_is_scaled_and_labelled() -> None:
+    prof = lm_profile()
+    scaled = scale_profile(prof, 4)
+    assert scaled.layers[1].forward_s == pytest.approx(4 * prof.layers[1].forward_s)
+    assert scaled.layers[1].activation_bytes == 4 * prof.layers[1].activation_bytes
+    lay = search_layouts({(1, 1): prof}, 4, global_batch_size=16, network=NET, tensor_parallel=[1],
+                         microbatch_sizes=[4], top=2)
+    assert lay.best.scaled_from_microbatch_size == 1
+    assert any("scaled from microbatch size 1 to 4" in n for n in lay.notes)
+
+
+def test_same_input_same_answer() -> None:
+    a, b = search(memory_limit_bytes=6 * GiB), search(memory_limit_bytes=6 * GiB)
+    assert a.to_json() == b.to_json()
+
+
+def test_layout_round_trips_through_json(tmp_path: object) -> None:
+    lay = search(memory_limit_bytes=6 * GiB, top=3)
+    path = f"{tmp_path}/layout.json"
+    lay.save(path)
+    back = Layout.load(path)
+    assert back.to_json() == lay.to_json()
+    assert isinstance(back.best, Candidate) and back.plan is not None
+    assert back.plan.boundaries == lay.plan.boundaries  # type: ignore[union-attr]
+
+
+def test_refusals_name_the_rule_and_the_remedy() -> None:
+    with pytest.raises(StageplanError, match=r"tensor parallelism stays within a node: t = 8 exceeds the 4 "
+                                             r"devices per node; use --tensor-parallel 1,2"):
+        search(tensor_parallel=[1, 2, 8])
+    with pytest.raises(StageplanError, match=r"no layout of 8 devices fits the grid: .*the global batch 3 is "
+                                             r"not a multiple of b x dp"):
+        search(batch=3, microbatch_sizes=[2], pipeline_parallel=[1, 2, 4])
+    with pytest.raises(StageplanError, match=r"the layout search prices GPipe, 1F1B, Interleaved1F1B, got "
+                                             r"'ZBVZeroBubble'"):
+        search(schedules=["ZBVZeroBubble"])
+    with pytest.raises(InfeasiblePlanError, match=r"no layout of 8 devices fits 512.00 MiB per device .*the "
+                                                  r"closest, .* needs .*; raise --memory-limit"):
+        search(memory_limit_bytes=512 * 1024**2)
+    with pytest.raises(StageplanError, match=r"the device count must be an integer >= 1, got 0"):
+        search(n=0)
+
+
+def test_an_estimate_reports_mfu_from_the_palm_formula() -> None:
+    prof = lm_profile()
+    prof = Profile(prof.layers, {**prof.meta, "estimate": {"gpu": "h100-sxm"}, "timer": "analytic"})
+    lay = search_layouts({(1, 1): prof}, 4, global_batch_size=8, network=NET, tensor_parallel=[1],
+                         microbatch_sizes=[1], top=2)
+    best = lay.best
+    model = prof.meta["layout_model"]
+    flops = (
+        (6 * model["params"] + 12 * model["num_layers"] * model["hidden_size"] * model["seq_len"]) * 8 * 2048
+    )
+    assert best.mfu == pytest.approx(flops / (best.step_s * 4 * 989.5e12), rel=1e-9)
+    assert best.tokens_per_s_per_device == pytest.approx(8 * 2048 / best.step_s / 4, rel=1e-9)
+    assert best.hfu == best.mfu if not best.recompute else best.hfu > best.mfu  # type: ignore[operator]
