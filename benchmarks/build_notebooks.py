@@ -1,4 +1,4 @@
-"""Write the three notebooks (notebooks/*.ipynb) from their cells and execute them, so the committed
+"""Write the four notebooks (notebooks/*.ipynb) from their cells and execute them, so the committed
 copies carry small rendered outputs. Run: make notebooks. Tests re-execute the committed copies."""
 
 from __future__ import annotations
@@ -161,6 +161,41 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "print('boundaries', net_plan.boundaries, '| check passed:', net_report.check['passed'])\n"
                  "print(f'step: predicted {net_report.predicted_step_s*1e3:.1f} ms, measured "
                  "{net_report.measured_step_s*1e3:.1f} ms, '\n      f'ratio {net_report.step_ratio:.3f}')"),
+    ],
+    "04_layout_for_64_gpus": [
+        ("md", "# Choosing a layout for 64 GPUs\nLLaMA-3-70B at sequence 8192 in bf16-mixed with Adam, on 64 "
+               "H100 SXM (8 a node, 80 GiB each), 128 sequences a step. `stageplan.layout` estimates each "
+               "tensor-parallel shard for each microbatch size (analytic, on fake tensors: nothing runs, and "
+               "the figures are not yet checked against a GPU), searches pipeline x data x tensor degrees, "
+               "microbatching, schedule, recompute and sharding with the exact split inside, and scores the "
+               "published Megatron recipe (TP4, PP8, VP5, sequence parallel, its hand-written layout) beside "
+               "the best."),
+        ("code", SETUP + "\nfrom stageplan.report import layout_table\n"
+                 "RECIPE = "
+                 "'tp=4,pp=8,dp=2,mbs=1,sharding=zero1,vp=5,sp=1,layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL'"),
+        ("code", "lay = stageplan.layout('hf', 64, options={'preset': 'llama3-70b', 'seq_len': 8192}, "
+                 "device='estimate:h100-sxm',\n                      global_batch_size=128, "
+                 "memory_limit='80GiB', sequence_parallel=True, microbatch_sizes=[1, 2],\n"
+                 "                      given=RECIPE)\nprint(layout_table(lay, top=5))"),
+        ("md", "Every candidate priced, its predicted step against its fullest device: the ones over 80 GiB "
+               "are hollow, the chosen one is the star, the recipe the diamond."),
+        ("code", "ax = plots.plot_layouts(lay)\nplt.show()"),
+        ("md", "The best layout's memory per pipeline rank, by kind: the first and last stages carry the "
+               "embedding and the head whole."),
+        ("code", "ax = plots.plot_memory(lay.plan)\nplt.show()"),
+        ("md", "The best against the recipe, term by term (seconds per step, GiB on the fullest device), "
+               "with the ratio."),
+        ("code", "import pandas as pd\nbest, given = lay.best, lay.given\n"
+                 "rows = {k: (best.step_parts.get(k, 0.0), given.step_parts.get(k, 0.0)) for k in "
+                 "best.step_parts}\nrows['step_s'] = (best.step_s, given.step_s)\n"
+                 "rows['fullest device GiB'] = (best.peak_memory_bytes / 2**30, given.peak_memory_bytes / "
+                 "2**30)\nrows['MFU'] = (best.mfu, given.mfu)\n"
+                 "df = pd.DataFrame(rows, index=[best.degrees, given.degrees]).T\n"
+                 "df['recipe / best'] = df.iloc[:, 1] / df.iloc[:, 0]\ndf.round(3)"),
+        ("md", "The exports say where each goes; a tool that cannot run the layout refuses it in one line."),
+        ("code", "for kind in ('megatron', 'torchtitan', 'deepspeed'):\n    try:\n"
+                 "        print(f'--- {kind}\\n' + lay.export(kind))\n"
+                 "    except stageplan.StageplanError as exc:\n        print(f'--- {kind}: {exc}')"),
     ],
 }
 

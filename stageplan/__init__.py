@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 from stageplan._version import __version__
 from stageplan.calibration import calibrate
 from stageplan.errors import InfeasiblePlanError, PlanNote, RunError, StageplanError
+from stageplan.formats.layout import Layout
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import LayerProfile, Profile, merge_profiles
 from stageplan.formats.runreport import RunReport
+from stageplan.layouting import layout
 from stageplan.planning.costs import Device
 from stageplan.planning.planner import plan
 from stageplan.planning.schedules import simulate
@@ -34,6 +36,7 @@ __all__ = [
     "Device",
     "InfeasiblePlanError",
     "LayerProfile",
+    "Layout",
     "Plan",
     "PlanNote",
     "Profile",
@@ -44,6 +47,7 @@ __all__ = [
     "__version__",
     "build_pipeline",
     "calibrate",
+    "layout",
     "merge_profiles",
     "plan",
     "profile_in_processes",

@@ -10,6 +10,7 @@ from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
 from stageplan.formats.schedule import RESUME_GAP_S
+from stageplan.units import format_bytes
 
 MiB = 1024.0**2
 
@@ -377,15 +378,15 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
     rows = []
     for i, c in enumerate(shown, 1):
         parts = c.step_parts
-        rows.append([i, c.degrees, f"{c.step_s:.3f}", f"{(c.peak_memory_bytes or 0) / GiB:.1f}",
+        rows.append([i, c.degrees, f"{c.step_s:.3f}", format_bytes(c.peak_memory_bytes or 0.0),
                      figure(c.tokens_per_s_per_device, ".0f"), figure(c.mfu, ".1%"),
                      " ".join(f"{k.removesuffix('_s')} {parts.get(k, 0.0):.2f}" for k in STEP_PARTS
                               if parts.get(k, 0.0) > 0)])
     limit = "" if layout.memory_limit_bytes is None else f", {layout.memory_limit_bytes / GiB:.0f} GiB each"
     lines = [f"layouts of {layout.num_devices} devices ({layout.devices_per_node} a node{limit}), global "
              f"batch {layout.global_batch_size}",
-             format_table(["#", "layout", "step s", "GiB", "tok/s/dev", "MFU", "step parts (s)"], rows,
-                          right=[True, False, True, True, True, True, False])]
+             format_table(["#", "layout", "step s", "fullest device", "tok/s/dev", "MFU", "step parts (s)"],
+                          rows, right=[True, False, True, True, True, True, False])]
     counts = layout.counts
     margin = layout.margin
     lines.append(f"searched {counts.get('grid', 0)}: priced {counts.get('priced', 0)}, pruned by the step "
@@ -394,11 +395,11 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
                  + ("" if margin is None else f"; the best is {margin:.1%} faster than the runner-up"))
     for r in layout.rejected:
         over = r.get("least_over_bytes")
-        by = f" (by {over / GiB:.1f} GiB at least)" if isinstance(over, (int, float)) and over < 1e30 else ""
+        by = f" (by {format_bytes(over)} at least)" if isinstance(over, (int, float)) and over < 1e30 else ""
         lines.append(f"  rejected {r['count']} x {r['family']}: {r['why']}{by}")
     best = layout.best
-    lines.append(f"best {best.degrees}: fullest device {(best.peak_memory_bytes or 0) / GiB:.1f} GiB = "
-                 + ", ".join(f"{k} {v / GiB:.1f}" for k, v in best.memory_bytes.items() if v > 0)
+    lines.append(f"best {best.degrees}: fullest device {format_bytes(best.peak_memory_bytes or 0.0)} = "
+                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in best.memory_bytes.items() if v > 0)
                  + (f"; groups across nodes: {', '.join(best.spans_nodes)}" if best.spans_nodes else ""))
     if best.rank_memory_bytes:
         lines.append("  per pipeline rank (GiB): "
@@ -407,11 +408,18 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
         g = layout.given
         verdict = "fits" if g.feasible else f"does not fit: {g.reason}"
         lines.append(f"given {g.degrees}: step {g.step_s:.3f} s ({g.step_s / best.step_s:.3f}x the best), "
-                     f"fullest device {(g.peak_memory_bytes or 0) / GiB:.1f} GiB, {verdict}"
+                     f"fullest device {format_bytes(g.peak_memory_bytes or 0.0)}, {verdict}"
                      + (f", MFU {g.mfu:.1%}" if g.mfu is not None else ""))
         worst = max(STEP_PARTS, key=lambda k: g.step_parts.get(k, 0.0) - best.step_parts.get(k, 0.0))
         diff = g.step_parts.get(worst, 0.0) - best.step_parts.get(worst, 0.0)
         if diff > 0:
-            lines.append(f"  the term that differs most: {worst.removesuffix('_s')} +{diff:.3f} s")
+            lines.append(f"  the step's term that differs most from the best's: {worst.removesuffix('_s')} "
+                         f"+{diff:.3f} s")
+        kinds = set(g.memory_bytes) | set(best.memory_bytes)
+        heavier = max(kinds, key=lambda k: g.memory_bytes.get(k, 0.0) - best.memory_bytes.get(k, 0.0),
+                      default=None)
+        if heavier is not None and g.memory_bytes.get(heavier, 0.0) > best.memory_bytes.get(heavier, 0.0):
+            lines.append(f"  the memory kind that differs most: {heavier} "
+                         f"+{format_bytes(g.memory_bytes[heavier] - best.memory_bytes.get(heavier, 0.0))}")
     lines.extend(note_line(n) for n in layout.notes)
     return "\n".join(lines)

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_three_notebooks_are_committed() -> None:
+def test_four_notebooks_are_committed() -> None:
     assert [p.stem for p in NOTEBOOKS] == ["01_stage_balance", "02_schedules_and_bubbles",
-                                           "03_predicted_vs_measured"]
+                                           "03_predicted_vs_measured", "04_layout_for_64_gpus"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
