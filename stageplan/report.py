@@ -393,17 +393,29 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
                  f"bound {counts.get('pruned_by_time', 0)}, by the memory bound "
                  f"{counts.get('pruned_by_memory', 0)}, infeasible {counts.get('infeasible', 0)}"
                  + ("" if margin is None else f"; the best is {margin:.1%} faster than the runner-up"))
+    listed = {f"tp{c.tensor_parallel} pp{c.pipeline_parallel} dp{c.data_parallel}" for c in shown}
     for r in layout.rejected:
-        over = r.get("least_over_bytes")
-        by = f" (by {format_bytes(over)} at least)" if isinstance(over, (int, float)) and over < 1e30 else ""
-        lines.append(f"  rejected {r['count']} x {r['family']}: {r['why']}{by}")
+        if r["family"] in listed:
+            continue  # its best candidate is in the table
+        why = []
+        if r.get("memory"):
+            over = r.get("least_over_bytes")
+            why.append(f"{r['memory']} over the memory limit"
+                       + (f" (by {format_bytes(over)} at least)" if isinstance(over, (int, float)) else ""))
+        if r.get("time"):
+            bound = r.get("least_step_bound_s")
+            ratio = f" (step bound {bound / layout.best.step_s:.2f}x the best's step)" if bound else ""
+            why.append(f"{r['time']} slower{ratio}")
+        if r.get("rule"):
+            why.append(f"{r['rule']} not runnable: {'; '.join(r.get('rules', []))}")
+        if why:
+            lines.append(f"  {r['family']}: " + ", ".join(why))
     best = layout.best
     lines.append(f"best {best.degrees}: fullest device {format_bytes(best.peak_memory_bytes or 0.0)} = "
                  + ", ".join(f"{k} {format_bytes(v)}" for k, v in best.memory_bytes.items() if v > 0)
                  + (f"; groups across nodes: {', '.join(best.spans_nodes)}" if best.spans_nodes else ""))
     if best.rank_memory_bytes:
-        lines.append("  per pipeline rank (GiB): "
-                     + " ".join(f"{m / GiB:.1f}" for m in best.rank_memory_bytes))
+        lines.append("  per pipeline rank: " + ", ".join(format_bytes(m) for m in best.rank_memory_bytes))
     if layout.given is not None:
         g = layout.given
         verdict = "fits" if g.feasible else f"does not fit: {g.reason}"

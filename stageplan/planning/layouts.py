@@ -316,15 +316,15 @@ def _grid(search: _Search, L: int, tensor_parallel: Sequence[int], pipeline_para
             if pipeline_parallel is not None and p not in pipeline_parallel:
                 continue
             if p > L:
-                _reject(rejected, f"pp > {L} layers", "more stages than layers")
+                _reject(rejected, f"tp{t} pp{p}", "rule", f"more stages than the {L} layers")
                 continue
             d = N // (t * p)
             for b in microbatch_sizes:
                 if (b, t) not in search.profiles:
                     continue
                 if B % (b * d):
-                    _reject(rejected, f"b*dp does not divide {B}",
-                            f"the global batch {B} is not a multiple of b x dp")
+                    _reject(rejected, f"tp{t} pp{p} dp{d}", "rule",
+                            f"the global batch {B} is not a multiple of b x dp at b = {b}")
                     continue
                 m = B // (b * d)
                 for sched in schedules:
@@ -337,7 +337,8 @@ def _grid(search: _Search, L: int, tensor_parallel: Sequence[int], pipeline_para
                         try:
                             check_microbatches(sched, p, m, v)
                         except StageplanError:
-                            _reject(rejected, f"{sched} microbatch rule", f"torch's {sched} refuses these m")
+                            _reject(rejected, f"tp{t} pp{p} dp{d}", "rule",
+                                    f"torch's {sched} refuses m = {m} (v = {v})")
                             continue
                         for rc in recompute:
                             for sh in (shardings if d > 1 else ("ddp",)):
@@ -345,11 +346,19 @@ def _grid(search: _Search, L: int, tensor_parallel: Sequence[int], pipeline_para
     return points
 
 
-def _reject(rejected: dict[str, dict[str, Any]], family: str, why: str, by: float | None = None) -> None:
-    row = rejected.setdefault(family, {"family": family, "why": why, "count": 0})
-    row["count"] += 1
-    if by is not None:
-        row["least_over_bytes"] = min(row.get("least_over_bytes", math.inf), by)
+def _reject(rejected: dict[str, dict[str, Any]], family: str, kind: str, rule: str | None = None,
+            over_bytes: float | None = None, step_bound_s: float | None = None) -> None:
+    """Count a rejected candidate in its family (its tp, pp and dp): by ``kind`` "memory" (the least excess
+    over the limit any of them showed), "time" (the least step bound of those pruned by it) or "rule" (which
+    rules)."""
+    row = rejected.setdefault(family, {"family": family, "memory": 0, "time": 0, "rule": 0})
+    row[kind] += 1
+    if rule is not None and rule not in row.setdefault("rules", []):
+        row["rules"].append(rule)
+    if over_bytes is not None and math.isfinite(over_bytes):
+        row["least_over_bytes"] = min(row.get("least_over_bytes", math.inf), over_bytes)
+    if step_bound_s is not None:
+        row["least_step_bound_s"] = min(row.get("least_step_bound_s", math.inf), step_bound_s)
 
 
 def _split(arr: LayerArrays, opts: CostOptions, free: dict[tuple[Any, ...], tuple[int, ...]],
@@ -527,11 +536,12 @@ def search_layouts(
     points = _grid(search, L, tensor_parallel, pipeline_parallel, microbatch_sizes,
                    [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings, rejected)
     if not points:
+        rules = sorted({x for r in rejected.values() for x in r.get("rules", [])})
         raise StageplanError(
             f"no layout of {num_devices} devices fits the grid: p x dp x tp must be {num_devices} with p <= "
             f"{L} layers and the global batch {global_batch_size} a multiple of b x dp "
-            f"({'; '.join(r['why'] for r in rejected.values()) or 'no profile for these degrees'}); change "
-            "--devices, --global-batch-size or --microbatch-sizes")
+            f"({'; '.join(rules) or 'no profile for these degrees'}); change --devices, --global-batch-size "
+            "or --microbatch-sizes")
     arrays: dict[tuple[int, int, int], LayerArrays] = {}
     bounded = []
     for pt in points:
@@ -548,23 +558,23 @@ def search_layouts(
     for step_lb, mem_lb, pt in bounded:
         if bounds and memory_limit_bytes is not None and mem_lb > memory_limit_bytes:
             counts["pruned_by_memory"] += 1
-            _reject(rejected, _family(pt), "memory: its lower bound is over the limit",
-                    mem_lb - memory_limit_bytes)
+            _reject(rejected, _family(pt), "memory", over_bytes=mem_lb - memory_limit_bytes)
             least_over = mem_lb if least_over is None else min(least_over, mem_lb)
             continue
         if bounds and step_lb > threshold * (1 + 1e-9):
             counts["pruned_by_time"] += 1
+            _reject(rejected, _family(pt), "time", step_bound_s=step_lb)
             continue
         if bounds and _lightest_sibling_misses(search, pt, shardings, arrays, sibling_fits):
             counts["infeasible"] += 1
-            _reject(rejected, _family(pt), "memory: no split fits the limit, even with the lightest sharding")
+            _reject(rejected, _family(pt), "memory")
             continue
         counts["priced"] += 1
         cand = _price_point(search, pt, arrays, step_lb)
         if not cand.feasible:
             counts["infeasible"] += 1
             over = (cand.peak_memory_bytes or math.inf) - (memory_limit_bytes or 0.0)
-            _reject(rejected, _family(pt), "memory: no split fits the limit", over)
+            _reject(rejected, _family(pt), "memory", over_bytes=over)
             need = cand.peak_memory_bytes
             if need is not None:
                 least_over = need if least_over is None else min(least_over, need)
@@ -657,7 +667,7 @@ def _order_key(pt: _Point) -> tuple[Any, ...]:
 
 
 def _family(pt: _Point) -> str:
-    return (f"tp{pt.t} pp{pt.p} dp{pt.d} {pt.sharding}{' recompute' if pt.recompute else ''}")
+    return f"tp{pt.t} pp{pt.p} dp{pt.d}"
 
 
 def _price_point(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int], LayerArrays],
@@ -743,6 +753,11 @@ def _finish(
         notes.append(f"the best candidate's profile is scaled from microbatch size "
                      f"{best.scaled_from_microbatch_size} to {best.microbatch_size}: profile at that size to "
                      "confirm")
+    if pt.v > 1 and plan.lower_bound_s > 0:
+        notes.append(f"interleaved split chunk by chunk (the exact solver over {opts.num_chunks} chunks, not "
+                     f"the rank-level MILP): its slowest rank is within "
+                     f"{plan.bottleneck_s / plan.lower_bound_s - 1:.1%}"
+                     " of the proven lower bound max(total / p, largest layer)")
     _, zero1_note = _zero1_extra(prep.profile, plan.boundaries, opts)
     if zero1_note:
         notes.append(zero1_note)

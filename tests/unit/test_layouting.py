@@ -127,3 +127,45 @@ def test_run_takes_a_layouts_plan_and_refuses_replicas(profile_path: str, tmp_pa
                                              r"and 1-way tensor parallelism, and stageplan run trains one "
                                              r"pipeline"):
         run("gpt", path)
+
+
+# The fields of torchtitan's JobConfig sections that the torchtitan export writes, as torchtitan/config/
+# job_config.py declares them at commit 000204a4a8bf (the release the export names): Parallelism, Training,
+# ActivationCheckpoint. Older releases named the split module_fqns_per_model_part; a key outside these sets
+# would be refused by that torchtitan's config parser.
+TORCHTITAN_FIELDS = {
+    "parallelism": {"data_parallel_replicate_degree", "enable_compiled_autograd",
+                    "data_parallel_shard_degree",
+                    "fsdp_reshard_after_forward", "tensor_parallel_degree", "disable_loss_parallel",
+                    "enable_async_tensor_parallel", "pipeline_parallel_degree",
+                    "pipeline_parallel_split_points",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "context_parallel_degree", "context_parallel_rotate_method", "expert_parallel_degree"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm",
+                 "steps", "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce", "compile",
+                 "gc_freq", "gc_debug", "seed", "deterministic"},
+    "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns"},
+}
+
+
+def test_the_torchtitan_export_uses_that_releases_fields_only(profile_path: str) -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=4, intra_node_bandwidth=1e11,
+                 inter_node_bandwidth=1e10, microbatch_sizes=[1], pipeline_parallel=[4], shardings=["fsdp"],
+                 recompute=[True])
+    text = lay.export("torchtitan")
+    assert text.splitlines()[0].startswith("# stageplan layout for torchtitan "
+                                           "(torchtitan/config/job_config.py at commit 000204a4a8bf)")
+    data = tomllib.loads(text)
+    assert set(data) == set(TORCHTITAN_FIELDS)
+    for section, fields in data.items():
+        assert set(fields) <= TORCHTITAN_FIELDS[section], section
+    assert data["parallelism"]["data_parallel_shard_degree"] == 2
+    assert data["parallelism"]["pipeline_parallel_degree"] == 4
+    assert data["activation_checkpoint"]["mode"] == "full"
+    assert data["training"]["global_batch_size"] == 16
+    assert data["training"]["local_batch_size"] * 2 == 16  # b x m per replica
+    split = data["parallelism"]["pipeline_parallel_split_points"]
+    assert split == [lay.plan.layer_names[b] for b in lay.plan.boundaries[1:-1]]  # type: ignore[union-attr]
