@@ -141,8 +141,10 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  allreduce_latency_s: float | None = None,
                  allreduce_bandwidth_bytes_per_s: float | None = None, data_parallel: int = 1,
                  sharding: str = "ddp", grad_dtype: str = "param",
-                 dp_bandwidth_bytes_per_s: float | None = None, dp_latency_s: float = 0.0) -> CostOptions:
-    """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy."""
+                 dp_bandwidth_bytes_per_s: float | None = None, dp_latency_s: float = 0.0,
+                 shape: ScheduleShape | None = None) -> CostOptions:
+    """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy. ``shape``
+    (``schedules.counts_shape``, for memory and loads only) replaces the full schedule shape."""
     if len(profile) == 0:
         raise StageplanError(
             "the profile has no layers; profile a model first (stageplan profile MODEL -o PROFILE.json)")
@@ -180,7 +182,9 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
             f"num_ranks ({num_ranks}) exceeds the number of layers ({L}), one stage a rank; use --stages {L} "
             "or fewer, or profile at a finer granularity"
         )
-    shape = schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
+    if shape is None or (shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages) != (
+            name, num_ranks, num_microbatches, virtual_stages):
+        shape = schedule_shape(name, num_ranks, num_microbatches, virtual_stages)
     opt = optimizer.lower()
     if opt not in OPTIMIZER_STATE_FACTOR:
         raise StageplanError(

@@ -53,6 +53,7 @@ from stageplan.planning.costs import (
     tied_sync_time,
 )
 from stageplan.planning.planner import make_plan
+from stageplan.planning.schedules import counts_shape
 from stageplan.planning.sharding import (
     OPTIMIZER_STATES,
     PRECISIONS,
@@ -254,7 +255,9 @@ class _Search:
         n = self.network.devices_per_node
         return {"tp": pt.t > n, "dp": pt.t * pt.d > n, "pp": pt.p > 1 and pt.t * pt.d * pt.p > n}
 
-    def options(self, pt: _Point, arr_profile: Profile) -> CostOptions:
+    def options(self, pt: _Point, arr_profile: Profile, full: bool = False) -> CostOptions:
+        """The candidate's cost options; for pricing (``full`` False) with the schedule's counts only
+        (``schedules.counts_shape``), for the simulator with torch's whole order."""
         spans = self.spans(pt)
         return make_options(arr_profile, pt.p, num_microbatches=pt.m, schedule=pt.schedule,
                             virtual_stages=pt.v, optimizer=self.optimizer,
@@ -264,7 +267,8 @@ class _Search:
                             link_latency_s=self.network.latency_s, data_parallel=pt.d, sharding=pt.sharding,
                             grad_dtype=self.grad_dtype,
                             dp_bandwidth_bytes_per_s=self.network.bandwidth(spans["dp"]),
-                            dp_latency_s=self.network.latency_s)
+                            dp_latency_s=self.network.latency_s,
+                            shape=None if full else counts_shape(pt.schedule, pt.p, pt.m, pt.v))
 
 
 def _min_inflight(schedule: str, m: int) -> int:
@@ -722,7 +726,7 @@ def _finish(
         pt = _point_of(c)
         prep = search.profiles[(pt.b, pt.t)]
         arr = search.arrays(pt.b, pt.t, pt.m, arrays)
-        opts = search.options(pt, prep.profile)
+        opts = search.options(pt, prep.profile, full=True)
         assert c.boundaries is not None
         ev = evaluate(arr, c.boundaries, opts)
         tps, mfu, hfu = _rates(search, prep, pt, ev.predicted_step_s)
@@ -733,7 +737,7 @@ def _finish(
     pt = _point_of(best)
     prep = search.profiles[(pt.b, pt.t)]
     arr = search.arrays(pt.b, pt.t, pt.m, arrays)
-    opts = search.options(pt, prep.profile)
+    opts = search.options(pt, prep.profile, full=True)
     meta = {"microbatch_size": pt.b, "tensor_parallel": pt.t}
     plan = make_plan(prep.profile, arr, opts, "optimal", meta) if pt.v == 1 else None
     if plan is None or plan.predicted_step_s > best.step_s * (1 + 1e-12):
@@ -872,7 +876,7 @@ def score_given(
     pt = _Point(t, p, d, b, m, name, v, recompute, sharding)
     prep = prepared[(b, t)]
     arr = LayerArrays.of(prep.profile, m)
-    opts = search.options(pt, prep.profile)
+    opts = search.options(pt, prep.profile, full=True)
     if boundaries is None:
         step_lb = lower_bounds(arr, pt, bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total)[
             0

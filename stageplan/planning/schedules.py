@@ -438,6 +438,67 @@ def _shape(name: str, p: int, m: int, v: int) -> ScheduleShape:
     return ScheduleShape(name, p, m, v, orders, placement_of(name, p, v), _peak_inflight(orders, p * v))
 
 
+def counts_shape(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> ScheduleShape:
+    """The schedule's shape for memory only: its placement, each chunk's peak in flight and each rank's
+    counts after every forward (what ``activation_peaks`` reads), computed from the counts of its order
+    without building the order (``orders`` is empty: it cannot be simulated). GPipe holds every microbatch;
+    1F1B min(p - s, m) on stage s; Interleaved1F1B follows torch's warm-up / steady / cool-down steps, as
+    ``_interleaved`` does; other schedules get the full shape. A layout search prices thousands of candidates
+    with it and simulates only its finalists.
+
+    >>> full, fast = schedule_shape("Interleaved1F1B", 4, 8, 3), counts_shape("Interleaved1F1B", 4, 8, 3)
+    >>> fast.peak_inflight == full.peak_inflight, fast.orders
+    (True, ())
+    """
+    name = normalize_schedule(schedule)
+    p, m, v = int(num_ranks), int(num_microbatches), int(virtual_stages)
+    check_microbatches(name, p, m, v)
+    if name in SINGLE_STAGE:  # one chunk a rank: its peak is the only moment that matters
+        peaks = tuple([m] * p) if name == "GPipe" else tuple(min(p - r, m) for r in range(p))
+        counts = [np.array([[float(peaks[r])]]) for r in range(p)]
+    elif name == "Interleaved1F1B":
+        counts, peak = [], [0] * (p * v)
+        for rank in range(p):
+            held = _interleaved_counts(p, m, v, rank)
+            counts.append(held)
+            for k in range(v):
+                peak[k * p + rank] = int(held[:, k].max())
+        peaks = tuple(peak)
+    else:
+        return schedule_shape(name, p, m, v)
+    shape = ScheduleShape(name, p, m, v, (), placement_of(name, p, v), peaks)
+    # one column per chunk of the whole pipeline (0 off the rank), as _forward_counts holds them
+    wide = []
+    for rank, held in enumerate(counts):
+        full = np.zeros((held.shape[0], p * v))
+        full[:, rank::p] = held
+        wide.append(full)
+    shape.__dict__["_forward_counts"] = tuple(wide)  # the cached_property's value, set where it is computed
+    return shape
+
+
+def _interleaved_counts(p: int, m: int, v: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s microbatches held per local chunk after each forward of torch's Interleaved1F1B (the
+    steps of ``_interleaved``: warm-up forwards, then a forward and a backward per step, then backwards)."""
+    rounds = interleaved_rounds(p, m)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+    total = v * m
+    steps = np.arange(total)
+    back = np.arange(warmup, total + warmup)
+    # step s holds its forward (key 2s) before its backward (key 2s + 1)
+    keys = np.concatenate([2 * steps, 2 * back + 1])
+    kinds = np.concatenate([np.ones(total), -np.ones(total)])
+    chunks = np.concatenate([(steps // per_round) % v, v - 1 - ((back - warmup) // per_round) % v])
+    order = np.argsort(keys, kind="stable")
+    delta = np.zeros((2 * total, v))
+    delta[np.arange(2 * total), chunks[order]] = kinds[order]
+    held = np.cumsum(delta, axis=0)
+    return held[kinds[order] > 0]
+
+
 def peak_inflight(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[int, ...]:

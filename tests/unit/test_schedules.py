@@ -821,3 +821,26 @@ def test_a_bad_sync_time_is_refused() -> None:
     with pytest.raises(ValueError,
                        match=r"tied_sync_s must be finite and >= 0 seconds, got -1.0; fix the profile"):
         simulate("1F1B", [1.0, 1.0], [1.0, 1.0], 2, tied_sync_s=-1.0)
+
+
+def test_counts_shape_matches_the_full_order_for_memory() -> None:
+    """The layout search prices with the schedule's counts only: the same peaks in flight and the same rank
+    activation peaks as torch's whole order gives, for any chunk bytes."""
+    import itertools
+
+    import numpy as np
+
+    from stageplan.planning.schedules import counts_shape, schedule_shape
+
+    rng = np.random.default_rng(0)
+    cases = [("GPipe", p, m, 1) for p, m in itertools.product([1, 2, 5], [1, 4, 9])]
+    cases += [("1F1B", p, m, 1) for p, m in itertools.product([1, 2, 5], [5, 9, 16])]
+    cases += [("Interleaved1F1B", p, m, v) for p, m,
+              v in itertools.product([2, 3, 4], [2, 4, 8, 12, 16], [2, 3])]
+    for name, p, m, v in cases:
+        full, fast = schedule_shape(name, p, m, v), counts_shape(name, p, m, v)
+        assert fast.peak_inflight == full.peak_inflight, (name, p, m, v)
+        assert fast.stage_ranks == full.stage_ranks and fast.orders == ()
+        for _ in range(4):
+            chunk = rng.random(p * v) * 1e6
+            np.testing.assert_allclose(fast.activation_peaks(chunk), full.activation_peaks(chunk), rtol=1e-12)
