@@ -58,6 +58,7 @@ class Candidate:
     reason: str | None = None
     scaled_from_microbatch_size: int | None = None
     spans_nodes: tuple[str, ...] = ()
+    placement: str = "tp,dp,pp"  # the groups' order on the devices, innermost first
 
     @property
     def degrees(self) -> str:
@@ -187,6 +188,10 @@ class Layout:
     def _torchtitan(self) -> str:
         c, plan = self.best, self.plan
         assert plan is not None
+        if c.placement != "tp,dp,pp":
+            raise StageplanError("torchtitan's mesh puts the pipeline outermost (ParallelDims), and this "
+                                 "layout places it inside the data-parallel groups: export megatron "
+                                 "(--use-tp-pp-dp-mapping), or take the next layout in torchtitan's order")
         if c.sharding == "zero1":
             raise StageplanError("torchtitan has no zero1 (its data parallelism is DDP, FSDP or HSDP): lay "
                                  "out with --sharding ddp,fsdp for torchtitan, or export megatron")
@@ -225,6 +230,8 @@ class Layout:
             args.append(f'--pipeline-model-parallel-layout "{plan.megatron_layout()}"')
         if c.sequence_parallel:
             args.append("--sequence-parallel")
+        if c.placement == "tp,pp,dp":  # Megatron's default order is tp-cp-ep-dp-pp
+            args.append("--use-tp-pp-dp-mapping")
         args += [f"--micro-batch-size {c.microbatch_size}", f"--global-batch-size {self.global_batch_size}"]
         if c.sharding == "zero1":
             args.append("--use-distributed-optimizer")

@@ -215,3 +215,24 @@ def test_an_estimate_reports_mfu_from_the_palm_formula() -> None:
     assert best.mfu == pytest.approx(flops / (best.step_s * 4 * 989.5e12), rel=1e-9)
     assert best.tokens_per_s_per_device == pytest.approx(8 * 2048 / best.step_s / 4, rel=1e-9)
     assert best.hfu == best.mfu if not best.recompute else best.hfu > best.mfu  # type: ignore[operator]
+
+
+def test_the_pipeline_goes_inside_the_data_groups_where_that_is_faster() -> None:
+    """8 devices, 4 a node, p = 2 x d = 4: torchtitan's order (data inside pipeline) puts each pipeline hop
+    across nodes (32 MiB boundaries at 10 GB/s); the pipeline inside the data groups keeps the hops in a node
+    and sends the (small) gradient all-reduce across instead."""
+    prof = lm_profile(hidden=8192, block_params=1_000_000, vocab_params=1_000_000)
+    lay = search_layouts({(1, 1): prof}, 8, global_batch_size=16, network=NET, tensor_parallel=[1],
+                         pipeline_parallel=[2], microbatch_sizes=[1], schedules=["1F1B"], recompute=[False],
+                         shardings=["ddp"])
+    best = lay.best
+    assert best.placement == "tp,pp,dp"
+    assert best.spans_nodes == ("dp",)
+    assert any("placing the pipeline inside the data-parallel groups" in n for n in lay.notes)
+    second = lay.candidates[1]
+    assert second.degrees == best.degrees and second.placement == "tp,dp,pp"
+    assert second.spans_nodes == ("pp",)
+    assert best.step_s < second.step_s
+    assert "--use-tp-pp-dp-mapping" in lay.export("megatron")
+    with pytest.raises(StageplanError, match=r"torchtitan's mesh puts the pipeline outermost"):
+        lay.export("torchtitan")
