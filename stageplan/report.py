@@ -379,14 +379,15 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
     for i, c in enumerate(shown, 1):
         parts = c.step_parts
         rows.append([i, c.degrees, f"{c.step_s:.3f}", format_bytes(c.peak_memory_bytes or 0.0),
-                     figure(c.tokens_per_s_per_device, ".0f"), figure(c.mfu, ".1%"),
+                     figure(c.tokens_per_s_per_device, ".0f"), figure(c.mfu, ".1%"), figure(c.hfu, ".1%"),
                      " ".join(f"{k.removesuffix('_s')} {parts.get(k, 0.0):.2f}" for k in STEP_PARTS
                               if parts.get(k, 0.0) > 0)])
     limit = "" if layout.memory_limit_bytes is None else f", {layout.memory_limit_bytes / GiB:.0f} GiB each"
     lines = [f"layouts of {layout.num_devices} devices ({layout.devices_per_node} a node{limit}), global "
              f"batch {layout.global_batch_size}",
-             format_table(["#", "layout", "step s", "fullest device", "tok/s/dev", "MFU", "step parts (s)"],
-                          rows, right=[True, False, True, True, True, True, False])]
+             format_table(["#", "layout", "step s", "fullest device", "tok/s/dev", "MFU", "HFU",
+                           "step parts (s)"],
+                          rows, right=[True, False, True, True, True, True, True, False])]
     counts = layout.counts
     margin = layout.margin
     lines.append(f"searched {counts.get('grid', 0)}: priced {counts.get('priced', 0)}, pruned by the step "
