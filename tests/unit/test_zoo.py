@@ -398,17 +398,17 @@ def test_small_llama_block_measured_on_cpu_saves_the_hand_count(tmp_path: Path) 
 
 def test_qwen2_block_saves_what_a_transformers_decoder_layer_saves(tmp_path: Path) -> None:
     """Qwen2-7B's config with its widths cut 16x (28 heads of 8, 4 key/value heads, MLP 18944/16), seq 128,
-    microbatch 1: each block's measured saved bytes against one Qwen2DecoderLayer that transformers builds from
-    the same config, in a one-layer model run whole (rotary cos/sin and mask as the model makes them), its
-    saved tensors seen by torch.autograd.graph.saved_tensors_hooks."""
+    microbatch 1: each block's measured saved bytes against one Qwen2DecoderLayer that transformers builds
+    from the same config, in a one-layer model run whole (rotary cos/sin and mask as the model makes them),
+    its saved tensors seen by torch.autograd.graph.saved_tensors_hooks."""
     import transformers
 
     from stageplan.profiling.profiler import profile_model
 
     fields = json.loads((Path(__file__).parents[2] / "stageplan" / "presets" / "qwen2-7b.json").read_text())
     fields.pop("_source")
-    fields.update(hidden_size=224, intermediate_size=1184, num_hidden_layers=2, vocab_size=512, bos_token_id=0,
-                  eos_token_id=0)
+    fields.update(hidden_size=224, intermediate_size=1184, num_hidden_layers=2, vocab_size=512,
+                  bos_token_id=0, eos_token_id=0)
     path = tmp_path / "qwen2-small.json"
     path.write_text(json.dumps(fields))
     wl = hf(config=str(path), seq_len=128, batch_size=2)
