@@ -499,6 +499,8 @@ def hf(
     live on the meta device (no memory, no initialisation; buffers stay real): a 70B-parameter shape
     builds in seconds. Inputs are ``batch_size`` x ``seq_len`` random token ids from a generator seeded
     by ``seed`` (the same with and without ``meta``); the target is the next token. Nothing is downloaded.
+    Each decoder layer takes only its hidden states across a stage boundary, as a pipeline trainer runs it
+    (no causal mask under SDPA, rotary cos/sin recomputed inside it): see :func:`_hf_block_class`.
     """
     _check_positive("hf", seq_len=seq_len, batch_size=batch_size)
     if not isinstance(seed, int) or isinstance(seed, bool):
