@@ -4,6 +4,8 @@ stack, and HF causal LMs built from a config or a preset."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import json
 import math
 import re
@@ -195,9 +197,94 @@ def _hf_class(name: str) -> type:
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: lets pickle find the lazily built HF classes
+    if name.startswith(_BLOCK_PREFIX) and name[len(_BLOCK_PREFIX):].isidentifier():
+        return _hf_block_class(_transformers_class(name[len(_BLOCK_PREFIX):], name))
     if name.startswith("HF") and name[2:].isidentifier():
         return _hf_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_HF_BLOCKS: dict[str, type] = {}
+_BLOCK_PREFIX = "HFBlock_"
+
+
+def _transformers_class(base_name: str, name: str) -> type:
+    """The transformers module class ``base_name`` (a decoder layer), from a modeling module already imported:
+    unpickling a model loads its causal-LM class, and with it its modeling module, before its layers."""
+    import sys
+
+    for mod_name, mod in list(sys.modules.items()):
+        found = getattr(mod, base_name, None) if mod_name.startswith("transformers.models.") else None
+        if isinstance(found, type) and issubclass(found, nn.Module):
+            return found
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _hf_block_class(base: type) -> type:
+    """A subclass of an HF decoder layer that runs as a pipeline trainer runs it (torchtitan's stages): it
+    takes its input hidden states and nothing else that crosses a stage boundary.
+
+    - ``attention_mask`` is dropped where ``_stageplan_is_causal`` says the layer's SDPA attention may take
+      ``is_causal`` instead: transformers' ``sdpa_attention_forward`` (integrations/sdpa_attention.py) sets
+      ``is_causal = q_length > 1 and attention_mask is None and module.is_causal``, the same causal attention
+      without a (seq x seq) mask crossing the boundary, and on CUDA the flash kernel, which an explicit mask
+      rules out.
+    - ``position_embeddings`` (rotary cos and sin) are recomputed from the layer's own ``rotary_emb`` (a copy
+      of the model's: non-persistent ``inv_freq``, no parameters) at positions 0..seq-1, as the model computes
+      them without a cache: they carry no gradient and never cross a boundary.
+
+    Parameters keep their FQNs: the layer gains a parameter-free submodule and nothing else. The class lives
+    in this module under ``HFBlock_<base name>`` (PEP 562 ``__getattr__``), so pickle finds it.
+    """
+    name = _BLOCK_PREFIX + base.__name__
+    if name not in _HF_BLOCKS:
+        signature = inspect.signature(base.forward)  # type: ignore[attr-defined]
+        first = next(iter(signature.parameters.values()))  # self
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(self, *args, **kwargs)
+            if self._stageplan_is_causal and "attention_mask" in signature.parameters:
+                bound.arguments["attention_mask"] = None
+            rotary = self._modules.get("rotary_emb")
+            if rotary is not None:
+                hidden = next(v for k, v in bound.arguments.items() if k != first.name)
+                positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+                bound.arguments["position_embeddings"] = rotary(hidden, positions)
+            return base.forward(*bound.args, **bound.kwargs)  # type: ignore[attr-defined]
+
+        _HF_BLOCKS[name] = type(name, (base,), {"forward": forward, "__module__": __name__,
+                                                "__qualname__": name, "_stageplan_is_causal": False})
+    return _HF_BLOCKS[name]
+
+
+def _as_trained(model: nn.Module, *, seq_len: int, attention: str) -> None:
+    """Make each decoder layer of an HF causal LM (the children of its largest ModuleList, which the cut
+    names) take only its hidden states across a stage boundary (see :func:`_hf_block_class`). Done in place,
+    on a model built from a config (parameters real or on meta; buffers are real either way).
+
+    The mask is kept where dropping it would change the attention: eager attention (``is_causal`` is SDPA's
+    flag), and a sliding window shorter than ``seq_len`` (Mistral's 4096 at a longer sequence)."""
+    from stageplan.layers import resolve_layer_names
+
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    windowed = isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False \
+        and window < seq_len
+    is_causal = attention == "sdpa" and not windowed
+    base_model = getattr(model, "base_model", model)
+    rotary = getattr(base_model, "rotary_emb", None)
+    for fqn in resolve_layer_names(model, None):
+        layer = model.get_submodule(fqn)
+        params = inspect.signature(type(layer).forward).parameters
+        owns_rotary = isinstance(rotary, nn.Module) and "position_embeddings" in params
+        if not (owns_rotary or (is_causal and "attention_mask" in params)):
+            continue
+        layer.__class__ = _hf_block_class(type(layer))
+        vars(layer)["_stageplan_is_causal"] = is_causal and "attention_mask" in params
+        if owns_rotary:
+            # one config shared by every copy: the copies differ in nothing, so dedup sees identical layers
+            shared = getattr(rotary, "config", None)
+            layer.add_module("rotary_emb", copy.deepcopy(rotary, memo={id(shared): shared}))
 
 
 def _transformers() -> Any:
@@ -255,6 +342,7 @@ def _small_hf(name: str, class_name: str, config: Any, options: dict[str, int]) 
     )
     torch.manual_seed(seed)
     model = _hf_class(class_name)(config)
+    _as_trained(model, seq_len=seq, attention=str(getattr(model.config, "_attn_implementation", "")))
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch, seq), generator=gen)
     target = torch.randint(0, vocab, (batch, seq), generator=gen)
@@ -411,6 +499,8 @@ def hf(
     live on the meta device (no memory, no initialisation; buffers stay real): a 70B-parameter shape
     builds in seconds. Inputs are ``batch_size`` x ``seq_len`` random token ids from a generator seeded
     by ``seed`` (the same with and without ``meta``); the target is the next token. Nothing is downloaded.
+    Each decoder layer takes only its hidden states across a stage boundary, as a pipeline trainer runs it
+    (no causal mask under SDPA, rotary cos/sin recomputed inside it): see :func:`_hf_block_class`.
     """
     _check_positive("hf", seq_len=seq_len, batch_size=batch_size)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -459,6 +549,7 @@ def hf(
                 f"hf: transformers cannot build {model_class.__name__} from {where} "
                 f"({type(exc).__name__}: {_one_line(exc)}); fix the config, or pick a preset"
             ) from exc
+    _as_trained(model, seq_len=seq_len, attention=str(getattr(model.config, "_attn_implementation", "")))
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
     idx, target = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

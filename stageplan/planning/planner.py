@@ -35,6 +35,7 @@ from stageplan.planning.costs import (
     make_options,
     measured_link,
 )
+from stageplan.planning.precision import at_precision
 from stageplan.planning.search import optimal_split, split_by_method, versus_optimal
 from stageplan.units import parse_bandwidth, parse_bytes
 
@@ -303,19 +304,21 @@ def plan(
     auto = len(ms) * len(schedules) > 1
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     devs = _devices(devices)
+    priced = at_precision(prof, precision, optimizer)  # activation, boundary and step bytes at --precision
 
     def candidate(sched: str, m: int) -> Plan:
         # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
         # (refused if it cannot)
         v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
         mb = batch // m if num_microbatches == "auto" else mb0
-        prof_m = rescaled_profile(prof, mb / mb0) if mb != mb0 else prof
+        prof_m = rescaled_profile(priced.profile, mb / mb0) if mb != mb0 else priced.profile
         opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                             optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
                             recompute=recompute, precision=precision, **price.options())
         cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
-        return cand.with_notes((*cand.notes, price.note)) if price.note else cand
+        said = tuple(n for n in (priced.note, price.note) if n)
+        return cand.with_notes((*cand.notes, *said)) if said else cand
 
     best, candidates = _best_candidate(candidate, schedules, ms, auto, method)
     if auto:

@@ -518,7 +518,10 @@ def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | No
         "materialized": "none (analytic estimate on fake tensors)",
         "whole_model_s": None, "whole_model_iqr_s": None, "whole_model": "skipped: analytic estimate",
         "timer": "analytic",
-        "optimizer_step": {"implementation": "analytic: bytes moved / (eta_m x bandwidth)"},
+        # in the profiled dtype with no master copy; plan --precision bf16-mixed prices the fp32 master and
+        # states instead (stageplan.planning.precision: Adam 28 bytes per parameter against 14 in bf16)
+        "optimizer_step": {"implementation": "analytic: bytes moved / (eta_m x bandwidth), parameters, "
+                                             "gradients and states in the profiled dtype"},
         "warmup": None, "repeats": None, "threads": None,  # nothing was timed
         "device_name": gpu.description,
         "estimate": {"gpu": gpu.name, "eta_c": method.get("compute_efficiency"),
@@ -528,7 +531,7 @@ def profile_estimate(ctx: LayerContext, gpu: Any, compute_efficiency: float | No
         "method": "per-layer analytic roofline estimate (stageplan.profiling.estimate) on fake tensors, "
                   "nothing run; activation bytes exact via saved_tensors_hooks deduplicated by storage, "
                   "views at their own extent; optimizer step = tensors touched (sgd 3, momentum 5, "
-                  "adam/adamw 7) x parameter bytes / (eta_m x bandwidth)",
+                  "adam/adamw 7) x parameter bytes / (eta_m x bandwidth), repriced by plan --precision",
     }
     return assemble(ctx, cut, model, plan, figures, crossing, params, extra, {}, Peaks(),
                     device=f"{ESTIMATE_PREFIX}{gpu.name}")

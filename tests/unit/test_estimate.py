@@ -290,3 +290,37 @@ def test_the_estimate_records_ties_in_the_profiled_dtype() -> None:
     wl = build_workload("gpt", {"tied": True, "n_layer": 2})
     prof = profile_model(wl, microbatch_size=2, device="estimate:h100-sxm", dtype="bfloat16")
     assert [(t.layers, t.bytes) for t in prof.tied] == [((0, len(prof) - 1), 8192 * 128 * 2)]
+
+
+def test_llama2_7b_block_at_4096_boundary_is_32_mib_and_saves_the_hand_count() -> None:
+    """LLaMA-2-7B (preset llama2-7b), sequence 4096, microbatch 1, bf16, estimated for an H100: a boundary
+    carries the hidden states alone, and a block saves what its tensors add up to."""
+    from stageplan.profiling.profiler import build_workload_for_profile
+    from unit.test_zoo import llama_block_saved_bytes
+
+    b, s, h, f, heads = 1, 4096, 4096, 11008, 32
+    wl = build_workload_for_profile("hf", {"preset": "llama2-7b", "seq_len": s, "batch_size": b},
+                                    device="estimate:h100-sxm", dtype="bfloat16")
+    prof = profile_model(wl, microbatch_size=b, device="estimate:h100-sxm", dtype="bfloat16")
+    blocks = [x for x in prof.layers if x.name.startswith("model.layers.")]
+    assert len(blocks) == 32
+    # boundary: (b, s, h) bf16 hidden states, 32 MiB; no (s x s) mask, no rotary cos/sin
+    assert [x.output_bytes for x in prof.layers[:-1]] == [b * s * h * 2] * 33 == [32 * 2**20] * 33
+    parts = llama_block_saved_bytes(b=b, s=s, h=h, f=f, heads=heads, kv_heads=heads, e=2)
+    hand = sum(parts.values())
+    # Cross-check against Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    # Models", section 4.1): a GPT layer saves s·b·h·(34 + 5·a·s/h) bytes in 16-bit, of which attention
+    # 11·sbh, MLP 19·sbh and two LayerNorm inputs 4·sbh. Flash attention drops the 5·a·s/h term (no s x s
+    # tensor). LLaMA has no dropout masks (-1 in attention; the flash output is the projection's input, which
+    # they count), a SwiGLU MLP saving 8·f/h·sbh for gate, SiLU, up and their product where the 4h GELU MLP
+    # saved 16 + 1 (mask), and RMSNorms that upcast to fp32: 4 (fp32) + 2 (normalised) per norm where a
+    # LayerNorm input was 2.
+    sbh = s * b * h
+    adapted = (34 - 1 + (8 * f / h - 17) + 2 * (6 - 2)) * sbh  # 45.5 sbh = 728 MiB
+    # what the formula leaves out: the fp32 logsumexp, rotary cos and sin, and the norms' (s, 1) rsqrt
+    small = 4 * b * heads * s + 2 * 2 * s * (h // heads) + 2 * 4 * b * s
+    assert adapted + small == hand == 766_017_536  # 730.53 MiB
+    for x in blocks:
+        assert abs(x.activation_bytes / hand - 1) < 0.05, (x.name, x.activation_bytes, hand)
+    print(f"\nLLaMA-2-7B block, s=4096 bf16 estimate: saved {blocks[0].activation_bytes / 2**20:.2f} MiB "
+          f"(hand count {hand / 2**20:.2f} MiB), boundary {prof.layers[1].output_bytes / 2**20:.0f} MiB")

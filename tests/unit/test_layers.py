@@ -46,11 +46,39 @@ def test_glob_patterns_expand_in_model_order() -> None:
         torch.testing.assert_close(cut.run((wl.inputs[:2],)), wl.model(wl.inputs[:2]))
 
 
-def test_hf_skip_tensors_cross_every_boundary() -> None:
-    wl = hf_gpt2(n_layer=2)
-    cut = cut_layers(wl.model, (wl.inputs[:2],))
-    # HF GPT-2 hands a mask-like tensor from the embedding piece to every block: a skip connection.
-    assert len(cut.crossing_refs(1)) == 2
+class _GateEveryBlock(nn.Module):
+    """Code before the blocks makes a second tensor (a gate) that every block reads: a skip connection."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(x) * gate
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(self.Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        gate = torch.sigmoid(h.mean(-1, keepdim=True))
+        for block in self.blocks:
+            h = block(h, gate)
+        return h
+
+
+def test_skip_tensors_cross_every_boundary() -> None:
+    torch.manual_seed(0)
+    model, x = _GateEveryBlock(), torch.randn(2, 5, 4)
+    cut = cut_layers(model, (x,))
+    assert cut.names == ["emb", "blocks.0", "blocks.1", "blocks.2"]
+    # the gate, made before the blocks, crosses every boundary beside the hidden states
+    assert [len(cut.crossing_refs(k)) for k in range(3)] == [2, 2, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(cut.run((x,)), model(x))
 
 
 class _SequentialTrunk(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_one_line_error, run_cli
 
 from stageplan.errors import StageplanError, WorkloadError
-from stageplan.layers import cut_layers
+from stageplan.layers import cut_layers, resolve, store_outputs
 from stageplan.zoo import build_workload, hf, hf_presets
 
 
@@ -287,3 +287,156 @@ def test_gpt_refuses_a_word_for_tied(capsys: pytest.CaptureFixture[str], tmp_pat
         build_workload("gpt", {"tied": "no"})
     code, _, err = run_cli(["profile", "gpt", "--set", "tied=no", "-o", str(tmp_path / "p.json")], capsys)
     assert_one_line_error(code, err, r"option tied must be true or false, got 'no'")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HF models cut as a trainer runs them: only hidden states cross a boundary
+
+
+def _plain_transformers_twin(wl: Any) -> torch.nn.Module:
+    """The same model as transformers builds it (no stageplan wrapping), holding ``wl.model``'s weights."""
+    import transformers
+
+    config = wl.model.config
+    plain = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation=config._attn_implementation)
+    plain.load_state_dict(wl.model.state_dict())
+    return plain.train()
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_hf_boundaries_carry_only_hidden_states_and_compute_as_transformers(model_type: str,
+                                                                            tmp_path: Path) -> None:
+    wl = hf(config=tiny_config(tmp_path, model_type), seq_len=16, batch_size=2)
+    args = (wl.inputs,)
+    cut = cut_layers(wl.model, args)
+    hidden = wl.model.config.get_text_config().hidden_size
+    with torch.no_grad():
+        env: dict[Any, Any] = {}
+        for k, piece in enumerate(cut.pieces):
+            store_outputs(env, k, piece.module(*[resolve(r, args, env) for r in piece.inputs]))
+    crossing = [[tuple(resolve(r, args, env).shape) for r in cut.crossing_refs(k)]
+                for k in range(len(cut.pieces) - 1)]
+    if model_type == "mistral":
+        # its sliding window (8) is shorter than the sequence (16): the causal mask alone would attend further
+        # back than the model does, so the window's mask still crosses (not the rotary cos and sin)
+        assert crossing == [[(2, 16, hidden), (2, 1, 16, 16)]] * 2 + [[(2, 16, hidden)]]
+    else:
+        assert crossing == [[(2, 16, hidden)]] * (len(cut.pieces) - 1)
+    # oracle: transformers' own model with the same weights, logits and every gradient
+    plain = _plain_transformers_twin(wl)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in wl.model.named_parameters()]
+    assert plain.state_dict().keys() == wl.model.state_dict().keys()  # the rotary copies are not persistent
+    ours = wl.model(wl.inputs)
+    theirs = plain(input_ids=wl.inputs).logits
+    torch.testing.assert_close(ours, theirs)
+    ours.square().mean().backward()
+    theirs.square().mean().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in wl.model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+
+
+def test_hf_blocks_keep_parameter_counts_and_pickle(tmp_path: Path) -> None:
+    wl = hf(config=tiny_config(tmp_path, "qwen2"), seq_len=8, batch_size=2)
+    layer = wl.model.model.layers[0]
+    assert type(layer).__name__ == "HFBlock_Qwen2DecoderLayer" and type(layer).__module__ == "stageplan.zoo"
+    assert layer.rotary_emb.inv_freq.dtype == torch.float32 and not list(layer.rotary_emb.parameters())
+    assert num_parameters(wl.model) == num_parameters(_plain_transformers_twin(wl))
+    copy = pickle.loads(pickle.dumps(wl.model))
+    assert type(copy.model.layers[1]) is type(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(wl.inputs), wl.model(wl.inputs))
+
+
+def llama_block_saved_bytes(*, b: int, s: int, h: int, f: int, heads: int, kv_heads: int,
+                            e: int) -> dict[str, int]:
+    """Bytes an HF LLaMA decoder layer saves for backward, tensor by tensor, with SDPA on its flash kernel
+    (``is_causal``, no mask), parameters excluded; ``e`` bytes per element of the model's dtype.
+
+    - LlamaRMSNorm (modeling_llama.py) upcasts to fp32: ``pow`` and the ``rsqrt`` multiply save the fp32 input
+      (4 bytes; in an fp32 model the upcast is the input itself), ``rsqrt`` its (s, 1) fp32 output, and the
+      weight's multiply the normalised tensor back in the model's dtype.
+    - Linear layers save their input: the norm's output feeds q, k, v (one tensor) and gate, up (another).
+    - Rotary: cos and sin of shape (1, s, head_dim), computed inside the layer from positions that need no
+      gradient, so ``q * cos`` saves cos but not q; q and k after rotary are saved by SDPA.
+    - Flash SDPA saves q, k, v, its output (which o_proj's input shares: the kernel writes (b, s, heads, d))
+      and the fp32 logsumexp (b, heads, s).
+    - MLP: SiLU saves its input (gate's output), the product saves SiLU's output and up's output, down_proj
+      its input.
+    """
+    d = h // heads
+    norm = {"fp32 upcast": 4 * b * s * h, "rsqrt": 4 * b * s, "normalised": e * b * s * h}
+    return {
+        **{f"input_layernorm {k}": v for k, v in norm.items()},
+        "q/k/v input": e * b * s * h,
+        "cos": e * s * d, "sin": e * s * d,
+        "q after rotary": e * b * s * h, "k after rotary": e * b * s * kv_heads * d,
+        "v": e * b * s * kv_heads * d, "attention output (o_proj input)": e * b * s * h,
+        "logsumexp": 4 * b * heads * s,
+        **{f"post_attention_layernorm {k}": v for k, v in norm.items()},
+        "gate/up input": e * b * s * h,
+        "gate output (SiLU input)": e * b * s * f, "SiLU output": e * b * s * f, "up output": e * b * s * f,
+        "down_proj input": e * b * s * f,
+    }
+
+
+def test_small_llama_block_measured_on_cpu_saves_the_hand_count(tmp_path: Path) -> None:
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.zoo import hf_llama
+
+    b, s, h, heads = 2, 32, 64, 4
+    wl = hf_llama(n_layer=3, d_model=h, n_head=heads, seq_len=s, vocab_size=128, batch_size=4)
+    prof = profile_model(wl, microbatch_size=b, warmup=0, repeats=1, streaming=False, dedup=False)
+    hand = sum(llama_block_saved_bytes(b=b, s=s, h=h, f=4 * h, heads=heads, kv_heads=heads, e=4).values())
+    blocks = [x for x in prof.layers if x.name.startswith("model.layers.")]
+    assert len(blocks) == 3
+    assert [x.activation_bytes for x in blocks] == [hand] * 3
+    # every boundary after the embedding and between blocks is the (b, s, h) fp32 hidden states
+    assert [x.output_bytes for x in prof.layers[:-1]] == [b * s * h * 4] * 4
+
+
+def test_qwen2_block_saves_what_a_transformers_decoder_layer_saves(tmp_path: Path) -> None:
+    """Qwen2-7B's config with its widths cut 16x (28 heads of 8, 4 key/value heads, MLP 18944/16), seq 128,
+    microbatch 1: each block's measured saved bytes against one Qwen2DecoderLayer that transformers builds
+    from the same config, in a one-layer model run whole (rotary cos/sin and mask as the model makes them),
+    its saved tensors seen by torch.autograd.graph.saved_tensors_hooks."""
+    import transformers
+
+    from stageplan.profiling.profiler import profile_model
+
+    fields = json.loads((Path(__file__).parents[2] / "stageplan" / "presets" / "qwen2-7b.json").read_text())
+    fields.pop("_source")
+    fields.update(hidden_size=224, intermediate_size=1184, num_hidden_layers=2, vocab_size=512,
+                  bos_token_id=0, eos_token_id=0)
+    path = tmp_path / "qwen2-small.json"
+    path.write_text(json.dumps(fields))
+    wl = hf(config=str(path), seq_len=128, batch_size=2)
+    prof = profile_model(wl, microbatch_size=1, warmup=0, repeats=1, streaming=False, dedup=False)
+    blocks = [x for x in prof.layers if x.name.startswith("model.layers.")]
+
+    config = transformers.Qwen2Config.from_dict({**fields, "num_hidden_layers": 1, "use_cache": False})
+    oracle = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    layer = oracle.model.layers[0]
+    assert type(layer) is transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer
+    params = {p.untyped_storage().data_ptr() for p in oracle.parameters()}
+    saved: dict[int, int] = {}
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        oracle(input_ids=wl.inputs[:1])
+    real = sum(saved.values())
+    assert len(blocks) == 2
+    for x in blocks:
+        assert abs(x.activation_bytes / real - 1) < 0.05, (x.name, x.activation_bytes, real)
+    assert [x.output_bytes for x in prof.layers[:-1]] == [128 * 224 * 4] * 3  # the hidden states alone
+    print(f"\nQwen2 (widths / 16) block, seq 128: saved {[x.activation_bytes for x in blocks]} bytes, "
+          f"transformers' Qwen2DecoderLayer {real}")
