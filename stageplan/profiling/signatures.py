@@ -29,12 +29,15 @@ DEDUP_SPREAD_WARN = 0.10
 # largest relative IQR (IQR / median) of its members' samples, never below OFF_FLOOR and never above OFF_CAP.
 # On a 2-core CPU host shared with other jobs, identical blocks read 0.94-1.03x (docs/profile-format.md),
 # inside the 1.5x floor; the cap keeps a layer more than 3x off measured on its own however noisy the host
-# (the layer_idx counterexample's heavy block reads 20x and more). A false alarm costs one layer's
+# (the layer_idx counterexample's heavy block reads 16-21x). A false alarm costs one layer's
 # measurement, never a figure.
 OFF_FLOOR = 1.5
 OFF_CAP = 3.0
-# the check times each member's forward at least CHECK_ROUNDS times, after one warm-up, and until its samples
-# add up to CHECK_MIN_S (a 30 us block's minimum then comes of hundreds of samples; a 1 s block's of three)
+# the check times each member's forward at least CHECK_ROUNDS times, after one warm-up, and until its least
+# sample times their count reaches CHECK_MIN_S: undisturbed work, so that samples a busy host stretched do not
+# end the check early (a 20 us block's least then comes of 500 samples; a 1 s block's of three). A streamed
+# member found off is checked once more before it is measured apart (the layer it is checked against was timed
+# earlier, under the host's load then).
 CHECK_ROUNDS = 3
 CHECK_MIN_S = 0.01
 CHECK_MAX_ROUNDS = 1000
@@ -234,14 +237,15 @@ def forward_checks(timer: Timer, forwards: Mapping[int, Callable[[], Any]], *,
                    min_time_s: float = CHECK_MIN_S) -> dict[int, list[float]]:
     """Each layer's own forward, without grad: ``warmup`` untimed, then timed in rounds over all of
     ``forwards`` (a change in the machine's speed hits them alike), at least ``rounds`` and until each one's
-    samples add up to ``min_time_s`` (at most CHECK_MAX_ROUNDS): the check of a group's members."""
+    least sample times its count reaches ``min_time_s`` (at most CHECK_MAX_ROUNDS): the check of a group's
+    members."""
     out: dict[int, list[float]] = {k: [] for k in forwards}
     if not out:
         return out
     with torch.no_grad():
         rnd = 0
         while rnd < warmup + rounds or (rnd < warmup + CHECK_MAX_ROUNDS
-                                        and min(sum(v) for v in out.values()) < min_time_s):
+                                        and min(min(v) * len(v) for v in out.values()) < min_time_s):
             for k, fwd in forwards.items():
                 t, res = timer(fwd)
                 del res

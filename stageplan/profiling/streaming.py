@@ -95,7 +95,7 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     env: dict[Any, Any] = {}
     measured = set(plan.measured)
     group_of = {k: g for g in plan.groups for k in g}
-    checked: dict[int, list[float]] = {}  # a group member's own forward (no grad), CHECK_ROUNDS samples
+    checked: dict[int, list[float]] = {}  # a group member's own forward (no grad): its check's samples
     apart: list[int] = []
     reusers = plan.reusers()
     bar = Progress(n, f"profiling {n} layers one at a time ({len(measured)} measured)", enabled=ctx.progress)
@@ -104,9 +104,9 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         materialize_piece(cut, model, piece, ctx.dev, weights)
         values = [resolve(r, args, env) for r in piece.inputs]
         if k in group_of:
-            # the forward every layer runs here to feed the next, timed, after CHECK_ROUNDS - 1 more: the
-            # check of a group's every member (the first sample of a freshly materialised layer reads cold,
-            # the median leaves it out)
+            # the check of a group's every member: CHECK_ROUNDS - 1 forwards without grad (more until they
+            # span CHECK_MIN_S), then the one every layer runs here to feed the next, timed too (the first of
+            # a freshly materialised layer reads cold; the check takes the least)
             checked[k] = forward_checks(timer, {k: functools.partial(piece.module, *values)},
                                         rounds=CHECK_ROUNDS - 1, warmup=0)[k]
             t, (env, keep) = timer(functools.partial(stream_forward, env, cut, k, values))
@@ -115,7 +115,10 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
             # a layer that would reuse its group's second's figures is checked against them (the second
             # comes before it); one off them is measured on its own
             if k in reusers and k in check_group(g[1], {j: checked[j] for j in g if j in checked}).off():
-                apart.append(k)
+                checked[k] += forward_checks(timer, {k: functools.partial(piece.module, *values)},
+                                             warmup=0)[k]  # once more: a burst of load is not a layer's cost
+                if k in check_group(g[1], {j: checked[j] for j in g if j in checked}).off():
+                    apart.append(k)
         else:
             env, keep = stream_forward(env, cut, k, values)
         if k in measured or k in apart:
