@@ -27,7 +27,7 @@ DEDUP_SPREAD_WARN = 0.10
 # timeit documentation). A member whose figure falls outside [figure / k, figure * k] of the one whose
 # figures it would reuse is measured on its own. k is the group's own spread made a margin: 1 + 3 x the
 # largest relative IQR (IQR / median) of its members' samples, never below OFF_FLOOR and never above OFF_CAP.
-# On a 2-core CPU host shared with other jobs, identical blocks read 0.94-1.03x (docs/profile-format.md),
+# On a 2-core CPU host shared with other jobs, identical members read 0.90-1.18x (docs/profile-format.md),
 # inside the 1.5x floor; the cap keeps a layer more than 3x off measured on its own however noisy the host
 # (the layer_idx counterexample's heavy block reads 16-21x). A false alarm costs one layer's
 # measurement, never a figure.
