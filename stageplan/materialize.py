@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -294,11 +295,37 @@ def initialize_by_fqn(model: nn.Module, fqns: Iterable[str], device: torch.devic
 # Giving a module (a layer, a stage, or the whole model) its real parameters
 
 
+# torch.export's unflattening names the second and later calls of one submodule ``name@1``, ``name@2``
+# (torch/export/unflatten.py, _call_name): an exported piece of a block that runs its Linear three times holds
+# ``lin``, ``lin@1`` and ``lin@2``, all three the model's one ``lin``.
+_CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")
+
+
+def model_fqn(model: nn.Module, fqn: str) -> str:
+    """The ``model``'s own FQN for a parameter FQN as an exported piece names it: ``blocks.5.lin@1.weight`` is
+    ``blocks.5.lin.weight`` (the second call of ``lin``); a name the model holds is its own.
+
+    >>> model_fqn(nn.Sequential(nn.Linear(2, 2)), "0@2.weight")
+    '0.weight'
+    """
+    if "@" not in fqn or fqn in _registration_order(model):
+        return fqn
+    return _CALL_SUFFIX.sub("", fqn)
+
+
 def real_parameters(model: nn.Module, fqns: Iterable[str], device: torch.device | str, *,
                     weights: Checkpoint | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
     """Tensors for the parameters ``fqns`` of the (meta) ``model``: read from ``weights`` (a tied parameter is
-    read through whichever of its names the checkpoint holds), or initialised by FQN without weights."""
-    names = list(dict.fromkeys(fqns))
+    read through whichever of its names the checkpoint holds), or initialised by FQN without weights. A later
+    call's name (``lin@1.weight``, see :func:`model_fqn`) gets the same tensor as the module's own name."""
+    asked = list(dict.fromkeys(fqns))
+    own = {n: model_fqn(model, n) for n in asked}
+    made = _real_parameters(model, list(dict.fromkeys(own.values())), device, weights=weights, seed=seed)
+    return {n: made[own[n]] for n in asked}
+
+
+def _real_parameters(model: nn.Module, names: list[str], device: torch.device | str, *,
+                     weights: Checkpoint | None, seed: int) -> dict[str, torch.Tensor]:
     aliases = tied_names(model)
     if weights is None:
         # a tied parameter is initialised once, under its first name, and every alias gets that tensor: the

@@ -85,6 +85,7 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
     names = cut.names
     results = _rows(cut, plan, figures, crossing, params)
     spread = _dedup_spread(plan, figures, names)
+    checks, apart = _dedup_checks(plan, names, estimate=device is not None)
     dev = ctx.dev
     # a measured profile's step floor (an estimate prices its steps by bytes, and its meta says so instead)
     floors = optimizer_floors(dev, Timer(dev), ctx.repeats) if device is None else None
@@ -142,6 +143,11 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "layers_reused": sum(1 for k, r in enumerate(plan.rep) if r != k),
         "distinct_layers": plan.distinct,
         "dedup_spread": spread,
+        # every member of every group of identical layers against the figure it would reuse, and those
+        # measured on their own for being off it (None for an estimate: no timer noise to rule out, nothing
+        # timed)
+        "dedup_checks": checks,
+        "measured_apart": apart,
         "tied": tied_parameters(cut, model),
         "peak_rss_bytes": peak_rss_bytes(),
         # other processes on the machine inflate wall-clock
@@ -195,3 +201,27 @@ def _dedup_spread(plan: Dedup, figures: Mapping[int, Figures], names: Sequence[s
                 "machine was busy or the layers differ in a way their signature misses; re-profile with more "
                 "--repeats on a quiet machine, or with --no-dedup", stacklevel=5)
     return spread
+
+
+def _dedup_checks(plan: Dedup, names: Sequence[str],
+                  estimate: bool) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """``meta["dedup_checks"]`` (each group: its layers, the one whose figures they would reuse, each one's
+    time over that one's, the tolerance) and ``meta["measured_apart"]`` (each layer the checks measured on its
+    own); a warning names the latter: their signature matched a layer they do not cost like."""
+    if estimate or plan.checks is None:
+        return None, None
+    checks: list[dict[str, Any]] = []
+    apart: list[dict[str, Any]] = []
+    for c in plan.checks:
+        checks.append({"as": names[c.rep], "layers": [names[m] for m in c.members],
+                       "forward_ratio": list(c.forward), "tolerance": c.tolerance})
+        apart.extend({"layer": names[m], "as": names[c.rep], "forward_ratio": r, "tolerance": c.tolerance}
+                     for m, r in zip(c.members, c.forward) if m in plan.apart)
+    if apart:
+        shown = ", ".join(f"{a['layer']!r} ({a['forward_ratio']:.2f}x {a['as']!r}'s forward)" for a in apart)
+        warnings.warn(
+            f"measured on their own: {shown}: each has the signature of an identical layer but not its cost "
+            f"(outside {min(a['tolerance'] for a in apart):.2f}x), so its figures are its own "
+            "(meta['measured_apart']); an attribute such as layer_idx may change what it computes",
+            stacklevel=5)
+    return checks, apart

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -43,7 +45,13 @@ from stageplan.profiling.device import default_dtype, is_estimate_device, parse_
 from stageplan.profiling.estimate import profile_estimate
 from stageplan.profiling.memory import Peaks, bytes_and_peak, free_bytes, whole_model_bytes
 from stageplan.profiling.optimizer import layer_grads, optimizer_times
-from stageplan.profiling.signatures import Dedup, layer_signature, plan_dedup, stage_pools
+from stageplan.profiling.signatures import (
+    check_group,
+    forward_checks,
+    layer_signature,
+    plan_dedup,
+    stage_pools,
+)
 from stageplan.profiling.streaming import profile_streaming
 from stageplan.timing import (
     LayerContext,
@@ -188,8 +196,6 @@ def profile_model(
                       "it (--device estimate:NAME)", stacklevel=2)
     mb_args_cpu = first_microbatch(workload, microbatch_size)
     if workload.model is None and workload.model_fn is not None:  # a model only ever built on meta (model_fn)
-        import dataclasses
-
         workload = dataclasses.replace(workload, model=meta_model(workload), model_fn=None)
     if not isinstance(workload.model, nn.Module):
         raise WorkloadError(f"workload.model must be a torch.nn.Module, got {type(workload.model).__name__}")
@@ -314,7 +320,6 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     # in a stage's order every layer is timed (its backward depends on what ran since its forward); identical
     # layers still share their optimizer step and bytes
     timed = list(range(n)) if stage else plan.measured
-    measured = plan.measured
     runs = [make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in timed]
 
     whole_params = list(model.parameters())
@@ -343,8 +348,26 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         ctx.min_time_s, chain=stage)
     ctx.timed_rounds.append(len(whole_times))
     bar.close()
-    figures: dict[int, Figures] = {}
     by_layer = dict(zip(timed, zip(runs, samples)))
+    pools = stage_pools(signatures) if stage and ctx.dedup else []
+    if plan.groups:
+        # every member's own forward, checked against the figures the others reuse; one off them is measured
+        # on its own (a branch on layer_idx, which the signature leaves out, can make a block do far more
+        # work). In a stage's order every layer is timed in its place already, and the check judges what it
+        # would still share: its group's bytes and optimizer step, and its pool's times.
+        got = forward_checks(timer, {k: functools.partial(cut.pieces[k].module, *values[k])
+                                     for g in plan.groups for k in g})
+        plan = plan.checked([check_group(g[1], {k: got[k] for k in g}) for g in plan.groups],
+                            plan.reusers() | {k for pool in pools for k in pool})
+        apart = [k for k in plan.measured if k not in by_layer]
+        if apart:
+            more = [make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in apart]
+            more_samples, _ = time_rounds(more, timer, ctx.warmup, ctx.repeats,
+                                          min_time_s=ctx.min_time_s * len(apart) / len(timed))
+            ctx.timed_rounds.append(len(more_samples[0][0]))
+            by_layer.update(zip(apart, zip(more, more_samples)))
+    measured = plan.measured
+    figures: dict[int, Figures] = {}
     for k in measured:
         run, s = by_layer[k]
         act, peak = bytes_and_peak(run, ctx.dev, peaks)
@@ -353,14 +376,16 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     pooled: list[list[int]] = []
     if stage:
         # every layer timed in its place; an identical layer its representative's bytes and optimizer step
-        pooled = stage_pools(signatures) if ctx.dedup else []
+        # a member measured apart keeps its own times
+        pooled = [kept for pool in pools if len(kept := [k for k in pool if k not in plan.apart]) > 1]
         pool_of = {k: group for group in pooled for k in group}
         for k in range(n):
             fig = figures.get(k) or figures[plan.rep[k]]
             group = pool_of.get(k, [k])
             times = [[t for j in group for t in by_layer[j][1][i]] for i in range(3)]
             figures[k] = make_figures(times, fig.activation_bytes, fig.peak_bytes, fig.optimizer_s)
-        plan = Dedup(list(range(n)), None, plan.distinct)  # nothing reused: no spread to check
+        # nothing reused: no spread to check (the checks of every member stay)
+        plan = dataclasses.replace(plan, rep=list(range(n)), spread=None)
     crossing = [0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in cut.crossing_refs(k))
                 for k in range(n)]
     params = [param_totals(p.module) for p in cut.pieces]

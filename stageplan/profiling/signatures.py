@@ -3,8 +3,10 @@ equal signatures are measured once, and stage-order profiles pool them."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +16,31 @@ from torch import nn
 from stageplan.layers import (
     CutModel,
 )
+from stageplan.measure import Timer, median_iqr
 
 # Above this relative difference between two instances of one layer, measuring it once is questionable.
 DEDUP_SPREAD_WARN = 0.10
+
+# The check of every member of a group of identical layers (see check_group). A member's figure in it is the
+# least of its timed samples: other processes only ever add time, so the minimum is the run least disturbed
+# ("the lowest value gives a lower bound for how fast your machine can run the given code snippet", Python's
+# timeit documentation). A member whose figure falls outside [figure / k, figure * k] of the one whose
+# figures it would reuse is measured on its own. k is the group's own spread made a margin: 1 + 3 x the
+# largest relative IQR (IQR / median) of its members' samples, never below OFF_FLOOR and never above OFF_CAP.
+# On a 2-core CPU host shared with other jobs, identical members read 0.90-1.18x (docs/profile-format.md),
+# inside the 1.5x floor; the cap keeps a layer more than 3x off measured on its own however noisy the host
+# (the layer_idx counterexample's heavy block reads 16-21x). A false alarm costs one layer's
+# measurement, never a figure.
+OFF_FLOOR = 1.5
+OFF_CAP = 3.0
+# the check times each member's forward at least CHECK_ROUNDS times, after one warm-up, and until its least
+# sample times their count reaches CHECK_MIN_S: undisturbed work, so that samples a busy host stretched do not
+# end the check early (a 20 us block's least then comes of 500 samples; a 1 s block's of three). A streamed
+# member found off is checked once more before it is measured apart (the layer it is checked against was timed
+# earlier, under the host's load then).
+CHECK_ROUNDS = 3
+CHECK_MIN_S = 0.01
+CHECK_MAX_ROUNDS = 1000
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,13 +150,37 @@ def layer_signature(cut: CutModel, k: int, model: nn.Module, inputs: Sequence[An
 
 
 @dataclass(frozen=True)
+class GroupCheck:
+    """Every member of a group of identical layers against the one whose figures the others reuse, ``rep``:
+    ``forward``, each member's figure in the check (the least of its forwards timed without grad) over
+    ``rep``'s (1.0 for ``rep``); ``tolerance``, the k of [1/k, k] outside which a member is off."""
+
+    rep: int
+    members: tuple[int, ...]
+    forward: tuple[float, ...]
+    tolerance: float
+
+    def off(self) -> list[int]:
+        """The members outside [1/tolerance, tolerance] of ``rep``'s figure."""
+        k = self.tolerance
+        return [m for m, r in zip(self.members, self.forward) if not 1 / k <= r <= k]
+
+
+@dataclass(frozen=True)
 class Dedup:
     """``rep[k]``: the piece whose figures piece k reuses (itself when measured); ``spread``: the second and
-    third instances of the largest group, both measured, or None when no group has three."""
+    third instances of the largest group, both measured, or None when no group has three; ``groups``: the
+    layers of each signature two or more share; ``checks``: every member of every group against the
+    group's second (:func:`check_group`), None where nothing is timed (an estimate); ``apart``: the layers
+    those checks found off the figures they would have reused, measured on their own."""
 
     rep: list[int]
     spread: tuple[int, int] | None
     distinct: int = 0  # distinct signatures
+    # in model order; a group's second is its representative (its first follows another kind of layer)
+    groups: tuple[tuple[int, ...], ...] = ()
+    checks: tuple[GroupCheck, ...] | None = ()
+    apart: tuple[int, ...] = ()
 
     @property
     def measured(self) -> list[int]:
@@ -140,6 +188,71 @@ class Dedup:
         if self.spread is not None:
             ks.add(self.spread[1])
         return sorted(ks)
+
+    def checked(self, checks: Sequence[GroupCheck], judged: Collection[int],
+                apart: Collection[int] | None = None) -> Dedup:
+        """This plan after ``checks``: each of the ``judged`` layers (those that would take another's figures)
+        found off them is its own representative, measured on its own; the checks are kept for the meta.
+        ``apart``: the layers found off as the checks went (a layer-at-a-time profile judges each member when
+        it holds it, against the members before it), instead of those the whole groups' checks find."""
+        off = {k for c in checks for k in c.off() if k != c.rep} if apart is None else set(apart)
+        off &= set(judged)
+        rep = [k if k in off else r for k, r in enumerate(self.rep)]
+        return dataclasses.replace(self, rep=rep, checks=tuple(checks), apart=tuple(sorted(off)))
+
+    def reusers(self) -> set[int]:
+        """The layers whose rows take another layer's figures."""
+        return {k for k, r in enumerate(self.rep) if r != k}
+
+
+def tolerance(samples: Sequence[Sequence[float]]) -> float:
+    """The k of [figure / k, figure * k] for a group whose members' timings are ``samples``: 1 + 3 x the
+    largest relative IQR among them, within [OFF_FLOOR, OFF_CAP].
+
+    >>> tolerance([[1.0, 1.0, 1.0], [2.0, 2.0, 2.1]])
+    1.5
+    >>> tolerance([[1.0, 1.2, 1.4, 1.6, 1.8]])  # IQR 0.4 over a median of 1.4: a busy host
+    1.8571428571428572
+    """
+    rel = [iqr / med for med, iqr in (median_iqr(s) for s in samples if s) if med > 0 and math.isfinite(iqr)]
+    return min(OFF_CAP, max(OFF_FLOOR, 1 + 3 * max(rel, default=0.0)))
+
+
+def check_group(rep: int, forward: Mapping[int, Sequence[float]]) -> GroupCheck:
+    """Every member of a group (the keys of ``forward``, each with its timed samples) against ``rep``: the
+    ratios of their least samples, and the tolerance from the group's own spread (:func:`tolerance`).
+
+    >>> c = check_group(1, {0: [1.0] * 3, 1: [1.0, 1.0, 3.0], 2: [1.1] * 3, 3: [24.0] * 3})
+    >>> c.forward, c.tolerance, c.off()
+    ((1.0, 1.0, 1.1, 24.0), 3.0, [3])
+    """
+    members = tuple(sorted(forward))
+    base = min(forward[rep])
+    return GroupCheck(rep, members, tuple(min(forward[m]) / base if base > 0 else 1.0 for m in members),
+                      tolerance(list(forward.values())))
+
+
+def forward_checks(timer: Timer, forwards: Mapping[int, Callable[[], Any]], *,
+                   rounds: int = CHECK_ROUNDS, warmup: int = 1,
+                   min_time_s: float = CHECK_MIN_S) -> dict[int, list[float]]:
+    """Each layer's own forward, without grad: ``warmup`` untimed, then timed in rounds over all of
+    ``forwards`` (a change in the machine's speed hits them alike), at least ``rounds`` and until each one's
+    least sample times its count reaches ``min_time_s`` (at most CHECK_MAX_ROUNDS): the check of a group's
+    members."""
+    out: dict[int, list[float]] = {k: [] for k in forwards}
+    if not out:
+        return out
+    with torch.no_grad():
+        rnd = 0
+        while rnd < warmup + rounds or (rnd < warmup + CHECK_MAX_ROUNDS
+                                        and min(min(v) * len(v) for v in out.values()) < min_time_s):
+            for k, fwd in forwards.items():
+                t, res = timer(fwd)
+                del res
+                if rnd >= warmup:
+                    out[k].append(t)
+            rnd += 1
+    return out
 
 
 def plan_dedup(signatures: Sequence[Any], enabled: bool) -> Dedup:
@@ -161,7 +274,8 @@ def plan_dedup(signatures: Sequence[Any], enabled: bool) -> Dedup:
     # agree: the second and third (both follow their own kind)
     largest = max(groups.values(), key=len)  # the first of the largest groups on a tie (dicts keep order)
     spread = (largest[1], largest[2]) if len(largest) > 2 else None  # of a pair, both are measured and used
-    return Dedup(rep, spread, len(groups))
+    shared = tuple(tuple(g) for g in groups.values() if len(g) > 1)
+    return Dedup(rep, spread, len(groups), shared)
 
 
 def stage_pools(signatures: Sequence[Any]) -> list[list[int]]:

@@ -3,6 +3,7 @@ the real outputs of the layers before it; at most one layer's weights are real a
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any
 
@@ -27,7 +28,13 @@ from stageplan.measure import (
 from stageplan.profiling.assemble import Figures, assemble, make_figures, param_totals
 from stageplan.profiling.memory import Peaks, bytes_and_peak, fake_inputs, fake_state
 from stageplan.profiling.optimizer import layer_grads, optimizer_times
-from stageplan.profiling.signatures import layer_signature, plan_dedup
+from stageplan.profiling.signatures import (
+    CHECK_ROUNDS,
+    check_group,
+    forward_checks,
+    layer_signature,
+    plan_dedup,
+)
 from stageplan.timing import (
     LayerContext,
     make_run,
@@ -87,12 +94,34 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
     params: list[tuple[int, int]] = []
     env: dict[Any, Any] = {}
     measured = set(plan.measured)
+    group_of = {k: g for g in plan.groups for k in g}
+    checked: dict[int, list[float]] = {}  # a group member's own forward (no grad): its check's samples
+    apart: list[int] = []
+    reusers = plan.reusers()
     bar = Progress(n, f"profiling {n} layers one at a time ({len(measured)} measured)", enabled=ctx.progress)
     for k, piece in enumerate(cut.pieces):
         bar.update(k, piece.name)
         materialize_piece(cut, model, piece, ctx.dev, weights)
         values = [resolve(r, args, env) for r in piece.inputs]
-        if k in measured:
+        if k in group_of:
+            # the check of a group's every member: CHECK_ROUNDS - 1 forwards without grad (more until they
+            # span CHECK_MIN_S), then the one every layer runs here to feed the next, timed too (the first of
+            # a freshly materialised layer reads cold; the check takes the least)
+            checked[k] = forward_checks(timer, {k: functools.partial(piece.module, *values)},
+                                        rounds=CHECK_ROUNDS - 1, warmup=0)[k]
+            t, (env, keep) = timer(functools.partial(stream_forward, env, cut, k, values))
+            checked[k].append(t)
+            g = group_of[k]
+            # a layer that would reuse its group's second's figures is checked against them (the second
+            # comes before it); one off them is measured on its own
+            if k in reusers and k in check_group(g[1], {j: checked[j] for j in g if j in checked}).off():
+                checked[k] += forward_checks(timer, {k: functools.partial(piece.module, *values)},
+                                             warmup=0)[k]  # once more: a burst of load is not a layer's cost
+                if k in check_group(g[1], {j: checked[j] for j in g if j in checked}).off():
+                    apart.append(k)
+        else:
+            env, keep = stream_forward(env, cut, k, values)
+        if k in measured or k in apart:
             run = make_run(piece, k, n, values, ctx.workload, target)
             (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats,
                                   min_time_s=ctx.min_time_s / len(measured))
@@ -101,7 +130,6 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
             figures[k] = make_figures(s, act, peak,
                                       optimizer_times(run.params, timer, ctx.repeats, layer_grads(run)))
             del run
-        env, keep = stream_forward(env, cut, k, values)
         del values
         crossing.append(0 if k == n - 1 else sum(tensor_bytes(resolve(r, args, env)) for r in keep))
         params.append(param_totals(piece.module))
@@ -110,6 +138,7 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         if ctx.dev.type == "cuda":
             peaks.note_cuda(ctx.dev)
             torch.cuda.empty_cache()
+    plan = plan.checked([check_group(g[1], {j: checked[j] for j in g}) for g in plan.groups], reusers, apart)
     bar.update(n, "done")
     bar.close()
     extra = {"materialized": "layer-at-a-time", "whole_model_s": None, "whole_model_iqr_s": None,

@@ -191,3 +191,58 @@ def test_a_model_fn_workload_is_profiled_layer_at_a_time_without_building_it() -
     assert prof.names == ["0", "1", "2"] and prof.meta["materialized"] == "layer-at-a-time"
     assert [x.param_bytes for x in prof.layers] == [272 * 4, 0, 272 * 4]
     assert wl.model is None  # the caller's workload is untouched
+
+
+class _Looped(nn.Module):
+    """Weight reuse inside a block, as ALBERT's shared layers or a looped block: one Linear called three times
+    (torch.export names the later calls ``lin@1`` and ``lin@2``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class _LoopedNet(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Looped(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_stage_that_calls_a_module_three_times_gets_its_one_parameter(tmp_path: Path) -> None:
+    """An exported piece names the second and third calls of ``blocks.1.lin`` ``blocks.1.lin@1`` and
+    ``blocks.1.lin@2``; each is the model's ``blocks.1.lin`` (initialised by FQN, or read from a checkpoint),
+    one tensor: giving them real tensors had raised KeyError 'blocks.1.lin@1.weight'."""
+    from stageplan.materialize import model_fqn
+
+    torch.manual_seed(0)
+    real = _LoopedNet()
+    x = torch.randn(4, 8)
+    save_checkpoint(real, tmp_path / "w.safetensors")
+    assert model_fqn(real, "blocks.1.lin@2.weight") == "blocks.1.lin.weight"
+    assert model_fqn(real, "blocks.1.lin.bias") == "blocks.1.lin.bias"
+    for weights in (None, Checkpoint(tmp_path / "w.safetensors")):
+        meta = meta_copy(real)
+        cut = cut_stages(meta, (x,), ["blocks.0", "blocks.1", "blocks.2"], (0, 1, 3))
+        stage = cut.pieces[1].module
+        names = meta_parameter_names(stage)
+        assert {"blocks.1.lin@1.weight", "blocks.1.lin@2.bias"} <= set(names)
+        tensors = real_parameters(meta, names, "cpu", weights=weights)
+        assert tensors["blocks.1.lin@1.weight"] is tensors["blocks.1.lin.weight"]  # one tensor, not three
+        materialize_(stage, tensors)
+        assert not meta_parameter_names(stage)
+        # the oracle: the whole model, initialised by FQN as every rank does, or the checkpoint's own model
+        ref = real if weights is not None else reference_model(meta, torch.device("cpu"))
+        assert len({id(p) for p in stage.parameters()}) == 4  # blocks.1.lin and blocks.2.lin, weight and bias
+        with torch.no_grad():
+            hidden = ref.blocks[0](x)
+            torch.testing.assert_close(stage(hidden), ref.blocks[2](ref.blocks[1](hidden)))

@@ -266,3 +266,80 @@ def test_the_fake_chain_gives_each_layers_inputs_and_the_bytes_crossing_each_bou
     assert [[tuple(v.shape) for v in values] for values in inputs] == [[(4, 16)], [(4, 32)], [(4, 32)]]
     # float32 activations; nothing crosses after the last layer
     assert crossing == [4 * 32 * 4, 4 * 32 * 4, 0]
+
+
+class _Looped(nn.Module):
+    """Weight reuse inside a block, as ALBERT's shared layers or a looped block: one Linear called three
+    times."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class _LoopedNet(nn.Module):
+    """Not a Sequential: cut by torch.export, which names the later calls of a block's Linear lin@1, lin@2."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Looped(width) for _ in range(6))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def looped(width: int = 32, batch_size: int = 8) -> Workload:
+    torch.manual_seed(0)
+    return Workload(_LoopedNet(width), torch.randn(batch_size, width), loss_fn=_sum_loss, name="looped")
+
+
+@pytest.mark.parametrize("mode", ["streaming", "streaming-on-meta", "stage", "layer", "no-dedup", "estimate"])
+def test_a_block_that_calls_its_linear_three_times_profiles_with_its_parameters_once(mode: str) -> None:
+    """Streaming had ended in KeyError 'blocks.0.lin@1.weight' (materialize.real_parameters): the exported
+    piece names the second call lin@1, and nothing mapped it back to the parameter."""
+    width, mb = 32, 4
+    opts: dict[str, Any] = {
+        "streaming": {"streaming": True}, "streaming-on-meta": {"streaming": True},
+        "stage": {"streaming": False, "order": "stage"}, "layer": {"streaming": False, "order": "layer"},
+        "no-dedup": {"streaming": False, "dedup": False}, "estimate": {"device": "estimate:h100-sxm"}}[mode]
+    if mode == "streaming-on-meta":  # as the CLI builds it for --streaming: initialised by FQN
+        from stageplan.materialize import init_empty_weights
+
+        with init_empty_weights():
+            wl = looped(width)
+    else:
+        wl = looped(width)
+    if "device" not in opts:
+        opts.update(warmup=0, repeats=1)
+    prof = profile_model(wl, microbatch_size=mb, **opts)
+    assert prof.names == [f"blocks.{k}" for k in range(6)] + ["out"]
+    own = sum(p.numel() for p in _Looped(width).parameters())  # the module's own count: width^2 + width
+    assert [(x.param_count, x.param_bytes) for x in prof.layers] == [(own, 4 * own)] * 7
+    # saved: the block's input and each tanh's output (each the next call's input), float32
+    assert [x.activation_bytes for x in prof.layers[1:6]] == [4 * 4 * mb * width] * 5
+    assert all(x.forward_s > 0 and x.backward_s > 0 for x in prof.layers)
+
+
+def test_the_cli_streams_a_looped_block_from_a_model_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the issue ran it: ``stageplan profile MODULE:FACTORY --streaming`` had ended in a traceback."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    out = tmp_path / "p.json"
+    code, _, err = run_cli(["profile", f"{Path(__file__).stem}:looped", "--streaming", "--warmup", "0",
+                            "--repeats", "1", "--quiet", "-o", str(out)], capsys)
+    sys.modules.pop(Path(__file__).stem, None)  # imported again by name: leave no second copy behind
+    assert code == 0, err
+    data: dict[str, Any] = json.loads(out.read_text())
+    assert data["meta"]["materialized"] == "layer-at-a-time"
+    assert [x["param_count"] for x in data["layers"]] == [32 * 32 + 32] * 7
