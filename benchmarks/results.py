@@ -185,7 +185,8 @@ def table(rows: Sequence[Row], records: Sequence[Mapping[str, Any]]) -> str:
     lines = ["| figure | over the recorded runs | command | hosts / dates |", "|---|---|---|---|"]
     for row in rows:
         held = [r for r in records if row.values([r])]
-        lines.append(f"| {row.label} | {row.cell(records)} | {row.command} | {hosts(held)} |")
+        label = row.label.replace("|", "\\|")  # an |error| inside a Markdown table cell
+        lines.append(f"| {label} | {row.cell(records)} | {row.command} | {hosts(held)} |")
     return "\n".join(lines)
 
 

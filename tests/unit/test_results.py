@@ -81,14 +81,14 @@ def test_regenerate_rewrites_only_the_marked_tables(tmp_path: Path) -> None:
     hand = "# Accuracy\n\nwritten by hand\n"
     doc.write_text(f"{hand}<!-- begin: steps -->\nold table\n<!-- end: steps -->\nbetween\n"
                    "<!-- begin: runs -->\n<!-- end: runs -->\nafter\n")
-    steps = [results.Row("step error, median", "executor", "step_median", goal=0.10)]
+    steps = [results.Row("step error, median |x - 1|", "executor", "step_median", goal=0.10)]
     tables = {"steps": steps, "runs": None}
     out = results.regenerate(doc, runs, tables)
     assert out == doc.read_text()
     assert out.startswith(hand) and "old table" not in out
     assert "\nbetween\n" in out and out.endswith("after\n")
-    assert ("| step error, median | median 6.0% over 2 runs (5.0%–7.0%); worst 7.0%; within 10.0% in 2 of 2 "
-            "| `make bench` | CPU A; CPU B, 2026-12-01 to 2026-12-02 |") in out
+    assert ("| step error, median \\|x - 1\\| | median 6.0% over 2 runs (5.0%–7.0%); worst 7.0%; "
+            "within 10.0% in 2 of 2 | `make bench` | CPU A; CPU B, 2026-12-01 to 2026-12-02 |") in out
     assert "| 2026-12-01 08:00 | abc1234 | CPU A | 2 | 1.50 / " in out
     assert results.regenerate(doc, runs, tables) == out  # the same records give the same document
 
