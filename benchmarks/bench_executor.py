@@ -1,8 +1,11 @@
 """Executor benchmark: how well a plan predicts its run
 on this machine, before any calibration, and after tune.
 
-Three models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 16384-token vocabulary (its LM
-head costs ~8 blocks), the conv stack, and HF GPT-2 (tied embedding and head). Each configuration (model, m,
+Two models on 2 CPU ranks, GPipe and 1F1B, m in {4, 8}: gpt with a skewed 16384-token vocabulary (its LM
+head costs ~8 blocks) and the conv stack; with --probes also HF GPT-2 (tied embedding and head), the noise
+floor and the probes after tune (make bench leaves them out to stay within half an hour). For the first two,
+the cross-split section: the profile calibrated on the optimal split's run predicts other splits, each run
+fresh (:func:`cross_split`). Each configuration (model, m,
 schedule) is profiled just before its runs, with its rounds spread over PROFILE_S seconds, planned optimal and
 uniform, and each distinct split run for at least RUN_S seconds of steps: this shared host's speed drifts by
 the second (two windows of the same work differed by up to 33% over 1.7 s windows and 9% over 20 s, 98th
@@ -25,6 +28,7 @@ objectives (the least bottleneck, the lowest predicted step), run in turns where
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -41,7 +45,10 @@ STEPS, WARMUP = 20, 3  # the same plan's step varied 7-14% between runs of 8 ste
 RUN_S = 8.0
 PROFILE_S = 10.0  # each profile's timed rounds span at least this (stageplan profile --min-time)
 TUNE_RUNS = 3  # tune's final plan and uniform, run in turns (stageplan tune --runs)
-MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {}), ("hf-gpt2", {})]
+MODELS = [("gpt", {"vocab_size": 16384}), ("convnet", {})]
+# with --probes (not in make bench, which stays within half an hour): HF GPT-2 too, whose tied embedding and
+# head make the only priced all-reduce
+PROBE_MODELS = [("hf-gpt2", {})]
 
 
 def _x(x: float | None) -> str:
@@ -172,6 +179,121 @@ def noise_floor(link: dict, pairs: int = 5) -> None:
               f"worst <= 20%)")
     print(f"  step: measured / predicted {min(steps):.3f}-{max(steps):.3f}; the least worst error any fixed "
           f"correction leaves: {_floor(steps):.1%} (goal line: worst <= 25%)")
+
+
+# the models the cross-split section calibrates (the skewed GPT and the conv stack), each under GPipe and 1F1B
+# at m = 4 and 8, 2 ranks
+CALIBRATION_MODELS = ("gpt", "convnet")
+
+
+@dataclasses.dataclass(frozen=True)
+class Judged:
+    """One split judged by the cross-split section: what it was calibrated on, the split's plan priced from
+    the calibrated profile with the fitted crossing delay (``plan``) and with the link instead (``no_fit_s``),
+    and its fresh run."""
+
+    model: str
+    m: int  # the calibrating run's microbatches
+    split: str  # "uniform", "p = 1", "m = 8", or "same plan"
+    calibrated_on: tuple[int, ...]
+    calibrating_s: float
+    plan: stageplan.Plan
+    no_fit_s: float
+    report: stageplan.RunReport
+
+
+def cross_split(model: str, options: dict, batch: int, profile: stageplan.Profile,
+                plans: dict[str, stageplan.Plan], reports: dict[str, stageplan.RunReport], link: dict,
+                turn: int, kernels: list[float]) -> list[Judged]:
+    """Calibrate ``profile`` on the optimal split's run (``reports["optimal"]``) and judge the calibrated
+    model on runs it was not fit to: the uniform split (already run, fresh, just after), the same model on 1
+    rank (the only other p this 2-core host holds at one rank per core), and the other m of {4, 8} at the same
+    microbatch size (the model built with that batch: calibrate's factors are per microbatch), each run
+    fresh now; and the calibrating split run again (the same plan: what one run of a plan says of the next).
+    The three new runs go in a turn that rotates from one configuration to the next (``turn``), each after
+    the fixed kernel (appended to ``kernels``).
+
+    Each is priced twice from the calibrated profile: as calibrate leaves it (the crossing delay fitted so
+    the calibrating run's step is matched exactly), and with the measured link pricing the crossings instead
+    (no fitted delay; the chunk overheads stay the run's)."""
+    m, schedule = plans["optimal"].num_microbatches, plans["optimal"].schedule
+    other_m = 8 if m == 4 else 4
+    calibrated = stageplan.calibrate(profile, reports["optimal"])
+
+    mb = batch // m
+
+    def priced(p: int, m_: int, bounds: tuple[int, ...] | None) -> tuple[stageplan.Plan, float]:
+        prof = calibrated
+        if m_ != m:  # m_ microbatches of the same size: the model built with a batch of m_ of them
+            meta = {**prof.meta, "batch_size": mb * m_,
+                    "factory_options": {**prof.meta.get("factory_options", {}), "batch_size": mb * m_}}
+            prof = stageplan.Profile(prof.layers, meta)
+        fit = stageplan.plan(prof, p, num_microbatches=m_, schedule=schedule, boundaries=bounds)
+        no_fit = stageplan.plan(prof, p, num_microbatches=m_, schedule=schedule, boundaries=fit.boundaries,
+                                link=link)
+        return fit, no_fit.predicted_step_s
+
+    def judged(split: str, pl: stageplan.Plan, no_fit: float, rep: stageplan.RunReport) -> Judged:
+        return Judged(model, m, split, plans["optimal"].boundaries, reports["optimal"].measured_step_s, pl,
+                      no_fit, rep)
+
+    rows = []
+    if plans["uniform"].boundaries != plans["optimal"].boundaries:
+        rows.append(judged("uniform", *priced(2, m, plans["uniform"].boundaries), reports["uniform"]))
+    # the other m: the calibrated profile's optimal plan there (its split may move), run with a batch of
+    # other_m microbatches of the profiled size
+    fresh = [("same plan", *priced(2, m, plans["optimal"].boundaries), options),
+             ("p = 1", *priced(1, m, None), options),
+             (f"m = {other_m}", *priced(2, other_m, None), {**options, "batch_size": mb * other_m})]
+    k = turn % len(fresh)
+    for name, pl, no_fit, opts in fresh[k:] + fresh[:k]:
+        kernels.append(_machine_speed())
+        rep = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP, factory_options=opts, retime=False)
+        rows.append(judged(name, pl, no_fit, rep))
+    return rows
+
+
+def print_cross_split(rows: list[Judged], kernels: list[float]) -> dict[str, float | None]:
+    """The cross-split table, its medians and worst cases beside the same plan's and the fixed kernel's
+    floor (|reading / median - 1| over the readings before each run of the section), and the record's
+    figures."""
+    table, cross, cross_no_fit, same, same_no_fit = [], [], [], [], []
+    for r in rows:
+        fit, meas = r.plan.predicted_step_s, r.report.measured_step_s
+        e_fit, e_no = meas / fit - 1, meas / r.no_fit_s - 1
+        split = f"{r.plan.num_ranks} x {r.plan.num_microbatches}: {' '.join(map(str, r.plan.boundaries))}"
+        table.append([r.model, r.plan.schedule, r.m, " ".join(map(str, r.calibrated_on)),
+                      f"{r.calibrating_s * 1e3:.1f}", r.split, split,
+                      f"{fit * 1e3:.1f}", f"{r.no_fit_s * 1e3:.1f}", f"{meas * 1e3:.1f}", _pct(e_fit),
+                      _pct(e_no)])
+        (same if r.split == "same plan" else cross).append(abs(e_fit))
+        (same_no_fit if r.split == "same plan" else cross_no_fit).append(abs(e_no))
+    floor = [abs(k / statistics.median(kernels) - 1) for k in kernels] if kernels else []
+    print("\ncross-split prediction after one calibration: each configuration's profile calibrated on its "
+          "optimal split's run, then the uniform split (run just after it), 1 rank, and the other m (same "
+          "microbatch size), each measured fresh, and the calibrating split run again (same plan); priced "
+          "with calibrate's fitted crossing delay (fit) and with the measured link instead (no fit)")
+    print(format_table(["model", "schedule", "m", "calibrated on", "its step ms", "judged",
+                        "ranks x m: split",
+                        "predicted ms (fit)", "(no fit)", "measured ms", "error (fit)", "(no fit)"], table))
+
+    def line(name: str, errs: list[float]) -> str:
+        return (f"{name}: median {statistics.median(errs):.1%}, worst {max(errs):.1%} over {len(errs)}"
+                if errs else f"{name}: none")
+
+    print(f"  {line('cross-split, fit', cross)} (goal: median <= 10%, worst <= 20%, or the floor)")
+    print(f"  {line('cross-split, no fit', cross_no_fit)}")
+    print(f"  {line('same plan, fit', same)}; {line('no fit', same_no_fit)}")
+    print(f"  {line('fixed kernel before each run, |reading / median - 1| (the floor)', floor)}")
+
+    def med(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    return {"cross_median": med(cross), "cross_worst": max(cross, default=None),
+            "cross_no_fit_median": med(cross_no_fit), "cross_no_fit_worst": max(cross_no_fit, default=None),
+            "cross_count": len(cross), "same_median": med(same), "same_worst": max(same, default=None),
+            "same_no_fit_median": med(same_no_fit), "same_no_fit_worst": max(same_no_fit, default=None),
+            "floor_median": med(floor), "floor_worst": max(floor, default=None), "floor_count": len(floor)}
 
 
 ORDER_CASES = [("gpt", {"vocab_size": 16384}, "1F1B", 4, (0, 4, 8)), ("hf-gpt2", {}, "1F1B", 8, (0, 3, 6))]
@@ -423,7 +545,11 @@ def slices_in_pipelines(pairs: int = 2) -> None:
                         "kernel's / 0.1 ms (median step)", "step error at 0.1 ms"], rows))
 
 
-def main() -> None:
+def main(probes: bool = False) -> dict[str, dict[str, float | None]]:
+    """Prints every table and returns the figures by record section: "executor" (the runs without
+    calibration, tune) and "calibration" (cross-split predictions after one calibration). ``probes`` adds
+    HF GPT-2's configurations, the noise floor and the probes (orders, objectives, placement, crossings,
+    slices), which make bench leaves out to stay within half an hour on a 2-core host."""
     start = time.perf_counter()
     from stageplan.running.launch import measure_link
 
@@ -433,7 +559,10 @@ def main() -> None:
     idle_pairs: list[tuple[float, float, float]] = []
     err_wall, err_cpu, err_step, err_machine, err_pipe = [], [], [], [], []
     tune_steps: dict[int, int] = {}
-    for model, options in MODELS:
+    cross: list[dict[str, object]] = []
+    kernels: list[float] = []  # the fixed kernel before each run the calibration section measures
+    gain_ratios: list[float] = []
+    for model, options in MODELS + (PROBE_MODELS if probes else []):
         workload = build_workload(model, options)
         for m in (4, 8):
             for schedule in ("GPipe", "1F1B"):
@@ -446,7 +575,7 @@ def main() -> None:
                          for k in ("optimal", "uniform")}
                 if model == MODELS[0][0] and schedule == "1F1B":
                     tune_steps[m] = _steps(plans["optimal"])
-                reports = {}
+                reports, at_runs = {}, {}
                 for name, pl in plans.items():
                     same = next((o for o in reports if plans[o].boundaries == pl.boundaries), None)
                     if same:
@@ -454,6 +583,7 @@ def main() -> None:
                         continue
                     at_run = _machine_speed()
                     speeds.append(at_run)
+                    at_runs[name] = at_run
                     reports[name] = stageplan.run(model, pl, steps=_steps(pl), warmup=WARMUP,
                                                   factory_options=options)
                     rep = reports[name]
@@ -496,6 +626,13 @@ def main() -> None:
                 gains.append([model, schedule, m,
                               f"{plans['uniform'].predicted_step_s / plans['optimal'].predicted_step_s:.3f}",
                               f"{uni.measured_step_s / opt.measured_step_s:.3f}"])
+                gain_ratios.append(uni.measured_step_s / opt.measured_step_s)
+                if model in CALIBRATION_MODELS:
+                    kernels.append(at_runs["optimal"])
+                    if "uniform" in at_runs:
+                        kernels.append(at_runs["uniform"])
+                    cross += cross_split(model, options, workload.batch_size, profile, plans, reports, link,
+                                         len(cross), kernels)
     print(f"2 ranks, each configuration profiled just before its runs (rounds over >= {PROFILE_S:g} s), runs "
           f"of >= {STEPS} measured steps and >= {RUN_S:g} s after {WARMUP} warm-up; no calibration; plans "
           f"priced with the link measured first ({link['latency_s'] * 1e6:.0f} us, "
@@ -565,7 +702,15 @@ def main() -> None:
     print("\noptimal over uniform: predicted and measured step ratio")
     print(format_table(["model", "schedule", "m", "predicted", "measured"], gains))
 
-    tuned, tune_parts = [], []
+    tuned, tune_parts, tune_errors = [], [], []
+    figures: dict[str, float | None] = {
+        "compute_median": statistics.median(err_wall), "compute_worst": max(err_wall),
+        "compute_cpu_median": statistics.median(err_cpu), "compute_cpu_worst": max(err_cpu),
+        "machine_median": statistics.median(err_machine), "pipeline_median": statistics.median(err_pipe),
+        "step_median": statistics.median(err_step), "step_worst": max(err_step), "runs": len(err_step),
+        "rank_runs": len(err_wall), "fixed_kernel_spread": max(speeds) / min(speeds),
+        "gain_measured_median": statistics.median(gain_ratios),
+        "tied_sync_ratio_median": statistics.median(float(r[-1]) for r in syncs) if syncs else None}
     for m in (4, 8):
         with tempfile.TemporaryDirectory() as tmp:
             result = stageplan.tune("gpt", 2, factory_options=MODELS[0][1], num_microbatches=m,
@@ -584,6 +729,19 @@ def main() -> None:
         first, final, uni = result["rounds"][0], result["final"], result["uniform"]
         predicted_gain = uni["predicted_step_s"] / final["predicted_step_s"]
         measured_gain = result["final_over_uniform_measured"]
+        same = result["repeatability_error"]
+        figures.update({f"tune_m{m}_final_error": final["error"],
+                        f"tune_m{m}_repeatability": None if same is None else abs(same),
+                        f"tune_m{m}_prediction_median": result["prediction_error_median"],
+                        f"tune_m{m}_prediction_worst": result["prediction_error_worst"],
+                        f"tune_m{m}_predictions": len(result["prediction_errors"]),
+                        f"tune_m{m}_gain_predicted": predicted_gain,
+                        f"tune_m{m}_gain_measured": measured_gain,
+                        f"tune_m{m}_rounds": len(result["rounds"])})
+        tune_errors += [[m, e["split"], " ".join(map(str, e["boundaries"])),
+                         f"{e['predicted_step_s'] * 1e3:.1f}",
+                         f"{e['measured_step_s'] * 1e3:.1f}", _pct(e["error"])]
+                        for e in result["prediction_errors"]]
         again = final.get("measured_steps_s") or [final["measured_step_s"]]
         tuned.append([m, tune_steps[m], len(result["rounds"]), " ".join(map(str, first["boundaries"])),
                       _pct(first["error"]),
@@ -605,15 +763,25 @@ def main() -> None:
           "+ final error))")
     print(format_table(["m", "plan", "error", "miss", "layers", "chunk overhead", "optimizer", "rest",
                         "of it, receive waits", "compute, all ranks", "waits", "rank"], tune_parts))
-    noise_floor(link)
-    orders(link)
-    objectives(link)
-    placement(link)
-    crossings()
-    slices_in_pipelines()
+    print("\ntune's prediction: every other split it ran (the uniform split, earlier rounds), priced from "
+          "the "
+          "final calibrated profile, against that split's own runs (the final plan's error above is "
+          "repeatability: calibrate fits the split it ran)")
+    print(format_table(["m", "split", "boundaries", "predicted ms", "measured ms", "error"], tune_errors))
+    calibration = print_cross_split(cross, kernels)
+    if probes:
+        noise_floor(link)
+        orders(link)
+        objectives(link)
+        placement(link)
+        crossings()
+        slices_in_pipelines()
     print(f"\nexecutor benchmark took {time.perf_counter() - start:.0f} s (load average now "
           f"{os.getloadavg()[0]:.2f})")
+    return {"executor": figures, "calibration": calibration}
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(probes="--probes" in sys.argv[1:])

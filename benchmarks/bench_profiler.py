@@ -3,16 +3,17 @@
 whole-model ratio; then repeatability: the skewed gpt (16384-token head, microbatch 2) profiled twice, each in
 its own process, one after the other, and each layer's two figures compared (its forward and mean backward per
 microbatch at the profile's m, what the planner adds up; goal: within 5% for every layer above 1 ms or above
-2% of the model's time); then the same with
---min-time 20 (each profile's rounds spread over 20 s: a shared machine's speed drifts by the second), with
---processes 3, each profile the median of three fresh processes (a process's memory layout offsets all its
-timings alike), and with --order layer (each backward right after its own forward, identical layers measured
-once, against the default stage order's every layer in its place). Each pair is also split into what moved
-every layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer against
-the others (its share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles, and set
-beside fixed work with no stageplan code, shaped like the model's layers (a matmul, a block-sized Linear, the
-embedding's memory-bound backward), run in a fresh process before, between and after the two profiles: how far
-identical work moves between fresh processes on this host in the same minutes, the floor under the line."""
+2% of the model's time); then the same with --order layer (each backward right after its own forward,
+identical layers measured once, against the default stage order's every layer in its place); and with
+--all-modes (not in make bench, to keep it short) also with --min-time 20 (each profile's rounds spread over
+20 s: a shared machine's speed drifts by the second) and with --processes 3, each profile the median of three
+fresh processes (a process's memory layout offsets all its timings alike). Each pair is also split into what
+moved every layer alike (the machine's speed: the ratio of the two sums of layers) and what moved a layer
+against the others (its share of the sum: what moves a plan), with the 2- and 4-rank plans of both profiles,
+and set beside fixed work with no stageplan code, shaped like the model's layers (a matmul, a block-sized
+Linear, the embedding's memory-bound backward), run in a fresh process before, between and after the two
+profiles: how far identical work moves between fresh processes on this host in the same minutes, the floor
+under the line."""
 
 from __future__ import annotations
 
@@ -113,14 +114,24 @@ def _compare(a: Profile, b: Profile) -> tuple[list[list[str]], float, float, flo
     return rows, worst, worst_part, total_b / total_a - 1, worst_share
 
 
-def repeatability(tmp: Path) -> None:
+# the repeatability modes: (processes, --min-time, --order) and the record's key for each; make bench runs the
+# first two (about 2 minutes each here), --all-modes the four (the other two about 4 minutes each)
+MODES = {"repeat_default": (1, 0, None), "repeat_order_layer": (1, 0, "layer"),
+         "repeat_min_time_20": (1, 20, None), "repeat_processes_3": (3, 0, None)}
+
+
+def repeatability(tmp: Path, modes: list[str]) -> dict[str, float]:
+    """Prints each mode's pair of profiles side by side and returns each mode's worst difference (keyed as
+    :data:`MODES`), the fixed work's largest move between neighbouring processes and how many pairs held."""
+    figures: dict[str, float] = {}
     args = ["gpt", "--set", "vocab_size=16384", "--microbatch-size", "2"]
     headers = ["layer", "forward 1", "forward 2", "diff", "backward 1", "backward 2", "diff",
                "accumulating diff", "layer diff", "counts"]
     # each piece's moves between neighbouring fixed-work processes, in order
     floors: dict[str, list[float]] = {}
     worsts: list[float] = []
-    for processes, spread, order in ((1, 0, None), (1, 20, None), (3, 0, None), (1, 0, "layer")):
+    for mode in modes:
+        processes, spread, order = MODES[mode]
         more = (["--processes", str(processes)] if processes > 1 else []) + (["--min-time", str(spread)]
                                                                              if spread else []) \
             + (["--order", order] if order else [])
@@ -155,6 +166,7 @@ def repeatability(tmp: Path) -> None:
             print(f"    {name:<9} {', '.join(f'{r * 1e6:.0f}' for r in reads)} ({moves[0]:+.1%}, "
                   f"{moves[1]:+.1%})")
         worsts.append(worst)
+        figures[mode] = worst
         for ranks in (2, 4):
             pa, pb = stageplan.plan(a, ranks), stageplan.plan(b, ranks)
             same = "the same" if pa.boundaries == pb.boundaries else "different"
@@ -173,9 +185,14 @@ def repeatability(tmp: Path) -> None:
         + f"; all three at once {sum(x <= 0.05 for x in together)} of "
         f"{len(together)}"
     )
+    figures.update({"pairs_within_5pct": sum(w <= 0.05 for w in worsts), "pairs": len(worsts),
+                    "fixed_work_worst_move": max(together),
+                    "fixed_work_within_5pct": sum(x <= 0.05 for x in together),
+                    "fixed_work_pairs": len(together)})
+    return figures
 
 
-def main() -> None:
+def main(all_modes: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         walls: dict[str, list[float]] = {"stage": [], "layer": []}
         for i in range(2):  # the two orders in turns, twice: the machine's drift falls on both alike
@@ -194,10 +211,12 @@ def main() -> None:
                       "(goal <= 5%)")
                 print(f"  sum of layers / whole model: {prof.sum_vs_whole:.3f}; load average at the start "
                       f"{prof.meta['load_average_1min']:.2f}")
-        print(f"wall time, --order stage / --order layer (medians of 2): "
-              f"{statistics.median(walls['stage']) / statistics.median(walls['layer']):.2f}")
-        repeatability(Path(tmp))
+        ratio = statistics.median(walls['stage']) / statistics.median(walls['layer'])
+        print(f"wall time, --order stage / --order layer (medians of 2): {ratio:.2f}")
+        figures = repeatability(Path(tmp), list(MODES) if all_modes else list(MODES)[:2])
+        return {"wall_stage_s": statistics.median(walls["stage"]), "wall_layer_s": statistics.median(
+            walls["layer"]), "wall_stage_over_layer": ratio, **figures}
 
 
 if __name__ == "__main__":
-    main()
+    main(all_modes="--all-modes" in sys.argv[1:])

@@ -127,7 +127,9 @@ def dp_reference(costs: FloatArray, p: int, memory: FloatArray | None = None, en
     return float(best[num_layers])
 
 
-def speed_section() -> None:
+def speed_section() -> dict[str, float]:
+    """Prints the speed table and returns its figures (seconds, and the DP's time over solve's)."""
+    figures: dict[str, float] = {}
     num_layers, p = 1000, 64
     print("== speed (median wall time) ==")
     print(f"the planner's real input at L={num_layers} p={p}: 1F1B memory rows (p, L) + boundary buffers "
@@ -145,6 +147,8 @@ def speed_section() -> None:
                                              lambda args=args: dp_reference(*args), rounds=5, per_round=9)
         ratio = t_ref / t_solve
         same = abs(ref - sol.bottleneck) <= 1e-9 * ref
+        tag = "no_limit" if lim is None else "limit"
+        figures.update({f"solve_{tag}_s": t_solve, f"dp_{tag}_s": t_ref, f"speedup_{tag}": ratio})
         print(f"{name:<26} {t_solve * 1e3:>7.2f}ms {t_ref * 1e3:>7.0f}ms {ratio:>6.1f}x {15:>6}x  "
               f"{'yes' if ratio >= 15 else 'NO ':<4} {'yes' if same else 'NO'} ({sol.bottleneck:.9g} s)")
     print()
@@ -172,6 +176,8 @@ def speed_section() -> None:
     for name, t in rows:
         print(f"{name:<42} {t * 1e3:>8.2f}ms")
     print()
+    figures["solve_10000_s"] = rows[-1][1]
+    return figures
 
 
 def transformer_like(rng: np.random.Generator, num_layers: int) -> tuple[FloatArray, FloatArray]:
@@ -187,7 +193,10 @@ def transformer_like(rng: np.random.Generator, num_layers: int) -> tuple[FloatAr
     return np.maximum(costs, 1e-6), params
 
 
-def quality_section() -> None:
+def quality_section() -> dict[str, float]:
+    """Prints each method's bottleneck over the optimal one and returns, per method, the share of cases at
+    the optimum and the median, p90 and worst ratio."""
+    figures: dict[str, float] = {}
     rng = np.random.default_rng(2024)
     # uniform / parameters: DeepSpeed's partition_method="uniform" / "parameters" (the default);
     # balanced(time): DeepSpeed's max-min DP fed the time costs, for reference
@@ -224,14 +233,19 @@ def quality_section() -> None:
         share = 100.0 * float(np.mean(arr <= 1 + 1e-9))
         print(f"{method:<15} {share:>9.1f}% {np.median(arr):>8.3f} {np.quantile(arr, 0.9):>8.3f} "
               f"{arr.max():>8.3f}")
+        key = method.replace("(time)", "")
+        figures.update({f"{key}_share": share / 100, f"{key}_median": float(np.median(arr)),
+                        f"{key}_p90": float(np.quantile(arr, 0.9)), f"{key}_worst": float(arr.max())})
+    figures["cases"] = cases
     print()
+    return figures
 
 
-def main() -> None:
+def main() -> dict[str, float]:
     start = time.perf_counter()
-    speed_section()
-    quality_section()
+    figures = {**speed_section(), **quality_section()}
     print(f"total benchmark time: {time.perf_counter() - start:.1f} s")
+    return figures
 
 
 if __name__ == "__main__":

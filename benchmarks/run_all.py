@@ -1,8 +1,11 @@
-"""make bench: every benchmark, each printing medians and ratios against a reference in the same run."""
+"""make bench: every benchmark, each printing medians and ratios against a reference in the same run; then
+the run's figures are appended to benchmarks/results/ and docs/accuracy.md's tables regenerated from every
+record there (benchmarks/results.py)."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -11,9 +14,21 @@ import bench_executor
 import bench_profiler
 import bench_simulator
 import bench_solver
+import results
 
 if __name__ == "__main__":
+    start, t0 = results.host(), time.perf_counter()
+    sections: dict[str, dict[str, float | int | None]] = {}
     for name, module in [("solver", bench_solver), ("simulator", bench_simulator),
                          ("profiler", bench_profiler), ("executor", bench_executor)]:
         print(f"\n===== {name} =====", flush=True)
-        module.main()
+        t1 = time.perf_counter()
+        figures = module.main()
+        # the executor bench returns its two record sections (executor, calibration), the others one
+        sections.update(figures if name == "executor" else {name: figures})
+        sections[name]["wall_s"] = time.perf_counter() - t1
+    path = results.record(sections, start=start, wall_s=time.perf_counter() - t0)
+    results.regenerate()
+    print(f"\nrecorded {path.relative_to(results.ROOT)}; regenerated {results.DOC.relative_to(results.ROOT)} "
+          f"from {len(results.load_records())} records (load average at the start "
+          f"{start['load_average'][0]:.2f})")

@@ -710,6 +710,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
+    from stageplan.report import format_tune_errors
     from stageplan.tuning import TUNE_OUTPUTS, tune
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options),
@@ -729,6 +730,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
               f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
     print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction "
           f"error {result['final_prediction_error']:+.1%}")
+    print(format_tune_errors(result))
     print(f"wrote {', '.join(f'{a.output}/{name}' for name in TUNE_OUTPUTS)}")
     return 0
 

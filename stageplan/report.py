@@ -435,4 +435,32 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
             lines.append(f"  the memory kind that differs most: {heavier} "
                          f"+{format_bytes(g.memory_bytes[heavier] - best.memory_bytes.get(heavier, 0.0))}")
     lines.extend(note_line(n) for n in layout.notes)
+
+
+def format_tune_errors(result: dict[str, Any]) -> str:
+    """tune's two errors (:func:`stageplan.tuning.judged`): the final plan's fresh runs on the split it was
+    calibrated on (repeatability), then every other split it ran, priced from the calibrated profile against
+    that split's measurement (prediction), with their median and worst.
+
+    >>> print(format_tune_errors({"repeatability_error": 0.05, "calibrated_on": [0, 3, 4],
+    ...     "prediction_errors": [{"split": "uniform", "boundaries": [0, 2, 4], "predicted_step_s": 0.016,
+    ...     "measured_step_s": 0.018, "error": 0.125}], "prediction_error_median": 0.125,
+    ...     "prediction_error_worst": 0.125}))
+    repeatability (the final plan, fresh runs of the split calibrated on [0, 3, 4]): +5.0%
+    prediction (other splits, priced from the calibrated profile): median 12.5%, worst 12.5% over 1
+      uniform [0, 2, 4]: predicted 16.0 ms, measured 18.0 ms (+12.5%)
+    """
+    same = result.get("repeatability_error")
+    head = f"repeatability (the final plan, fresh runs of the split calibrated on {result['calibrated_on']}):"
+    moved = " the final plan moved after the last calibration: judged as a prediction"
+    lines = [head + (moved if same is None else f" {same:+.1%}")]
+    errors = result.get("prediction_errors") or []
+    if not errors:
+        lines.append("prediction: tune ran no split but the one it calibrated on (the uniform split is it)")
+        return "\n".join(lines)
+    lines.append(f"prediction (other splits, priced from the calibrated profile): median "
+                 f"{result['prediction_error_median']:.1%}, worst {result['prediction_error_worst']:.1%} "
+                 f"over {len(errors)}")
+    lines += [f"  {e['split']} {e['boundaries']}: predicted {e['predicted_step_s'] * 1e3:.1f} ms, measured "
+              f"{e['measured_step_s'] * 1e3:.1f} ms ({e['error']:+.1%})" for e in errors]
     return "\n".join(lines)

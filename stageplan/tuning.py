@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from stageplan.calibration import calibrate
@@ -19,6 +20,7 @@ from stageplan.errors import StageplanError
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
+from stageplan.planning.planner import plan
 
 TUNE_SCHEMA = "stageplan.tune/1"
 # what tune -o DIR writes: the final plan, the calibrated profile it was planned from, the median runs of the
@@ -64,11 +66,16 @@ def tune(
     lowest predicted step. ``order`` is the first profile's (:func:`stageplan.profile_model`: stage, the
     default, or layer); each run's retiming follows it.
 
+    Two errors judge the result (:func:`judged`): ``repeatability_error``, the final plan's fresh runs
+    against its prediction (the split calibrate was fit to, so this is how far one run lands from the next),
+    and ``prediction_errors``, every other split tune ran (the uniform split, earlier rounds) priced from the
+    final profile against its own measurement, with their median and worst.
+
     Returns ``{"rounds": [{"boundaries", "predicted_step_s", "measured_step_s"}, ...], "final": {...},
-    "uniform": {...}}``; with ``output_dir``, writes there ``plan.json`` (the final plan), ``profile.json``
-    (the calibrated profile it and the uniform reference were priced from), ``run_final.json`` and
-    ``run_uniform.json``
-    (each plan's median fresh run: ``stageplan show``/``calibrate`` read them) and ``tune.json``.
+    "uniform": {...}, "repeatability_error", "prediction_errors": [...], ...}``; with ``output_dir``,
+    writes there ``plan.json`` (the final plan), ``profile.json`` (the calibrated profile it and the uniform
+    reference were priced from), ``run_final.json`` and ``run_uniform.json`` (each plan's median fresh run:
+    ``stageplan show``/``calibrate`` read them) and ``tune.json``.
     """
 
     from stageplan._io import write_json_atomic
@@ -107,12 +114,15 @@ def tune(
     uniform_plan = loop.plan(prof, method="uniform")
     final_runs, uniform_runs = in_turns([current, uniform_plan], runs, loop.run)
     final, uniform = row(current, *final_runs), row(uniform_plan, *uniform_runs)
+    errors = judged(rows, final, uniform,
+                    lambda bounds: plan(prof, num_ranks, num_microbatches=current.num_microbatches,
+                                        schedule=current.schedule, boundaries=bounds).predicted_step_s)
     result = {"schema": TUNE_SCHEMA, "model": model, "factory_options": factory_options or {},
               "num_ranks": num_ranks,
               "schedule": current.schedule, "num_microbatches": current.num_microbatches, "rounds": rows,
               "final": final, "uniform": uniform, "runs": runs, "objective": objective,
               "final_over_uniform_measured": paired_speedup(uniform_runs, final_runs),
-              "final_prediction_error": final["error"]}
+              "final_prediction_error": final["error"], **errors}
     if out is not None:
         out.mkdir(exist_ok=True)
         current.save(out / "plan.json")
@@ -121,3 +131,47 @@ def tune(
         median_run(uniform_runs).save(out / "run_uniform.json")
         write_json_atomic(out / "tune.json", result)
     return result
+
+
+def judged(rounds: list[dict[str, Any]], final: dict[str, Any], uniform: dict[str, Any],
+           priced: Callable[[list[int]], float]) -> dict[str, Any]:
+    """tune's two errors, from its rows (each ``{"boundaries", "predicted_step_s", "measured_step_s"}``).
+
+    The last round's run is the one the final profile was calibrated on, and calibrate fits a crossing delay
+    so that the profile predicts that run's step exactly; the same split run again therefore measures how
+    far one run of a plan lands from the next, not how well the model predicts. So:
+
+    - ``repeatability_error``: the final plan's fresh runs against its prediction, where the final split is
+      the calibrating split (else None: the final plan is then a prediction and is judged with the others);
+    - ``prediction_errors``: every other split tune ran (the uniform split's fresh runs, earlier rounds,
+      the final plan where it moved after the last calibration), each priced again from the final profile
+      (``priced(boundaries)``, its predicted step in seconds) against that split's own measurement, which
+      the final profile was not fit to; with their median and worst |measured / predicted - 1|
+      (``prediction_error_median``, ``prediction_error_worst``; None where tune ran no other split).
+
+    >>> r = [{"boundaries": [0, 2, 4], "measured_step_s": 1.2}, {"boundaries": [0, 3, 4],
+    ...      "measured_step_s": 1.0}]
+    >>> out = judged(r, {"boundaries": [0, 3, 4], "predicted_step_s": 1.0, "measured_step_s": 1.05},
+    ...              {"boundaries": [0, 2, 4], "measured_step_s": 1.1}, lambda b: {2: 1.0, 3: 1.0}[b[1]])
+    >>> round(out["repeatability_error"], 3), [round(e["error"], 3) for e in out["prediction_errors"]]
+    (0.05, [0.1, 0.2])
+    """
+    fit = list(rounds[-1]["boundaries"])
+    others = [("uniform", uniform)] + [(f"round {k}", r) for k, r in enumerate(rounds[:-1], 1)]
+    same = list(final["boundaries"]) == fit
+    if not same:
+        others.insert(0, ("final", final))
+    errors = []
+    for name, r in others:
+        if list(r["boundaries"]) == fit:  # a fresh run of the calibrating split: repeatability
+            continue
+        predicted = priced(list(r["boundaries"]))
+        errors.append({"split": name, "boundaries": list(r["boundaries"]), "predicted_step_s": predicted,
+                       "measured_step_s": r["measured_step_s"],
+                       "error": r["measured_step_s"] / predicted - 1.0})
+    size = [abs(e["error"]) for e in errors]
+    repeat = final["measured_step_s"] / final["predicted_step_s"] - 1.0 if same else None
+    return {"calibrated_on": fit, "repeatability_error": repeat,
+            "prediction_errors": errors,
+            "prediction_error_median": statistics.median(size) if size else None,
+            "prediction_error_worst": max(size) if size else None}

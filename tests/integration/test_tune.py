@@ -61,3 +61,20 @@ def test_tune_writes_its_rounds_the_final_plan_and_the_uniform_reference(
     # each round's plan ran twice too, its median run calibrated
     assert all(len(r["measured_steps_s"]) == 2 for r in result["rounds"]) and "(the median of 2 runs)" in out
     assert "the median of 2 fresh runs, the two plans in turns" in out
+    # two errors: the final plan on the split calibrated on (repeatability), and every other split it ran
+    # priced from the calibrated profile against that split's own runs (prediction)
+    assert result["calibrated_on"] == bounds[-1]
+    others = [r for r in [result["uniform"], *result["rounds"][:-1]] if r["boundaries"] != bounds[-1]]
+    if result["final"]["boundaries"] == bounds[-1]:
+        assert result["repeatability_error"] == result["final"]["error"] and "repeatability (" in out
+    else:
+        others.insert(0, result["final"])
+    assert [e["boundaries"] for e in result["prediction_errors"]] == [r["boundaries"] for r in others]
+    for e, r in zip(result["prediction_errors"], others):
+        priced = stageplan.plan(calibrated, 2, num_microbatches=4, boundaries=r["boundaries"])
+        assert e["predicted_step_s"] == pytest.approx(priced.predicted_step_s)
+        assert e["measured_step_s"] == r["measured_step_s"]
+    if others:
+        assert result["prediction_error_worst"] == pytest.approx(max(abs(e["error"]) for e in
+                                                                     result["prediction_errors"]))
+        assert "prediction (other splits, priced from the calibrated profile): median" in out

@@ -69,6 +69,30 @@ def test_headline_and_limitation_figures_are_recorded_in_docs_accuracy() -> None
         assert not missing, f"{name} quotes figures docs/accuracy.md does not record: {missing}"
 
 
+GENERATED = re.compile(r"<!-- begin: ([\w-]+) -->\n(.*?)<!-- end: \1 -->", re.S)
+BEFORE_RECORDS = "before the records"
+
+
+def test_headline_figures_come_from_the_tables_make_bench_generates() -> None:
+    """A headline row cites the tables make bench regenerates from every record (benchmarks/results.py):
+    each of its figures is in one of those tables, and it says over how many recorded runs. A figure from
+    before the records began may stay only on a row that says so (its figures are then in docs/accuracy.md's
+    hand-copied tables, as the test above checks)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    doc = (ROOT / "docs" / "accuracy.md").read_text(encoding="utf-8")
+    generated = figures("\n".join(body for _, body in GENERATED.findall(doc)))
+    rows = [line for line in headline_table(readme).splitlines()[2:]]
+    recorded = [line for line in rows if BEFORE_RECORDS not in line]
+    assert len(recorded) >= 3, f"the headline cites only {len(recorded)} rows from the recorded runs"
+    for line in recorded:
+        missing = sorted(figures(line) - generated)
+        assert not missing, (f"headline row {line[:60]!r} quotes figures no generated table of "
+                             f"docs/accuracy.md holds: {missing}; cite the recorded runs or say the row is "
+                             f"from {BEFORE_RECORDS} began")
+        assert re.search(r"over \d+ (recorded )?runs|one recorded run", line), (
+            f"headline row {line[:60]!r} does not say over how many recorded runs")
+
+
 def test_readme_fits_its_length() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; keep it within {README_MAX_LINES} "

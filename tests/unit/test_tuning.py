@@ -159,3 +159,66 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
                                          r"and --profile gives the profile to start from; drop one of them")
         assert not (tmp_path / cmd).exists()
     assert len(asked) == 4
+
+
+def _one_microbatch_profile(times: list[float]) -> Profile:
+    """Layers whose forward and backward each take ``times[i]`` seconds, with no parameters, activations or
+    outputs: at one GPipe microbatch with nothing priced on the crossings, a step is every layer's forward
+    and backward one after the other, 2 * sum(times), whatever the split."""
+    from stageplan import LayerProfile
+
+    return Profile(tuple(LayerProfile(f"l{i}", t, t, 0, 0, 0) for i, t in enumerate(times)))
+
+
+def test_tune_reports_repeatability_and_prediction_on_the_splits_it_was_not_fit_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round 1 plans [1, 1, 1, 5] s layers (least bottleneck: [0, 3, 4]); calibration turns the profile into
+    [5, 1, 1, 1] (least bottleneck [0, 1, 4]), round 2 runs that and the plan stays: the final profile was fit
+    to round 2's run. Every split's predicted step from it is 2 * 8 = 16 s (one GPipe microbatch, see
+    _one_microbatch_profile). Fake runs: round 1 20 s, round 2 17 s, the final plan's fresh run 16.8 s, the
+    uniform split [0, 2, 4] 18 s. Repeatability 16.8 / 16 - 1 = +5%; prediction: uniform 18 / 16 - 1 =
+    +12.5%, round 1 20 / 16 - 1 = +25%; median 18.75%, worst 25%."""
+    from types import SimpleNamespace
+
+    import stageplan.running.launch
+
+    before, after = _one_microbatch_profile([1, 1, 1, 5]), _one_microbatch_profile([5, 1, 1, 1])
+    steps = {(0, 3, 4): iter([20.0]), (0, 1, 4): iter([17.0, 16.8]), (0, 2, 4): iter([18.0])}
+    monkeypatch.setattr(stageplan.running.launch, "run",
+                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries])))
+    monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: after)
+    result = tuning.tune("gpt", 2, profile=before, num_microbatches=1, schedule="GPipe",
+                         rounds=3)
+    assert [r["boundaries"] for r in result["rounds"]] == [[0, 3, 4], [0, 1, 4]]
+    assert result["calibrated_on"] == [0, 1, 4] and result["final"]["boundaries"] == [0, 1, 4]
+    assert result["repeatability_error"] == pytest.approx(0.05)
+    assert [(e["split"], e["boundaries"]) for e in result["prediction_errors"]] == [
+        ("uniform", [0, 2, 4]), ("round 1", [0, 3, 4])]
+    assert [e["predicted_step_s"] for e in result["prediction_errors"]] == pytest.approx([16.0, 16.0])
+    assert [e["error"] for e in result["prediction_errors"]] == pytest.approx([0.125, 0.25])
+    assert result["prediction_error_median"] == pytest.approx(0.1875)
+    assert result["prediction_error_worst"] == pytest.approx(0.25)
+
+
+def test_tune_judges_a_final_plan_that_moved_after_the_last_calibration_as_a_prediction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With rounds=1 the plan moves after the only calibration (to [0, 1, 4], as above), so the final plan
+    was not run before: its fresh run (17.6 s against 16 s, +10%) is a prediction, and there is no
+    repeatability figure; the uniform split (16 s, 0%) is judged beside it: median 5%, worst 10%."""
+    from types import SimpleNamespace
+
+    import stageplan.running.launch
+
+    steps = {(0, 3, 4): iter([20.0]), (0, 1, 4): iter([17.6]), (0, 2, 4): iter([16.0])}
+    monkeypatch.setattr(stageplan.running.launch, "run",
+                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries])))
+    monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: _one_microbatch_profile([5, 1, 1, 1]))
+    result = tuning.tune("gpt", 2, profile=_one_microbatch_profile([1, 1, 1, 5]), num_microbatches=1,
+                         schedule="GPipe", rounds=1)
+    assert result["calibrated_on"] == [0, 3, 4] and result["repeatability_error"] is None
+    assert [(e["split"], e["error"]) for e in result["prediction_errors"]] == [
+        ("final", pytest.approx(0.1)), ("uniform", pytest.approx(0.0))]
+    assert result["prediction_error_median"] == pytest.approx(0.05)
+    assert result["prediction_error_worst"] == pytest.approx(0.1)
