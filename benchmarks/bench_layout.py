@@ -26,8 +26,8 @@ def _search(profiles: dict, n: int, **kw: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, lay
 
 
-def main(proof: bool = True) -> dict[str, Any]:
-    figures: dict[str, Any] = {}
+def main(proof: bool = True) -> dict[str, float | int | None]:
+    figures: dict[str, float | int | None] = {}
     t0 = time.perf_counter()
     profiles, _ = estimate_hf_profiles({"preset": "llama3-70b", "seq_len": 8192}, device="estimate:h100-sxm",
                                        microbatch_sizes=[1, 2, 4, 8], tensor_parallel=[1, 2, 4, 8])
@@ -40,8 +40,9 @@ def main(proof: bool = True) -> dict[str, Any]:
         times = [t for t, _ in runs]
         lay = runs[0][1]
         figures[f"search_{n}_s"] = statistics.median(times)
-        figures[f"search_{n}_counts"] = lay.counts
-        figures[f"search_{n}_best"] = lay.best.degrees
+        for key in ("grid", "priced", "pruned_by_time", "pruned_by_memory", "infeasible"):
+            figures[f"search_{n}_{key}"] = lay.counts[key]
+        figures[f"search_{n}_best_step_s"] = lay.best.step_s
         each = ", ".join(f"{t:.2f}" for t in times)
         print(f"N = {n}: search median {statistics.median(times):.2f} s (runs {each}); {lay.counts}; best "
               f"{lay.best.degrees}, step {lay.best.step_s:.3f} s, MFU {lay.best.mfu:.1%}", flush=True)
@@ -49,7 +50,7 @@ def main(proof: bool = True) -> dict[str, Any]:
         took, full = _search(profiles, 64, bounds=False)
         _, pruned = _search(profiles, 64)
         same = full.best.degrees == pruned.best.degrees and full.best.step_s == pruned.best.step_s
-        figures["proof_64_same_best"] = same
+        figures["proof_64_same_best"] = int(same)
         figures["proof_64_exhaustive_s"] = took
         verdict = "the same best" if same else "A DIFFERENT BEST"
         print(f"N = 64, every bound off: {full.counts['priced']} priced in {took:.1f} s; best "

@@ -213,6 +213,7 @@ _EXEC = "`make bench` (executor)"
 _CAL = "`make bench` (calibration)"
 _PROF = "`make bench` (profiler)"
 _SOLVER = "`make bench` (solver)"
+_LAYOUT = "`make bench` (layout)"
 
 TABLES: dict[str, Sequence[Row] | None] = {
     "runs": None,  # the records themselves
@@ -275,6 +276,18 @@ TABLES: dict[str, Sequence[Row] | None] = {
         Row("the same, m = 8", "executor", "tune_m8_gain_measured", times, worst="min", command=_EXEC),
         Row("the same predicted, m = 8", "executor", "tune_m8_gain_predicted", times, worst="min",
             command=_EXEC),
+    ],
+    "layout": [
+        Row("estimating LLaMA-3-70B's 16 (b, t) profiles for the H100 (seq 8192)", "layout", "estimate_s",
+            seconds, goal=180.0, command=_LAYOUT),
+        Row("the same, peak RSS (GB)", "layout", "estimate_peak_rss_gb", number, goal=4.0, command=_LAYOUT),
+        Row("layout search, LLaMA-3-70B, default grid, global batch 1024, 64 devices", "layout",
+            "search_64_s", seconds, goal=2.0, command=_LAYOUT),
+        Row("the same, 512 devices", "layout", "search_512_s", seconds, goal=10.0, command=_LAYOUT),
+        Row("64 devices: candidates priced, of the grid's 7,568", "layout", "search_64_priced", number,
+            command=_LAYOUT),
+        Row("64 devices, every bound off: the same best (1 = yes)", "layout", "proof_64_same_best", number,
+            worst="min", goal=1.0, command=_LAYOUT),
     ],
     "calibration": [
         Row("cross-split prediction after one calibration, median |measured ÷ predicted − 1|", "calibration",

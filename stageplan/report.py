@@ -435,6 +435,7 @@ def layout_table(layout: Layout, *, top: int | None = None) -> str:
             lines.append(f"  the memory kind that differs most: {heavier} "
                          f"+{format_bytes(g.memory_bytes[heavier] - best.memory_bytes.get(heavier, 0.0))}")
     lines.extend(note_line(n) for n in layout.notes)
+    return "\n".join(lines)
 
 
 def format_tune_errors(result: dict[str, Any]) -> str:
