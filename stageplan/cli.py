@@ -531,10 +531,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     table_out = sys.stderr if export is not None else sys.stdout
     print(plan_table(result, explain=a.explain), file=table_out)
     if a.compare:
+        from stageplan.comparison import peer_plans
+
         print(file=table_out)
-        print(compare_table({m: plan(prof, a.stages, method=m,
-                                     objective=a.objective if m == "optimal" else "bottleneck",
-                                         **opts) for m in METHODS}), file=table_out)
+        rows = {m: plan(prof, a.stages, method=m, objective=a.objective if m == "optimal" else "bottleneck",
+                        **opts) for m in METHODS}
+        peers, not_applicable = peer_plans(prof, rows["optimal"].num_ranks * rows["optimal"].virtual_stages,
+                                           lambda b: plan(prof, a.stages, boundaries=b, **opts))
+        print(compare_table({**rows, **peers}, not_applicable), file=table_out)
     if a.output is not None:
         save_or_keep(result, a.output)
         print(f"wrote {a.output}", file=table_out)
@@ -659,7 +663,10 @@ def _cmd_tune(a: argparse.Namespace) -> int:
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
                   processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective,
                   order=a.order)
-    for k, r in enumerate(result["rounds"], 1):
+    from stageplan.host import slower_explained
+
+    # each round was printed as it ended (tune's progress line); --quiet printed none, so print them here
+    for k, r in enumerate(result["rounds"] if a.quiet else [], 1):
         print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms"
               + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))
@@ -668,8 +675,16 @@ def _cmd_tune(a: argparse.Namespace) -> int:
         r = result[name]
         print(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
-    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction "
-          f"error {result['final_prediction_error']:+.1%}")
+    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster (uniform: "
+          f"DeepSpeed's equal layers); final prediction error {result['final_prediction_error']:+.1%}")
+    distorted = next((r["distorted"] for r in [*result["rounds"], result["final"], result["uniform"]]
+                      if r.get("distorted")), None)
+    if distorted:
+        print(f"warning: {distorted}")
+    why = slower_explained(result["final_over_uniform_measured"], result["uniform"]["predicted_step_s"]
+                           / result["final"]["predicted_step_s"], distorted)
+    if why:
+        print(f"note: {why}")
     print(f"wrote {', '.join(f'{a.output}/{name}' for name in TUNE_OUTPUTS)}")
     return 0
 

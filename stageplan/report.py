@@ -9,6 +9,7 @@ from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
 from stageplan.formats.schedule import RESUME_GAP_S
+from stageplan.host import run_contention, slower_explained
 
 MiB = 1024.0**2
 
@@ -228,18 +229,59 @@ def _versus_optimal_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def compare_table(plans: dict[str, Plan]) -> str:
-    """Every method side by side with ratios to optimal."""
+# What each row of a comparison is, printed under the table: every "x" figure names its baseline
+BASELINES = {
+    "optimal": "optimal: this tool's split (exact min-max under the memory limits)",
+    "uniform": "uniform: DeepSpeed partition_method='uniform', equal layers (E and L counted as layers)",
+    "parameters": "parameters: DeepSpeed partition_method='parameters', equal parameter counts",
+}
+
+
+def memory_over_bytes(plan: Plan) -> float | None:
+    """How far the fullest rank is over its memory limit (<= 0: it fits); None without a limit."""
+    limits: dict[int, float] = {}
+    for st in plan.stages:
+        if st.memory_limit_bytes is not None:
+            limits[st.rank] = min(limits.get(st.rank, float("inf")), st.memory_limit_bytes)
+    if not limits:
+        return None
+    return max(need - limits[r] for r, need in enumerate(plan.rank_memory_bytes) if r in limits)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def compare_table(plans: dict[str, Plan], not_applicable: dict[str, str] | None = None) -> str:
+    """Every method and peer default side by side with ratios to optimal; under a memory limit each row says
+    whether it fits, and by how much it does not; then a line per row saying what it is, and why a peer's rule
+    gave no row."""
+    from stageplan.planning.search import PEERS
+
     ref = plans["optimal"]
+    overs = {name: memory_over_bytes(p) for name, p in plans.items()}
+    limited = any(v is not None for v in overs.values())
     headers = ["method", "boundaries", "bottleneck ms", "x optimal", "step ms", "x optimal", "efficiency",
-               "max mem MiB"]
+               "max mem MiB", *(["fits the limit"] if limited else [])]
     rows = []
     for name, p in plans.items():
+        over = overs[name]
+        fits = [] if not limited else [
+            "-" if over is None else "yes" if over <= 0 else f"NO, {gib(over)} over"]
         rows.append([name, " ".join(map(str, p.boundaries)), ms(p.bottleneck_s),
                      ratio(p.bottleneck_s / ref.bottleneck_s),
                      ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s),
-                     ratio(p.balance_efficiency), mib(max(p.rank_memory_bytes))])
-    return format_table(headers, rows, right=[False, False] + [True] * 6)
+                     ratio(p.balance_efficiency), mib(max(p.rank_memory_bytes)), *fits])
+    lines = [format_table(headers, rows, right=[False, False] + [True] * (len(headers) - 2))]
+    over_rows = [n for n, v in overs.items() if v is not None and v > 0]
+    if over_rows:
+        lines.append(f"over the memory limit: {', '.join(over_rows)} (would not run: priced as if the "
+                     "memory were there)")
+    lines.append("x optimal = the row's time / the optimal row's (above 1: slower than optimal)")
+    described = {**BASELINES, **{k: f"{k}: {v}" for k, v in PEERS.items()}}
+    lines.extend(described.get(name, name) for name in plans)
+    lines.extend(f"{name}: not applicable ({why})" for name, why in (not_applicable or {}).items())
+    return "\n".join(lines)
 
 
 def run_table(report: RunReport) -> str:
@@ -262,6 +304,9 @@ def run_table(report: RunReport) -> str:
         f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
         f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
+    distorted = run_contention(report.meta, len(report.ranks))
+    if distorted:
+        lines.append(f"warning: {distorted}")
     if "cpus_per_rank" in report.meta:
         placed = report.meta["cpus_per_rank"]
         lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" if c
@@ -342,8 +387,11 @@ def run_table(report: RunReport) -> str:
 
 
 def compare_run_table(result: dict[str, Any]) -> str:
-    """The `stageplan compare` table: predicted and measured
-    step, speed-up over uniform, efficiency, memory."""
+    """The `stageplan compare` table: predicted and measured step, speed-up over uniform (DeepSpeed's equal
+    layers), efficiency, memory; then what each row is, a warning where other work distorted the runs, and why
+    a measured slow-down goes against a predicted speed-up."""
+    from stageplan.planning.search import PEERS
+
     headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.",
                "peak MiB per rank"]
     rows = []
@@ -353,12 +401,26 @@ def compare_run_table(result: dict[str, Any]) -> str:
                      ms(measured) if measured is not None else "-",
                      ratio(r["speedup_over_uniform"]) if r.get("speedup_over_uniform") is not None else "-",
                      ratio(r["balance_efficiency"]), " / ".join(mib(x) for x in r["peak_memory_bytes"])])
-    table = format_table(headers, rows, right=[False, False, True, True, True, True, True])
+    lines = [format_table(headers, rows, right=[False, False, True, True, True, True, True])]
     runs = int(result.get("runs") or 1)
     if runs > 1 and not result.get("identical"):
-        table += (f"\nmeasured: each plan's median over {runs} runs, the plans in turns; speed-up: the "
-                  "median of the speed-ups of runs side by side")
+        lines.append(f"measured: each plan's median over {runs} runs, the plans in turns; speed-up: the "
+                     "median of the speed-ups of runs side by side")
     if result.get("identical"):
-        table += ("\nall methods give the same boundaries: nothing to compare, so nothing was run "
-                  "(try more --stages, another schedule, or a model whose layers differ in cost)")
-    return table
+        lines.append("all methods give the same boundaries: nothing to compare, so nothing was run "
+                     "(try more --stages, another schedule, or a model whose layers differ in cost)")
+    lines.append("speed-up vs uniform = uniform's measured step / the row's (above 1: faster than uniform)")
+    described = {**BASELINES, **{k: f"{k}: {v}" for k, v in PEERS.items()}}
+    lines.extend(described.get(name, name) for name in result["methods"])
+    skipped = result.get("not_applicable") or {}
+    lines.extend(f"{name}: not applicable ({why})" for name, why in skipped.items())
+    distorted = next((r["distorted"] for r in result["methods"].values() if r.get("distorted")), None)
+    if distorted:
+        lines.append(f"warning: {distorted}")
+    opt, uni = result["methods"].get("optimal"), result["methods"].get("uniform")
+    if opt and uni and uni.get("predicted_step_s") and opt.get("predicted_step_s"):
+        why = slower_explained(opt.get("speedup_over_uniform"),
+                               uni["predicted_step_s"] / opt["predicted_step_s"], distorted)
+        if why:
+            lines.append(f"note: {why}")
+    return "\n".join(lines)

@@ -37,6 +37,7 @@ from stageplan.formats.link import load_link, save_link
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile, merge_profiles
 from stageplan.formats.runreport import RunReport
+from stageplan.host import CpuWatch
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -123,6 +124,7 @@ def run(
                                  f"gradients) would not fit in the {format_bytes(_available_bytes())} "
                                  f"available here; run without --check")
         _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
+        others = CpuWatch()  # what other processes take of the CPUs during the run (host.run_contention)
         if _needs_fork(meta_wl):
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
                             forked=(meta_wl, the_plan, opts))
@@ -137,6 +139,7 @@ def run(
                 ) from exc
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
+        report.meta.update(others.result())
     if output is not None:
         save_or_keep(report, output)
     return report

@@ -27,7 +27,7 @@ from stageplan.materialize import (
     real_parameters,
 )
 from stageplan.measure import microbatch, microbatch_size_for
-from stageplan.workload import Workload
+from stageplan.workload import Workload, check_model_name
 
 
 def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
@@ -45,6 +45,8 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with "
             f"--stages {world_size}"
         )
+    # the model first: a plan of another model fails every later check too, and their remedies mislead
+    check_model_name(workload.name, plan.profile_meta.get("model"))
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
     check_same_model(workload, plan.profile_meta, "plan")
     check_microbatch_size_of_plan(workload.batch_size, plan)

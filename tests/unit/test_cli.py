@@ -558,3 +558,38 @@ def test_version_and_help_with_defaults(capsys: pytest.CaptureFixture[str]) -> N
                 assert action.help, f"{name} {action.option_strings or action.dest} has no help"
     help_text = sub.choices["compare"].format_help()  # type: ignore[attr-defined]
     assert "(default: 10)" in help_text and "(default: 1F1B)" in help_text
+
+
+MYMODEL = '''
+import torch
+from stageplan import Workload
+
+
+def build(width=8):
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+    return Workload(model, torch.randn(8, width))
+'''
+
+
+def test_a_factory_in_the_current_folder_is_found_as_python_m_finds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``stageplan profile mymodel:build`` from the folder that holds mymodel.py, with no PYTHONPATH: the
+    console script's sys.path holds its bin folder, not the current one (pytest's '' and cwd entries are taken
+    out to match)."""
+    import os
+
+    (tmp_path / "mymodel.py").write_text(MYMODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd(), str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+    try:
+        code, out, err = run_cli(["profile", "mymodel:build", "--set", "width=16", "--warmup", "0",
+                                  "--repeats", "1", "--quiet", "-o", "p.json"], capsys)
+        assert code == 0, err
+        assert "wrote p.json (3 layers)" in out
+        assert Profile.load(tmp_path / "p.json").meta["model"] == "mymodel:build"
+        # a module that is in neither the folder nor the path names both
+        code, _, err = run_cli(["profile", "notmymodel:build", "-o", "q.json"], capsys)
+        assert code == 2 and f"check that notmymodel.py is in the current folder ({tmp_path})" in err
+    finally:
+        sys.modules.pop("mymodel", None)

@@ -66,3 +66,38 @@ def test_cli_plan_and_show_take_explain(tmp_path: Path, capsys: pytest.CaptureFi
     )
     code, out, _ = run_cli(["show", str(tmp_path / "p.json"), "--explain"], capsys)
     assert code == 0 and "a GPU; ratios between layers are steadier" in out
+
+
+LLAMA_70B = Path(__file__).resolve().parents[2] / "profiles" / "estimate" / "llama2-70b-h100-sxm.json"
+
+
+def test_plan_compare_shows_the_peers_defaults_and_marks_what_does_not_fit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The 70B estimate on 16 stages under a 49 GiB limit: every row over the limit says NO and by how much
+    (its fullest rank less the limit, from the plan's own rank memory), the rows that fit say yes; Megatron's
+    default (5 blocks a stage, E first, L last) is a row of its own, equal to the optimal split here; every
+    row is named in a line of its own and the account_for_* variants say why they give none."""
+    from stageplan.cli import main
+
+    opts = dict(num_microbatches=64, recompute=True, memory_limit="49GiB")
+    assert main(["plan", str(LLAMA_70B), "--stages", "16", "--microbatches", "64", "--recompute",
+                 "--memory-limit", "49GiB", "--compare"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.split()[1:2] == ["0"] and line[0].isalpha()}  # the comparison's rows
+    assert set(rows) == {"optimal", "uniform", "parameters", "megatron", "torchtitan"}
+    limit = 49 * 2**30
+    megatron = (0, 6, *range(11, 77, 5), 82)
+    for name, boundaries in (("uniform", None), ("megatron", megatron), ("optimal", None)):
+        pl = plan(str(LLAMA_70B), 16, method=None if boundaries else name, boundaries=boundaries, **opts)
+        over = max(pl.rank_memory_bytes) - limit
+        said = rows[name].split("  ")[-1].strip()
+        assert (f"NO, {over / 2**30:.1f} GiB over" if over > 0 else "yes") == said
+    assert rows["uniform"].endswith("GiB over") and rows["megatron"].endswith("yes")
+    assert " ".join(map(str, megatron)) in rows["megatron"] and rows["megatron"].split()[-6] == "1.000"
+    assert "over the memory limit: uniform, torchtitan" in out
+    for line in ("uniform: DeepSpeed partition_method='uniform'", "parameters: DeepSpeed",
+                 "megatron: Megatron-LM default", "torchtitan: torchtitan default",
+                 "megatron+E: not applicable (Megatron needs 80 blocks + E = 81 divisible by 16 stages)",
+                 "x optimal = the row's time / the optimal row's"):
+        assert any(x.startswith(line) for x in out.splitlines()), line

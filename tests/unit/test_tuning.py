@@ -28,7 +28,7 @@ def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatc
 
     def fake_run(model: str, pl: Plan, **_: object) -> object:
         ran.append(pl)
-        return SimpleNamespace(measured_step_s=0.1)
+        return SimpleNamespace(measured_step_s=0.1, meta={}, ranks=[])
 
     monkeypatch.setattr(stageplan.running.launch, "run", fake_run)
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
@@ -92,7 +92,7 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(
     calibrated: list[object] = []
 
     def fake_run(model: str, pl: Plan, **_: object) -> object:
-        rep = SimpleNamespace(measured_step_s=next(steps))
+        rep = SimpleNamespace(measured_step_s=next(steps), meta={}, ranks=[])
         ran.append((pl.boundaries, rep))
         return rep
 
@@ -139,7 +139,8 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(stageplan.profiling.profiler, "profile_model", fake_profile)
     monkeypatch.setattr(stageplan.running.launch, "profile_in_processes", fake_profile)
-    monkeypatch.setattr(stageplan.running.launch, "run", lambda *a, **k: SimpleNamespace(measured_step_s=0.1))
+    monkeypatch.setattr(stageplan.running.launch, "run",
+                        lambda *a, **k: SimpleNamespace(measured_step_s=0.1, meta={}, ranks=[]))
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
     monkeypatch.setattr(comparison, "_compare_runs", lambda *a, **k: None)
     tuning.tune("gpt", 2, rounds=1, order="layer")
