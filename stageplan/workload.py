@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -92,3 +94,30 @@ def check_model_name(name: str, planned: object, what: str = "plan") -> None:
         raise WorkloadError(f"{what} made for {planned!r}, and this run builds {name!r}: its layers and "
                             f"times describe another model; run {planned!r} with this {what}, or profile "
                             f"and plan {name!r}")
+
+
+# Whether the command running is the CLI's: a remedy then names the CLI's flag (--set), and from Python the
+# API's keyword (factory_options=), so each reader is told what they can type. stageplan.cli.main sets it.
+IN_CLI: ContextVar[bool] = ContextVar("stageplan_in_cli", default=False)
+
+
+def options_words(*assignments: str) -> str:
+    """How the reader passes factory options ``key=value``: ``--set key=value`` under the CLI, else
+    ``factory_options={'key': value}``.
+
+    >>> options_words("tied=true", "n_layer=4")
+    "factory_options={'tied': True, 'n_layer': 4}"
+    """
+    if IN_CLI.get():
+        return " ".join(f"--set {a}" for a in assignments)
+    pairs = []
+    for a in assignments:
+        key, _, raw = a.partition("=")
+        low = raw.lower()
+        value: Any = low == "true" if low in ("true", "false") else raw
+        for cast in (int, float):
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    value = cast(raw)
+        pairs.append(f"{key!r}: {value!r}")
+    return "factory_options={" + ", ".join(pairs) + "}"

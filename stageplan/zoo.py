@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stageplan.errors import WorkloadError
-from stageplan.workload import Workload, import_factory_module
+from stageplan.workload import IN_CLI, Workload, import_factory_module
 
 __all__ = ["BUILTINS", "build_workload", "convnet", "gpt", "hf", "hf_gpt2", "hf_llama", "hf_presets"]
 
@@ -525,7 +525,7 @@ def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload
         raise
     except TypeError as exc:
         raise WorkloadError(f"model {spec!r} could not be built with options {options}: {exc}; check the "
-                            f"--set values") from exc
+                            f"{'--set values' if IN_CLI.get() else 'factory_options'}") from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
             f"factory {spec!r} returned {type(workload).__name__}, not a stageplan.Workload; "

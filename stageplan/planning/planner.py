@@ -159,8 +159,9 @@ def _make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: st
     cost_options = {"method": method, **({"objective": objective} if method in ("optimal", "given") else {}),
                     **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size",
-                 "device", "dtype", "timer", "estimate", "processes", "order")
+                 "device", "dtype", "timer", "estimate", "processes", "order", "input_shapes")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
+    pmeta["param_count"] = sum(layer.param_count or 0 for layer in profile.layers)  # the report's FLOPs
     pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)
     step = ev.predicted_step_s
@@ -461,8 +462,8 @@ def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str],
 def _batch_note(best: Plan, batch: int) -> Plan:
     """Where the plan's microbatches do not make up the profiled model's batch, say how to run it."""
     mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
-    if not batch or mb_best * m_best == batch:
-        return best
+    if not batch or mb_best * m_best == batch or best.profile_meta.get("timer") == "analytic":
+        return best  # an analytic estimate is not run here: how to run it is no help
     fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
     redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
             if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")
