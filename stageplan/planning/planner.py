@@ -315,7 +315,7 @@ def plan(
                           given_as, given_input, time_limit_s, objective)
         return cand.with_notes((*cand.notes, price.note)) if price.note else cand
 
-    best, candidates = _best_candidate(candidate, schedules, ms, auto, method)
+    best, candidates = _best_candidate(candidate, schedules, ms, auto, method, recompute=recompute)
     if auto:
         best = dataclasses.replace(best, candidates=tuple(candidates))
         if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
@@ -409,7 +409,7 @@ def _microbatch_counts(num_microbatches: int | str | None, batch: int, mb0: int,
 
 
 def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str], ms: list[int], auto: bool,
-                    method: str) -> tuple[Plan, list[dict[str, Any]]]:
+                    method: str, *, recompute: bool = False) -> tuple[Plan, list[dict[str, Any]]]:
     """The feasible candidate with the lowest predicted step over ``schedules`` x ``ms``, and a row per
     candidate tried. With one candidate its error stands; with several, one that fails or is over a memory
     limit is listed and skipped, and when none is left the error says why (a memory limit first)."""
@@ -453,7 +453,8 @@ def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str],
             f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the "
             f"memory limits with method {method}; the closest, {closest['schedule']} with "
             f"{closest['num_microbatches']} microbatch{'es' * (closest['num_microbatches'] != 1)}: "
-            f"{closest['reason']}; raise --memory-limit, add --stages or add --recompute"
+            f"{closest['reason']}; raise --memory-limit"
+            + (", or add --stages" if recompute else ", add --stages or add --recompute")
             + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
     assert last_error is not None  # every candidate raised, and auto kept the last error
     raise last_error

@@ -160,3 +160,30 @@ def test_a_run_report_says_one_thing_a_line_and_its_details_come_with_explain() 
         assert f"  rank {r} a call after idle took 0.200 ms beyond a back-to-back one's pace" in full
         assert f"  rank {r} predicted 1.000, measured 2.000" in full
     assert max(len(line) for line in full if not line.startswith("  ") and "|" not in line) <= 200
+
+
+def test_compare_warns_of_a_busy_machine_and_explains_a_reversed_speed_up() -> None:
+    """The trial: at load average 3.3, compare printed 0.674x against a predicted 1.127x with no word. The
+    table now names every row's baseline, warns, and says why the measured speed-up goes against the
+    prediction."""
+    from stageplan.host import contention
+    from stageplan.report import compare_run_table
+
+    why = contention(num_ranks=2, cpus=2, load_average=3.3, pinned=True)
+    row = {"balance_efficiency": 0.9, "peak_memory_bytes": [1.0, 2.0]}
+    result = {"methods": {
+        "optimal": {**row, "boundaries": [0, 4, 8], "predicted_step_s": 0.1, "measured_step_s": 0.148,
+                    "speedup_over_uniform": 0.674, "distorted": why},
+        "uniform": {**row, "boundaries": [0, 3, 8], "predicted_step_s": 0.1127, "measured_step_s": 0.1,
+                    "speedup_over_uniform": 1.0, "distorted": None}},
+        "not_applicable": {"megatron": "Megatron needs 7 blocks = 7 divisible by 2 stages"}}
+    lines = compare_run_table(result).splitlines()
+    assert f"warning: {why}" in lines and "--no-pin" in str(why)
+    assert ("note: the measured 0.674x reverses the predicted 1.127x because the load average was 3.30 on 2 "
+            "CPUs") in "\n".join(lines)
+    assert "uniform: DeepSpeed partition_method='uniform', equal layers (E and L counted as layers)" in lines
+    assert "megatron: not applicable (Megatron needs 7 blocks = 7 divisible by 2 stages)" in lines
+    assert any(line.startswith("speed-up vs uniform = uniform's measured step / the row's") for line in lines)
+    quiet = {"methods": {k: {**v, "distorted": None} for k, v in result["methods"].items()}}
+    said = "\n".join(compare_run_table(quiet).splitlines())
+    assert "warning:" not in said and "with the machine quiet" in said

@@ -689,3 +689,17 @@ def test_a_memory_remedy_offers_only_what_is_not_already_set(options: dict[str, 
     text = str(err.value)
     assert all(o in text for o in offered), text
     assert not any(o in text for o in not_offered), text
+
+
+def test_auto_schedules_memory_remedy_offers_recompute_only_when_it_is_off() -> None:
+    from stageplan.errors import InfeasiblePlanError
+
+    from .test_planner import make_profile
+
+    prof = make_profile([1.0] * 6, act=[2**20] * 6, params=[2**20] * 6)
+    for recompute in (False, True):
+        for method in ("optimal", "uniform"):  # the solver's refusal, and the planner's over its candidates
+            raise_it = r"raise (the limit \(--memory-limit\)|--memory-limit)"
+            with pytest.raises(InfeasiblePlanError, match=raise_it) as err:
+                plan(prof, 2, memory_limit=6 * 2**20, schedule="auto", recompute=recompute, method=method)
+            assert ("--recompute" in str(err.value)) == (not recompute), str(err.value)
