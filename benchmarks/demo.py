@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import stageplan
+from stageplan.comparison import peer_plans
+from stageplan.host import first_contention, slower_explained
 from stageplan.planning.planner import METHODS
 from stageplan.report import compare_table, profile_table, run_table
 from stageplan.zoo import build_workload
@@ -36,7 +38,9 @@ def main() -> None:
     print("\n== 2. plan 2 stages, 1F1B, 4 microbatches, priced with that link: optimal vs the baselines")
     plans = {m: stageplan.plan(profile, 2, num_microbatches=4, schedule="1F1B", method=m, link=link)
              for m in METHODS}
-    print(compare_table(plans))
+    peers, not_applicable = peer_plans(profile, 2, lambda b: stageplan.plan(
+        profile, 2, num_microbatches=4, schedule="1F1B", boundaries=b, link=link))
+    print(compare_table({**plans, **peers}, not_applicable))
 
     reports = {}
     for step, method in (("3a", "optimal"), ("3b", "uniform")):
@@ -52,8 +56,16 @@ def main() -> None:
     for method, rep in reports.items():
         print(f"{method:>8}: step predicted {rep.predicted_step_s * 1e3:7.2f} ms, measured "
               f"{rep.measured_step_s * 1e3:7.2f} ms, measured/predicted {rep.step_ratio:.3f}")
-    print(f"measured speed-up of optimal over uniform: {uni.measured_step_s / opt.measured_step_s:.3f}x "
-          f"(predicted {uni.predicted_step_s / opt.predicted_step_s:.3f}x)")
+    measured = uni.measured_step_s / opt.measured_step_s
+    predicted = uni.predicted_step_s / opt.predicted_step_s
+    print(f"measured speed-up of optimal over uniform (DeepSpeed's equal layers): {measured:.3f}x "
+          f"(predicted {predicted:.3f}x)")
+    distorted = first_contention(reports.values())
+    if distorted:
+        print(f"warning: {distorted}")
+    why = slower_explained(measured, predicted, distorted)
+    if why:
+        print(f"note: {why}")
     print(f"files in {OUT}/; demo took {time.perf_counter() - start:.0f} s")
     print("\nnext: look at the plan's figure (stageplan show out/demo/plan_optimal.json --plot "
           "out/demo/plan.png),\nthe measured timeline (stageplan show out/demo/run_optimal.json --plot "

@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
-        raise StageplanError(f"{self.prog}: {message}; see '{self.prog} --help'")
+        # main prints "stageplan: error: ", so a subcommand's error names the subcommand alone
+        command = self.prog.partition(" ")[2]
+        raise StageplanError(f"{command + ': ' if command else ''}{message}; see '{self.prog} --help'")
 
 
 def parse_set(items: Sequence[str] | None) -> dict[str, Any]:
@@ -300,6 +302,9 @@ def _add_run_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                    "folder: each rank reads only its own tensors (default: the factory's own weights, built "
                    "once and saved)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--explain", action="store_true", help="also print the details per rank: the layers "
+                   "inside the schedule, the chunk overhead, the waits, the calls after idle (the report's "
+                   "JSON has them all)")
     p.add_argument("-o", "--output", default=None, metavar="RUN.json", help="where to write the run report")
 
 
@@ -356,7 +361,7 @@ def _add_show_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("path", metavar="FILE.json", help="a profile, plan, run report or compare.json")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure (.png, .svg or .pdf)")
     p.add_argument("--explain", action="store_true",
-                   help="a plan's notes whole (by default each is one line)")
+                   help="a plan's notes whole (by default each is one line), a run's details per rank")
     p.add_argument("--trace", metavar="OUT.json", help="a plan's predicted step or a run's measured one as "
                    "Chrome trace-event JSON, to open in Perfetto (ui.perfetto.dev): a track per rank")
 
@@ -427,8 +432,16 @@ def _load_any(path: str) -> tuple[str, Any]:
         from stageplan.formats.layout import Layout
 
         return "layout", Layout.from_json(data, source=f"layout {path!r}")
+    if schema.startswith("stageplan.tune/"):
+        _check_tune(data, path)
+        return "tune", data
+    if schema.startswith("stageplan.link/"):
+        from stageplan.formats.link import load_link
+
+        return "link", load_link(path)
     raise StageplanError(
-        f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run, compare and layout files")
+        f"{path!r} has schema {schema!r}; show reads stageplan profile, plan, run, compare, layout, tune and "
+        "link files")
 
 
 def _check_compare(data: dict[str, Any], path: str) -> None:
@@ -445,6 +458,18 @@ def _check_compare(data: dict[str, Any], path: str) -> None:
             what = "no 'methods'" if rows is None else f"method {name!r} lacks or mangles {', '.join(bad)}"
             raise SchemaError(f"compare result {path!r} has {what}; each method needs {', '.join(need)}; "
                               "rerun stageplan compare")
+
+
+def _check_tune(data: dict[str, Any], path: str) -> None:
+    """A tune.json with every field its table reads (SchemaError otherwise)."""
+    from stageplan.errors import SchemaError
+
+    rounds = data.get("rounds")
+    rows = [*(rounds if isinstance(rounds, list) else [None]), data.get("final"), data.get("uniform")]
+    need = ("boundaries", "predicted_step_s", "measured_step_s")
+    if not all(isinstance(r, dict) and all(k in r for k in need) for r in rows):
+        raise SchemaError(f"tune result {path!r} lacks rounds, final or uniform, each with "
+                          f"{', '.join(need)}; rerun stageplan tune")
 
 
 def _plot(kind: str, obj: Any, path: str) -> None:
@@ -466,9 +491,10 @@ def _plot(kind: str, obj: Any, path: str) -> None:
     )
 
     check_figure_path(path)
-    if kind == "compare":
-        raise StageplanError("show --plot draws profiles, plans and run reports, and this file is a compare "
-                             f"result: stageplan compare -o DIR writes its figures; drop --plot {path}")
+    if kind in ("compare", "tune", "link"):
+        where = ": stageplan compare -o DIR writes its figures" if kind == "compare" else ""
+        raise StageplanError(f"show --plot draws profiles, plans and run reports, and this file is a {kind} "
+                             f"result{where}; drop --plot {path}")
     if kind == "profile":
         ax = plot_layer_costs(obj)
     elif kind == "layout":
@@ -492,7 +518,14 @@ def _plot(kind: str, obj: Any, path: str) -> None:
 
 
 def _cmd_show(a: argparse.Namespace) -> int:
-    from stageplan.report import compare_run_table, plan_table, profile_table, run_table
+    from stageplan.report import (
+        compare_run_table,
+        link_table,
+        plan_table,
+        profile_table,
+        run_table,
+        tune_table,
+    )
 
     if a.trace is not None:
         from stageplan._io import check_output_path
@@ -506,9 +539,10 @@ def _cmd_show(a: argparse.Namespace) -> int:
     from stageplan.report import layout_table
 
     tables: dict[str, Any] = {"profile": profile_table, "plan": plan_table, "run": run_table,
-                              "compare": compare_run_table, "layout": layout_table}
+                              "compare": compare_run_table, "layout": layout_table, "tune": tune_table,
+                              "link": link_table}
     # first: a file it cannot read leaves an existing figure as it was
-    table = plan_table(obj, explain=a.explain) if kind == "plan" else tables[kind](obj)
+    table = tables[kind](obj, explain=a.explain) if kind in ("plan", "run") else tables[kind](obj)
     if a.plot is not None:
         _plot(kind, obj, a.plot)
     if a.trace is not None:
@@ -590,10 +624,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     table_out = sys.stderr if export is not None else sys.stdout
     print(plan_table(result, explain=a.explain), file=table_out)
     if a.compare:
+        from stageplan.comparison import peer_plans
+
         print(file=table_out)
-        print(compare_table({m: plan(prof, a.stages, method=m,
-                                     objective=a.objective if m == "optimal" else "bottleneck",
-                                         **opts) for m in METHODS}), file=table_out)
+        rows = {m: plan(prof, a.stages, method=m, objective=a.objective if m == "optimal" else "bottleneck",
+                        **opts) for m in METHODS}
+        peers, not_applicable = peer_plans(prof, rows["optimal"].num_ranks * rows["optimal"].virtual_stages,
+                                           lambda b: plan(prof, a.stages, boundaries=b, **opts))
+        print(compare_table({**rows, **peers}, not_applicable), file=table_out)
     if a.output is not None:
         save_or_keep(result, a.output)
         print(f"wrote {a.output}", file=table_out)
@@ -634,7 +672,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     else:
         report = run(a.model, the_plan, factory_options=factory_options, output=a.output, log_dir=a.log_dir,
                      weights=a.weights, progress=not a.quiet, **kwargs)
-    print(run_table(report))
+    print(run_table(report, explain=a.explain))
     if a.output is not None:
         print(f"wrote {a.output}")
     if report.check is not None and not report.check["passed"]:
@@ -643,20 +681,11 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_link(a: argparse.Namespace) -> int:
+    from stageplan.report import link_table
     from stageplan.running.launch import measure_link
 
     link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus)
-    print(f"link ({link['backend']}, {a.ranks} ranks): latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
-          f"{link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way, fused send/receive exchange "
-          f"{link['exchange_s'] * 1e6:.1f} us (median over {len(link['pairs'])} pairs)"
-          + (f"; torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action"
-             if link.get("action_s") else "")
-          + (f"; PipelineStage {link['chunk_forward_s'] * 1e6:.0f} us inside each chunk's forward, "
-             f"{link['chunk_backward_s'] * 1e6:.0f} us inside its backward"
-             if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None else "")
-          + ("; all-reduce " + ", ".join(f"{t * 1e3:.2f} ms at {n / 2**10:.0f} KiB" for n, t in
-                                        zip(link["allreduce_sizes"], link["allreduce_s"]))
-             if link.get("allreduce_s") else ""))
+    print(link_table(link))
     print(f"wrote {a.output}")
     return 0
 
@@ -710,7 +739,6 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
-    from stageplan.report import format_tune_errors
     from stageplan.tuning import TUNE_OUTPUTS, tune
 
     result = tune(a.model, a.stages, factory_options=parse_set(a.factory_options),
@@ -719,18 +747,10 @@ def _cmd_tune(a: argparse.Namespace) -> int:
                   output_dir=a.output, timeout_s=a.timeout, progress=not a.quiet, pin_cpus=a.pin_cpus,
                   processes=a.processes, runs=a.runs, min_time_s=a.min_time, objective=a.objective,
                   order=a.order)
-    for k, r in enumerate(result["rounds"], 1):
-        print(f"round {k}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms"
-              + (f" (the median of {a.runs} runs)" if a.runs > 1 else ""))
-    how = "a fresh run" if a.runs == 1 else f"the median of {a.runs} fresh runs, the two plans in turns"
-    for name in ("final", "uniform"):
-        r = result[name]
-        print(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
-              f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
-    print(f"final / uniform measured: {result['final_over_uniform_measured']:.3f}x faster; final prediction "
-          f"error {result['final_prediction_error']:+.1%}")
-    print(format_tune_errors(result))
+    from stageplan.report import tune_table
+
+    # each round was printed as it ended (tune's progress line); --quiet printed none, so print them here
+    print(tune_table(result, rounds=a.quiet))
     print(f"wrote {', '.join(f'{a.output}/{name}' for name in TUNE_OUTPUTS)}")
     return 0
 
@@ -808,6 +828,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
             if sig is not None:
                 previous[sig] = signal.signal(sig, _terminate)
+    from stageplan.workload import IN_CLI
+
+    in_cli = IN_CLI.set(True)  # remedies name the CLI's flags
     try:
         with warnings.catch_warnings():  # restores the caller's way of showing warnings on the way out
             warnings.showwarning = _warn_in_one_line
@@ -818,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 128 + exc.signum
     finally:
+        IN_CLI.reset(in_cli)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -18,6 +18,7 @@ from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
 from stageplan.formats.schedule import normalize_schedule
+from stageplan.host import first_contention
 from stageplan.planning.costs import (
     check_ranks,
 )
@@ -25,6 +26,20 @@ from stageplan.planning.planner import METHODS, as_profile, check_objective, est
 from stageplan.workload import default_microbatch_size
 
 COMPARE_SCHEMA = "stageplan.compare/1"
+
+
+def peer_plans(prof: Profile, num_chunks: int,
+               make: Callable[[tuple[int, ...]], Plan]) -> tuple[dict[str, Plan], dict[str, str]]:
+    """The peers' default splits of ``prof`` priced by ``make`` (boundaries -> Plan, under the options of the
+    other rows), and for each rule that does not apply here, why (:func:`stageplan.planning.search.
+    peer_splits`; DeepSpeed's two rules are the methods uniform and parameters)."""
+    from stageplan.formats.interop import named_layers
+    from stageplan.planning.search import peer_splits
+
+    names = prof.names
+    splits = peer_splits(names, named_layers(names, prof.meta), num_chunks)
+    plans = {k: make(b) for k, b in splits.items() if isinstance(b, tuple)}
+    return plans, {k: b for k, b in splits.items() if isinstance(b, str)}
 
 
 def measured_profile(model: str, factory_options: dict[str, Any] | None, num_microbatches: int | None,
@@ -135,9 +150,11 @@ class LoopOptions:
                                 self.progress,
                                 command, self.processes, self.timeout_s, self.min_time_s, self.order)
 
-    def plan(self, prof: Profile, *, method: str = "optimal", objective: str = "bottleneck") -> Plan:
+    def plan(self, prof: Profile, *, method: str | None = "optimal", objective: str = "bottleneck",
+             boundaries: tuple[int, ...] | None = None) -> Plan:
         return plan(prof, self.num_ranks, num_microbatches=self.num_microbatches, schedule=self.schedule,
-                    method=method, objective=objective)
+                    method=None if boundaries is not None else method, objective=objective,
+                    boundaries=boundaries)
 
     def run(self, pl: Plan) -> RunReport:
         """One run of ``pl`` on local ranks, as ``stageplan run`` does it."""
@@ -188,13 +205,17 @@ def compare(
     prof = loop.take_profile("compare")
     plans = {name: loop.plan(prof, method=name, objective=objective if name == "optimal" else "bottleneck")
              for name in METHODS}
+    # the peers' defaults too, each under its own name (a split equal to another row's is run once)
+    peers, not_applicable = peer_plans(prof, plans["optimal"].num_ranks * plans["optimal"].virtual_stages,
+                                       lambda b: loop.plan(prof, boundaries=b))
+    plans.update(peers)
     identical = len({pl.boundaries for pl in plans.values()}) == 1
     result: dict[str, Any] = {
         "schema": COMPARE_SCHEMA, "model": model, "factory_options": factory_options or {},
         "num_ranks": num_ranks,
         "schedule": plans["optimal"].schedule, "num_microbatches": plans["optimal"].num_microbatches,
         "profile_digest": prof.digest(), "identical": identical, "runs": runs, "objective": objective,
-        "methods": {}}
+        "methods": {}, "not_applicable": not_applicable}
     if out is None:
         _compare_runs(result, plans, None, loop)
         return result
@@ -300,7 +321,8 @@ def _measured_in_turns(rows: dict[str, dict[str, Any]], plans: dict[str, Plan], 
                            "measured_step_iqr_s": reports[name].measured_step_iqr_s,
                            "measured_peak_activation_bytes": [r["measured_peak_activation_bytes"]
                                                               for r in reports[name].ranks],
-                           "same_run_as": same[name]})
+                           "same_run_as": same[name],
+                           "distorted": first_contention(reps)})
     base = measured[same["uniform"] or "uniform"]
     for name, row in rows.items():
         row["speedup_over_uniform"] = paired_speedup(base, measured[same[name] or name])

@@ -10,6 +10,7 @@ from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
 from stageplan.formats.schedule import RESUME_GAP_S
+from stageplan.host import run_contention, slower_explained
 from stageplan.units import format_bytes
 
 MiB = 1024.0**2
@@ -178,7 +179,10 @@ def plan_table(plan: Plan, *, explain: bool = False) -> str:
         f"{100 * plan.bubble_fraction:.1f}%, "
         + ("no throughput (a step predicted at 0 s)" if plan.throughput_samples_s is None else
            f"{plan.throughput_samples_s:.1f} samples/s")
+        + (f", {plan.throughput_samples_s * tokens:,.0f} tokens/s ({tokens} a sample)"
+           if (tokens := tokens_per_sample(plan.profile_meta)) and plan.throughput_samples_s else "")
     )
+    lines.extend(_summary_extras(plan))
     lines.append(f"boundaries {list(plan.boundaries)}")
     if tied:
         lines.append(f"tied-gradient all-reduce {ms(plan.tied_sync_s)} ms per step on every rank, before its "
@@ -195,6 +199,64 @@ def plan_table(plan: Plan, *, explain: bool = False) -> str:
         lines.append(format_table(["schedule", "m", "mb size", "feasible", "step ms"], crow,
                                   right=[False, True, True, False, True]))
     return "\n".join(lines)
+
+
+def size(nbytes: float) -> str:
+    """Bytes in GiB when a GiB or more (a 70B rank's 77.5 GiB), else MiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / MiB:.1f} MiB"
+
+
+def tokens_per_sample(meta: dict[str, Any]) -> int | None:
+    """Tokens in one sample of a language model: its factory's seq_len, else the length of a [batch, tokens]
+    input of a model with named blocks; None for other models (a convnet's image is no tokens)."""
+    seq = (meta.get("factory_options") or {}).get("seq_len")
+    if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0:
+        return seq
+    shapes = meta.get("input_shapes")
+    if meta.get("named_layers") and isinstance(shapes, list) and shapes and isinstance(shapes[0], list) \
+            and len(shapes[0]) == 2 and isinstance(shapes[0][1], int):
+        return int(shapes[0][1])
+    return None
+
+
+# Peak keys of gpus.json by the profiled dtype
+_PEAK_KEY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def model_flops_line(plan: Plan) -> str | None:
+    """For an estimate of a language model: TFLOP/s per GPU and MFU, with model FLOPs of 6 x parameters per
+    token (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N per token; PaLM's MFU,
+    Chowdhery et al. 2022 appendix B, adds an attention term left out here, and counts no recomputation)."""
+    import json
+    from importlib import resources
+
+    meta = plan.profile_meta
+    gpu = (meta.get("estimate") or {}).get("gpu") if meta.get("timer") == "analytic" else None
+    tokens, params = tokens_per_sample(meta), meta.get("param_count")
+    if not gpu or not tokens or not params or not plan.throughput_samples_s:
+        return None
+    table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
+    key = _PEAK_KEY.get(str(meta.get("dtype")), "fp32")
+    peak = float(table["gpus"].get(gpu, {}).get("peak_flops", {}).get(key, 0.0))
+    per_gpu = plan.throughput_samples_s * tokens * 6 * params / plan.num_ranks
+    mfu = f", MFU {per_gpu / peak:.1%} of the {key} peak {peak / 1e12:.1f} TFLOP/s" if peak else ""
+    return (f"estimate: {per_gpu / 1e12:.0f} TFLOP/s per GPU{mfu} (6 x {params / 1e9:.1f}e9 parameters FLOPs "
+            f"a token; recomputation not counted)")
+
+
+def _summary_extras(plan: Plan) -> list[str]:
+    """The lines an LLM trainer looks for beside the bottleneck: the fullest rank against the limit, and for
+    an estimate its TFLOP/s per GPU and MFU."""
+    fullest = max(range(plan.num_ranks), key=lambda r: plan.rank_memory_bytes[r])
+    need = plan.rank_memory_bytes[fullest]
+    limits = [st.memory_limit_bytes for st in plan.stages if st.rank == fullest and st.memory_limit_bytes]
+    if limits:
+        verdict = "fits" if need <= min(limits) else "does NOT fit"
+        lines = [f"memory: {verdict} {size(min(limits))}: fullest rank {size(need)} (rank {fullest})"]
+    else:
+        lines = [f"memory: fullest rank {size(need)} (rank {fullest}; no limit given)"]
+    flops = model_flops_line(plan)
+    return lines + ([flops] if flops else [])
 
 
 GIVEN_AS = {"boundaries": "--boundaries", "megatron_layout": "--megatron-layout", "fqns": "--fqns"}
@@ -230,22 +292,66 @@ def _versus_optimal_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def compare_table(plans: dict[str, Plan]) -> str:
-    """Every method side by side with ratios to optimal."""
+# What each row of a comparison is, printed under the table: every "x" figure names its baseline
+BASELINES = {
+    "optimal": "optimal: this tool's split (exact min-max under the memory limits)",
+    "uniform": "uniform: DeepSpeed partition_method='uniform', equal layers (E and L counted as layers)",
+    "parameters": "parameters: DeepSpeed partition_method='parameters', equal parameter counts",
+}
+
+
+def memory_over_bytes(plan: Plan) -> float | None:
+    """How far the fullest rank is over its memory limit (<= 0: it fits); None without a limit."""
+    limits: dict[int, float] = {}
+    for st in plan.stages:
+        if st.memory_limit_bytes is not None:
+            limits[st.rank] = min(limits.get(st.rank, float("inf")), st.memory_limit_bytes)
+    if not limits:
+        return None
+    return max(need - limits[r] for r, need in enumerate(plan.rank_memory_bytes) if r in limits)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def compare_table(plans: dict[str, Plan], not_applicable: dict[str, str] | None = None) -> str:
+    """Every method and peer default side by side with ratios to optimal; under a memory limit each row says
+    whether it fits, and by how much it does not; then a line per row saying what it is, and why a peer's rule
+    gave no row."""
+    from stageplan.planning.search import PEERS
+
     ref = plans["optimal"]
+    overs = {name: memory_over_bytes(p) for name, p in plans.items()}
+    limited = any(v is not None for v in overs.values())
     headers = ["method", "boundaries", "bottleneck ms", "x optimal", "step ms", "x optimal", "efficiency",
-               "max mem MiB"]
+               "max mem MiB", *(["fits the limit"] if limited else [])]
     rows = []
     for name, p in plans.items():
+        over = overs[name]
+        fits = [] if not limited else [
+            "-" if over is None else "yes" if over <= 0 else f"NO, {gib(over)} over"]
         rows.append([name, " ".join(map(str, p.boundaries)), ms(p.bottleneck_s),
                      ratio(p.bottleneck_s / ref.bottleneck_s),
                      ms(p.predicted_step_s), ratio(p.predicted_step_s / ref.predicted_step_s),
-                     ratio(p.balance_efficiency), mib(max(p.rank_memory_bytes))])
-    return format_table(headers, rows, right=[False, False] + [True] * 6)
+                     ratio(p.balance_efficiency), mib(max(p.rank_memory_bytes)), *fits])
+    lines = [format_table(headers, rows, right=[False, False] + [True] * (len(headers) - 2))]
+    over_rows = [n for n, v in overs.items() if v is not None and v > 0]
+    if over_rows:
+        lines.append(f"over the memory limit: {', '.join(over_rows)} (would not run: priced as if the "
+                     "memory were there)")
+    lines.append("x optimal = the row's time / the optimal row's (above 1: slower than optimal)")
+    described = {**BASELINES, **{k: f"{k}: {v}" for k, v in PEERS.items()}}
+    lines.extend(described.get(name, name) for name in plans)
+    lines.extend(f"{name}: not applicable ({why})" for name, why in (not_applicable or {}).items())
+    return "\n".join(lines)
 
 
-def run_table(report: RunReport) -> str:
-    """Predicted vs measured, per rank and for the step, with ratios; then the check result."""
+def run_table(report: RunReport, *, explain: bool = False) -> str:
+    """Predicted vs measured, per rank and for the step, with ratios; then the check result. A line says one
+    thing: the details (layers inside the schedule, the chunk overhead, the compute ratio in two, the tied
+    all-reduce, the optimizer step, the waits on receives, the calls after idle) come with ``explain``, a
+    heading and a line per rank; the run's JSON has every figure."""
     headers = ["rank", "stages", "compute ms pred", "compute ms meas", "ratio", "(cpu ms)", "idle ms pred",
                "idle ms meas", "act MiB pred", "act MiB meas", "ratio"]
     rows = []
@@ -264,6 +370,9 @@ def run_table(report: RunReport) -> str:
         f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
         f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
+    distorted = run_contention(report.meta, len(report.ranks))
+    if distorted:
+        lines.append(f"warning: {distorted}")
     if "cpus_per_rank" in report.meta:
         placed = report.meta["cpus_per_rank"]
         lines.append("CPUs per rank: " + ("; ".join(f"rank {r} on {','.join(map(str, c))}" if c
@@ -272,66 +381,13 @@ def run_table(report: RunReport) -> str:
     plan = report.plan
     lines.append(f"plan: {plan.get('method')} {plan.get('schedule')} boundaries {plan.get('boundaries')}, "
                  f"{plan.get('num_microbatches')} microbatches; compute per microbatch")
-    if report.layers:
-        lines.append("\nlayers inside the schedule (ms per microbatch, median over the clock's steps; what "
-                     "stageplan calibrate starts from):")
-        alone = any(x.get("retimed_forward_s") is not None for x in report.layers)
-        lines.append(format_table(["layer", "name", "stage", "rank", "forward", "backward"]
-                                  + (["alone after: forward", "backward"] if alone else []),
-                                  [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
-                                    ms(x["measured_backward_s"])]
-                                   + ([ms(x.get("retimed_forward_s")), ms(x.get("retimed_backward_s"))]
-                                      if alone else [])
-                                   for x in report.layers]))
-        lines.append(
-            "chunk overhead outside the layers (ms per microbatch, forward + backward): "
-            + ", ".join(
-                f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + "
-                f"{ms(r.get('measured_overhead_backward_s'))}"
-                for r in report.ranks
-            )
-        )
-    if any(r.get("retimed_compute_s") is not None for r in report.ranks):
-        lines.append("compute ratio in two (compute ms per microbatch from the rank's layers timed alone "
-                     "after the run, in its process, as the profiler times them): " + "; ".join(
-                         f"rank {r['rank']} {ms(r.get('retimed_compute_s'))}, the machine now x"
-                         f"{ratio(r.get('machine_ratio'))} the profile's, inside the pipeline x"
-                         f"{ratio(r.get('pipeline_ratio'))} alone" for r in report.ranks))
-    if any(r.get("predicted_tied_sync_s") for r in report.ranks):
-        lines.append(
-            "tied gradients' all-reduce (ms per step; a rank that gets there before the last one "
-            "waits in it for that rank's last backward, which the prediction counts as idle): "
-            + ", ".join(
-                f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
-                f"{ms(r.get('measured_tied_sync_s'))}"
-                for r in report.ranks
-            )
-        )
-    if any(r.get("measured_optimizer_step_s") is not None for r in report.ranks):
-        lines.append("optimizer step (ms per step, after the tied sum; what stageplan calibrate scales each "
-                     "rank's layers' figures to): " + ", ".join(
-                         f"rank {r['rank']} predicted {ms(r.get('predicted_optimizer_step_s'))}, measured "
-                         f"{ms(r.get('measured_optimizer_step_s'))}" for r in report.ranks))
-    if any(r.get("measured_receive_wait_s") is not None for r in report.ranks):
-        lines.append("waits on receives (ms per step; the loop blocked on an activation or gradient from "
-                     "another rank, part of the idle time): " + ", ".join(
-                         f"rank {r['rank']} predicted {ms(r.get('predicted_receive_wait_s'))}, measured "
-                         f"{ms(r.get('measured_receive_wait_s'))}" for r in report.ranks))
-    if any(r.get("measured_after_idle_calls") is not None for r in report.ranks):
-        lines.append(
-            f"chunk calls after the rank computed nothing for >= {RESUME_GAP_S * 1e3:g} ms, against "
-            "those back to back (calls a step predicted / measured; where a stage's forwards or "
-            "backwards ran both ways in a step, measured / planned seconds of each and what the "
-            "first took a step beyond the second's pace): "
-            + "; ".join(
-                f"rank {r['rank']} {figure(r.get('predicted_after_idle_calls'))} / "
-                f"{figure(r.get('measured_after_idle_calls'))} after idle "
-                f"x{ratio(r.get('after_idle_ratio')) or '-'}, back to back "
-                f"x{ratio(r.get('back_to_back_ratio')) or '-'}, "
-                + ("-" if r.get("after_idle_excess_s") is None else f"{ms(r['after_idle_excess_s'])} ms")
-                for r in report.ranks
-            )
-        )
+    details = _run_details(report)
+    if explain:
+        for heading, rows_ in details:
+            lines.append(heading)
+            lines.extend(f"  {row}" for row in rows_)
+    elif details:
+        lines.append(f"--explain adds: {', '.join(h.split(' (')[0].rstrip(':') for h, _ in details)}")
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"
@@ -343,9 +399,67 @@ def run_table(report: RunReport) -> str:
     return "\n".join(lines)
 
 
+def _run_details(report: RunReport) -> list[tuple[str, list[str]]]:
+    """The run's detail sections: a heading each, and its lines (a rank, or a layer, a line)."""
+    out: list[tuple[str, list[str]]] = []
+    ranks = report.ranks
+    if report.layers:
+        alone = any(x.get("retimed_forward_s") is not None for x in report.layers)
+        table = format_table(["layer", "name", "stage", "rank", "forward", "backward"]
+                             + (["alone after: forward", "backward"] if alone else []),
+                             [[x["index"], x["name"], x["stage"], x["rank"], ms(x["measured_forward_s"]),
+                               ms(x["measured_backward_s"])]
+                              + ([ms(x.get("retimed_forward_s")), ms(x.get("retimed_backward_s"))]
+                                 if alone else [])
+                              for x in report.layers])
+        out.append(("layers inside the schedule (ms per microbatch, median over the clock's steps; what "
+                    "stageplan calibrate starts from):", table.splitlines()))
+        out.append(("chunk overhead outside the layers (ms per microbatch, forward + backward):",
+                    [f"rank {r['rank']} {ms(r.get('measured_overhead_forward_s'))} + "
+                     f"{ms(r.get('measured_overhead_backward_s'))}" for r in ranks]))
+    if any(r.get("retimed_compute_s") is not None for r in ranks):
+        out.append(("compute ratio in two (compute ms per microbatch from the rank's layers timed alone "
+                    "after the run, as the profiler times them):",
+                    [f"rank {r['rank']} {ms(r.get('retimed_compute_s'))}, the machine now x"
+                     f"{ratio(r.get('machine_ratio'))} the profile's, inside the pipeline x"
+                     f"{ratio(r.get('pipeline_ratio'))} alone" for r in ranks]))
+    if any(r.get("predicted_tied_sync_s") for r in ranks):
+        out.append(("tied gradients' all-reduce (ms per step; a rank that gets there first waits for the "
+                    "last one's backward, which the prediction counts as idle):",
+                    [f"rank {r['rank']} predicted {ms(r.get('predicted_tied_sync_s'))}, measured "
+                     f"{ms(r.get('measured_tied_sync_s'))}" for r in ranks]))
+    if any(r.get("measured_optimizer_step_s") is not None for r in ranks):
+        out.append(("optimizer step (ms per step, after the tied sum; what stageplan calibrate scales each "
+                    "rank's layers' figures to):",
+                    [f"rank {r['rank']} predicted {ms(r.get('predicted_optimizer_step_s'))}, measured "
+                     f"{ms(r.get('measured_optimizer_step_s'))}" for r in ranks]))
+    if any(r.get("measured_receive_wait_s") is not None for r in ranks):
+        out.append(("waits on receives (ms per step; blocked on another rank's activation or gradient, part "
+                    "of the idle time):",
+                    [f"rank {r['rank']} predicted {ms(r.get('predicted_receive_wait_s'))}, measured "
+                     f"{ms(r.get('measured_receive_wait_s'))}" for r in ranks]))
+    if any(r.get("measured_after_idle_calls") is not None for r in ranks):
+        out.append((f"calls after idle (a chunk call after >= {RESUME_GAP_S * 1e3:g} ms computing nothing):",
+                    [f"rank {r['rank']} {figure(r.get('predicted_after_idle_calls'))} / "
+                     f"{figure(r.get('measured_after_idle_calls'))} after idle (calls a step, predicted / "
+                     "measured)" for r in ranks]
+                    + [f"rank {r['rank']} after idle x{ratio(r.get('after_idle_ratio')) or '-'} the planned "
+                       "pace" for r in ranks]
+                    + [f"rank {r['rank']} back to back x{ratio(r.get('back_to_back_ratio')) or '-'} the "
+                       "planned pace" for r in ranks]
+                    + [f"rank {r['rank']} a call after idle took "
+                       + ("-" if r.get("after_idle_excess_s") is None
+                          else f"{ms(r['after_idle_excess_s'])} ms")
+                       + " beyond a back-to-back one's pace" for r in ranks]))
+    return out
+
+
 def compare_run_table(result: dict[str, Any]) -> str:
-    """The `stageplan compare` table: predicted and measured
-    step, speed-up over uniform, efficiency, memory."""
+    """The `stageplan compare` table: predicted and measured step, speed-up over uniform (DeepSpeed's equal
+    layers), efficiency, memory; then what each row is, a warning where other work distorted the runs, and why
+    a measured slow-down goes against a predicted speed-up."""
+    from stageplan.planning.search import PEERS
+
     headers = ["method", "boundaries", "step ms pred", "step ms meas", "speed-up vs uniform", "balance eff.",
                "peak MiB per rank"]
     rows = []
@@ -355,15 +469,81 @@ def compare_run_table(result: dict[str, Any]) -> str:
                      ms(measured) if measured is not None else "-",
                      ratio(r["speedup_over_uniform"]) if r.get("speedup_over_uniform") is not None else "-",
                      ratio(r["balance_efficiency"]), " / ".join(mib(x) for x in r["peak_memory_bytes"])])
-    table = format_table(headers, rows, right=[False, False, True, True, True, True, True])
+    lines = [format_table(headers, rows, right=[False, False, True, True, True, True, True])]
     runs = int(result.get("runs") or 1)
     if runs > 1 and not result.get("identical"):
-        table += (f"\nmeasured: each plan's median over {runs} runs, the plans in turns; speed-up: the "
-                  "median of the speed-ups of runs side by side")
+        lines.append(f"measured: each plan's median over {runs} runs, the plans in turns; speed-up: the "
+                     "median of the speed-ups of runs side by side")
     if result.get("identical"):
-        table += ("\nall methods give the same boundaries: nothing to compare, so nothing was run "
-                  "(try more --stages, another schedule, or a model whose layers differ in cost)")
-    return table
+        lines.append("all methods give the same boundaries: nothing to compare, so nothing was run "
+                     "(try more --stages, another schedule, or a model whose layers differ in cost)")
+    lines.append("speed-up vs uniform = uniform's measured step / the row's (above 1: faster than uniform)")
+    described = {**BASELINES, **{k: f"{k}: {v}" for k, v in PEERS.items()}}
+    lines.extend(described.get(name, name) for name in result["methods"])
+    skipped = result.get("not_applicable") or {}
+    lines.extend(f"{name}: not applicable ({why})" for name, why in skipped.items())
+    distorted = next((r["distorted"] for r in result["methods"].values() if r.get("distorted")), None)
+    if distorted:
+        lines.append(f"warning: {distorted}")
+    opt, uni = result["methods"].get("optimal"), result["methods"].get("uniform")
+    if opt and uni and uni.get("predicted_step_s") and opt.get("predicted_step_s"):
+        why = slower_explained(opt.get("speedup_over_uniform"),
+                               uni["predicted_step_s"] / opt["predicted_step_s"], distorted)
+        if why:
+            lines.append(f"note: {why}")
+    return "\n".join(lines)
+
+
+def tune_table(result: dict[str, Any], *, rounds: bool = True) -> str:
+    """What `stageplan tune` found: each round (unless ``rounds`` is off, where its progress printed them),
+    the final and the uniform plan's fresh runs, the speed-up, and a warning where other work distorted a
+    run."""
+    runs = int(result.get("runs") or 1)
+    lines = []
+    for k, r in enumerate(result["rounds"] if rounds else [], 1):
+        lines.append(f"round {k}: boundaries {r['boundaries']}, predicted "
+                     f"{r['predicted_step_s'] * 1e3:.1f} ms, measured {r['measured_step_s'] * 1e3:.1f} ms"
+                     + (f" (the median of {runs} runs)" if runs > 1 else ""))
+    how = "a fresh run" if runs == 1 else f"the median of {runs} fresh runs, the two plans in turns"
+    for name in ("final", "uniform"):
+        r = result[name]
+        lines.append(f"{name}: boundaries {r['boundaries']}, predicted {r['predicted_step_s'] * 1e3:.1f} ms, "
+                     f"measured {r['measured_step_s'] * 1e3:.1f} ms ({how})")
+    speedup = result.get("final_over_uniform_measured")
+    error = result.get("final_prediction_error")
+    lines.append(f"final / uniform measured: {figure(speedup, '.3f')}x faster (uniform: DeepSpeed's equal "
+                 f"layers); final prediction error {figure(error, '+.1%')}")
+    distorted = next((r["distorted"] for r in [*result["rounds"], result["final"], result["uniform"]]
+                      if r.get("distorted")), None)
+    if distorted:
+        lines.append(f"warning: {distorted}")
+    final, uniform = result["final"]["predicted_step_s"], result["uniform"]["predicted_step_s"]
+    why = slower_explained(speedup, uniform / final if final else None, distorted)
+    if why:
+        lines.append(f"note: {why}")
+    if "calibrated_on" in result:  # tune.json files written before tune judged its two errors lack them
+        lines.append(format_tune_errors(result))
+    return "\n".join(lines)
+
+
+def link_table(link: dict[str, Any]) -> str:
+    """A measured link (LINK.json), a figure a line."""
+    pairs = link.get("pairs") or []
+    lines = [f"link ({link.get('backend', '?')}, {len(pairs) + 1 if pairs else '?'} ranks, median over "
+             f"{len(pairs)} pairs):",
+             f"  latency {link['latency_s'] * 1e6:.1f} us",
+             f"  bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way"]
+    if link.get("exchange_s") is not None:
+        lines.append(f"  fused send/receive exchange {link['exchange_s'] * 1e6:.1f} us")
+    if link.get("action_s"):
+        lines.append(f"  torch's schedule {link['action_s'] * 1e6:.0f} us around each chunk action")
+    if link.get("chunk_forward_s") is not None and link.get("chunk_backward_s") is not None:
+        lines.append(f"  PipelineStage {link['chunk_forward_s'] * 1e6:.0f} us inside each chunk's forward, "
+                     f"{link['chunk_backward_s'] * 1e6:.0f} us inside its backward")
+    if link.get("allreduce_s"):
+        lines.append("  all-reduce " + ", ".join(f"{t * 1e3:.2f} ms at {n / 2**10:.0f} KiB" for n, t in
+                                                 zip(link["allreduce_sizes"], link["allreduce_s"])))
+    return "\n".join(lines)
 
 
 GiB = 1024.0**3

@@ -20,6 +20,7 @@ from stageplan.errors import StageplanError
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile
 from stageplan.formats.runreport import RunReport
+from stageplan.host import first_contention
 from stageplan.planning.planner import plan
 
 TUNE_SCHEMA = "stageplan.tune/1"
@@ -91,7 +92,8 @@ def tune(
     def row(pl: Plan, *reps: RunReport) -> dict[str, Any]:
         step = statistics.median(r.measured_step_s for r in reps)
         entry = {"boundaries": list(pl.boundaries), "predicted_step_s": pl.predicted_step_s,
-                 "measured_step_s": step, "error": step / pl.predicted_step_s - 1.0}
+                 "measured_step_s": step, "error": step / pl.predicted_step_s - 1.0,
+                 "distorted": first_contention(reps)}
         return entry if len(reps) == 1 else {**entry, "measured_steps_s": [r.measured_step_s for r in reps]}
 
     rows: list[dict[str, Any]] = []

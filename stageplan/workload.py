@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from stageplan.errors import WorkloadError
@@ -63,3 +69,55 @@ class Workload:
         if isinstance(output, (tuple, list)):
             output = output[0]
         return output.float().pow(2).mean()
+
+
+def import_factory_module(name: str) -> ModuleType:
+    """Import the module of a ``module:factory`` spec as ``python -m`` finds modules: from the current folder
+    first. The ``stageplan`` console script starts with its own bin folder as ``sys.path[0]`` (not the
+    current folder, as ``python -m`` and ``python script.py`` do), so a ``mymodel.py`` beside the user was not
+    found without ``PYTHONPATH=.``. The folder stays on ``sys.path``: the rank processes a run spawns get
+    ``sys.path`` as their PYTHONPATH and import the same module."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(name)
+
+
+def check_model_name(name: str, planned: object, what: str = "plan") -> None:
+    """Refuse a plan (or profile: ``what``) made for another model before any check of its shapes: a gpt plan
+    run with the convnet failed first on its microbatch size, and that error's remedy (re-profile at another
+    microbatch size) sent the user the wrong way. Names compare by their last part, so ``pkg.mod:build`` and
+    ``build`` match; an unnamed workload (the API's ``Workload(model, inputs)``) is not checked."""
+    if not isinstance(planned, str) or not planned or not name:
+        return
+    if planned.rsplit(":", 1)[-1] != name.rsplit(":", 1)[-1]:
+        raise WorkloadError(f"{what} made for {planned!r}, and this run builds {name!r}: its layers and "
+                            f"times describe another model; run {planned!r} with this {what}, or profile "
+                            f"and plan {name!r}")
+
+
+# Whether the command running is the CLI's: a remedy then names the CLI's flag (--set), and from Python the
+# API's keyword (factory_options=), so each reader is told what they can type. stageplan.cli.main sets it.
+IN_CLI: ContextVar[bool] = ContextVar("stageplan_in_cli", default=False)
+
+
+def options_words(*assignments: str) -> str:
+    """How the reader passes factory options ``key=value``: ``--set key=value`` under the CLI, else
+    ``factory_options={'key': value}``.
+
+    >>> options_words("tied=true", "n_layer=4")
+    "factory_options={'tied': True, 'n_layer': 4}"
+    """
+    if IN_CLI.get():
+        return " ".join(f"--set {a}" for a in assignments)
+    pairs = []
+    for a in assignments:
+        key, _, raw = a.partition("=")
+        low = raw.lower()
+        value: Any = low == "true" if low in ("true", "false") else raw
+        for cast in (int, float):
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError):
+                    value = cast(raw)
+        pairs.append(f"{key!r}: {value!r}")
+    return "factory_options={" + ", ".join(pairs) + "}"

@@ -8,6 +8,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stageplan.errors import WorkloadError
-from stageplan.workload import Workload
+from stageplan.workload import IN_CLI, Workload, import_factory_module
 
 __all__ = ["BUILTINS", "build_workload", "convnet", "gpt", "hf", "hf_gpt2", "hf_llama", "hf_presets"]
 
@@ -569,7 +570,6 @@ BUILTINS: dict[str, Callable[..., Workload]] = {
 
 def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload:
     """Build a workload from a built-in name or ``package.module:factory``, calling it with ``options``."""
-    import importlib
     import inspect
 
     options = dict(options or {})
@@ -579,11 +579,12 @@ def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload
     elif ":" in spec:
         mod_name, _, attr = spec.partition(":")
         try:
-            module = importlib.import_module(mod_name)
+            module = import_factory_module(mod_name)
         except Exception as exc:  # any import-time failure is the user's module's problem
             raise WorkloadError(
                 f"cannot import module {mod_name!r} for model {spec!r}: {type(exc).__name__}: {exc}; "
-                "check the module is on PYTHONPATH (run from its folder) and imports cleanly"
+                f"check that {mod_name.replace('.', '/')}.py is in the current folder ({os.getcwd()}) or on "
+                "PYTHONPATH, and imports cleanly"
             ) from exc
         factory = getattr(module, attr, None)
         if not callable(factory):
@@ -615,7 +616,7 @@ def build_workload(spec: str, options: dict[str, Any] | None = None) -> Workload
         raise
     except TypeError as exc:
         raise WorkloadError(f"model {spec!r} could not be built with options {options}: {exc}; check the "
-                            f"--set values") from exc
+                            f"{'--set values' if IN_CLI.get() else 'factory_options'}") from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
             f"factory {spec!r} returned {type(workload).__name__}, not a stageplan.Workload; "

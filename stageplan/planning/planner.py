@@ -163,8 +163,9 @@ def make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str
     cost_options = {"method": method, **({"objective": objective} if method in ("optimal", "given") else {}),
                     **opts.to_json(), "microbatch_size": mb, **solver_evidence}
     meta_keys = ("model", "layers_arg", "named_layers", "split_method", "microbatch_size", "batch_size",
-                 "device", "dtype", "timer", "estimate", "processes", "order")
+                 "device", "dtype", "timer", "estimate", "processes", "order", "input_shapes")
     pmeta = {k: profile.meta[k] for k in meta_keys if k in profile.meta}
+    pmeta["param_count"] = sum(layer.param_count or 0 for layer in profile.layers)  # the report's FLOPs
     pmeta["factory_options"] = dict(profile.meta.get("factory_options", profile.meta.get("options")) or {})
     pmeta.update(meta_extra)
     step = ev.predicted_step_s
@@ -320,7 +321,7 @@ def plan(
         said = tuple(n for n in (priced.note, price.note) if n)
         return cand.with_notes((*cand.notes, *said)) if said else cand
 
-    best, candidates = _best_candidate(candidate, schedules, ms, auto, method)
+    best, candidates = _best_candidate(candidate, schedules, ms, auto, method, recompute=recompute)
     if auto:
         best = dataclasses.replace(best, candidates=tuple(candidates))
         if num_microbatches == "auto" and best.cost_options["microbatch_size"] != mb0:
@@ -414,7 +415,7 @@ def _microbatch_counts(num_microbatches: int | str | None, batch: int, mb0: int,
 
 
 def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str], ms: list[int], auto: bool,
-                    method: str) -> tuple[Plan, list[dict[str, Any]]]:
+                    method: str, *, recompute: bool = False) -> tuple[Plan, list[dict[str, Any]]]:
     """The feasible candidate with the lowest predicted step over ``schedules`` x ``ms``, and a row per
     candidate tried. With one candidate its error stands; with several, one that fails or is over a memory
     limit is listed and skipped, and when none is left the error says why (a memory limit first)."""
@@ -458,7 +459,8 @@ def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str],
             f"no candidate of the {len(candidates)} tried ({', '.join(schedules)}; m in {ms}) fits the "
             f"memory limits with method {method}; the closest, {closest['schedule']} with "
             f"{closest['num_microbatches']} microbatch{'es' * (closest['num_microbatches'] != 1)}: "
-            f"{closest['reason']}; raise --memory-limit, add --stages or add --recompute"
+            f"{closest['reason']}; raise --memory-limit"
+            + (", or add --stages" if recompute else ", add --stages or add --recompute")
             + ("" if method == "optimal" else ", or let the optimal method move the boundaries"))
     assert last_error is not None  # every candidate raised, and auto kept the last error
     raise last_error
@@ -467,8 +469,8 @@ def _best_candidate(candidate: Callable[[str, int], Plan], schedules: list[str],
 def _batch_note(best: Plan, batch: int) -> Plan:
     """Where the plan's microbatches do not make up the profiled model's batch, say how to run it."""
     mb_best, m_best = int(best.cost_options["microbatch_size"]), best.num_microbatches
-    if not batch or mb_best * m_best == batch:
-        return best
+    if not batch or mb_best * m_best == batch or best.profile_meta.get("timer") == "analytic":
+        return best  # an analytic estimate is not run here: how to run it is no help
     fits = f"plan --microbatches {batch // mb_best}, or " if batch % mb_best == 0 else ""
     redo = (f"profile at --microbatch-size {batch // m_best} and plan that"
             if batch % m_best == 0 else f"build the model with a batch of {mb_best * m_best}")

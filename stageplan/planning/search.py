@@ -333,7 +333,6 @@ def split_by_method(
     time_limit_s: float = 2.0,
 ) -> tuple[tuple[int, ...], dict[str, Any]]:
     """Stage boundaries by ``method``; the second value carries solver evidence (proven bounds)."""
-    from stageplan.planning import interleaved, solver
 
     S = opts.num_chunks
     L = len(arr.forward_s)
@@ -364,6 +363,43 @@ def split_by_method(
         return tuple(partition_uniform(L, S)), {}
     if method == "parameters":  # DeepSpeed's default partition_method="parameters": balance parameter counts
         return tuple(partition_balanced(arr.param_bytes, S)), {}
+    try:
+        return _optimal_boundaries(arr, opts, time_limit_s)
+    except InfeasiblePlanError as exc:
+        raise InfeasiblePlanError(with_memory_remedies(str(exc), opts),
+                                  min_memory_limit_bytes=exc.min_memory_limit_bytes) from None
+
+
+def with_memory_remedies(message: str, opts: CostOptions) -> str:
+    """``message`` with its remedies (from "; raise the limit" on) replaced by those not already set: a 70B
+    plan with --recompute on was told "or use recomputation". Each remedy names its flag.
+
+    The solvers know costs and limits, not the options behind them, so the remedies are chosen here."""
+    head, sep, tail = message.partition("; raise the limit")
+    if not sep:
+        return message
+    alone = "split that layer" in tail  # one layer exceeds the limit wherever it sits
+    out = ["raise the limit (--memory-limit)"]
+    if not alone:
+        out.append("add ranks (--stages)")
+    if opts.virtual_stages > 1:
+        out.append("use fewer virtual stages (--virtual-stages)")
+    if not opts.recompute:
+        out.append("recompute activations (--recompute)")
+    # 1F1B holds at most min(p - s, m) microbatches' activations on stage s; GPipe and the looped and
+    # interleaved orders hold more (torch.distributed.pipelining.schedules)
+    if opts.schedule != "1F1B":
+        out.append("use a schedule with fewer microbatches in flight (--schedule 1F1B)")
+    if alone:
+        out.append("split that layer")
+    return f"{head}; {', '.join(out[:-1])}, or {out[-1]}" if len(out) > 1 else f"{head}; {out[0]}"
+
+
+def _optimal_boundaries(arr: LayerArrays, opts: CostOptions,
+                        time_limit_s: float) -> tuple[tuple[int, ...], dict[str, Any]]:
+    from stageplan.planning import interleaved, solver
+
+    S = opts.num_chunks
     inp = solver_inputs(arr, opts)
     if opts.virtual_stages > 1:
         rank_speeds = np.array([d.speed for d in opts.devices])
@@ -670,7 +706,7 @@ def versus_optimal(arr: LayerArrays, opts: CostOptions, ev: Any, given_as: str, 
     return out
 
 
-__all__ = ["partition_balanced", "partition_uniform"]
+__all__ = ["partition_balanced", "partition_uniform", "peer_splits"]
 
 
 def partition_uniform(num_items: int, num_parts: int) -> tuple[int, ...]:
@@ -751,3 +787,86 @@ def partition_balanced(weights: ArrayLike, num_parts: int) -> tuple[int, ...]:
         parts.append(int(position[parts[-1], j]))
     parts.reverse()
     return tuple(parts)
+
+
+# The peers' default splits, each under its own name, with what it does (printed under the comparison
+# table). DeepSpeed's two rules are the planner's methods "uniform" and "parameters".
+PEERS = {
+    "megatron": "Megatron-LM default: equal blocks per stage, embedding (E) on the first, head (L) on the "
+                "last",
+    "megatron+E": "Megatron-LM --account-for-embedding-in-pipeline-split: E counts as one block",
+    "megatron+L": "Megatron-LM --account-for-loss-in-pipeline-split: L counts as one block",
+    "megatron+E+L": "Megatron-LM with both: E and L count as one block each",
+    "torchtitan": "torchtitan default (generate_llm_fqn_per_model_part): E and L weigh one block each",
+}
+
+
+def _megatron_split(edge: tuple[bool, bool], blocks: int, num_stages: int,
+                    account: tuple[bool, bool]) -> tuple[int, ...] | str:
+    """Megatron-LM's split (megatron/core/transformer/transformer_block.py, get_num_layers_to_build, and the
+    check in transformer_config.py): (blocks + the accounted E and L) // p blocks per stage, one fewer on the
+    first stage with E accounted and on the last with L accounted; the count must divide by p."""
+    counted = blocks + sum(account)
+    if counted % num_stages:
+        extra = " + ".join(["E"] * account[0] + ["L"] * account[1])
+        return (f"Megatron needs {blocks} blocks{' + ' + extra if extra else ''} = {counted} divisible by "
+                f"{num_stages} stages")
+    per = counted // num_stages
+    sizes = [per - (account[0] and s == 0) - (account[1] and s == num_stages - 1) for s in range(num_stages)]
+    if any(n < 0 for n in sizes):
+        return f"{per} block per stage leaves the first or last stage with fewer than none"
+    return _with_edges(sizes, edge)
+
+
+def _with_edges(sizes: Sequence[int], edge: tuple[bool, bool]) -> tuple[int, ...] | str:
+    """Boundaries from blocks per stage, E (the first layer) with the first stage and L (the last) with the
+    last; a stage left with no layer is reported (a stageplan split needs one per stage)."""
+    sizes = list(sizes)
+    sizes[0] += edge[0]
+    sizes[-1] += edge[1]
+    if any(n <= 0 for n in sizes):
+        return f"stage {sizes.index(min(sizes))} would hold no layer"
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def _torchtitan_split(blocks: int, num_stages: int) -> tuple[int, ...] | str:
+    """torchtitan's generate_llm_fqn_per_model_part(num_stages, num_layers, input_weight=1, output_weight=1)
+    (torchtitan/distributed/pipeline_parallel.py): blocks + 2 effective layers, the first (effective % p)
+    stages one more, the embedding and the head each taking one of their stage's share."""
+    effective = blocks + 2
+    per, extra = divmod(effective, num_stages)
+    if per < 1:
+        return f"torchtitan needs at most {effective} stages (blocks + E + L)"
+    sizes = [per + (s < extra) - (s == 0) - (s == num_stages - 1) for s in range(num_stages)]
+    sizes[-1] = blocks - sum(sizes[:-1])  # the last stage takes what is left, as torchtitan's loop does
+    return _with_edges(sizes, (True, True))
+
+
+def peer_splits(layer_names: Sequence[str], named: Sequence[str], num_stages: int) -> dict[str, Any]:
+    """The boundaries each peer's default rule gives this profile on ``num_stages`` stages (chunks), or why
+    the rule does not apply (a string). E is the first layer and L the last where they are not named blocks
+    (``named``: the profile's decoder blocks).
+
+    >>> blocks = [f"h.{i}" for i in range(8)]
+    >>> peer_splits(["emb", *blocks, "head"], blocks, 4)["megatron"]
+    (0, 3, 5, 7, 10)
+    """
+    is_named = set(named)
+    L = len(layer_names)
+    edge = (L > 0 and layer_names[0] not in is_named, L > 1 and layer_names[-1] not in is_named)
+    blocks = L - sum(edge)
+    if any(n not in is_named for n in layer_names[edge[0]:L - edge[1]]):
+        why = "the profile's layers are not E, blocks, L in that order"
+        return dict.fromkeys(PEERS, why)
+    out: dict[str, Any] = {"megatron": _megatron_split(edge, blocks, num_stages, (False, False))}
+    for name, account in (("megatron+E", (True, False)), ("megatron+L", (False, True)),
+                          ("megatron+E+L", (True, True))):
+        missing = [w for w, on, has in zip(("embedding", "head"), account, edge) if on and not has]
+        out[name] = (f"the profile has no {' or '.join(missing)} layer apart from the blocks" if missing
+                     else _megatron_split(edge, blocks, num_stages, account))
+    out["torchtitan"] = (_torchtitan_split(blocks, num_stages) if all(edge)
+                         else "the profile has no embedding and head apart from the blocks")
+    return out

@@ -123,7 +123,9 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
             env, keep = stream_forward(env, cut, k, values)
         if k in measured or k in apart:
             run = make_run(piece, k, n, values, ctx.workload, target)
+            # a line per round too: one LLaMA-2-7B block took minutes on a CPU
             (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats,
+                                  on_round=bar.within(k, piece.name, ctx.warmup + ctx.repeats),
                                   min_time_s=ctx.min_time_s / len(measured))
             ctx.timed_rounds.append(len(s[0]))
             act, peak = bytes_and_peak(run, ctx.dev, peaks)

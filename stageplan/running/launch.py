@@ -18,6 +18,7 @@ import io
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -32,11 +33,13 @@ from typing import Any
 import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
+from stageplan._progress import Progress, duration
 from stageplan.errors import RunError, StageplanError, WorkloadError
 from stageplan.formats.link import load_link, save_link
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile, merge_profiles
 from stageplan.formats.runreport import RunReport
+from stageplan.host import CpuWatch
 from stageplan.materialize import (
     Checkpoint,
     init_empty_weights,
@@ -148,6 +151,7 @@ def run(
                                  f"gradients) would not fit in the {format_bytes(_available_bytes())} "
                                  f"available here; run without --check")
         _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
+        others = CpuWatch()  # what other processes take of the CPUs during the run (host.run_contention)
         if _needs_fork(meta_wl):
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
                             forked=(meta_wl, the_plan, opts))
@@ -162,6 +166,7 @@ def run(
                 ) from exc
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
         report = RunReport.load(run_dir / "report.json")
+        report.meta.update(others.result())
     if output is not None:
         save_or_keep(report, output)
     return report
@@ -245,13 +250,14 @@ def profile_in_processes(model: str, factory_options: dict[str, Any] | None = No
             "microbatch_size": mb, "options": profile_options}
     profiles = []
     with _run_folder(None, "stageplan-profile-") as run_dir:
+        bar = Progress(processes, "profiling in fresh processes", enabled=progress, interval_s=0.0)
         for k in range(processes):
-            if progress:
-                print(f"profiling in process {k + 1} of {processes}", file=sys.stderr, flush=True)
+            bar.update(k, f"process {k + 1} running")  # each line says how long the rest take at this pace
             torch.save(task, run_dir / "payload.pt")
             _spawn_and_wait(run_dir, 1, float(timeout_s), progress=False)
             profiles.append(Profile.load(run_dir / "profile.json"))
             (run_dir / "profile.json").unlink()
+        bar.update(processes, "done")
     return merge_profiles(profiles)
 
 
@@ -655,7 +661,11 @@ class _ProgressForwarder:
         self.offset += end
         for line in chunk[:end].decode(errors="replace").splitlines():
             if line.startswith(PROGRESS_PREFIX):
-                print(f"run: {line[len(PROGRESS_PREFIX):]}", file=sys.stderr, flush=True)
+                text = line[len(PROGRESS_PREFIX):]
+                step = re.fullmatch(r"step (\d+)/(\d+) ([\d.]+) ms", text)  # steps left at this pace
+                left = (int(step[2]) - int(step[1])) * float(step[3]) / 1e3 if step else None
+                print(f"run: {text}" + (f" (about {duration(left)} left)" if left else ""), file=sys.stderr,
+                      flush=True)
 
 
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",

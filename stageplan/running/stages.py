@@ -27,7 +27,7 @@ from stageplan.materialize import (
     real_parameters,
 )
 from stageplan.measure import microbatch, microbatch_size_for
-from stageplan.workload import Workload
+from stageplan.workload import Workload, check_model_name, options_words
 
 
 def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
@@ -45,6 +45,8 @@ def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -
             f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with "
             f"--stages {world_size}"
         )
+    # the model first: a plan of another model fails every later check too, and their remedies mislead
+    check_model_name(workload.name, plan.profile_meta.get("model"))
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
     check_same_model(workload, plan.profile_meta, "plan")
     check_microbatch_size_of_plan(workload.batch_size, plan)
@@ -68,9 +70,10 @@ def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str) -> 
         differing = sorted(k for k in planned if k in given and _json_value(planned[k]) != given[k])
         if differing:
             text = ", ".join(f"{k}={given[k]!r} ({what}: {planned[k]!r})" for k in differing)
+            these = options_words(*(f"{k}={given[k]}" for k in differing))
             raise StageplanError(f"the {what} was made for {model} with other options: {text}; profile and "
-                                 f"plan the model with these --set options, or set them as the {what} has "
-                                 f"them")
+                                 f"plan the model with these options ({these}), or set "
+                                 f"them as the {what} has them")
     dtype = meta.get("dtype")
     params = workload.model.parameters() if workload.model is not None else ()
     own = next((str(t.dtype).removeprefix("torch.") for t in params if t.is_floating_point()), None)
@@ -109,7 +112,8 @@ def check_layers(model: nn.Module, args: tuple[Any, ...], plan: Plan) -> None:
         raise StageplanError(
             f"the plan does not match this model: it has {len(plan.layer_names)} layers, the model "
             f"{len(names)}; layer {diff} is {got!r} in the model but {want!r} in the plan (plan made for "
-            f"{plan.profile_meta.get('model')!r}); profile and plan this model, with the same --set options"
+            f"{plan.profile_meta.get('model')!r}); profile and plan this model, with the same options "
+            f"({options_words('KEY=VALUE')})"
         )
 
 

@@ -125,7 +125,8 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
     plan(prof, 2, num_microbatches=2, method="uniform").save(tmp_path / "plan.json")
     code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan",
                             str(tmp_path / "plan.json"),
-                            "--steps", "2", "--warmup", "1", "--check", "-o", str(tmp_path / "run.json")],
+                            "--steps", "2", "--warmup", "1", "--check", "--explain", "-o",
+                            str(tmp_path / "run.json")],
                            capsys)
     assert code == 0, out
     assert "check: PASS" in out and "step: predicted" in out
@@ -150,7 +151,7 @@ def test_cli_run_table_and_failure_exit(tmp_path: Path, capsys: pytest.CaptureFi
     monkeypatch.setenv("STAGEPLAN_COMM_SLICE_US", "0")  # the kernel's own slice: nothing set, nothing claimed
     code, out, _ = run_cli(["run", "workloads:faulty", "--set", "fail_step=100", "--plan",
                             str(tmp_path / "plan.json"),
-                            "--steps", "1", "--warmup", "0", "--no-pin", "--no-retime", "-o",
+                            "--steps", "1", "--warmup", "0", "--no-pin", "--no-retime", "--explain", "-o",
                             str(tmp_path / "free.json")],
                            capsys)
     assert code == 0, out

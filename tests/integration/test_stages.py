@@ -94,7 +94,8 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(
     if tie_with == 2:
         rank1 = next(row for row in report.ranks if row["rank"] == 1)
         assert rank1["measured_tied_sync_s"] < link_latency, (rank1, link_latency)
-    assert ("tied gradients' all-reduce" in run_table(report)) == (tie_with == 4)  # shown where one is priced
+    # shown where one is priced
+    assert ("tied gradients' all-reduce" in run_table(report, explain=True)) == (tie_with == 4)
     # the measured timeline (last step) holds the step's tail as the simulator draws it: per rank, after its
     # last forward or backward, the tied all-reduce ("T", only where the tie spans ranks) and then the
     # optimizer step ("O") the tail is placed from perf_counter offsets, the chunk calls from their own
@@ -111,7 +112,7 @@ def test_pipeline_training_with_a_tie_on_one_or_two_ranks_equals_one_process(
             assert tail["T"]["end_s"] <= tail["O"]["start_s"] + slack
     assert max(e["end_s"] for e in report.timeline) == max(e["end_s"] for e in report.timeline
                                                            if e["kind"] == "O")
-    assert "optimizer step (ms per step, after the tied sum" in run_table(report)
+    assert "optimizer step (ms per step, after the tied sum" in run_table(report, explain=True)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +167,28 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
     assert len(losses) == 3, stdout
     torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 4), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_the_readme_loop_runs_from_the_inputs_its_own_commands_make(tmp_path: Path) -> None:
+    """The README's commands that make plan.json and model.safetensors (its ```bash block before train.py),
+    run as written in an empty folder, then train.py under torchrun: three steps, each loss printed."""
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "save_checkpoint" in b)
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    made = subprocess.run(["bash", "-euc", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert (tmp_path / "plan.json").is_file() and (tmp_path / "model.safetensors").is_file()
+    (tmp_path / "train.py").write_text(_readme_loop())
+    proc = subprocess.Popen([str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    assert [line.split(" loss ")[0] for line in out.splitlines() if " loss " in line] == [
+        "step 0", "step 1", "step 2"]

@@ -558,3 +558,126 @@ def test_version_and_help_with_defaults(capsys: pytest.CaptureFixture[str]) -> N
                 assert action.help, f"{name} {action.option_strings or action.dest} has no help"
     help_text = sub.choices["compare"].format_help()  # type: ignore[attr-defined]
     assert "(default: 10)" in help_text and "(default: 1F1B)" in help_text
+
+
+def _readme_factory() -> str:
+    """The README's five-line factory (the ```python block that defines build)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "def build(" in b)
+
+
+def test_a_factory_in_the_current_folder_is_found_as_python_m_finds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``stageplan profile mymodel:build`` from the folder that holds mymodel.py (the README's example), with
+    no PYTHONPATH: the console script's sys.path holds its bin folder, not the current one (pytest's '' and
+    cwd entries are taken out to match)."""
+    import os
+
+    (tmp_path / "mymodel.py").write_text(_readme_factory())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd(), str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+    try:
+        code, out, err = run_cli(["profile", "mymodel:build", "--set", "width=16", "--warmup", "0",
+                                  "--repeats", "1", "--quiet", "-o", "p.json"], capsys)
+        assert code == 0, err
+        assert "wrote p.json (8 layers)" in out
+        assert Profile.load(tmp_path / "p.json").meta["model"] == "mymodel:build"
+        # a module that is in neither the folder nor the path names both
+        code, _, err = run_cli(["profile", "notmymodel:build", "-o", "q.json"], capsys)
+        assert code == 2 and f"check that notmymodel.py is in the current folder ({tmp_path})" in err
+    finally:
+        sys.modules.pop("mymodel", None)
+
+
+def _tune_result(distorted: str | None) -> dict[str, Any]:
+    row = {"boundaries": [0, 2, 4], "predicted_step_s": 0.1, "measured_step_s": 0.12, "error": 0.2,
+           "distorted": None}
+    return {"rounds": [dict(row), dict(row, distorted=distorted)], "final": dict(row),
+            "uniform": dict(row, boundaries=[0, 3, 4], predicted_step_s=0.11, measured_step_s=0.11),
+            "final_over_uniform_measured": 0.11 / 0.12, "final_prediction_error": 0.2}
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_tune_prints_each_round_once_and_warns_of_a_busy_machine(
+        quiet: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """tune's progress prints each round as it ends; the command then printed them all again. Now they are
+    printed once: by the progress lines, or with --quiet by the command. A distorted run is warned of, and the
+    measured slow-down against the predicted speed-up (1.1x) is explained."""
+    import stageplan.tuning as tuning
+
+    why = "measured figures distorted: the load average was 3.30 on 2 CPUs, and the 2 ranks leave 0 free; x"
+
+    def fake_tune(*_a: Any, progress: bool, **_k: Any) -> dict[str, Any]:
+        if progress:
+            print("tune round 1: ...", file=sys.stderr)
+            print("tune round 2: ...", file=sys.stderr)
+        return _tune_result(why)
+
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    code, out, err = run_cli(["tune", "gpt", "--stages", "2", "-o", str(tmp_path), *(["--quiet"] * quiet)],
+                             capsys)
+    assert code == 0
+    said = [line for line in (out + err).splitlines() if re.match(r"(tune )?round \d", line)]
+    assert len(said) == 2 and all(line.startswith("round" if quiet else "tune round") for line in said)
+    assert f"warning: {why}" in out.splitlines()
+    assert "note: the measured 0.917x reverses the predicted 1.100x because the load average was 3.30" in out
+
+
+def test_show_reads_the_tune_and_link_files_the_tool_writes(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """tune.json and link.json, written as tune and link write them (tuning's schema, save_link): show prints
+    each, a figure a line; a mangled one is refused in one line; --plot says they have no figure."""
+    from stageplan.formats.link import save_link
+    from stageplan.tuning import TUNE_SCHEMA
+
+    tune = {"schema": TUNE_SCHEMA, **_tune_result(None)}
+    (tmp_path / "tune.json").write_text(json.dumps(tune))
+    code, out, _ = run_cli(["show", str(tmp_path / "tune.json")], capsys)
+    assert code == 0
+    assert out.splitlines()[0] == "round 1: boundaries [0, 2, 4], predicted 100.0 ms, measured 120.0 ms"
+    assert "final / uniform measured: 0.917x faster (uniform: DeepSpeed's equal layers)" in out
+    save_link({"backend": "gloo", "latency_s": 2.5e-5, "bandwidth_bytes_per_s": 1.5e9, "exchange_s": 4e-5,
+               "pairs": [{"ranks": [0, 1]}]}, tmp_path / "link.json")
+    code, out, _ = run_cli(["show", str(tmp_path / "link.json")], capsys)
+    assert code == 0 and out.splitlines() == ["link (gloo, 2 ranks, median over 1 pairs):",
+                                              "  latency 25.0 us", "  bandwidth 1.5 GB/s one way",
+                                              "  fused send/receive exchange 40.0 us"]
+    del tune["final"]
+    (tmp_path / "bad.json").write_text(json.dumps(tune))
+    code, _, err = run_cli(["show", str(tmp_path / "bad.json")], capsys)
+    assert code == 2 and re.search(r"tune result .* lacks rounds, final or uniform", err)
+    code, _, err = run_cli(["show", str(tmp_path / "link.json"), "--plot", str(tmp_path / "x.png")], capsys)
+    assert code == 2 and "this file is a link result; drop --plot" in err
+
+
+def test_errors_name_the_program_once_and_the_readers_own_words(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's errors said "stageplan: error: stageplan plan: ..."; a factory option's remedy says --set
+    through the CLI and factory_options= through the API."""
+    from stageplan.errors import StageplanError
+    from stageplan.workload import options_words
+
+    code, _, err = run_cli(["plan", "x.json", "--stages", "two"], capsys)
+    assert code == 2 and err.startswith("stageplan: error: plan: argument --stages: invalid int value: "
+                                        "'two'; see 'stageplan plan --help'")
+    assert err.count("stageplan") == 2  # the prefix and the help command, not the program name twice
+    assert options_words("tied=true", "n_layer=4", "name=x") == ("factory_options={'tied': True, 'n_layer': "
+                                                                 "4, 'name': 'x'}")
+    import torch
+
+    from stageplan import Workload
+    from stageplan.running.stages import check_same_model
+    from stageplan.workload import IN_CLI
+
+    wl = Workload(torch.nn.Linear(2, 2), torch.zeros(4, 2), name="gpt", factory_options={"n_layer": 4})
+    meta = {"model": "gpt", "factory_options": {"n_layer": 6}}
+    with pytest.raises(StageplanError, match=r"with these options \(factory_options=\{'n_layer': 4\}\)"):
+        check_same_model(wl, meta, "plan")
+    token = IN_CLI.set(True)
+    try:
+        with pytest.raises(StageplanError, match=r"with these options \(--set n_layer=4\)"):
+            check_same_model(wl, meta, "plan")
+    finally:
+        IN_CLI.reset(token)

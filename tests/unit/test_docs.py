@@ -132,3 +132,29 @@ def test_no_tracked_file_speaks_of_the_teams_working_history() -> None:
         "words of the team's working history (numbered stops, the internal field notes) in: "
         + "; ".join(f"{name} line {hits[0]}" for name, hits in sorted(found.items()))
     )
+
+
+def test_the_tours_scratch_folder_links_the_profiles_from_any_folder(tmp_path: Path) -> None:
+    """The tour's setup (its ```bash block), run from a folder outside the clone and run twice: it finds the
+    clone from the stageplan on PATH (.venv/bin/stageplan, as activating .venv puts it there) and links its
+    profiles/ into the scratch folder (the block's /tmp/tour, here under tmp_path)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert ". .venv/bin/activate" in readme and ".venv/bin/stageplan" in readme
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section(readme, "CLI tour"), flags=re.S)
+                 if "/tmp/tour" in b)
+    clone = tmp_path / "clone"
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    (clone / "profiles").mkdir()
+    script = clone / ".venv" / "bin" / "stageplan"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tour = tmp_path / "tour"
+    env = {"PATH": f"{script.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    for _ in range(2):  # a second run finds the link there already
+        done = subprocess.run(["bash", "-euc", block.replace("/tmp/tour", str(tour)) + "\npwd"],
+                              cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert (tour / "profiles").resolve() == (clone / "profiles").resolve()
+        assert done.stdout.strip() == str(tour)

@@ -247,3 +247,17 @@ def test_a_run_stepping_another_optimizer_than_the_plan_priced_says_so(tmp_path:
 def test_api_refuses_too(tmp_path: Path) -> None:
     with pytest.raises(StageplanError, match=r"does not divide into the plan's 2 microbatches"):
         run("workloads:faulty", _toy_plan(tmp_path), factory_options={"batch_size": 9})
+
+
+def test_the_runs_step_lines_say_how_long_is_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step line from rank 0's log carries the time the steps left take at that step's pace (19 x 50 ms =
+    0.95 s, said as 1 s; 500 steps x 1 s); the last step has nothing left to say."""
+    from stageplan.running.launch import PROGRESS_PREFIX, _ProgressForwarder
+
+    log = tmp_path / "rank0.log"
+    log.write_text(f"{PROGRESS_PREFIX}step 1/20 50.0 ms\nother output\n{PROGRESS_PREFIX}step 20/20 50.0 ms\n"
+                   f"{PROGRESS_PREFIX}step 100/600 1000.0 ms\n")
+    _ProgressForwarder(log, enabled=True).poll()
+    assert capsys.readouterr().err.splitlines() == ["run: step 1/20 50.0 ms (about 1 s left)",
+                                                    "run: step 20/20 50.0 ms",
+                                                    "run: step 100/600 1000.0 ms (about 8 min 20 s left)"]

@@ -24,7 +24,7 @@ from stageplan.planning import search
 from stageplan.planning import search as split_search
 from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options
 from stageplan.planning.planner import plan
-from stageplan.planning.search import SplitCosts, partition_balanced, partition_uniform
+from stageplan.planning.search import SplitCosts, partition_balanced, partition_uniform, peer_splits
 from stageplan.report import plan_table
 
 from .test_costs import _tie
@@ -620,3 +620,86 @@ def test_split_costs_price_the_tied_sync_as_evaluate_does(schedule: str, p: int,
         ev = evaluate(arr, cuts, opts)
         assert steps[row] == pytest.approx(ev.predicted_step_s, rel=1e-12, abs=0)
         assert tied[row] == ev.tied_sync_s
+
+
+# -- the peers' default splits -----------------------------------------------------------------------------
+def _llm(blocks: int) -> tuple[list[str], list[str]]:
+    named = [f"model.layers.{i}" for i in range(blocks)]
+    return ["model.embed_tokens", *named, "model.norm+lm_head"], named
+
+
+def _sizes(b: tuple[int, ...]) -> list[int]:
+    return [y - x for x, y in zip(b, b[1:])]
+
+
+def test_peer_splits_of_a_llama2_70b_like_profile_on_16_stages() -> None:
+    """Hand-computed: 80 blocks on 16 stages. Megatron: 80 / 16 = 5 blocks each, E with the first, L with the
+    last. Its account_for_* variants count E and/or L as a block: 81 and 82 do not divide by 16, which
+    Megatron refuses. torchtitan: 80 + 2 = 82 effective = 5 x 16 + 2, so stages 0 and 1 take 6 effective;
+    stage 0 is E + 5 blocks, stage 1 six blocks, stages 2-14 five, the last 5 - 1 = 4 blocks + L."""
+    names, named = _llm(80)
+    got = peer_splits(names, named, 16)
+    assert got["megatron"] == (0, 6, *range(11, 77, 5), 82)
+    assert _sizes(got["megatron"]) == [6] + [5] * 14 + [6]
+    assert got["megatron+E"] == "Megatron needs 80 blocks + E = 81 divisible by 16 stages"
+    assert got["megatron+L"] == "Megatron needs 80 blocks + L = 81 divisible by 16 stages"
+    assert got["megatron+E+L"] == "Megatron needs 80 blocks + E + L = 82 divisible by 16 stages"
+    assert _sizes(got["torchtitan"]) == [1 + 5, 6] + [5] * 13 + [4 + 1]
+
+
+def test_megatrons_account_for_variants_where_they_divide() -> None:
+    """79 blocks + E = 80 = 5 x 16: the first stage holds E and 4 blocks, every other 5, L with the last;
+    79 + L likewise mirrored; 78 + E + L = 80: E + 4 blocks first, 4 blocks + L last."""
+    names, named = _llm(79)
+    got = peer_splits(names, named, 16)
+    assert _sizes(got["megatron+E"]) == [1 + 4] + [5] * 14 + [5 + 1]
+    assert _sizes(got["megatron+L"]) == [1 + 5] + [5] * 14 + [4 + 1]
+    assert got["megatron"] == "Megatron needs 79 blocks = 79 divisible by 16 stages"
+    names, named = _llm(78)
+    assert _sizes(peer_splits(names, named, 16)["megatron+E+L"]) == [1 + 4] + [5] * 14 + [4 + 1]
+
+
+def test_peer_splits_without_an_embedding_or_head_say_so() -> None:
+    names = [f"layer{i}" for i in range(8)]  # every layer a block (a convnet's profile names no blocks)
+    got = peer_splits(names, names, 4)
+    assert got["megatron"] == (0, 2, 4, 6, 8)
+    assert got["megatron+E"] == "the profile has no embedding layer apart from the blocks"
+    assert got["megatron+E+L"] == "the profile has no embedding or head layer apart from the blocks"
+    assert got["torchtitan"] == "the profile has no embedding and head apart from the blocks"
+
+
+@pytest.mark.parametrize(("options", "offered", "not_offered"), [
+    ({}, ["raise the limit (--memory-limit)", "add ranks (--stages)", "recompute activations (--recompute)"],
+     ["--schedule 1F1B"]),
+    ({"recompute": True}, ["raise the limit (--memory-limit)", "add ranks (--stages)"],
+     ["--recompute", "recomputation"]),
+    ({"recompute": True, "schedule": "GPipe"}, ["--schedule 1F1B"], ["--recompute", "recomputation"]),
+])
+def test_a_memory_remedy_offers_only_what_is_not_already_set(options: dict[str, Any], offered: list[str],
+                                                             not_offered: list[str]) -> None:
+    """The class of the 70B trial's "or use recomputation" with --recompute on: every remedy names what is
+    not set yet."""
+    from stageplan.errors import InfeasiblePlanError
+
+    from .test_planner import make_profile
+
+    prof = make_profile([1.0] * 6, act=[2**20] * 6, params=[2**20] * 6)
+    with pytest.raises(InfeasiblePlanError, match=r"smallest limit that admits a plan is") as err:
+        plan(prof, 2, num_microbatches=4, memory_limit=6 * 2**20, **options)
+    text = str(err.value)
+    assert all(o in text for o in offered), text
+    assert not any(o in text for o in not_offered), text
+
+
+def test_auto_schedules_memory_remedy_offers_recompute_only_when_it_is_off() -> None:
+    from stageplan.errors import InfeasiblePlanError
+
+    from .test_planner import make_profile
+
+    prof = make_profile([1.0] * 6, act=[2**20] * 6, params=[2**20] * 6)
+    for recompute in (False, True):
+        for method in ("optimal", "uniform"):  # the solver's refusal, and the planner's over its candidates
+            raise_it = r"raise (the limit \(--memory-limit\)|--memory-limit)"
+            with pytest.raises(InfeasiblePlanError, match=raise_it) as err:
+                plan(prof, 2, memory_limit=6 * 2**20, schedule="auto", recompute=recompute, method=method)
+            assert ("--recompute" in str(err.value)) == (not recompute), str(err.value)

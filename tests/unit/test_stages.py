@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import run_cli
 
+from stageplan.errors import StageplanError
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import LayerProfile, Profile
 from stageplan.materialize import Checkpoint
@@ -91,3 +92,25 @@ def test_build_pipeline_refuses_a_plan_for_another_model(tmp_path: Path) -> None
     with pytest.raises(Exception, match=r"the plan does not match this model: it has 8 layers, the model 6"):
         build_pipeline(lambda: gpt(n_layer=4, tied=True).model, tmp_path / "plan.json", rank=0, world_size=2,
                        example_inputs=data.inputs[:2])
+
+
+def test_a_plan_for_another_model_says_so_before_any_shape_or_batch_check() -> None:
+    """A gpt plan run with the convnet: its microbatch size (2, against the convnet's 16 / 4 = 4) and its
+    layers differ too, and the first thing said is the model the plan was made for."""
+    from stageplan.running.stages import validate
+    from stageplan.zoo import build_workload
+
+    names = ["tok_emb+pos_emb", *[f"blocks.{i}" for i in range(6)], "ln_f+head"]
+    prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names),
+                   {"batch_size": 8, "microbatch_size": 2, "model": "gpt"})
+    gpt_plan = plan(prof, 2, num_microbatches=4)
+    convnet = build_workload("convnet", {"batch_size": 16})
+    with pytest.raises(StageplanError, match=r"^plan made for 'gpt', and this run builds 'convnet': .*; run "
+                                             r"'gpt' with this plan, or profile and plan 'convnet'$"):
+        validate(convnet, gpt_plan)
+    # a factory named by module and function matches the same name without the module
+    from stageplan.workload import check_model_name
+
+    check_model_name("mypkg.models:build", "build")
+    with pytest.raises(StageplanError, match=r"^profile made for 'mymodel:build'"):
+        check_model_name("mymodel:other", "mymodel:build", "profile")

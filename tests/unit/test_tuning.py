@@ -28,7 +28,7 @@ def test_tune_plans_every_round_for_its_objective(monkeypatch: pytest.MonkeyPatc
 
     def fake_run(model: str, pl: Plan, **_: object) -> object:
         ran.append(pl)
-        return SimpleNamespace(measured_step_s=0.1)
+        return SimpleNamespace(measured_step_s=0.1, meta={}, ranks=[])
 
     monkeypatch.setattr(stageplan.running.launch, "run", fake_run)
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
@@ -92,7 +92,7 @@ def test_tune_runs_each_rounds_plan_k_times_and_calibrates_from_the_median_run(
     calibrated: list[object] = []
 
     def fake_run(model: str, pl: Plan, **_: object) -> object:
-        rep = SimpleNamespace(measured_step_s=next(steps))
+        rep = SimpleNamespace(measured_step_s=next(steps), meta={}, ranks=[])
         ran.append((pl.boundaries, rep))
         return rep
 
@@ -139,7 +139,8 @@ def test_compare_and_tune_profile_in_the_order_given(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(stageplan.profiling.profiler, "profile_model", fake_profile)
     monkeypatch.setattr(stageplan.running.launch, "profile_in_processes", fake_profile)
-    monkeypatch.setattr(stageplan.running.launch, "run", lambda *a, **k: SimpleNamespace(measured_step_s=0.1))
+    monkeypatch.setattr(stageplan.running.launch, "run",
+                        lambda *a, **k: SimpleNamespace(measured_step_s=0.1, meta={}, ranks=[]))
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: prof)
     monkeypatch.setattr(comparison, "_compare_runs", lambda *a, **k: None)
     tuning.tune("gpt", 2, rounds=1, order="layer")
@@ -186,7 +187,9 @@ def test_tune_reports_repeatability_and_prediction_on_the_splits_it_was_not_fit_
     before, after = _one_microbatch_profile([1, 1, 1, 5]), _one_microbatch_profile([5, 1, 1, 1])
     steps = {(0, 3, 4): iter([20.0]), (0, 1, 4): iter([17.0, 16.8]), (0, 2, 4): iter([18.0])}
     monkeypatch.setattr(stageplan.running.launch, "run",
-                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries])))
+                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries]),
+                                                               meta={},
+                                                                        ranks=[0, 1]))
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: after)
     result = tuning.tune("gpt", 2, profile=before, num_microbatches=1, schedule="GPipe",
                          rounds=3)
@@ -213,7 +216,9 @@ def test_tune_judges_a_final_plan_that_moved_after_the_last_calibration_as_a_pre
 
     steps = {(0, 3, 4): iter([20.0]), (0, 1, 4): iter([17.6]), (0, 2, 4): iter([16.0])}
     monkeypatch.setattr(stageplan.running.launch, "run",
-                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries])))
+                        lambda model, pl, **_: SimpleNamespace(measured_step_s=next(steps[pl.boundaries]),
+                                                               meta={},
+                                                                        ranks=[0, 1]))
     monkeypatch.setattr(tuning, "calibrate", lambda prof, rep: _one_microbatch_profile([5, 1, 1, 1]))
     result = tuning.tune("gpt", 2, profile=_one_microbatch_profile([1, 1, 1, 5]), num_microbatches=1,
                          schedule="GPipe", rounds=1)
