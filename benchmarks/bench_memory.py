@@ -94,9 +94,11 @@ def measure(repo: Path, ranks: int, optimizer: str, d_model: int) -> dict[str, A
         report = json.loads((Path(tmp) / "run.json").read_text()) if not failed else {"ranks": []}
     baseline = subprocess.run([sys.executable, "-c", "import resource, torch, torch.distributed; "
                                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
-                              capture_output=True, text=True, env=env, check=True)
+                              capture_output=True, text=True, env=env, check=False)
+    if baseline.returncode != 0:  # said, not raised: the run's own figures above still stand
+        print(f"(a bare torch process failed: {(baseline.stderr.strip().splitlines() or [''])[-1]})")
     return {"peak_tree_rss_bytes": peak, "model_bytes": model_bytes, "wall_s": time.perf_counter() - start,
-            "torch_baseline_bytes": float(baseline.stdout.strip()), "failed": failed,
+            "torch_baseline_bytes": float(baseline.stdout.strip() or "nan"), "failed": failed,
             "ranks": report["ranks"], "timeline": timeline}
 
 
