@@ -24,6 +24,7 @@ from stageplan.planning.costs import (
     LayerArrays,
     evaluate,
     make_options,
+    tied_sync_rank_time,
     tied_sync_time,
 )
 from stageplan.planning.planner import as_profile, estimate_label, rescaled_profile
@@ -324,7 +325,9 @@ def _tied_sync_as_run(
         base = dataclasses.replace(opts, allreduce_latency_s=opts.link_latency_s,
                                    allreduce_bandwidth_bytes_per_s=opts.bandwidth_bytes_per_s)
     price = float(tied_sync_time(arr, bounds, base)[0])
-    times = [row.get("measured_tied_sync_s") for row in rep.ranks]
+    # the ranks that hold a spanning tie (a rank that holds none joins no sum)
+    held = tied_sync_rank_time(arr, rep.plan["boundaries"], base) > 0
+    times = [row.get("measured_tied_sync_s") for row in rep.ranks if held[int(row["rank"])]]
     timed = [float(x) for x in times if x is not None and is_number(x) and float(x) > 0]
     bandwidth = base.allreduce_bandwidth_bytes_per_s  # set wherever the price is above 0
     if not (price > 0 and bandwidth is not None and len(timed) == len(times)):

@@ -61,6 +61,24 @@ def steady_allocator() -> bool:
     return ok
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS of /proc/self/status, Linux); elsewhere its peak so far
+    (ru_maxrss: KiB on Linux, bytes on macOS), the nearest figure the platform gives."""
+    import sys
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def last_level_cache_bytes(device: torch.device | str) -> int:
     """The device's last-level cache: CUDA's L2; on CPU the largest cache sysfs lists for cpu0 (64 MiB when it
     cannot be read)."""

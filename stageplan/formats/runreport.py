@@ -20,9 +20,12 @@ if TYPE_CHECKING:
     from stageplan.formats.plan import Plan
     from stageplan.formats.timeline import Simulation
 
-RUN_SCHEMA = "stageplan.run/2"
-# run/1 named the per-rank rows "stages"; they are "ranks" since run/2. Both load.
-_OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}}
+RUN_SCHEMA = "stageplan.run/3"
+# run/1 named the per-rank rows "stages"; they are "ranks" since run/2. run/2's memory_ratio was the process's
+# whole peak over the plan's bytes (torch's own baseline included, and retiming left out); since run/3 it is
+# the run's memory over its baseline (measured_run_memory_bytes), read after retiming. All three load; an
+# older report's rows keep their own memory_ratio.
+_OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}, "stageplan.run/2": {}}
 
 
 _LAYER_FIELDS = {"index": int, "name": str, "stage": int, "rank": int, "measured_forward_s": float,
@@ -321,6 +324,9 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
     f, b, other = g["forward_s"], g["backward_s"], g["other_s"]
     peak = g["peak_activation_bytes"]
     predicted_peak = plan.rank_peak_activation_bytes[r]
+    baseline = g.get("baseline_memory_bytes")
+    run_bytes = (max(g["peak_memory_bytes"] - baseline, 0) if g.get("peak_memory_bytes") is not None
+                 and baseline is not None else None)
     return {
         "rank": r, "stages": g["stages"],
         "predicted_forward_s": pf, "predicted_backward_s": pb, "predicted_compute_s": pf + pb,
@@ -368,9 +374,15 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "activation_ratio": (peak / predicted_peak if predicted_peak
                              and not plan.cost_options.get("recompute") else None),
         "predicted_memory_bytes": plan.rank_memory_bytes[r],
+        # the process's peak (CPU: resident set; CUDA: max allocated), read after everything the rank did
+        # (retiming included), and its memory before it built its stage (torch's libraries, the process
+        # group: a few hundred MiB per CPU process, which the plan does not count); the ratio compares what
+        # the run added on top of that with the plan
         "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
-        "memory_ratio": (g["peak_memory_bytes"] / plan.rank_memory_bytes[r]
-                         if g.get("peak_memory_bytes") and plan.rank_memory_bytes[r] else None),
+        "measured_baseline_memory_bytes": baseline,
+        "measured_run_memory_bytes": run_bytes,
+        "memory_ratio": (run_bytes / plan.rank_memory_bytes[r]
+                         if run_bytes and plan.rank_memory_bytes[r] else None),
     }
 
 
@@ -468,7 +480,8 @@ class RunReport:
         renamed = _OLD_SCHEMAS.get(str(data.get("schema")))
         if renamed is not None:
             data = {renamed.get(k, k): v for k, v in data.items()}
-            data["run_options"] = data.pop("options", {})
+            if "options" in data or "run_options" not in data:
+                data["run_options"] = data.pop("options", {})
         else:
             check_schema(data, RUN_SCHEMA, source)
         _check_report(data, source)

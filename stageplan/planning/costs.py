@@ -367,47 +367,69 @@ def comm_time(arr: LayerArrays, opts: CostOptions) -> np.ndarray:
     return arr.output_bytes / opts.bandwidth_bytes_per_s
 
 
-def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions) -> np.ndarray:
-    """Seconds of one all-reduce of ``nbytes`` over all p ranks, as gloo and NCCL run it on a ring (Patarasuk
-    and Yuan 2009): each rank sends and receives 2(p-1)/p of the buffer in 2(p-1) steps, each paying the
-    per-message latency, so 2(p-1)/p x bytes / bandwidth + 2(p-1) x latency (the measured link's one-way
-    latency, ``link_latency_s``). Where the link probe timed the all-reduce itself, its constants
-    (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones, with or
-    without a point-to-point bandwidth: at the probe's rank count this gives back the probe's own fit. 0 with
-    neither."""
+def ring_allreduce_time(nbytes: np.ndarray, opts: CostOptions, ranks: int | np.ndarray | None = None
+                        ) -> np.ndarray:
+    """Seconds of one all-reduce of ``nbytes`` over ``ranks`` ranks k (None: all p; an array broadcasts
+    against ``nbytes``), as gloo and NCCL run it on a ring (Patarasuk and Yuan 2009): each rank sends and
+    receives 2(k-1)/k of the buffer in 2(k-1) steps, each paying the per-message latency, so 2(k-1)/k x
+    bytes / bandwidth + 2(k-1) x latency (the measured link's one-way latency, ``link_latency_s``); 0 at
+    k = 1. Where the link probe timed the all-reduce itself, its constants (``allreduce_latency_s``,
+    ``allreduce_bandwidth_bytes_per_s``) replace the point-to-point ones, with or without a point-to-point
+    bandwidth: at the probe's rank count this gives back the probe's own fit. 0 with neither."""
     nbytes = np.asarray(nbytes, dtype=float)
-    p = opts.num_ranks
+    k = np.asarray(opts.num_ranks if ranks is None else ranks, dtype=float)
     if opts.allreduce_bandwidth_bytes_per_s is not None:
         bandwidth, latency = opts.allreduce_bandwidth_bytes_per_s, float(opts.allreduce_latency_s or 0.0)
     elif opts.bandwidth_bytes_per_s is not None:
         bandwidth, latency = opts.bandwidth_bytes_per_s, opts.link_latency_s
     else:
-        return np.zeros_like(nbytes)
-    return 2.0 * (p - 1) / p * nbytes / bandwidth + 2.0 * (p - 1) * latency
+        return np.zeros(np.broadcast(nbytes, k).shape)
+    return 2.0 * (k - 1) / k * nbytes / bandwidth + 2.0 * (k - 1) * latency
+
+
+def tied_holders(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
+    """For each row of ``bounds`` (N, S+1), how many distinct ranks hold each tied parameter's layers (N,
+    ties): chunks map to ranks by ``opts.shape.stage_ranks``, so interleaved chunks of one rank share it."""
+    bounds = np.asarray(bounds)
+    ranks = np.asarray(opts.shape.stage_ranks)
+    count = np.ones((bounds.shape[0], len(arr.tied_layers)), dtype=int)
+    for g, layers in enumerate(arr.tied_layers):
+        # the chunk holding layer l is the number of inner boundaries at or before l
+        chunk = (bounds[:, None, 1:] <= np.asarray(layers)[None, :, None]).sum(axis=2)  # (N, layers)
+        held = np.sort(ranks[chunk], axis=1)
+        count[:, g] = 1 + (np.diff(held, axis=1) != 0).sum(axis=1)
+    return count
 
 
 def tied_across(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
     """For each row of ``bounds`` (N, S+1), whether each tied parameter's layers fall on two or more ranks
-    (N, ties): chunks map to ranks by ``opts.shape.stage_ranks``, so interleaved chunks of one rank share
-    it."""
-    bounds = np.asarray(bounds)
-    ranks = np.asarray(opts.shape.stage_ranks)
-    across = np.zeros((bounds.shape[0], len(arr.tied_layers)), dtype=bool)
-    for g, layers in enumerate(arr.tied_layers):
-        # the chunk holding layer l is the number of inner boundaries at or before l
-        chunk = (bounds[:, None, 1:] <= np.asarray(layers)[None, :, None]).sum(axis=2)  # (N, layers)
-        held = ranks[chunk]
-        across[:, g] = (held != held[:, :1]).any(axis=1)
-    return across
+    (N, ties)."""
+    return tied_holders(arr, bounds, opts) > 1
 
 
 def tied_sync_time(arr: LayerArrays, bounds: np.ndarray, opts: CostOptions) -> np.ndarray:
-    """Seconds per step (N,) of the gradient all-reduce of the tied parameters each split (row of ``bounds``)
-    puts on two or more ranks: one ring all-reduce per parameter over all p ranks, as
-    ``stages.sync_tied_grads`` runs it after the schedule and before the optimizer step; every rank waits for
-    it. A tie kept on one rank costs nothing; without a bandwidth or the all-reduce's constants nothing is
-    priced (``evaluate`` notes it)."""
-    return tied_across(arr, bounds, opts) @ ring_allreduce_time(arr.tied_bytes, opts)
+    """Seconds per step (N,) of the gradient all-reduces of the tied parameters each split (row of ``bounds``)
+    puts on two or more ranks: per parameter, one ring all-reduce over the k ranks that hold it (not all p:
+    ``stages.sync_tied_grads`` sums it on a process group of its holders, after the schedule and before the
+    optimizer step), so 2(k-1)/k x bytes / bandwidth + 2(k-1) x latency. A tie kept on one rank (k = 1)
+    costs nothing; without a bandwidth or the all-reduce's constants nothing is priced (``evaluate`` notes
+    it)."""
+    k = tied_holders(arr, bounds, opts)
+    return ring_allreduce_time(np.asarray(arr.tied_bytes, dtype=float)[None, :], opts, ranks=k).sum(axis=1)
+
+
+def tied_sync_rank_time(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions) -> np.ndarray:
+    """Seconds per step (p,) each rank spends in the tied all-reduces of one split: a rank pays those of the
+    ties it holds, over their holders (:func:`tied_sync_time`), and nothing for a tie it does not hold."""
+    bounds = np.asarray([boundaries])
+    ranks = np.asarray(opts.shape.stage_ranks)
+    k = tied_holders(arr, bounds, opts)[0]
+    price = ring_allreduce_time(np.asarray(arr.tied_bytes, dtype=float), opts, ranks=k)
+    out = np.zeros(opts.num_ranks)
+    for g, layers in enumerate(arr.tied_layers):
+        chunk = (bounds[0, None, 1:] <= np.asarray(layers)[:, None]).sum(axis=1)
+        out[np.unique(ranks[chunk])] += price[g]
+    return out
 
 
 @dataclass(frozen=True)
@@ -547,6 +569,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     p = opts.num_ranks
     tied = float(tied_sync_time(arr, np.array([boundaries]), opts)[0])
     dp_sync = data_parallel_sync_s(arr, boundaries, opts)
+    tied_rank = tied_sync_rank_time(arr, boundaries, opts)
     stages = []
     for s in range(len(boundaries) - 1):
         i, j = int(boundaries[s]), int(boundaries[s + 1])
@@ -568,7 +591,7 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
             mine = [k for k in range(len(boundaries) - 1) if ranks[k] == ranks[s]]
             if any(trained[int(boundaries[k]):int(boundaries[k + 1])].any() for k in mine):
                 o += floor / dev.speed
-        t = tied if first else 0.0  # the rank's all-reduce, held by its first chunk
+        t = float(tied_rank[ranks[s]]) if first else 0.0  # the rank's all-reduces, held by its first chunk
         sync = dp_sync[ranks[s]] if first else 0.0  # the replicas' sync, held by the rank's first chunk
         a = 2.0 * opts.action_s  # the schedule's loop around the chunk's forward and its backward
         stages.append(

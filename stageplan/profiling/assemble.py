@@ -26,7 +26,7 @@ from stageplan.measure import (
     median_iqr,
 )
 from stageplan.profiling.memory import Peaks, peak_rss_bytes
-from stageplan.profiling.optimizer import optimizer_floors
+from stageplan.profiling.optimizer import OPTIMIZER_SLICE_NOTE, optimizer_floors
 from stageplan.profiling.signatures import DEDUP_SPREAD_WARN, Dedup
 from stageplan.timing import (
     LayerContext,
@@ -130,7 +130,7 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
                            "implementation": "torch default (foreach=None, fused=None): foreach on CUDA, "
                                              "per-tensor loop on the CPU",
                            # the fixed cost of one step, in every layer's optimizer_s and paid once per rank
-                           "floor_s": floors},
+                           "floor_s": floors, "sliced": OPTIMIZER_SLICE_NOTE},
         "whole_model_s": whole,
         "whole_model_iqr_s": None,
         "sum_vs_whole": layer_sum / whole if whole else None,

@@ -32,6 +32,7 @@ from stageplan.measure import (
     Timer,
     median_iqr,
     microbatch_size_for,
+    resident_bytes,
     steady_allocator,
 )
 from stageplan.running.link import ping_pong, probe_sizes
@@ -445,8 +446,10 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     rank = dist.get_rank()
     out = _Samples()
     bounds = plan.boundaries
-    # on CUDA, where a tie spans ranks, the tied sum is timed apart between two synchronisations
-    sync_apart = device.type == "cuda" and any(rs.ties_across or ())
+    # the ties this rank sums with other ranks (one it does not hold costs it nothing)
+    summing = any(a and any(n in rs.params for n in names) for a, (names, _) in zip(rs.ties_across, rs.ties))
+    # on CUDA, where this rank sums a tie with others, the sum is timed apart between two synchronisations
+    sync_apart = device.type == "cuda" and summing
     # the first step's first chunk call counts from here, as every later one from its step's mark
     ins.timer.mark()
     for step in range(warmup + steps + clocked):
@@ -470,7 +473,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if sync_apart:  # the backward's queued kernels end before the sum
             torch.cuda.synchronize(device)
         t_other = time.perf_counter()
-        sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across)
+        sync_tied_grads(rs.ties, rs.params, device, across=rs.ties_across, groups=rs.tie_groups)
         if sync_apart:  # the all-reduce's own end
             torch.cuda.synchronize(device)
         t_sync = time.perf_counter()
@@ -512,7 +515,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
                                 for kind, s, mb, w, sec, *_ in intervals]
                 # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans
                 # ranks) and the optimizer step ("O"), on the rank's first stage, with no microbatch
-                tail = [("T", t_other, t_sync)] if any(rs.ties_across or ()) else []
+                tail = [("T", t_other, t_sync)] if summing else []
                 tail += [("O", t_sync, t1)] if optimizer is not None else []
                 out.timeline += [{"rank": rank, "stage": min(rs.indices), "microbatch": -1, "kind": kind,
                                   "start_wall": wall0 + (begin - t0), "duration_s": end - begin,
@@ -551,6 +554,29 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
             clock.attach(layer, mod, own)
 
 
+def _release_stages(rs: RankStages) -> int:
+    """Give back the rank's stage once its run is over: every parameter's storage and gradient is freed, and
+    the stage's modules get meta parameters back (shapes kept). The objects themselves may live on (the
+    instruments' wrappers and the layer clock hold them), so their storage is what goes, not a reference.
+    Returns the bytes freed."""
+    from stageplan.timing import release_
+
+    freed = 0
+    for p in rs.unique_params:
+        freed += p.numel() * p.element_size() + (p.grad.numel() * p.grad.element_size() if p.grad is not None
+                                                 else 0)
+    old = list(rs.unique_params)
+    for st in rs.stages:
+        release_(st.submod)
+    for p in old:
+        p.grad = None
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    rs.params.clear()
+    rs.unique_params.clear()
+    gc.collect()
+    return freed
+
+
 def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device, weights: Checkpoint | None,
             seed: int) -> dict[int, list[float]]:
     """The rank's layers timed after its run as the profiler timed them (in its order), in this process
@@ -559,15 +585,14 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
     alone on the machine as the profile was taken: ranks timed at the same time share the cores and the memory
     bandwidth, and read slower than both the profile and the run (a GPT's first rank read its blocks 1.41x the
     profile while the second rank timed its LM head beside it, and its run 0.80x that; measured on a 2-core
-    CPU host). The run's gradients go first (the optimizer and its states went with :func:`_train`), so the
-    copies it times add no peak to the run's."""
+    CPU host). The run's stage goes first (:func:`_release_stages`; the optimizer and its states went with
+    :func:`_train`), so the copy retiming materialises takes the stage's place rather than adding to it: held
+    beside the stage, it had put a second copy of the rank's weights and gradients on top of the run's."""
     import torch.distributed as dist
 
     from stageplan.timing import retime_layers
 
-    for p in rs.unique_params:
-        p.grad = None
-    gc.collect()
+    _release_stages(rs)
     mine = [k for s in rs.indices for k in range(plan.boundaries[s], plan.boundaries[s + 1])]
     size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
     times: dict[int, list[float]] = {}
@@ -582,12 +607,22 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
 
 def _peak_memory_bytes(device: torch.device) -> int:
     """The rank's peak memory: max allocated on CUDA; on CPU the process's peak resident set (ru_maxrss, KiB
-    on Linux), which includes torch's own baseline (a few hundred MiB per process)."""
+    on Linux), which includes torch's own baseline (a few hundred MiB per process: :func:`_memory_now_bytes`
+    before the stage is built says how much)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _memory_now_bytes(device: torch.device) -> int:
+    """The rank's memory now, before its stage exists: allocated on CUDA (the context is not counted, as
+    max_memory_allocated does not count it); on CPU the resident set, which holds torch's libraries, the
+    process group and the meta model: what the run's own memory (the plan's prediction) comes on top of."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return resident_bytes()
 
 
 def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, options: dict[str, Any],
@@ -612,6 +647,10 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     check = bool(options.get("check"))
     weights = Checkpoint(options["weights"]) if options.get("weights") else None
     seed = int(options.get("init_seed", 0))
+    # read last before anything of the run's own: the link probe's buffers are gone (read right after it, the
+    # resident set was 0.06 GB above where it settled, measured on a 2-core CPU host)
+    gc.collect()
+    baseline_bytes = _memory_now_bytes(device)
     reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
     rs = build_rank_stages(model, plan, rank, device, mb_args, weights=weights, seed=seed)
     ins = _Instruments(Timer(device),
@@ -637,12 +676,16 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
-              "peak_memory_bytes": _peak_memory_bytes(device), "layer_s": layer_s, "overhead_s": overhead_s,
+              "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
-              "calls": samples.calls, "short_slice_threads": short_threads,
-              "retimed_layer_s": _retime(workload, plan, rs, device, weights, seed)
-              if options.get("retime", True) else {}}
+              "calls": samples.calls, "short_slice_threads": short_threads}
+    del samples
+    result["retimed_layer_s"] = (_retime(workload, plan, rs, device, weights, seed)
+                                 if options.get("retime", True) else {})
+    # read last: the peak covers everything the rank did, retiming included
+    result["peak_memory_bytes"] = _peak_memory_bytes(device)
+    result["baseline_memory_bytes"] = baseline_bytes
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     if rank == 0:

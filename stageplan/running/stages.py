@@ -8,7 +8,7 @@ import copy
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -158,20 +158,56 @@ def tie_groups(model: nn.Module) -> list[TieGroup]:
     return [group for group in by_id.values() if len(group[0]) > 1]
 
 
-def ties_across_ranks(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[bool]:
-    """Per tie group, whether the plan's stages that use it (under any of its names) run on two or more ranks:
-    only then is its gradient summed across ranks. Every rank works it out alike from the plan and the model,
-    so all of them join the same all-reduces."""
+def tie_holders(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[tuple[int, ...]]:
+    """Per tie group, the ranks (ascending) whose stages use it under any of its names. Every rank works it
+    out alike from the plan and the model, so all of them create the same process groups in the same order."""
     used = [set(used_parameters(piece.module)) for piece in cut.pieces]
-    return [len({plan.stages[s].rank for s, fqns in enumerate(used) if fqns.intersection(names)}) > 1
+    return [tuple(sorted({plan.stages[s].rank for s, fqns in enumerate(used) if fqns.intersection(names)}))
             for names, _ in ties]
+
+
+def ties_across_ranks(ties: list[TieGroup], cut: CutModel, plan: Plan) -> list[bool]:
+    """Per tie group, whether the plan's stages that use it run on two or more ranks: only then is its
+    gradient summed across ranks."""
+    return [len(ranks) > 1 for ranks in tie_holders(ties, cut, plan)]
+
+
+def tie_process_groups(holders: Sequence[tuple[int, ...]], rank: int, group: Any = None) -> list[Any]:
+    """Per tie group, the process group of the ranks holding it, where this rank is one of them and the tie
+    spans two or more ranks; else None. The tie's gradient is summed over its k holders only, as Megatron-LM
+    sums the word embeddings' over its embedding group of the first and last stage (``_EMBEDDING_GROUP`` in
+    megatron/core/parallel_state.py): a middle rank neither allocates a buffer for it nor joins the
+    collective. Over the whole pipeline (``group`` None: the world) every rank calls ``dist.new_group`` for
+    every spanning tie in the same order, as torch requires of a new group's creation; under a ``group`` of
+    the caller's (one pipeline among several), only the holders create it (``use_local_synchronization``),
+    since the other pipelines create their own. A tie on all the pipeline's ranks uses ``group`` itself."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return [None] * len(holders)
+    world = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    groups: list[Any] = []
+    for ranks in holders:
+        if len(ranks) < 2:
+            groups.append(None)
+        elif len(ranks) == len(world):
+            groups.append(group if rank in ranks else None)
+        elif group is None:
+            made = dist.new_group([world[r] for r in ranks])
+            groups.append(made if rank in ranks else None)
+        elif rank in ranks:
+            groups.append(dist.new_group([world[r] for r in ranks], use_local_synchronization=True))
+        else:
+            groups.append(None)
+    return groups
 
 
 @dataclass
 class RankStages:
     """What one rank runs: its PipelineStage objects (one per chunk it holds), the parameters they use by FQN,
-    the unique parameters (for the optimizer), the model's tie groups and which of them the plan puts on two
-    or more ranks (for :func:`sync_tied_grads`)."""
+    the unique parameters (for the optimizer), the model's tie groups, which of them the plan puts on two
+    or more ranks and, per tie, the process group of its holders where this rank is one (for
+    :func:`sync_tied_grads`)."""
 
     stages: list[Any]
     indices: list[int]
@@ -179,6 +215,7 @@ class RankStages:
     unique_params: list[nn.Parameter]
     ties: list[TieGroup]
     ties_across: list[bool]
+    tie_groups: list[Any] = field(default_factory=list)
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...],
@@ -192,7 +229,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     ties = tie_groups(model)
     cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
     retarget_devices(cut, device)  # a trace with meta tensors flowing bakes device=meta into the pieces
-    across = ties_across_ranks(ties, cut, plan)
+    holders = tie_holders(ties, cut, plan)  # a spanning tie this rank does not hold costs it nothing
+    across = [len(ranks) > 1 for ranks in holders]
+    tie_pgs = tie_process_groups(holders, rank, group)
     stages = []
     for s in mine:
         piece = cut.pieces[s].module
@@ -211,7 +250,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
         params.update(used_parameters(st.submod))
         every.extend(st.submod.parameters())
     unique = list({id(p): p for p in every}.values())
-    return RankStages(stages, mine, params, unique, ties, across)
+    return RankStages(stages, mine, params, unique, ties, across, tie_pgs)
 
 
 def _no_warmup_to_self(stages: list[Any]) -> None:
@@ -250,36 +289,40 @@ def _recompute(module: nn.Module) -> None:
 
 
 def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], device: torch.device,
-                    group: Any = None, across: Sequence[bool] | None = None) -> None:
+                    group: Any = None, across: Sequence[bool] | None = None,
+                    groups: Sequence[Any] | None = None) -> None:
     """Sum a tied parameter's gradients over every stage that holds a copy: each copy's own gradient is only
     its stage's share, so every copy is wrong alone (by about 2e-2 for a tied embedding and LM head) and their
     sum is the tie's gradient, as Megatron-LM sums the word embedding's gradients between its first and last
-    stage (``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py). A tie
-    the plan puts on two or more ranks (``across``, from :func:`ties_across_ranks`; None: every tie) is summed
-    with an all-reduce every rank joins (ranks without a copy contribute zeros). A rank's one contiguous copy
-    is summed in place, as the link's all-reduce probe times it, since a buffer adds the sum into it and a
-    copy back: HF GPT-2's 4 MiB tie took its last rank 4.06 ms through a buffer against 2.92 ms in place
-    (medians of 8 runs each, measured on a 2-core CPU host). A tie on one rank is summed over that rank's
-    copies, with no communication."""
+    stage (``_allreduce_word_embedding_grads`` in megatron/core/distributed/finalize_model_grads.py).
+
+    A tie the plan puts on two or more ranks (``across``, from :func:`ties_across_ranks`; None: every tie) is
+    all-reduced over the process group of its holders (``groups[g]``, from :func:`tie_process_groups`; without
+    ``groups``, over ``group``, which must then be exactly its holders). A rank that holds no copy does
+    nothing: no buffer, no collective. On a rank, the copies' own ``.grad`` tensors are used: the others are
+    added into the first, which is all-reduced in place, and copied back into the others (no fresh buffer,
+    so a wrapper that keeps its own gradient buffers, DDP's or FSDP's, keeps them). In place, HF GPT-2's 4
+    MiB tie took its last rank 2.92 ms against 4.06 ms through a buffer (medians of 8 runs each, measured on a
+    2-core CPU host). A tie on one rank is summed over that rank's copies, with no communication."""
     import torch.distributed as dist
 
     for g, (names, original) in enumerate(ties):
         local = list({id(params[n]): params[n] for n in names if n in params}.values())
         spans = across is None or across[g]
-        if not spans and len(local) < 2:
-            continue  # at most one copy, and no other rank holds one: its gradient is already whole
-        grad = local[0].grad if len(local) == 1 else None
-        if spans and grad is not None and grad.is_contiguous():
-            dist.all_reduce(grad, group=group)  # one copy here: its gradient is summed in place
-            continue
-        buf = torch.zeros(original.shape, dtype=original.dtype, device=device)
-        for p in local:
-            if p.grad is not None:
-                buf += p.grad
+        if not local or (not spans and len(local) < 2):
+            continue  # no copy here, or this rank's one copy is the whole tie: nothing to add
+        grads = [p.grad for p in local if p.grad is not None]
+        # with no gradient (a copy the backward did not reach), zeros still take part in the holders' sum
+        total = grads[0] if grads else torch.zeros(original.shape, dtype=original.dtype, device=device)
+        for grad in grads[1:]:
+            total += grad
         if spans:
-            dist.all_reduce(buf, group=group)
+            dist.all_reduce(total, group=groups[g] if groups is not None else group)
         for p in local:
-            p.grad = buf.clone()
+            if p.grad is None:
+                p.grad = total.clone()
+            elif p.grad is not total:
+                p.grad.copy_(total)
 
 
 def reference_model(model: nn.Module, device: torch.device, *, weights: Checkpoint | None = None,
@@ -313,7 +356,8 @@ class RankPipeline:
         return list({id(p): p for m in self.modules for p in m.parameters()}.values())
 
     def sync_tied_grads(self) -> None:
-        sync_tied_grads(self._ties, self._params, self._device, self._group, self._ties_across)
+        sync_tied_grads(self._ties, self._params, self._device, self._group, self._ties_across,
+                        self._tie_groups)
 
     @property
     def is_first(self) -> bool:
@@ -326,6 +370,8 @@ class RankPipeline:
     _num_chunks: int = 1
     # per tie group, whether it spans ranks (None: all-reduce every one)
     _ties_across: list[bool] | None = None
+    # per tie group, the process group of its holders where this rank is one (tie_process_groups)
+    _tie_groups: list[Any] | None = None
 
 
 def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int,
@@ -373,4 +419,4 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches,
                    loss_fn=loss_fn)
     return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev, group,
-                        the_plan.num_chunks, rs.ties_across)
+                        the_plan.num_chunks, rs.ties_across, rs.tie_groups)

@@ -40,7 +40,9 @@ def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no
         for k, p in enumerate(held.values()):
             p.grad = torch.tensor([1.0, 2.0]) * 10 ** (rank + k)
         grads = [p.grad for p in held.values()]
-        sync_tied_grads([(["w", "v"], torch.zeros(2))], held, torch.device("cpu"), across=[True])
+        holders = dist.new_group([0, 1])  # every rank creates it, in the same order, as torch requires
+        sync_tied_grads([(["w", "v"], torch.zeros(2))], held, torch.device("cpu"), across=[True],
+                        groups=[holders if rank < 2 else None])
         queue.put((rank, [p.grad.tolist() for p in held.values()],
                    [p.grad is g for p, g in zip(held.values(), grads)]))
     finally:
@@ -48,13 +50,102 @@ def _sum_a_tie_in_child(rank: int, port: int, queue) -> None:  # type: ignore[no
 
 
 def test_a_tie_across_ranks_is_summed_over_every_copy_and_one_copy_in_place() -> None:
-    """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. A rank's one copy
-    is summed in place (its gradient tensor kept: no buffer, no sum into it, no copy back, which had made HF
-    GPT-2's 4 MiB sum 4.06 ms against 2.92 ms in place, medians of 8 runs); two copies on a rank are summed
-    there first."""
+    """Oracle: the copies' gradients 1, 10 and 100 x [1, 2] sum to [111, 222] on every copy. Every copy keeps
+    its own gradient tensor (no buffer, no copy back, which had made HF GPT-2's 4 MiB sum 4.06 ms against
+    2.92 ms in place, medians of 8 runs); two copies on a rank are summed there first, into the first. The
+    rank without a copy is outside the holders' group and does nothing."""
     got = spawn_ranks(_sum_a_tie_in_child, 3)
     assert got[0][0] == [[111.0, 222.0]] and got[1][0] == [[111.0, 222.0]] * 2 and got[2][0] == []
-    assert got[0][1] == [True] and got[1][1] == [False, False]  # in place where the rank holds one copy
+    assert got[0][1] == [True] and got[1][1] == [True, True]
+
+
+def _tied_blocks_on_meta() -> torch.nn.Module:
+    from workloads import TiedBlocks
+
+    from stageplan.materialize import init_empty_weights
+
+    with init_empty_weights():
+        return TiedBlocks(16, 4)
+
+
+def _tie_on_first_and_last_of_three(rank: int, port: int, plan_path: str, queue) -> None:  # type: ignore[no-untyped-def]
+    """One of three ranks training one step of the tied blocks (block 0 on rank 0, block 4 on rank 2) with
+    build_pipeline; records what the tied sum allocated and which collectives it joined."""
+    import torch.distributed as dist
+    from workloads import tied_blocks
+
+    from stageplan.layers import used_parameters
+    from stageplan.running.stages import build_pipeline
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        wl = tied_blocks(tie_with=4)
+        pipe = build_pipeline(_tied_blocks_on_meta, plan_path, rank=rank, world_size=3,
+                              loss_fn=torch.nn.functional.mse_loss, example_inputs=(wl.inputs[:2],))
+        if pipe.is_first:
+            pipe.schedule.step(wl.inputs)
+        elif pipe.is_last:
+            pipe.schedule.step(target=wl.target, losses=[])
+        else:
+            pipe.schedule.step()
+        params = {k: v for m in pipe.modules for k, v in used_parameters(m).items()}
+        own = {k: p.grad for k, p in params.items()}
+        allocated: list[tuple[int, ...]] = []
+        joined: list[int] = []
+        zeros, all_reduce = torch.zeros, dist.all_reduce
+
+        def counting_zeros(*a, **k):  # type: ignore[no-untyped-def]
+            out = zeros(*a, **k)
+            allocated.append(tuple(out.shape))
+            return out
+
+        def counting_all_reduce(t, *a, **k):  # type: ignore[no-untyped-def]
+            joined.append(t.numel())
+            return all_reduce(t, *a, **k)
+
+        torch.zeros, dist.all_reduce = counting_zeros, counting_all_reduce
+        try:
+            pipe.sync_tied_grads()
+        finally:
+            torch.zeros, dist.all_reduce = zeros, all_reduce
+        queue.put((rank, {k: p.grad.clone() for k, p in params.items()},
+                   [p.grad is own[k] for k, p in params.items()], allocated, joined))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tie_on_the_first_and_last_of_three_ranks_is_summed_by_those_two_alone(tmp_path: Path) -> None:
+    """Oracle: one process's gradients of the same model, the same weights and the same microbatches (the
+    mean of the 4 microbatches' losses). The tie (block 0's weight, used again by block 4) sits on ranks 0 and
+    2: they sum it on a process group of their own, in their own .grad tensors; rank 1 allocates nothing for
+    it and joins no collective."""
+    from workloads import tied_blocks
+
+    from stageplan.running.stages import reference_model
+
+    wl = tied_blocks(tie_with=4)
+    tie = {"names": ["blocks.0.0.weight", "blocks.4.0.weight"], "layers": [0, 4], "bytes": 1024}
+    prof = Profile(tuple(LayerProfile(f"blocks.{i}", 1.0, 1.0, 0, 0, 1088) for i in range(5)),
+                   {"batch_size": 8, "microbatch_size": 2, "tied": [tie]})
+    pl = plan(prof, 3, num_microbatches=4, schedule="GPipe", boundaries=[0, 2, 4, 5], optimizer="none")
+    pl.save(tmp_path / "plan.json")
+    got = spawn_ranks(_tie_on_first_and_last_of_three, 3, str(tmp_path / "plan.json"))
+    ref = reference_model(_tied_blocks_on_meta(), torch.device("cpu"))
+    for i in range(4):
+        loss = torch.nn.functional.mse_loss(ref(wl.inputs[2 * i:2 * i + 2]), wl.target[2 * i:2 * i + 2])
+        (loss / 4).backward()
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    seen = set()
+    for rank, (grads, kept, allocated, joined) in got.items():
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name].grad, msg=f"rank {rank} {name}")
+            seen.add(name)
+        assert all(kept), (rank, kept)  # each copy's own .grad tensor, summed in place
+        assert allocated == [], (rank, allocated)
+        assert joined == ([] if rank == 1 else [16 * 16]), (rank, joined)
+    assert seen == set(want)  # every parameter, under both of the tie's names
 
 
 @pytest.mark.parametrize("tie_with", [2, 4])

@@ -15,7 +15,7 @@ from conftest import SCHEDULE_CASES, assert_one_line_error, run_cli
 from stageplan import LayerProfile, Profile, StageplanError
 from stageplan.errors import SchemaError
 from stageplan.formats.plan import Plan
-from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options
+from stageplan.planning.costs import Device, LayerArrays, evaluate, make_options, ring_allreduce_time
 from stageplan.planning.planner import plan
 from stageplan.planning.search import SplitCosts
 from stageplan.report import plan_table
@@ -167,14 +167,18 @@ def test_a_link_that_timed_the_all_reduce_prices_the_tie_from_it(p: int, bounds:
             "allreduce_latency_s": fixed / 2, "allreduce_bandwidth_bytes_per_s": rate, "allreduce_ranks": 2}
     prof = _profile(4, [_tie(0, 3)])
     pl = plan(prof, p, num_microbatches=4, optimizer="none", boundaries=list(bounds), link=link)
-    want = fixed + TIE_BYTES / rate if p == 2 else _ring(p, TIE_BYTES, bandwidth=rate, latency=fixed / 2)
-    assert [st.tied_sync_s for st in pl.stages] == pytest.approx([want] * p, rel=1e-12)
+    # the tie's layers 0 and 3 sit on the first and last rank: a sum over those 2, whatever p
+    want = fixed + TIE_BYTES / rate
+    holders = [0.0] * p
+    holders[0] = holders[p - 1] = 1.0
+    assert [st.tied_sync_s for st in pl.stages] == pytest.approx([want * h for h in holders], rel=1e-12)
     assert pl.cost_options["allreduce_bandwidth_bytes_per_s"] == rate
     assert any("priced from the link's own all-reduce (0.400 ms + bytes / 0.8 GB/s at 2 ranks" in n
                for n in pl.notes)
     plain = plan(prof, p, num_microbatches=4, optimizer="none", boundaries=list(bounds),
                  link={k: v for k, v in link.items() if not k.startswith("allreduce")})
-    assert [st.tied_sync_s for st in plain.stages] == pytest.approx([_ring(p, TIE_BYTES)] * p, rel=1e-12)
+    ring = [_ring(2, TIE_BYTES) * h for h in holders]
+    assert [st.tied_sync_s for st in plain.stages] == pytest.approx(ring, rel=1e-12)
     assert [st.comm_s for st in plain.stages] == [st.comm_s for st in pl.stages]  # boundaries priced alike
 
 
@@ -184,14 +188,35 @@ def test_a_tie_across_ranks_adds_one_ring_all_reduce_to_the_step(schedule: str, 
                                                                  bounds: tuple[int, ...]) -> None:
     plain = _evaluate(_profile(4, None), bounds, p, schedule=schedule)
     tied = _evaluate(_profile(4, [_tie(0, 3)]), bounds, p, schedule=schedule)
-    assert tied.tied_sync_s == pytest.approx(_ring(p, TIE_BYTES), rel=1e-12)
-    assert tied.predicted_step_s - plain.predicted_step_s == pytest.approx(_ring(p, TIE_BYTES), rel=1e-9)
+    # layers 0 and 3: the first and the last rank hold the tie, and sum it over those two ranks
+    assert tied.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES), rel=1e-12)
+    assert tied.predicted_step_s - plain.predicted_step_s == pytest.approx(_ring(2, TIE_BYTES), rel=1e-9)
     assert plain.tied_sync_s == 0.0
-    # once per step, per rank: held by each rank's (first) stage,
-    # never in the per-microbatch time the solver balances
-    assert [st.tied_sync_s for st in tied.stages] == pytest.approx([_ring(p, TIE_BYTES)] * p, rel=1e-12)
+    # once per step, per holding rank: held by its (first) stage, never in the per-microbatch time the solver
+    # balances; a middle rank holds no copy and joins no sum
+    want = [_ring(2, TIE_BYTES) if r in (0, p - 1) else 0.0 for r in range(p)]
+    assert [st.tied_sync_s for st in tied.stages] == pytest.approx(want, rel=1e-12)
     assert [st.time_s for st in tied.stages] == [st.time_s for st in plain.stages]
     assert tied.bottleneck_s == plain.bottleneck_s
+
+
+@pytest.mark.parametrize(("p", "k", "nbytes"),
+                         [(2, 2, 4096.0), (4, 2, 3e6), (4, 3, 3e6), (8, 5, 1e9), (3, 1, 5.0)])
+def test_the_ring_over_k_holders_is_the_closed_form(p: int, k: int, nbytes: float) -> None:
+    """Oracle: 2(k-1)/k x bytes / B + 2(k-1) x latency (Patarasuk and Yuan 2009), whatever p; 0 at k = 1."""
+    opts = make_options(_profile(p, None), p, num_microbatches=8, bandwidth_bytes_per_s=BANDWIDTH,
+                        link_latency_s=LATENCY)
+    got = float(ring_allreduce_time(np.array(nbytes), opts, ranks=k))
+    assert got == pytest.approx(2 * (k - 1) / k * nbytes / BANDWIDTH + 2 * (k - 1) * LATENCY, rel=1e-12)
+    assert float(ring_allreduce_time(np.array(nbytes), opts)) == pytest.approx(_ring(p, nbytes), rel=1e-12)
+
+
+def test_a_tie_on_three_of_four_ranks_is_summed_over_those_three() -> None:
+    """Layers 0, 1 and 3 of four, one per rank: ranks 0, 1 and 3 hold the tie, rank 2 none."""
+    ev = _evaluate(_profile(4, [_tie(0, 1, 3)]), (0, 1, 2, 3, 4), 4)
+    assert ev.tied_sync_s == pytest.approx(_ring(3, TIE_BYTES), rel=1e-12)
+    assert [st.tied_sync_s for st in ev.stages] == pytest.approx(
+        [_ring(3, TIE_BYTES), _ring(3, TIE_BYTES), 0.0, _ring(3, TIE_BYTES)], rel=1e-12)
 
 
 def test_each_tie_across_ranks_is_its_own_all_reduce_and_a_tie_inside_one_layer_is_free() -> None:
@@ -241,8 +266,10 @@ def test_the_plan_timeline_holds_one_sync_per_rank_of_the_priced_length() -> Non
                   optimizer="none")
         sim = pl.simulate()
         sync = sorted((e.rank, e.end_s - e.start_s) for e in sim.timeline if e.kind == "T")
-        assert sync == [(r, pytest.approx(_ring(p, TIE_BYTES, latency=0.0), rel=1e-9)) for r in range(p)]
-        assert pl.tied_sync_s == pytest.approx(_ring(p, TIE_BYTES, latency=0.0), rel=1e-12)
+        # the tie's two layers, first and last, on two ranks: a ring over 2; the simulator keeps one sum at
+        # the end of every rank's step, its holders' price
+        assert sync == [(r, pytest.approx(_ring(2, TIE_BYTES, latency=0.0), rel=1e-9)) for r in range(p)]
+        assert pl.tied_sync_s == pytest.approx(_ring(2, TIE_BYTES, latency=0.0), rel=1e-12)
         assert sim.step_s == pytest.approx(pl.predicted_step_s, rel=1e-12)
 
 

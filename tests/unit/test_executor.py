@@ -121,3 +121,31 @@ def _kernel_has_custom_slices() -> bool:
 
     found = re.match(r"(\d+)\.(\d+)", platform.release())
     return platform.system() == "Linux" and found is not None and (int(found[1]), int(found[2])) >= (6, 12)
+
+
+def test_retiming_starts_from_a_released_stage() -> None:
+    """Before retiming rebuilds the rank's layers, the stage's own storage and gradients go, even where
+    another object still holds the parameter (the instruments do), and its modules get meta parameters of the
+    same shapes back (a second copy of the stage had stayed resident beside the retimed one)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from stageplan.running.executor import _release_stages
+    from stageplan.running.stages import RankStages
+
+    module = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64))
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    held = list(module.parameters())  # as the layer clock's targets hold them
+    weights_and_grads = sum(2 * p.numel() * p.element_size() for p in held)
+    rs = RankStages([SimpleNamespace(submod=module)], [0], dict(module.named_parameters()), list(held), [],
+                    [])
+    freed = _release_stages(rs)
+    assert freed == weights_and_grads == 2 * 4 * (64 * 32 + 32 + 32 * 64 + 64)
+    assert all(p.numel() == 0 and p.grad is None for p in held)
+    assert [(n, p.device.type, tuple(p.shape)) for n, p in module.named_parameters()] == [
+        ("0.weight", "meta", (32, 64)), ("0.bias", "meta", (32,)), ("1.weight", "meta", (64, 32)),
+        ("1.bias", "meta", (64,))]
+    assert rs.params == {} and rs.unique_params == []

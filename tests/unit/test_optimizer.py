@@ -128,3 +128,55 @@ def test_estimate_prices_the_optimizer_step_by_bytes_moved() -> None:
     for x in prof.layers:
         assert x.optimizer_s == pytest.approx(
             {k: n * x.param_bytes / rate for k, n in OPTIMIZER_PASSES.items()})
+
+
+class _LinearCostTimer:
+    """A timer whose step costs exactly 1 ms + 2 us per tensor + 1 ns per element stepped (the step's own
+    optimizer says which tensors), recording the largest number of elements any step copied."""
+
+    def __init__(self) -> None:
+        self.largest = 0
+
+    def __call__(self, fn):  # type: ignore[no-untyped-def]
+        tensors = [p for group in fn.__self__.param_groups for p in group["params"]]
+        elements = sum(p.numel() for p in tensors)
+        self.largest = max(self.largest, elements)
+        return 1e-3 + 2e-6 * len(tensors) + 1e-9 * elements, fn()
+
+
+def test_a_large_layers_step_is_timed_on_strided_samples_and_extrapolated_by_element_count() -> None:
+    """Oracle: a step that costs a fixed part plus a part per element (the linear timer above) extrapolates
+    exactly from two samples to the whole layer; no step copies more than the slice's elements (plus one per
+    tensor, the ceiling of each stride), and a gradient's zero rows keep their share in the sample."""
+    from stageplan.profiling.optimizer import optimizer_times
+
+    weight, bias = nn.Parameter(torch.randn(1000, 70)), nn.Parameter(torch.randn(70))
+    grad = torch.zeros(1000, 70)
+    grad[::4] = 1.0  # a quarter of the rows used, as an embedding's batch leaves most rows zero
+    timer = _LinearCostTimer()
+    got = optimizer_times([weight, bias], timer, 3, [grad, torch.ones(70)], slice_elements=4096)
+    want = 1e-3 + 2e-6 * 2 + 1e-9 * (70_000 + 70)
+    assert got == pytest.approx(dict.fromkeys(["sgd", "momentum", "adam", "adamw"], want), rel=1e-9)
+    assert 2048 < timer.largest <= 4096 + 2
+    assert weight.grad is None and bias.grad is None  # the layer itself untouched
+    seen: list[torch.Tensor] = []
+
+    class Recording(_LinearCostTimer):
+        def __call__(self, fn):  # type: ignore[no-untyped-def]
+            seen.extend(p.grad.clone() for group in fn.__self__.param_groups for p in group["params"][:1])
+            return super().__call__(fn)
+
+    optimizer_times([weight], Recording(), 1, [grad], slice_elements=4096)
+    share = [float((g != 0).float().mean()) for g in seen]
+    assert all(abs(x - 0.25) < 0.05 for x in share), share
+
+
+def test_a_layer_within_the_slice_is_stepped_whole() -> None:
+    from stageplan.profiling.optimizer import optimizer_times
+
+    weight = nn.Parameter(torch.randn(64, 64))
+    timer = _LinearCostTimer()
+    got = optimizer_times([weight], timer, 3, [torch.ones(64, 64)], slice_elements=4096)
+    assert timer.largest == 4096
+    assert got == pytest.approx(dict.fromkeys(["sgd", "momentum", "adam", "adamw"], 1e-3 + 2e-6 + 4.096e-6),
+                                rel=1e-12)

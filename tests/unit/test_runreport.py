@@ -131,3 +131,25 @@ def test_a_rank_without_every_layer_timed_alone_has_no_split() -> None:
         and rank1["pipeline_ratio"] is None
     )
     assert next(x for x in report.layers if x["index"] == 2)["retimed_forward_s"] is None
+
+
+def test_the_memory_ratio_is_the_runs_own_memory_over_the_plans() -> None:
+    """Oracle: (peak - baseline) / the plan's bytes for the rank, by hand; without a baseline (a report's rows
+    from before run/3) there is no ratio; a run/2 report still loads."""
+    pl = _plan()
+    report = _report(pl, ALONE)
+    assert report.to_json()["schema"] == "stageplan.run/3"
+    gathered = []
+    for r, (peak, base) in enumerate(((5_000, 1_000), (9_000, None))):
+        gathered.append({"rank": r, "stages": [r], "step_s": [0.2], "forward_s": 1e-3, "forward_iqr_s": 0.0,
+                         "backward_s": 1e-3, "backward_iqr_s": 0.0, "other_s": 0.0, "compute_cpu_s": 2e-3,
+                         "losses": [], "timeline": [], "peak_activation_bytes": 1, "peak_memory_bytes": peak,
+                         "baseline_memory_bytes": base, "layer_s": {}, "overhead_s": {}})
+    rep = RunReport.from_measurements(pl, gathered, step_s=0.2, step_iqr_s=0.0, run_options={}, check=None,
+                                      meta={})
+    first, second = rep.ranks
+    assert first["measured_run_memory_bytes"] == 4_000 and first["measured_baseline_memory_bytes"] == 1_000
+    assert first["memory_ratio"] == pytest.approx(4_000 / pl.rank_memory_bytes[0], rel=1e-12)
+    assert second["measured_peak_memory_bytes"] == 9_000 and second["memory_ratio"] is None
+    old = RunReport.from_json({**rep.to_json(), "schema": "stageplan.run/2"})
+    assert old.ranks == rep.ranks and old.run_options == rep.run_options
