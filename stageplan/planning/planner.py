@@ -305,20 +305,24 @@ def plan(
     auto = len(ms) * len(schedules) > 1
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     devs = _devices(devices)
-    priced = at_precision(prof, precision, optimizer)  # activation, boundary and step bytes at --precision
+    # activation, boundary and step bytes at --precision (without one, as profiled)
+    priced_profile, precision_note = prof, None
+    if precision is not None:
+        priced = at_precision(prof, precision, optimizer)
+        priced_profile, precision_note = priced.profile, priced.note
 
     def candidate(sched: str, m: int) -> Plan:
         # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
         # (refused if it cannot)
         v = virtual_stages if schedule != "auto" or normalize_schedule(sched) not in ("GPipe", "1F1B") else 1
         mb = batch // m if num_microbatches == "auto" else mb0
-        prof_m = rescaled_profile(priced.profile, mb / mb0) if mb != mb0 else priced.profile
+        prof_m = rescaled_profile(priced_profile, mb / mb0) if mb != mb0 else priced_profile
         opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                             optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
                             recompute=recompute, precision=precision, **price.options())
         cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
-        said = tuple(n for n in (priced.note, price.note) if n)
+        said = tuple(n for n in (precision_note, price.note) if n)
         return cand.with_notes((*cand.notes, *said)) if said else cand
 
     best, candidates = _best_candidate(candidate, schedules, ms, auto, method, recompute=recompute)

@@ -35,12 +35,14 @@ OPTIMIZER_REPEATS = 5  # timed optimizer steps per layer and optimizer
 # gradients and two Adam states hold 256 MiB at most, whatever the layer (a 152k-token fp32 head is 2.2 GB:
 # its step over whole copies had held about 5x that), and each sample is still larger than a last-level cache.
 OPTIMIZER_SLICE_ELEMENTS = 1 << 24
+SLICE_ABOVE = 4  # a layer is sampled only above this many slices' elements (optimizer_times)
 # What the profile's meta says of the slicing (assemble.py writes it under meta["optimizer_step"])
 OPTIMIZER_SLICE_NOTE = (
-    f"a layer above {OPTIMIZER_SLICE_ELEMENTS} elements has its step timed on an evenly strided sample of "
-    f"each tensor (its parameters and the gradient its backward made) at {OPTIMIZER_SLICE_ELEMENTS} and at "
-    f"{OPTIMIZER_SLICE_ELEMENTS // 2} elements, extrapolated linearly to the layer's element count (the step "
-    "is elementwise: a fixed cost per call and per tensor, and a cost per element)")
+    f"a layer above {SLICE_ABOVE * OPTIMIZER_SLICE_ELEMENTS} elements has its step timed on an evenly "
+    f"strided sample of each tensor (its parameters and the gradient its backward made) at "
+    f"{OPTIMIZER_SLICE_ELEMENTS} and at {OPTIMIZER_SLICE_ELEMENTS // 2} elements, extrapolated linearly to "
+    "the layer's element count (the step is elementwise: a fixed cost per call and per tensor, and a cost "
+    "per element)")
 
 
 def layer_grads(run: LayerRun) -> list[torch.Tensor | None]:
@@ -69,12 +71,12 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
     own repeats would add minutes to a profile. Each timed step starts from a flushed last-level cache
     (:class:`CacheFlush`), as a rank's step does after its backward.
 
-    A layer of more than ``slice_elements`` elements is not copied whole: its step is timed on every tensor's
-    evenly strided sample (each tensor kept, so the per-tensor cost is the layer's), at ``slice_elements``
-    and at half as many, and extrapolated to the layer's element count along the line through the two. The
-    step is elementwise, so its time is a fixed cost plus a cost per element (OPTIMIZER_PASSES tensors read
-    or written per element); a copy of the whole layer, with its gradients and Adam's two states, had held 5x
-    the layer (18.4 GB to profile a 152k-token fp32 head).
+    A layer of more than 4 x ``slice_elements`` elements is not copied whole: its step is timed on every
+    tensor's evenly strided sample (each tensor kept, so the per-tensor cost is the layer's), at
+    ``slice_elements`` and at half as many, and extrapolated to the layer's element count along the line
+    through the two. The step is elementwise, so its time is a fixed cost plus a cost per element
+    (OPTIMIZER_PASSES tensors read or written per element); a copy of the whole layer, with its gradients and
+    Adam's two states, had held 5x the layer (18.4 GB to profile a 152k-token fp32 head).
 
     ``grads`` (one per parameter, from :func:`layer_grads`: one microbatch's, where a step reads the sum over
     m, so an embedding has a few more zero rows in it than in the step) are the gradients the step reads;
@@ -88,7 +90,10 @@ def optimizer_times(params: Sequence[nn.Parameter], timer: Timer, repeats: int,
     if not trained:
         return dict.fromkeys(_OPTIMIZERS, 0.0)
     total = sum(p.numel() for p, _ in trained)
-    if total <= slice_elements:
+    # up to 4 slices' worth the layer is stepped whole (its copies, gradients and states at most 1 GiB in fp32
+    # at the default): sampling a layer just above one slice at two sizes left more of the heap resident than
+    # the whole step did (24 fp32 layers of 4096 x 4096 streamed: 1.11 GB peak RSS against 0.88 GB whole)
+    if total <= SLICE_ABOVE * slice_elements:
         return _step_times(trained, 1, timer, repeats)
     small, large = slice_elements // 2, slice_elements
     stride_small, stride_large = -(-total // small), -(-total // large)  # ceil: at most that many elements

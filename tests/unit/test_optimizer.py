@@ -180,3 +180,14 @@ def test_a_layer_within_the_slice_is_stepped_whole() -> None:
     assert timer.largest == 4096
     assert got == pytest.approx(dict.fromkeys(["sgd", "momentum", "adam", "adamw"], 1e-3 + 2e-6 + 4.096e-6),
                                 rel=1e-12)
+
+
+def test_a_layer_up_to_four_slices_is_stepped_whole() -> None:
+    """Sampling only pays above 4 slices: a layer of 3 slices' elements is stepped whole (one copy of all of
+    it), where two samples of other sizes had left more of the heap resident."""
+    from stageplan.profiling.optimizer import optimizer_times
+
+    weight = nn.Parameter(torch.randn(96, 128))  # 12,288 elements: 3 slices of 4096
+    timer = _LinearCostTimer()
+    optimizer_times([weight], timer, 3, [torch.ones(96, 128)], slice_elements=4096)
+    assert timer.largest == 96 * 128
