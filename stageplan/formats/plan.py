@@ -360,7 +360,7 @@ class Plan:
 _PLAN_NUMBERS = ("bottleneck_s", "lower_bound_s", "balance_efficiency", "predicted_step_s", "bubble_fraction",
                  "throughput_samples_s")
 _STAGE_NUMBERS = ("forward_s", "backward_s", "comm_s", "time_s", "optimizer_s", "tied_sync_s", "action_s",
-                  "chunk_s")
+                  "dp_sync_s", "chunk_s")
 
 
 _OPTION_SECONDS = ("boundary_latency_s", "link_latency_s", "action_s", "chunk_forward_s", "chunk_backward_s",
