@@ -899,7 +899,7 @@ def score_given(
     """Price one layout the user already runs, as the search prices its candidates (its own split where
     ``boundaries`` gives one, else the exact split), and simulate it."""
     check_sharding(sharding, grad_dtype)
-    if (b, t) not in {(bb, tt) for (bb, tt) in profiles} and not any(tt == t for (_, tt) in profiles):
+    if not any(tt == t for (_, tt) in profiles):  # another b at this t is scaled, as the search scales it
         raise StageplanError(f"no profile at tensor-parallel degree {t} for the given layout; profile the "
                              "t-way shard (stageplan layout MODEL --device estimate:GPU makes them)")
     prepared = _prepared(profiles, network, [t], [b], sequence_parallel)

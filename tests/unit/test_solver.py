@@ -590,3 +590,23 @@ def test_solve_errors(kwargs: dict[str, object], match: str) -> None:
 def test_infinite_limit_means_no_limit() -> None:
     sol = solve([1, 1, 1, 1], 2, memory_bytes=[5, 1, 1, 1], memory_limit_bytes=[math.inf, math.inf])
     assert sol.boundaries == (0, 2, 4)
+
+
+def test_without_the_tie_breaks_the_bottleneck_is_the_same_and_the_split_fits() -> None:
+    """solve(tie_break=False), which the layout search calls, skips only the tie-breaks: its bottleneck equals
+    the full solve's and brute force's, and its split keeps to the limits."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        L, p = int(rng.integers(3, 9)), int(rng.integers(1, 4))
+        p = min(p, L)
+        costs = rng.random(L).round(2) + 0.01
+        mem = rng.random(L).round(2)
+        limit = float(mem.sum()) / p * 1.6
+        want, _ = brute(list(costs), p, mem=list(mem), limit=limit)
+        if want is None:
+            continue
+        fast = solve(costs, p, memory_bytes=mem, memory_limit_bytes=limit, tie_break=False)
+        full = solve(costs, p, memory_bytes=mem, memory_limit_bytes=limit)
+        assert fast.bottleneck == pytest.approx(full.bottleneck, rel=1e-9)
+        b = fast.boundaries
+        assert all(sum(mem[b[k]:b[k + 1]]) <= limit * (1 + 1e-9) for k in range(p))
