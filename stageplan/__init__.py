@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stageplan._version import __version__
 from stageplan.calibration import calibrate
-from stageplan.errors import InfeasiblePlanError, PlanNote, RunError, StageplanError
+from stageplan.errors import InfeasiblePlanError, PlanNote, RunError, RunInterrupted, StageplanError
 from stageplan.formats.layout import Layout
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import LayerProfile, Profile, merge_profiles
@@ -41,6 +41,7 @@ __all__ = [
     "PlanNote",
     "Profile",
     "RunError",
+    "RunInterrupted",
     "RunReport",
     "StageplanError",
     "Workload",

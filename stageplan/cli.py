@@ -670,8 +670,18 @@ def _cmd_run(a: argparse.Namespace) -> int:
         if report is None:  # not rank 0
             return 0
     else:
-        report = run(a.model, the_plan, factory_options=factory_options, output=a.output, log_dir=a.log_dir,
-                     weights=a.weights, progress=not a.quiet, **kwargs)
+        from stageplan.errors import RunInterrupted
+
+        try:
+            report = run(a.model, the_plan, factory_options=factory_options, output=a.output,
+                         log_dir=a.log_dir, weights=a.weights, progress=not a.quiet, **kwargs)
+        except RunInterrupted as exc:  # Ctrl-C: the steps measured until then, marked partial
+            if exc.report is not None:
+                print(run_table(exc.report, explain=a.explain))
+            kept = (f"; partial report written to {exc.output}" if exc.output else
+                    "; give -o FILE to keep the partial report" if exc.report is not None else "")
+            print(f"stageplan: {exc}{kept}", file=sys.stderr)
+            return 130
     print(run_table(report, explain=a.explain))
     if a.output is not None:
         print(f"wrote {a.output}")

@@ -6,6 +6,7 @@ median run and the paired speed-up. torch is imported only when a run or a profi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import statistics
@@ -225,6 +226,7 @@ def compare(
     import shutil
     import tempfile
 
+    made = not out.exists()
     out.mkdir(exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".stageplan-compare-", dir=out))
     try:
@@ -237,6 +239,9 @@ def compare(
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        if made:  # a compare that failed or was interrupted leaves no empty folder of its own behind
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty: a finished compare's files stay
     return result
 
 

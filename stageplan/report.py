@@ -370,6 +370,12 @@ def run_table(report: RunReport, *, explain: bool = False) -> str:
         f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
         f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
+    part = report.meta.get("partial")
+    if isinstance(part, dict):
+        skipped = ", ".join(part.get("skipped") or [])
+        lines.append(f"partial: {part.get('reason', 'interrupted')} after {part.get('steps_measured')} of "
+                     f"{part.get('steps_asked')} measured steps"
+                     + (f"; skipped: {skipped}" if skipped else ""))
     distorted = run_contention(report.meta, len(report.ranks))
     if distorted:
         lines.append(f"warning: {distorted}")

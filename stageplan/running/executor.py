@@ -355,6 +355,8 @@ class _Samples:
     # per measured step, each chunk call as (kind, stage,
     # microbatch, seconds, idle seconds before it: Timer.drain)
     calls: list[list[tuple[str, int, int, float, float]]] = field(default_factory=list)
+    # the launcher asked the ranks to stop (Ctrl-C): the loop ended after the step it was in
+    interrupted: bool = False
 
     def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
         """One step's LayerClock phases, as seconds per microbatch
@@ -458,7 +460,10 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         ins.clock.enabled = step >= warmup + steps
         for p in rs.unique_params:
             p.grad = None
-        dist.barrier()
+        # every rank gets the same answer, so they stop together
+        if _stop_requested(options.get("stop_file"), device):
+            out.interrupted = True
+            break
         ins.tracker.reset_peak()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -505,28 +510,45 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.other_s.append(t1 - t_other)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
-            if step == warmup + steps - 1:
-                # a receive's wait also keeps when torch posted
-                # it, which the report's transfer bar starts from
-                out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
-                                 "duration_s": sec, "step_wall": wall0,
-                                 **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS
-                                    else {})}
-                                for kind, s, mb, w, sec, *_ in intervals]
-                # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans
-                # ranks) and the optimizer step ("O"), on the rank's first stage, with no microbatch
-                tail = [("T", t_other, t_sync)] if summing else []
-                tail += [("O", t_sync, t1)] if optimizer is not None else []
-                out.timeline += [{"rank": rank, "stage": min(rs.indices), "microbatch": -1, "kind": kind,
-                                  "start_wall": wall0 + (begin - t0), "duration_s": end - begin,
-                                  "step_wall": wall0}
-                                 for kind, begin, end in tail]
+            # every measured step's timeline replaces the one before (an interrupted run keeps its last
+            # step's); a receive's wait also keeps when torch posted it, which the report's transfer bar
+            # starts from
+            out.timeline = [{"rank": rank, "stage": s, "microbatch": mb, "kind": kind, "start_wall": w,
+                             "duration_s": sec, "step_wall": wall0,
+                             **({"post_wall": ins.posted[(kind, s, mb)]} if kind in TRANSFER_KINDS
+                                else {})}
+                            for kind, s, mb, w, sec, *_ in intervals]
+            # the step's tail as the simulator draws it: the tied all-reduce ("T", where a tie spans
+            # ranks) and the optimizer step ("O"), on the rank's first stage, with no microbatch
+            tail = [("T", t_other, t_sync)] if summing else []
+            tail += [("O", t_sync, t1)] if optimizer is not None else []
+            out.timeline += [{"rank": rank, "stage": min(rs.indices), "microbatch": -1, "kind": kind,
+                              "start_wall": wall0 + (begin - t0), "duration_s": end - begin,
+                              "step_wall": wall0}
+                             for kind, begin, end in tail]
             if rank == 0:  # the launcher forwards these lines of rank 0's log to the user
                 print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms",
                       flush=True)
         if has_last:
             out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()) * loss_divisor)
     return out
+
+
+def _stop_requested(stop_file: str | None, device: torch.device) -> bool:
+    """The step's opening barrier, which also tells every rank whether the launcher asked the run to stop
+    (Ctrl-C): rank 0 looks for the launcher's stop file and an all-reduce (MAX) of its answer is the barrier
+    itself, so all ranks break out of the loop at the same step. Without a stop file (torchrun, whose agent
+    handles signals itself), a plain barrier."""
+    import torch.distributed as dist
+
+    if not stop_file:
+        dist.barrier()
+        return False
+    asked = dist.get_rank() == 0 and os.path.exists(stop_file)
+    flag = torch.tensor([1 if asked else 0], dtype=torch.int32,
+                        device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
@@ -662,6 +684,11 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     # again, for a backend that starts threads at its first message
     short_threads = short_comm_slices(slice_ns)
     samples = _train(plan, workload, rs, device, options, ins)
+    interrupted = samples.interrupted  # the same on every rank (_stop_requested)
+    if interrupted and not samples.step_s:  # stopped in the warm-up: nothing measured, no report
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     layer_s, overhead_s = samples.layer_medians()
 
     f, f_iqr = median_iqr(samples.forward_s)
@@ -680,9 +707,11 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
               "calls": samples.calls, "short_slice_threads": short_threads}
+    steps_measured = len(samples.step_s)
     del samples
+    # an interrupted run ends at once: its user is waiting, so no retiming and no single-process check
     result["retimed_layer_s"] = (_retime(workload, plan, rs, device, weights, seed)
-                                 if options.get("retime", True) else {})
+                                 if options.get("retime", True) and not interrupted else {})
     # read last: the peak covers everything the rank did, retiming included
     result["peak_memory_bytes"] = _peak_memory_bytes(device)
     result["baseline_memory_bytes"] = baseline_bytes
@@ -691,7 +720,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     if rank == 0:
         assert gathered is not None
         check_result = None
-        if check and reference is not None:
+        if check and reference is not None and not interrupted:
             from stageplan.running.check import compare_with_single_process
 
             check_result = compare_with_single_process(workload, reference, gathered, options,
@@ -705,6 +734,12 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
                 "cpus_per_rank": [g["cpus"] for g in gathered],
                 "comm_thread_slice_us": slice_ns / 1e3 if slice_ns else None,
                 "short_slice_threads_per_rank": [g["short_slice_threads"] for g in gathered]}
+        if interrupted:
+            skipped = (("check", check), ("retime", options.get("retime", True)),
+                       ("per-layer clock", not layer_s))
+            meta["partial"] = {"reason": "interrupted (Ctrl-C)", "steps_measured": steps_measured,
+                               "steps_asked": int(options["steps"]),
+                               "skipped": [what for what, asked in skipped if asked]}
         # the step ends when the slowest rank ends: per measured step, the max over ranks
         per_step = [max(g["step_s"][i] for g in gathered) for i in range(len(gathered[0]["step_s"]))]
         step, step_iqr = median_iqr(per_step)

@@ -34,7 +34,7 @@ import torch
 
 from stageplan._io import check_output_dir, check_output_path, save_or_keep
 from stageplan._progress import Progress, duration
-from stageplan.errors import RunError, StageplanError, WorkloadError
+from stageplan.errors import RunError, RunInterrupted, StageplanError, WorkloadError
 from stageplan.formats.link import load_link, save_link
 from stageplan.formats.plan import Plan
 from stageplan.formats.profile import Profile, merge_profiles
@@ -114,7 +114,9 @@ def run(
     safetensors file, an HF folder or a state dict), else from the user's factory built once here and saved,
     else (a model too big for one process) from an initialisation keyed by FQN. Every rank gets the same data.
     A failure on any rank ends all ranks and raises :class:`stageplan.RunError` naming the rank and its log
-    file; after ``timeout_s`` every rank is ended. With ``pin_cpus`` (the default) each CPU rank runs on its
+    file; after ``timeout_s`` every rank is ended. Ctrl-C lets the ranks finish their current step and raises
+    :class:`stageplan.RunInterrupted` with the steps measured as a RunReport marked partial (written to
+    ``output`` when given). With ``pin_cpus`` (the default) each CPU rank runs on its
     own block of this machine's CPUs (:func:`stageplan.running.executor.pin_rank_cpus`; skipped where there
     are fewer CPUs than ranks); the report's ``meta["cpus_per_rank"]`` says where each rank ran. With
     ``retime`` (the default) each rank ends by timing its layers alone, as the profiler does (the ranks in
@@ -139,7 +141,7 @@ def run(
                              f"{type(workload).__name__}; "
                              "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), "
                              "plan)")
-    with _run_folder(log_dir, "stageplan-run-") as run_dir:
+    with _run_folder(log_dir, "stageplan-run-", the_plan.num_ranks) as run_dir:
         meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights,
                                                                         run_dir, float(timeout_s))
         opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
@@ -152,9 +154,11 @@ def run(
                                  f"available here; run without --check")
         _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
         others = CpuWatch()  # what other processes take of the CPUs during the run (host.run_contention)
+        stop = run_dir / STOP_FILE
+        opts["stop_file"] = str(stop)
         if _needs_fork(meta_wl):
             _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
-                            forked=(meta_wl, the_plan, opts))
+                            forked=(meta_wl, the_plan, opts), stop=stop)
         else:
             payload = {"plan": the_plan.to_json(), "options": opts, "workload": meta_wl}
             try:
@@ -164,11 +168,18 @@ def run(
                     f"the workload cannot be sent to the rank processes ({type(exc).__name__}: {exc}); pass "
                     "a model spec 'package.module:factory' instead, or use module-level functions and classes"
                 ) from exc
-            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress)
+            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress, stop=stop)
+        interrupted = stop.exists()
+        if interrupted and not (run_dir / "report.json").exists():
+            raise RunInterrupted("interrupted before the first measured step: nothing was measured")
         report = RunReport.load(run_dir / "report.json")
         report.meta.update(others.result())
     if output is not None:
         save_or_keep(report, output)
+    if interrupted:
+        part = report.meta.get("partial") or {}
+        raise RunInterrupted(f"interrupted after {part.get('steps_measured')} of {part.get('steps_asked')} "
+                             "measured steps", report=report, output=None if output is None else str(output))
     return report
 
 
@@ -196,7 +207,7 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     if log_dir is not None:
         check_log_dir(log_dir)
     _warn_oversubscribed(num_ranks, the_backend)
-    with _run_folder(log_dir, "stageplan-link-") as run_dir:
+    with _run_folder(log_dir, "stageplan-link-", num_ranks) as run_dir:
         torch.save({"task": "link", "options": opts}, run_dir / "payload.pt")
         _spawn_and_wait(run_dir, num_ranks, float(timeout_s), progress=False)
         link = load_link(run_dir / "link.json")
@@ -312,32 +323,69 @@ def _refuse_estimate_on_cpu(plan: Plan, backend: str) -> None:
 
 
 _RUN_FILES = ("payload.pt", "weights.safetensors", "data.pt", "report.json", "profile.json", "link.json")
+STOP_FILE = "stop"  # created by the launcher on Ctrl-C: the ranks stop after their current step
+# in a --log-dir, the names of the files a run of this tool writes there: a later run replaces those and
+# refuses any other file of the same names (the user's own, which would be lost, or read back as a rank's)
+LOG_MARK = ".stageplan-run"
+
+
+def _is_run_file(name: str) -> bool:
+    return name in _RUN_FILES or name == STOP_FILE or (
+        name.startswith("rank") and name.endswith((".log", ".error")))
+
+
+def _marked(folder: Path) -> set[str]:
+    """The file names the marker of an earlier run in ``folder`` lists (none without a readable marker)."""
+    import json
+
+    try:
+        names = json.loads((folder / LOG_MARK).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {n for n in names if isinstance(n, str)}
 
 
 def check_log_dir(log_dir: str | os.PathLike[str]) -> None:
     """Refuse a --log-dir holding files of the names a run writes there and removes (its payload, weights,
-    data, report) or reads back (rank logs and errors): the user's own would be lost, or a stale rank error
-    blamed."""
+    data, report) or reads back (rank logs and errors) that an earlier run of this tool did not write: the
+    user's own would be lost, or a stale error blamed. An earlier run's own files (its marker lists them) are
+    replaced."""
     check_output_dir(log_dir)
     folder = Path(log_dir)
     if not folder.is_dir():
         return
-    taken = sorted(p.name for p in folder.iterdir()
-                   if p.name in _RUN_FILES or (p.name.startswith("rank") and p.suffix in (".log", ".error")))
+    ours = _marked(folder)
+    taken = sorted(p.name for p in folder.iterdir() if _is_run_file(p.name) and p.name not in ours)
     if taken:
         raise StageplanError(f"--log-dir {str(folder)!r} already holds {', '.join(taken[:4])}"
-                             f"{' ...' if len(taken) > 4 else ''}, which a run writes there (and removes or "
-                             "reads back); give an empty or new folder")
+                             f"{' ...' if len(taken) > 4 else ''}, which this tool did not write and a run "
+                             "writes there (and removes or reads back); move them, or give an empty or new "
+                             "folder")
+
+
+def _claim_log_dir(folder: Path, world: int) -> None:
+    """Remove an earlier run's files from ``folder`` (its marker lists them; :func:`check_log_dir` refused
+    any other file of those names) and mark the names this run of ``world`` ranks may write."""
+    import json
+
+    for name in _marked(folder):
+        if _is_run_file(name):
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()
+    names = [*_RUN_FILES, STOP_FILE, *(f"rank{r}{ext}" for r in range(world) for ext in (".log", ".error"))]
+    (folder / LOG_MARK).write_text(json.dumps({"files": names}) + "\n")
 
 
 @contextlib.contextmanager
-def _run_folder(log_dir: str | os.PathLike[str] | None, prefix: str) -> Iterator[Path]:
+def _run_folder(log_dir: str | os.PathLike[str] | None, prefix: str, world: int = 1) -> Iterator[Path]:
     """The folder the ranks share (payload, logs, report): ``log_dir``, or a temporary one. Weights and
     payload never stay (a Ctrl-C included); the logs stay when asked for, or when the ranks failed (the
     RunError names them)."""
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=prefix))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if log_dir:
+            _claim_log_dir(run_dir, world)
         yield run_dir
     except BaseException as exc:
         _clean_run_dir(run_dir, keep=log_dir is not None or isinstance(exc, RunError))
@@ -347,7 +395,7 @@ def _run_folder(log_dir: str | os.PathLike[str] | None, prefix: str) -> Iterator
 
 def _clean_run_dir(run_dir: Path, *, keep: bool) -> None:
     """Never leave the weights behind (a Ctrl-C included); keep the logs when asked or when a rank failed."""
-    for name in ("payload.pt", "weights.safetensors", "data.pt"):
+    for name in ("payload.pt", "weights.safetensors", "data.pt", STOP_FILE):
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
     if not keep:
@@ -572,7 +620,8 @@ PORT_TRIES = 3
 
 
 def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
-                    forked: tuple[Workload, Plan, dict[str, Any]] | None = None) -> None:
+                    forked: tuple[Workload, Plan, dict[str, Any]] | None = None,
+                    stop: Path | None = None) -> None:
     """Start ``world`` ranks on a free local port and watch them until all exit 0 (see :func:`_watch`). When
     rank 0 could not listen on the port because something took it after it was chosen (EADDRINUSE: no rank has
     started any work yet), start again on another port, up to ``PORT_TRIES`` times within the one
@@ -580,7 +629,7 @@ def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
     deadline = time.monotonic() + timeout_s
     for attempt in range(1, PORT_TRIES + 1):
         try:
-            _watch(run_dir, world, deadline, timeout_s, progress, forked, _free_port())
+            _watch(run_dir, world, deadline, timeout_s, progress, forked, _free_port(), stop)
             return
         except RunError as exc:
             if attempt == PORT_TRIES or "EADDRINUSE" not in str(exc):
@@ -589,8 +638,16 @@ def _spawn_and_wait(run_dir: Path, world: int, timeout_s: float, progress: bool,
                 stale.unlink()
 
 
+# after a Ctrl-C, how long the ranks get to finish their step and write what they measured
+STOP_GRACE_S = 60.0
+
+
 def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progress: bool,
-           forked: tuple[Workload, Plan, dict[str, Any]] | None, port: int) -> None:
+           forked: tuple[Workload, Plan, dict[str, Any]] | None, port: int, stop: Path | None = None) -> None:
+    """Watch the ranks until every one exits 0. A rank that fails ends them all (RunError naming it), and so
+    does the deadline. With ``stop`` (a training run's stop file), a first Ctrl-C creates it, and the ranks
+    stop together after their current step (:func:`stageplan.running.executor._stop_requested`) and exit 0
+    within ``STOP_GRACE_S``; a second Ctrl-C, or the grace running out, ends them at once."""
     procs: list[Any] = []
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
@@ -615,8 +672,20 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env={**os.environ, **env_r}, start_new_session=True,
                     ))
+        stopping = False
         while True:
-            forward.poll()
+            try:
+                forward.poll()
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                if stop is None or stopping:
+                    raise  # a second Ctrl-C, or a task that cannot stop between steps: end every rank now
+                stopping = True
+                stop.touch()
+                deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
+                print(f"stageplan: interrupted: the ranks stop after their current step and write what they "
+                      f"measured (at most {STOP_GRACE_S:g} s; Ctrl-C again ends them at once)",
+                      file=sys.stderr, flush=True)
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -637,10 +706,11 @@ def _watch(run_dir: Path, world: int, deadline: float, timeout_s: float, progres
                 return
             if time.monotonic() > deadline:
                 _kill_all(procs)
+                if stopping:
+                    raise KeyboardInterrupt
                 raise RunError(f"the run did not finish within the {timeout_s:g} s timeout; all {world} "
                                f"ranks were ended; logs in {run_dir}; raise --timeout, or ask for less work "
                                f"(fewer --steps)", log_path=str(run_dir))
-            time.sleep(0.05)
     finally:
         _kill_all(procs)
 

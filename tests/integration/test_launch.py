@@ -95,6 +95,49 @@ def _ranks_of(folder: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_keeps_the_steps_measured_as_a_partial_report_and_the_log_dir_can_be_used_again(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C during a run lost the 46 of 50 steps already done. Now the ranks stop together after their
+    current step; the report of the steps measured is written, marked partial, the CLI exits 130 and no rank
+    is left. The same --log-dir then takes the next run (it had been refused until its logs were deleted)."""
+    import json
+    import signal
+
+    from stageplan.profiling.profiler import profile_model
+    from stageplan.zoo import build_workload
+
+    options = {"n_layer": 2, "vocab_size": 512}
+    prof = profile_model(build_workload("gpt", options), microbatch_size=2, warmup=0, repeats=1)
+    plan(prof, 2, num_microbatches=4).save(tmp_path / "plan.json")
+    argv = [sys.executable, "-m", "stageplan", "run", "gpt", "--set", "n_layer=2", "--set", "vocab_size=512",
+            "--plan", str(tmp_path / "plan.json"), "--warmup", "1", "--log-dir", str(tmp_path / "logs"),
+            "-o", str(tmp_path / "run.json")]
+    proc = subprocess.Popen([*argv, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # the progress lines, a step a line
+        lines.append(line)
+        if line.startswith("run: step 3/100000"):
+            break
+    proc.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher; the ranks have their session
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, "".join(lines) + err
+    assert _ranks_of(tmp_path / "logs") == []
+    part = json.loads((tmp_path / "run.json").read_text())["meta"]["partial"]
+    assert 3 <= part["steps_measured"] < 100000 and part["steps_asked"] == 100000
+    last = err.strip().splitlines()[-1]
+    assert last == (f"stageplan: interrupted after {part['steps_measured']} of 100000 measured steps; "
+                    f"partial report written to {tmp_path / 'run.json'}")
+    assert f"partial: interrupted (Ctrl-C) after {part['steps_measured']} of 100000 measured steps" in out
+    again = subprocess.run([*argv, "--steps", "1", "--no-retime", "--quiet"], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "partial" not in json.loads((tmp_path / "run.json").read_text())["meta"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 def test_a_terminated_or_killed_launcher_leaves_no_rank_running(tmp_path: Path) -> None:
     """SIGTERM ends every rank and removes the run folder, as Ctrl-C does (they kept running, with the weights

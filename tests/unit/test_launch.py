@@ -87,9 +87,60 @@ def test_a_log_dir_holding_what_a_run_writes_is_refused(
         (folder / "notes.txt").write_text("kept")
         code, _, err = run_cli(
             ["run", "workloads:faulty", "--plan", _plan_file(tmp_path), "--log-dir", str(folder)], capsys)
-        assert_one_line_error(code, err, rf"--log-dir '.*' already holds {name}, which a run writes there .* "
-                                         r"give an empty or new folder")
+        assert_one_line_error(code, err, rf"--log-dir '.*' already holds {name}, which this tool did not "
+                                         r"write and a run writes there .* give an empty or new folder")
         assert (folder / name).read_text() == "the user's"
+
+
+def test_a_log_dir_an_earlier_run_wrote_is_taken_again_and_only_foreign_files_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rerunning with the same --log-dir was refused until the old rank logs were deleted. The tool's own
+    files (its marker lists them) are replaced, a stale error of its own is removed before the ranks start
+    (it would be blamed), and a file of a run's names that it did not write is still refused."""
+    folder = tmp_path / "logs"
+    seen: list[set[str]] = []
+
+    def ranks_write(run_dir: Path, world: int, *a: Any, **k: Any) -> None:
+        seen.append({p.name for p in run_dir.iterdir()})
+        for r in range(world):
+            (run_dir / f"rank{r}.log").write_text("this run's log")
+        (run_dir / "rank1.error").write_text("RuntimeError: this run's error\n")
+        raise launch.RunError("rank 1 failed")
+
+    monkeypatch.setattr(launch, "_spawn_and_wait", ranks_write)
+    for _ in range(2):  # the second run finds the first one's logs and error, and takes the folder again
+        with pytest.raises(launch.RunError):
+            launch.run("workloads:faulty", _plan_file(tmp_path), log_dir=folder)
+    assert "rank1.error" not in seen[1] and "rank0.log" not in seen[1]  # removed before the ranks start
+    assert (folder / "rank0.log").read_text() == "this run's log"
+    (folder / "rank2.log").write_text("the user's")  # not a name this 2-rank run wrote
+    with pytest.raises(StageplanError, match=r"already holds rank2.log, which this tool did not write"):
+        launch.check_log_dir(folder)
+    assert (folder / "rank2.log").read_text() == "the user's"
+    (folder / launch.LOG_MARK).write_text("not json")  # an unreadable marker claims nothing
+    with pytest.raises(StageplanError, match=r"already holds rank0.log, rank1.error, rank1.log, rank2.log"):
+        launch.check_log_dir(folder)
+
+
+def test_an_interrupted_compare_leaves_no_output_folder_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compare interrupted during its runs left an empty output folder: the folder it made goes; a folder the
+    user had, and a finished compare's output, stay."""
+    from stageplan import comparison
+
+    def interrupted(*a: Any, **k: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(comparison, "_compare_runs", interrupted)
+    for folder, kept in ((tmp_path / "new", False), (tmp_path / "had", True)):
+        if kept:
+            folder.mkdir()
+        with pytest.raises(KeyboardInterrupt):
+            compare("workloads:faulty", 2, profile=_profile(tmp_path), output_dir=folder, steps=1, warmup=0)
+        assert folder.exists() == kept
+        assert not kept or list(folder.iterdir()) == []
 
 
 def test_run_takes_the_plans_optimizer_and_every_optimizer_word(tmp_path: Path) -> None:

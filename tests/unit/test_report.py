@@ -162,6 +162,20 @@ def test_a_run_report_says_one_thing_a_line_and_its_details_come_with_explain() 
     assert max(len(line) for line in full if not line.startswith("  ") and "|" not in line) <= 200
 
 
+def test_a_partial_run_says_so_under_its_step_line() -> None:
+    """A run ended by Ctrl-C keeps its measured steps; its table says how many of those asked, and what it
+    skipped to end at once."""
+    pl = plan(_profile(), 2, num_microbatches=4, boundaries=[0, 2, 5], optimizer="none")
+    whole = run_table(_report(pl)).splitlines()
+    assert not any(line.startswith("partial:") for line in whole)
+    base = _report(pl)
+    report = dataclasses.replace(base, meta={**base.meta, "partial": {
+        "reason": "interrupted (Ctrl-C)", "steps_measured": 46, "steps_asked": 50, "skipped": ["check"]}})
+    lines = run_table(report).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("step:"))
+    assert lines[at + 1] == "partial: interrupted (Ctrl-C) after 46 of 50 measured steps; skipped: check"
+
+
 def test_compare_warns_of_a_busy_machine_and_explains_a_reversed_speed_up() -> None:
     """The trial: at load average 3.3, compare printed 0.674x against a predicted 1.127x with no word. The
     table now names every row's baseline, warns, and says why the measured speed-up goes against the
