@@ -224,11 +224,15 @@ _PEAK_KEY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def model_flops_line(plan: Plan) -> str | None:
-    """For an estimate of a language model: TFLOP/s per GPU and MFU, with model FLOPs of 6 x parameters per
-    token (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N per token; PaLM's MFU,
-    Chowdhery et al. 2022 appendix B, adds an attention term left out here, and counts no recomputation)."""
+    """For an estimate of a language model: TFLOP/s per GPU and MFU, with the model FLOPs per token that
+    ``stageplan layout`` counts (:func:`stageplan.planning.layouts.model_flops_per_token`: PaLM's 6N + 12 x
+    layers x hidden x seq, Chowdhery et al. 2022 appendix B), so a plan and a layout of the same model give
+    the same MFU; under recompute also HFU (the forward run again). A model whose shape is not known (no
+    preset) counts 6N (Kaplan et al. 2020, "Scaling Laws for Neural Language Models")."""
     import json
     from importlib import resources
+
+    from stageplan.planning.layouts import layout_model_of, model_flops_per_token
 
     meta = plan.profile_meta
     gpu = (meta.get("estimate") or {}).get("gpu") if meta.get("timer") == "analytic" else None
@@ -238,10 +242,20 @@ def model_flops_line(plan: Plan) -> str | None:
     table = json.loads(resources.files("stageplan").joinpath("gpus.json").read_text(encoding="utf-8"))
     key = _PEAK_KEY.get(str(meta.get("dtype")), "fp32")
     peak = float(table["gpus"].get(gpu, {}).get("peak_flops", {}).get(key, 0.0))
-    per_gpu = plan.throughput_samples_s * tokens * 6 * params / plan.num_ranks
+    model = layout_model_of(meta, float(params))
+    recompute = bool(plan.cost_options.get("recompute"))
+    if model is not None:
+        flops, hardware = model_flops_per_token(model), model_flops_per_token(model, recompute=True)
+        how = (f"6 x {params / 1e9:.1f}e9 parameters + 12 x {model['num_layers']} layers x "
+               f"{model['hidden_size']} hidden x {model['seq_len']} tokens FLOPs a token")
+    else:
+        flops, hardware = 6.0 * params, 8.0 * params
+        how = f"6 x {params / 1e9:.1f}e9 parameters FLOPs a token"
+    per_gpu = plan.throughput_samples_s * tokens * flops / plan.num_ranks
     mfu = f", MFU {per_gpu / peak:.1%} of the {key} peak {peak / 1e12:.1f} TFLOP/s" if peak else ""
-    return (f"estimate: {per_gpu / 1e12:.0f} TFLOP/s per GPU{mfu} (6 x {params / 1e9:.1f}e9 parameters FLOPs "
-            f"a token; recomputation not counted)")
+    if peak and recompute:
+        mfu += f", HFU {per_gpu * hardware / flops / peak:.1%} (the recomputed forward counted)"
+    return f"estimate: {per_gpu / 1e12:.0f} TFLOP/s per GPU{mfu} ({how})"
 
 
 def _summary_extras(plan: Plan) -> list[str]:

@@ -125,13 +125,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def _layout_model(profile: Profile) -> dict[str, Any] | None:
+    """The model's shape for tensor parallelism's traffic and MFU (:func:`layout_model_of`), its parameters
+    summed over the profile's layers."""
+    return layout_model_of(profile.meta, float(sum(x.param_count for x in profile.layers)))
+
+
+def layout_model_of(meta: Mapping[str, Any], params: float) -> dict[str, Any] | None:
     """The model's shape for tensor parallelism's traffic and MFU: ``meta["layout_model"]`` (written with the
-    layout's own estimates), else read off an HF preset's profile (its preset's hidden size, its sequence, its
-    blocks and parameters); None for other models."""
-    model = profile.meta.get("layout_model")
+    layout's own estimates), else read off an HF preset's profile meta (its preset's hidden size, its
+    sequence, its blocks) with ``params`` parameters; None for other models."""
+    model = meta.get("layout_model")
     if isinstance(model, dict):
         return model
-    options = profile.meta.get("factory_options") or {}
+    options = meta.get("factory_options") or {}
     preset, seq = options.get("preset"), options.get("seq_len")
     if not isinstance(preset, str) or not isinstance(seq, int):
         return None
@@ -139,9 +145,8 @@ def _layout_model(profile: Profile) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     fields = json.loads(path.read_text(encoding="utf-8"))
-    element = 2 if str(profile.meta.get("dtype")) in ("bfloat16", "float16") else 4
-    return {"params": float(sum(x.param_count for x in profile.layers)),
-            "num_layers": len(profile.meta.get("named_layers") or ()),
+    element = 2 if str(meta.get("dtype")) in ("bfloat16", "float16") else 4
+    return {"params": float(params), "num_layers": len(meta.get("named_layers") or ()),
             "hidden_size": int(fields["hidden_size"]), "seq_len": seq, "activation_element_bytes": element}
 
 

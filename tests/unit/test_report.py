@@ -106,9 +106,11 @@ def test_plan_compare_shows_the_peers_defaults_and_marks_what_does_not_fit(
 
 def test_a_big_plans_summary_says_tokens_memory_in_gib_and_for_an_estimate_mfu() -> None:
     """The 70B estimate on 16 stages, m = 64, recompute, 80 GiB: tokens/s (samples/s x seq_len 4096), the
-    fullest rank in GiB against the limit, and TFLOP/s per GPU and MFU from 6 x parameters FLOPs a token
-    against gpus.json's bf16 peak; the note on how to run the model here is not printed for an estimate, and
-    is for a measured profile whose batch the plan does not make up."""
+    fullest rank in GiB against the limit, and TFLOP/s per GPU and MFU from PaLM's model FLOPs a token (6N +
+    12 x layers x hidden x seq, the layout search's count: LLaMA-2-70B has 80 layers of hidden 8192) against
+    gpus.json's bf16 peak, and HFU with the recomputed forward (8N + 16 x layers x hidden x seq); the note on
+    how to run the model here is not printed for an estimate, and is for a measured profile whose batch the
+    plan does not make up."""
     import json
 
     from stageplan import Profile
@@ -127,9 +129,13 @@ def test_a_big_plans_summary_says_tokens_memory_in_gib_and_for_an_estimate_mfu()
     params = sum(x.param_count for x in prof.layers)
     peak = json.loads((LLAMA_70B.parents[2] / "stageplan" / "gpus.json").read_text())["gpus"]["h100-sxm"][
         "peak_flops"]["bf16"]
-    per_gpu = tokens * 6 * params / 16
+    attention = 80 * 8192 * 4096
+    per_gpu = tokens * (6 * params + 12 * attention) / 16
+    hfu = tokens * (8 * params + 16 * attention) / 16 / peak
     assert (f"estimate: {per_gpu / 1e12:.0f} TFLOP/s per GPU, MFU {per_gpu / peak:.1%} of the bf16 peak "
-            f"{peak / 1e12:.1f} TFLOP/s") in "\n".join(lines)
+            f"{peak / 1e12:.1f} TFLOP/s, HFU {hfu:.1%} (the recomputed forward counted) (6 x "
+            f"{params / 1e9:.1f}e9 parameters + 12 x 80 layers x 8192 hidden x 4096 tokens FLOPs a token)"
+            ) in "\n".join(lines)
     assert not any("to run this model" in n for n in pl.notes)  # the estimate's batch is 8, m x 1 is 64
     tight = plan(prof, 16, num_microbatches=64, recompute=True, memory_limit="40GiB", method="uniform")
     assert any(line.startswith("memory: does NOT fit 40.0 GiB: fullest rank") for line in
