@@ -248,6 +248,11 @@ def _add_plan_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--precision", default=None, help="fp32, bf16, bf16-mixed or fp16-mixed: bytes per "
                    "parameter held in training (mixed with Adam: 16) (default: the profiled parameters' "
                    "bytes)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas of the pipeline, each training its share of a batch D times the profiled "
+                        "one (run starts stages x D ranks; stageplan layout chooses D for N devices)")
+    p.add_argument("--sharding", default="ddp", help="what each replica holds: ddp, zero1 (optimizer states "
+                   "sharded) or fsdp (parameters, gradients and states sharded; default: ddp)")
     p.add_argument("--method", default=None, help="optimal, uniform or parameters (default: optimal)")
     p.add_argument("--objective", default="bottleneck", help="what the optimal method minimises: bottleneck "
                    "(the slowest rank per microbatch, then the lowest predicted step among ties) or step "
@@ -292,6 +297,9 @@ def _add_run_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is ended")
     _add_pin_arg(p)
+    p.add_argument("--sharding", default=None, help="how a plan's data-parallel replicas run: ddp, zero1 "
+                   "(DDP + ZeroRedundancyOptimizer), fsdp (FSDP2, unsharded until the last microbatch) or "
+                   "fsdp-reshard (resharded after every forward) (default: the plan's)")
     p.add_argument("--no-retime", dest="retime", action="store_false", help="skip timing each rank's layers "
                    "alone after the run (which splits its compute ratio into the machine's and the "
                    "pipeline's; a later rank first runs the earlier layers forward once, reading their "
@@ -616,7 +624,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                                 bandwidth=a.bandwidth,
                                 optimizer=a.optimizer, devices=_speeds(a.device_speeds),
                                 recompute=a.recompute,
-                                precision=a.precision, link=a.link, time_limit_s=a.time_limit)
+                                precision=a.precision, link=a.link, time_limit_s=a.time_limit,
+                                data_parallel=a.data_parallel, sharding=a.sharding)
     result = plan(prof, a.stages, method=a.method, objective=a.objective,
                   boundaries=_ints(a.boundaries, "--boundaries", "0,5,10"),
                   megatron_layout=a.megatron_layout, fqns=a.fqns, **opts)
@@ -656,7 +665,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr,
                                   check=a.check,
                                   backend=a.backend, timeout_s=a.timeout, pin_cpus=a.pin_cpus,
-                                  retime=a.retime)
+                                  retime=a.retime, sharding=a.sharding)
     factory_options = parse_set(a.factory_options)
     if a.output is not None:
         from stageplan._io import check_output_path

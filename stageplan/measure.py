@@ -161,7 +161,7 @@ def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator
         rnd += 1
 
 
-class _DeviceClock:
+class DeviceClock:
     """A point in time on the device's own clock, and the seconds between two: ``time.perf_counter`` on CPU;
     on CUDA an event recorded on the current stream (read after a synchronisation), so intervals are the
     stream's."""
@@ -179,7 +179,7 @@ class _DeviceClock:
         return float(a.elapsed_time(b)) / 1e3 if self.cuda else float(b - a)
 
 
-class Timer(_DeviceClock):
+class Timer(DeviceClock):
     """Seconds of a callable's work on ``device``.
 
     CPU: ``time.perf_counter`` around the call. CUDA kernels run asynchronously to the host (a host clock
@@ -267,7 +267,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class LayerClock(_DeviceClock):
+class LayerClock(DeviceClock):
     """Each layer's forward and backward seconds inside a running pipeline chunk, from hooks on its module.
 
     A phase (one chunk's forward, backward or loss call, opened by :meth:`phase`) collects stamps: a layer's

@@ -170,8 +170,10 @@ def plan_table(plan: Plan, *, explain: bool = False) -> str:
         lines.append("rank time ms: " + ", ".join(f"{t * 1e3:.3f}" for t in plan.rank_time_s))
     lines.append(
         f"{plan.method} plan{' (objective step)' if plan.cost_options.get('objective') == 'step' else ''}, "
-        f"{plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual, "
-        f"{plan.num_microbatches} microbatches of {plan.cost_options.get('microbatch_size')}"
+        f"{plan.schedule}, {plan.num_ranks} ranks x {plan.virtual_stages} virtual"
+        + (f" x {plan.data_parallel} replicas ({plan.cost_options.get('sharding', 'ddp')})"
+           if plan.data_parallel > 1 else "")
+        + f", {plan.num_microbatches} microbatches of {plan.cost_options.get('microbatch_size')}"
     )
     lines.append(
         f"bottleneck {ms(plan.bottleneck_s)} ms, lower bound {ms(plan.lower_bound_s)} ms, balance efficiency "
@@ -251,7 +253,7 @@ def model_flops_line(plan: Plan) -> str | None:
     else:
         flops, hardware = 6.0 * params, 8.0 * params
         how = f"6 x {params / 1e9:.1f}e9 parameters FLOPs a token"
-    per_gpu = plan.throughput_samples_s * tokens * flops / plan.num_ranks
+    per_gpu = plan.throughput_samples_s * tokens * flops / (plan.num_ranks * plan.data_parallel)
     mfu = f", MFU {per_gpu / peak:.1%} of the {key} peak {peak / 1e12:.1f} TFLOP/s" if peak else ""
     if peak and recompute:
         mfu += f", HFU {per_gpu * hardware / flops / peak:.1%} (the recomputed forward counted)"
@@ -361,6 +363,28 @@ def compare_table(plans: dict[str, Plan], not_applicable: dict[str, str] | None 
     return "\n".join(lines)
 
 
+def _replicas_line(report: RunReport) -> str | None:
+    """With data-parallel replicas: the mesh, the sharding, and per rank of every replica the sync it waited
+    for against the plan's and what it held against the plan's (parameters, gradients, shards, states)."""
+    mesh = report.meta.get("mesh")
+    if not isinstance(mesh, dict) or int(mesh.get("dp", 1)) <= 1:
+        return None
+    rows = sorted([*report.ranks, *report.replicas], key=lambda r: r.get("global_rank", 0))
+
+    def held(r: dict[str, Any]) -> str:
+        got, want = r.get("measured_memory_by_kind") or {}, r.get("predicted_memory_by_kind") or {}
+        kinds = ("params", "grads", "master", "optimizer")
+        g = sum(float(got.get(k, 0)) for k in kinds)
+        w = sum(float(want.get(k, 0)) for k in kinds)
+        return f"{mib(g)}/{mib(w)} MiB"
+
+    per = "; ".join(f"({r['mesh']['pp']},{r['mesh']['dp']}) {ms(r.get('measured_dp_sync_s'))}/"
+                    f"{ms(r.get('predicted_dp_sync_s'))} ms, {held(r)}" for r in rows if r.get("mesh"))
+    return (f"replicas: mesh {mesh['pp']} x {mesh['dp']} (pp x dp), {report.meta.get('sharding', 'ddp')}; "
+            f"per rank (pp,dp) data-parallel sync measured/predicted, parameters+gradients+shards+states "
+            f"held/predicted: {per}")
+
+
 def run_table(report: RunReport, *, explain: bool = False) -> str:
     """Predicted vs measured, per rank and for the step, with ratios; then the check result. A line says one
     thing: the details (layers inside the schedule, the chunk overhead, the compute ratio in two, the tied
@@ -384,6 +408,9 @@ def run_table(report: RunReport, *, explain: bool = False) -> str:
         f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
         f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
+    replicas = _replicas_line(report)
+    if replicas:
+        lines.append(replicas)
     part = report.meta.get("partial")
     if isinstance(part, dict):
         skipped = ", ".join(part.get("skipped") or [])

@@ -20,12 +20,14 @@ if TYPE_CHECKING:
     from stageplan.formats.plan import Plan
     from stageplan.formats.timeline import Simulation
 
-RUN_SCHEMA = "stageplan.run/3"
+RUN_SCHEMA = "stageplan.run/4"
 # run/1 named the per-rank rows "stages"; they are "ranks" since run/2. run/2's memory_ratio was the process's
 # whole peak over the plan's bytes (torch's own baseline included, and retiming left out); since run/3 it is
 # the run's memory over its baseline (measured_run_memory_bytes), read after retiming. All three load; an
-# older report's rows keep their own memory_ratio.
-_OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}, "stageplan.run/2": {}}
+# older report's rows keep their own memory_ratio. run/4 adds data-parallel replicas: each row's mesh
+# coordinates, its data-parallel sync and its memory by kind, and the other replicas' rows; an older report
+# was one replica.
+_OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}, "stageplan.run/2": {}, "stageplan.run/3": {}}
 
 
 _LAYER_FIELDS = {"index": int, "name": str, "stage": int, "rank": int, "measured_forward_s": float,
@@ -94,7 +96,8 @@ def _ints(value: Any) -> bool:
 # what show and calibrate read from each rank row: numbers, and these may be None (nothing to compare)
 _RANK_NUMBERS = ("predicted_compute_s", "measured_compute_s", "predicted_idle_s", "measured_idle_s",
                  "predicted_peak_activation_bytes", "measured_peak_activation_bytes")
-_RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s",
+_RANK_OPTIONAL = ("compute_ratio", "activation_ratio", "measured_compute_cpu_s", "predicted_dp_sync_s",
+                  "measured_dp_sync_s",
                   "measured_overhead_forward_s",
                   "measured_overhead_backward_s", "measured_clock_compute_s", "predicted_tied_sync_s",
                   "measured_tied_sync_s", "predicted_optimizer_step_s", "measured_optimizer_step_s",
@@ -383,6 +386,17 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "measured_run_memory_bytes": run_bytes,
         "memory_ratio": (run_bytes / plan.rank_memory_bytes[r]
                          if run_bytes and plan.rank_memory_bytes[r] else None),
+        # where the rank sits in the ("pp", "dp") mesh, its global rank, the data-parallel sync it waited for
+        # (the plan's exposed sync beside the run's, per step) and its memory by kind (the plan's bytes
+        # beside what the rank held: parameters, gradients, the FSDP shard or master copy, optimizer states)
+        "mesh": g.get("mesh", {"pp": r, "dp": 0}),
+        "global_rank": g.get("global_rank", r),
+        "predicted_dp_sync_s": sum(st.dp_sync_s for st in plan.stages if st.rank == r),
+        "measured_dp_sync_s": g.get("dp_sync_s"),
+        "predicted_memory_by_kind": {
+            k: sum(float(st.memory.get(k, 0.0)) for st in plan.stages if st.rank == r)
+            for k in ("params", "grads", "master", "optimizer", "activations")},
+        "measured_memory_by_kind": g.get("memory_by_kind"),
     }
 
 
@@ -444,6 +458,9 @@ class RunReport:
     timeline: tuple[dict[str, Any], ...] = ()
     link: dict[str, Any] | None = None
     layers: tuple[dict[str, Any], ...] = ()
+    # with data-parallel replicas, the rows of the replicas other than the first (``ranks`` is replica 0's
+    # pipeline), each with its mesh coordinates
+    replicas: tuple[dict[str, Any], ...] = ()
 
     @property
     def step_ratio(self) -> float:
@@ -473,6 +490,7 @@ class RunReport:
         d["losses"] = list(self.losses)
         d["timeline"] = list(self.timeline)
         d["layers"] = list(self.layers)
+        d["replicas"] = list(self.replicas)
         return {"schema": RUN_SCHEMA, **d}
 
     @classmethod
@@ -490,6 +508,11 @@ class RunReport:
             kwargs["ranks"] = tuple(data["ranks"])
             kwargs["losses"] = tuple(data.get("losses", ()))
             kwargs["timeline"] = tuple(data.get("timeline", ()))
+            replicas = data.get("replicas", ())
+            if not isinstance(replicas, (list, tuple)) or not all(isinstance(r, dict) for r in replicas):
+                raise SchemaError(f"{source}: 'replicas' must be a list of rank rows, got "
+                                  f"{short_repr(replicas)}; rerun stageplan run to write it again")
+            kwargs["replicas"] = tuple(replicas)
             kwargs["layers"] = tuple(_checked_layers(data.get("layers", ()), source,
                                                      data["plan"]["boundaries"][-1],
                                                      {int(r["rank"]) for r in data["ranks"]}))
@@ -521,8 +544,14 @@ class RunReport:
         # (a zero-bubble I is the run's B: backward_one_chunk)
         planned = {("B" if e.kind == "I" else e.kind, e.stage): e.end_s - e.start_s for e in sim.timeline
                    if e.kind in CALL_KINDS}
-        for g in sorted(ranks, key=lambda g: g["rank"]):
+        first = [g for g in ranks if g.get("mesh", {}).get("dp", 0) == 0]
+        replicas: list[dict[str, Any]] = []
+        for g in sorted(ranks, key=lambda g: (g.get("mesh", {}).get("dp", 0), g["rank"])):
             r = g["rank"]
+            if all(g is not f for f in first):  # another replica of the pipeline: its own row, kept apart
+                replicas.append(_rank_row(plan, g, {}, step_s=step_s, predicted_wait_s=sim.receive_wait_s[r],
+                                          predicted_idle_calls=idle_calls[r], planned=planned))
+                continue
             # the rank's layers timed alone after the run, as the profiler times them: per microbatch at m
             retimed = {int(k): (v[0], (v[1] + (m - 1) * v[2]) / m) for k,
                        v in (g.get("retimed_layer_s") or {}).items()}
@@ -530,8 +559,10 @@ class RunReport:
             rows.append(_rank_row(plan, g, retimed, step_s=step_s, predicted_wait_s=sim.receive_wait_s[r],
                                   predicted_idle_calls=idle_calls[r], planned=planned))
             busy_total += g["forward_s"] + g["backward_s"]
-        losses: list[float] = next((g["losses"] for g in ranks if g["losses"]), [])
-        batch = m * int(run_options.get("microbatch_size") or 1)
+        # the step's loss over the global batch: the mean of the replicas' last stages' losses
+        last = [g["losses"] for g in ranks if g["losses"]]
+        losses = [sum(x) / len(x) for x in zip(*last)] if last else []
+        batch = m * int(run_options.get("microbatch_size") or 1) * plan.data_parallel
         p = plan.num_ranks
         return cls(
             measured_step_s=step_s, predicted_step_s=plan.predicted_step_s, measured_step_iqr_s=step_iqr_s,
@@ -539,5 +570,6 @@ class RunReport:
             measured_bubble_fraction=max(0.0, 1.0 - busy_total / (p * step_s)) if step_s > 0 else 0.0,
             predicted_bubble_fraction=plan.bubble_fraction, ranks=tuple(rows), losses=tuple(losses),
             plan=_executed_plan(plan), run_options=dict(run_options), meta=meta, check=check,
-            timeline=_run_timeline(ranks), link=link, layers=tuple(sorted(layers, key=lambda x: x["index"])),
+            timeline=_run_timeline(first), link=link, layers=tuple(sorted(layers, key=lambda x: x["index"])),
+            replicas=tuple(replicas),
         )

@@ -172,7 +172,8 @@ def make_plan(profile: Profile, arr: LayerArrays, opts: CostOptions, method: str
     return Plan(
         boundaries=tuple(boundaries), layer_names=tuple(profile.names),
         evidence=dataclasses.replace(ev, notes=tuple(notes)),
-        throughput_samples_s=opts.num_microbatches * mb / step if step > 0 else math.inf,
+        # every replica trains its own m microbatches in the step
+        throughput_samples_s=opts.data_parallel * opts.num_microbatches * mb / step if step > 0 else math.inf,
         cost_options=cost_options, profile_digest=profile.digest(), profile_meta=pmeta,
         tie_break=tie, step_search=search, versus_optimal=versus,
     )
@@ -244,7 +245,7 @@ def plan(
     precision: str | None = None, megatron_layout: str | None = None,
     fqns: Sequence[Sequence[str]] | str | os.PathLike[str] | None = None,
     link: Mapping[str, Any] | str | os.PathLike[str] | None = None, time_limit_s: float = 2.0,
-    objective: str = "bottleneck",
+    objective: str = "bottleneck", data_parallel: int = 1, sharding: str = "ddp",
 ) -> Plan:
     """Choose stage boundaries for ``profile`` on ``num_ranks`` pipeline ranks and predict the step.
 
@@ -263,6 +264,12 @@ def plan(
     bytes/s) prices boundary traffic; ``devices`` are speeds relative to the profiled device (or Device);
     ``precision`` (fp32, bf16, bf16-mixed, fp16-mixed) sets the bytes per parameter training holds (16 with
     Adam in mixed precision), else the profiled parameters' bytes are used.
+
+    ``data_parallel`` replicates the pipeline d times (each replica trains its share of a global batch d
+    times the profiled one) and ``sharding`` ("ddp", "zero1" or "fsdp") sets what each replica's rank holds
+    and the gradient sync it waits for (docs/cost-model.md); a sharding other than "ddp" without a
+    ``precision`` counts bytes at the profiled dtype (fp32 or bf16). ``stageplan layout`` chooses d, the
+    sharding and t for N devices; this prices the ones given.
 
     ``link`` (a LINK.json written by ``stageplan link``, or its dict) prices the boundaries with the measured
     link instead of ``bandwidth``: its bandwidth, its fused send/receive exchange as every crossing's delay,
@@ -310,6 +317,9 @@ def plan(
     if precision is not None:
         priced = at_precision(prof, precision, optimizer)
         priced_profile, precision_note = priced.profile, priced.note
+    # sharded replicas count bytes per parameter by kind: at the profiled dtype when no precision is given
+    own = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}.get(str(prof.meta.get("dtype")), "fp32")
+    bytes_precision = precision if precision is not None or sharding == "ddp" else own
 
     def candidate(sched: str, m: int) -> Plan:
         # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
@@ -319,7 +329,8 @@ def plan(
         prof_m = rescaled_profile(priced_profile, mb / mb0) if mb != mb0 else priced_profile
         opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                             optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
-                            recompute=recompute, precision=precision, **price.options())
+                            recompute=recompute, precision=bytes_precision, data_parallel=data_parallel,
+                            sharding=sharding, **price.options())
         cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
         said = tuple(n for n in (precision_note, price.note) if n)

@@ -15,7 +15,9 @@ from stageplan.workload import Workload
 def compare_with_single_process(workload: Workload, reference: nn.Module, gathered: list[Any],
                                 options: dict[str, Any], num_microbatches: int) -> dict[str, Any]:
     """Train the uncut model on one process: same data, same initial weights, the same microbatches with
-    gradient accumulation; compare each step's loss and every parameter by FQN at the end."""
+    gradient accumulation (with d replicas, the whole global batch as d x m microbatches:
+    ``num_microbatches`` is d x m); compare each step's loss (the mean of the replicas' losses) and every
+    parameter by FQN at the end, every replica's."""
     m = num_microbatches
     optimizer = make_optimizer(options["optimizer"], list(reference.parameters()), float(options["lr"]))
     inputs = workload.input_tuple()
@@ -36,7 +38,8 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
         if optimizer is not None:
             optimizer.step()
         ref_losses.append(total / m)
-    pipe_losses = next(g["losses"] for g in gathered if g["losses"])
+    last = [g["losses"] for g in gathered if g["losses"]]
+    pipe_losses = [sum(x) / len(x) for x in zip(*last)]
     loss_diff = max((abs(a - b) for a, b in zip(pipe_losses, ref_losses)), default=0.0)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     worst_name, worst = "", 0.0
@@ -59,6 +62,13 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
     dropout = sorted({f"{name} (p={m.p})" for name, m in reference.named_modules()
                       if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
     hint = None
+    losses_agree = loss_diff <= atol + rtol * max(abs(x) for x in ref_losses)
+    if not passed and losses_agree and not missing and not uncovered \
+            and options["optimizer"] in ("adam", "adamw"):
+        hint = (f"the losses agree and the parameters differ (most at {worst_name}): Adam divides each "
+                "gradient by its own running size, so a gradient that is only rounding noise (a bias before "
+                "a BatchNorm has none) moves by the learning rate whatever its sign, and replicas or another "
+                "split round it differently; rerun --check with --optimizer sgd")
     if not passed and dropout:
         hint = (f"the model has dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): the "
                 "pipeline's ranks and the single-process reference draw different random numbers, so results "

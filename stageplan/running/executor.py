@@ -36,12 +36,24 @@ from stageplan.measure import (
     steady_allocator,
 )
 from stageplan.running.link import ping_pong, probe_sizes
+from stageplan.running.replicas import (
+    Mesh,
+    SyncClock,
+    ddp_exposed_s,
+    full_value,
+    local_bytes,
+    make_mesh,
+    make_replica_optimizer,
+    no_sync_inference,
+    optimizer_state_bytes,
+    replica_share,
+    wrap_stage,
+)
 from stageplan.running.stages import (
     RankStages,
     batch_target,
     build_rank_stages,
     first_microbatch_of_plan,
-    make_optimizer,
     reference_model,
     sync_tied_grads,
 )
@@ -357,6 +369,24 @@ class _Samples:
     calls: list[list[tuple[str, int, int, float, float]]] = field(default_factory=list)
     # the launcher asked the ranks to stop (Ctrl-C): the loop ended after the step it was in
     interrupted: bool = False
+    # with replicas: per measured step, the data-parallel sync the rank waited for (replicas.SyncClock)
+    dp_sync_s: list[float] = field(default_factory=list)
+    # with replicas: the bytes the rank held by kind after a step's backward (the most over the steps read)
+    held: dict[str, int] = field(default_factory=dict)
+    reading: bool = False  # hold() is called within this step
+
+    def hold(self, rs: RankStages, sharding: str) -> None:
+        """Read what the rank holds now: its modules' parameters and gradients as they stand (read after the
+        schedule's step, and for FSDP2 also as its reduce begins, while they are still unsharded), and
+        FSDP2's shards apart (the parameters its optimizer steps); each kind keeps the most read."""
+        modules = [p for piece in rs.pieces for p in piece.parameters()]
+        self._max("params", local_bytes(modules))
+        self._max("grads", local_bytes([p.grad for p in modules]))
+        if sharding.startswith("fsdp"):
+            self._max("master", local_bytes(rs.unique_params))
+
+    def _max(self, kind: str, value: int) -> None:
+        self.held[kind] = max(self.held.get(kind, 0), value)
 
     def add_layers(self, phases: list[tuple[str, int, dict[int, float], float]], m: int) -> None:
         """One step's LayerClock phases, as seconds per microbatch
@@ -434,24 +464,42 @@ def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments)
 
 
 def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device, options: dict[str, Any],
-           ins: _Instruments) -> _Samples:
+           ins: _Instruments, mesh: Mesh | None = None) -> _Samples:
     import torch.distributed as dist
 
+    mesh = mesh or Mesh(dist.get_rank(), 0, plan.num_ranks, 1)
+    sharding = str(options.get("sharding") or "ddp")
     schedule, loss_divisor = _schedule(plan, rs, workload, ins)
-    optimizer = make_optimizer(options["optimizer"], rs.unique_params, float(options["lr"]))
-    inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in workload.input_tuple())
+    optimizer = make_replica_optimizer(options["optimizer"], rs.unique_params, float(options["lr"]), sharding,
+                                       mesh)
+    sync = SyncClock(device)
+    sync.attach(rs.stages, optimizer)
+    d = mesh.data_parallel
+    out = _Samples()
+    if d > 1 and sharding.startswith("fsdp"):
+        for st in rs.stages:  # FSDP2's unsharded parameters and gradients, read as its reduce begins
+            def reduce(*a: Any, _reduce: Any = st.perform_reduce_grad, **k: Any) -> Any:
+                if out.reading:
+                    out.hold(rs, sharding)
+                return _reduce(*a, **k)
+
+            st.perform_reduce_grad = reduce
+    # each replica trains its own share of the global batch
+    inputs = tuple(replica_share(a.to(device), mesh.dp_rank, d) if isinstance(a, torch.Tensor) else a
+                   for a in workload.input_tuple())
     target = batch_target(workload)
-    target = target.to(device) if isinstance(target, torch.Tensor) else target
+    target = replica_share(target.to(device), mesh.dp_rank, d) if isinstance(target, torch.Tensor) else target
     has_first = 0 in rs.indices
     has_last = plan.num_chunks - 1 in rs.indices
     steps, warmup, clocked = int(options["steps"]), int(options["warmup"]), int(options.get("clock_steps", 0))
     rank = dist.get_rank()
-    out = _Samples()
     bounds = plan.boundaries
     # the ties this rank sums with other ranks (one it does not hold costs it nothing)
     summing = any(a and any(n in rs.params for n in names) for a, (names, _) in zip(rs.ties_across, rs.ties))
     # on CUDA, where this rank sums a tie with others, the sum is timed apart between two synchronisations
     sync_apart = device.type == "cuda" and summing
+    # the parameters' storages: a step's gathered FSDP2 parameters join them for that step only
+    own_storages = set(ins.tracker.exclude)
     # the first step's first chunk call counts from here, as every later one from its step's mark
     ins.timer.mark()
     for step in range(warmup + steps + clocked):
@@ -465,6 +513,9 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.interrupted = True
             break
         ins.tracker.reset_peak()
+        ins.tracker.exclude.intersection_update(own_storages)
+        sync.spans.clear()
+        out.reading = step < warmup + 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -475,6 +526,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             kwargs.update(target=target, losses=losses)
         with ins.receive_waits():
             schedule.step(*(inputs if has_first else ()), **kwargs)
+        if out.reading:  # what the rank holds by kind, once the backward has made its gradients
+            out.hold(rs, sharding)
         if sync_apart:  # the backward's queued kernels end before the sum
             torch.cuda.synchronize(device)
         t_other = time.perf_counter()
@@ -487,6 +540,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
+        if out.reading:
+            out._max("optimizer", optimizer_state_bytes(optimizer))
         ins.timer.mark()  # the next step's first chunk call is idle from here, through the barrier
         intervals = ins.timer.drain()
         phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
@@ -508,6 +563,11 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.calls.append(
                 [(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
             out.other_s.append(t1 - t_other)
+            if d > 1:  # DDP reduces inside the last backward; FSDP2 and ZeRO-1 where SyncClock times them
+                backwards = [(s, mb, sec) for kind, s, mb, _, sec, *_ in intervals if kind == "B"]
+                exposed = (ddp_exposed_s(backwards, plan.num_microbatches) if sharding in ("ddp", "zero1")
+                           else 0.0)
+                out.dp_sync_s.append(sync.seconds + exposed)
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
             # every measured step's timeline replaces the one before (an interrupted run keeps its last
@@ -534,6 +594,26 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard's local tensor (a DTensor's), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _exclude_gathered_parameters(rs: RankStages, tracker: SavedTensorTracker) -> None:
+    """FSDP2 gathers each unit's parameters into new storage before its forward; the backward saves them as a
+    matmul's inputs, and they are parameters (the plan counts them as such), not activations: each module's
+    forward adds its current parameters' storages to the tracker's exclusions (after FSDP2's own pre-forward
+    hook, registered first, has gathered them); _train puts the set back to the shards' at each step."""
+    def exclude(mod: torch.nn.Module, _args: Any) -> None:
+        for prm in mod.parameters(recurse=False):
+            tracker.exclude.add(_local(prm).untyped_storage().data_ptr())
+
+    for piece in rs.pieces:
+        for mod in piece.modules():
+            if any(True for _ in mod.parameters(recurse=False)):
+                mod.register_forward_pre_hook(exclude)
+
+
 def _stop_requested(stop_file: str | None, device: torch.device) -> bool:
     """The step's opening barrier, which also tells every rank whether the launcher asked the run to stop
     (Ctrl-C): rank 0 looks for the launcher's stop file and an all-reduce (MAX) of its answer is the barrier
@@ -557,11 +637,11 @@ def _attach_layer_clock(clock: LayerClock, rs: RankStages, plan: Plan) -> None:
     leave)."""
     from stageplan.layers import used_parameters
 
-    for st, s in zip(rs.stages, rs.indices):
+    for piece, s in zip(rs.pieces or [st.submod for st in rs.stages], rs.indices):
         modules = {}
         for layer in range(plan.boundaries[s], plan.boundaries[s + 1]):
             try:
-                modules[layer] = st.submod.get_submodule(plan.layer_names[layer])
+                modules[layer] = piece.get_submodule(plan.layer_names[layer])
             except AttributeError:
                 continue
         owners: dict[int, int] = {}
@@ -588,11 +668,12 @@ def _release_stages(rs: RankStages) -> int:
         freed += p.numel() * p.element_size() + (p.grad.numel() * p.grad.element_size() if p.grad is not None
                                                  else 0)
     old = list(rs.unique_params)
-    for st in rs.stages:
-        release_(st.submod)
+    for piece in rs.pieces or [st.submod for st in rs.stages]:
+        release_(piece)
     for p in old:
         p.grad = None
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if not hasattr(p, "to_local"):  # an FSDP2 shard (a DTensor) goes with its module
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     rs.params.clear()
     rs.unique_params.clear()
     gc.collect()
@@ -600,7 +681,7 @@ def _release_stages(rs: RankStages) -> int:
 
 
 def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device, weights: Checkpoint | None,
-            seed: int) -> dict[int, list[float]]:
+            seed: int, mesh: Mesh | None = None) -> dict[int, list[float]]:
     """The rank's layers timed after its run as the profiler timed them (in its order), in this process
     (:func:`retime_layers`):
     {layer: [forward_s, backward_s, backward_accumulate_s]}, medians of 10 rounds. The ranks take turns, each
@@ -619,7 +700,8 @@ def _retime(workload: Workload, plan: Plan, rs: RankStages, device: torch.device
     size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
     times: dict[int, list[float]] = {}
     for turn in range(dist.get_world_size()):
-        if turn == dist.get_rank():
+        # one replica's ranks retime (the others run the same layers): the rest wait at the barrier
+        if turn == dist.get_rank() and (mesh is None or mesh.dp_rank == 0):
             times = retime_layers(workload, plan.layer_names, mine, size, device,
                                   layers_arg=plan.profile_meta.get("layers_arg"), weights=weights, seed=seed,
                                   repeats=10, order=plan.profile_meta.get("order"))
@@ -658,6 +740,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     # the backend's threads exist now: let them in as soon as a message needs them
     short_comm_slices(slice_ns)
     _check_same_weights(options, world_size)
+    # p pipeline ranks x d replicas; every rank creates the mesh's groups, in the same order
+    mesh = make_mesh(rank, plan.num_ranks, plan.data_parallel, device)
+    sharding = str(options.get("sharding") or "ddp")
     # the links between neighbouring ranks first, while nothing
     # else runs (well under a second on gloo localhost)
     largest_boundary_bytes = max((st.memory.get("buffers", 0.0) / 2.0 for st in plan.stages), default=0.0)
@@ -674,16 +759,21 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     gc.collect()
     baseline_bytes = _memory_now_bytes(device)
     reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
-    rs = build_rank_stages(model, plan, rank, device, mb_args, weights=weights, seed=seed)
-    ins = _Instruments(Timer(device),
-                       SavedTensorTracker({p.untyped_storage().data_ptr() for p in rs.unique_params}),
-                       LayerClock(device))
+    rs = build_rank_stages(model, plan, mesh.pp_rank, device, mb_args, weights=weights, seed=seed,
+                           group=mesh.pp_group,
+                           wrap=lambda piece, names: wrap_stage(piece, names, sharding, mesh))
+    for st in rs.stages:
+        no_sync_inference(st)
+    own = {_local(p).untyped_storage().data_ptr() for p in rs.unique_params}
+    ins = _Instruments(Timer(device), SavedTensorTracker(set(own)), LayerClock(device))
+    if mesh.data_parallel > 1 and sharding.startswith("fsdp"):
+        _exclude_gathered_parameters(rs, ins.tracker)
     for st in rs.stages:
         ins.wrap(st)
     _attach_layer_clock(ins.clock, rs, plan)
     # again, for a backend that starts threads at its first message
     short_threads = short_comm_slices(slice_ns)
-    samples = _train(plan, workload, rs, device, options, ins)
+    samples = _train(plan, workload, rs, device, options, ins, mesh)
     interrupted = samples.interrupted  # the same on every rank (_stop_requested)
     if interrupted and not samples.step_s:  # stopped in the warm-up: nothing measured, no report
         dist.barrier()
@@ -693,7 +783,10 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
 
     f, f_iqr = median_iqr(samples.forward_s)
     b, b_iqr = median_iqr(samples.backward_s)
-    result = {"rank": rank, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f,
+    held = dict(samples.held, activations=max(samples.peak_activation_bytes, default=0))
+    result = {"rank": mesh.pp_rank, "global_rank": rank, "mesh": mesh.coordinates,
+              "dp_sync_s": median_iqr(samples.dp_sync_s)[0] if samples.dp_sync_s else None,
+              "memory_by_kind": held, "stages": rs.indices, "step_s": samples.step_s, "forward_s": f,
               "forward_iqr_s": f_iqr,
               "backward_s": b, "backward_iqr_s": b_iqr, "other_s": median_iqr(samples.other_s)[0],
               "tied_sync_s": median_iqr(samples.tied_sync_s)[0],
@@ -702,7 +795,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "compute_cpu_s": median_iqr(samples.compute_cpu_s)[0], "losses": samples.losses,
               "timeline": samples.timeline,
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
-              "params": {k: v.detach().cpu().clone() for k, v in rs.params.items()} if check else {},
+              # every replica's parameters, whole (an FSDP2 shard gathered over its replicas: collective)
+              "params": {k: full_value(v) for k, v in rs.params.items()} if check else {},
               "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
@@ -710,7 +804,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     steps_measured = len(samples.step_s)
     del samples
     # an interrupted run ends at once: its user is waiting, so no retiming and no single-process check
-    result["retimed_layer_s"] = (_retime(workload, plan, rs, device, weights, seed)
+    result["retimed_layer_s"] = (_retime(workload, plan, rs, device, weights, seed, mesh)
                                  if options.get("retime", True) and not interrupted else {})
     # read last: the peak covers everything the rank did, retiming included
     result["peak_memory_bytes"] = _peak_memory_bytes(device)
@@ -724,8 +818,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
             from stageplan.running.check import compare_with_single_process
 
             check_result = compare_with_single_process(workload, reference, gathered, options,
-                                                       plan.num_microbatches)
-        meta = {"torch_version": torch.__version__, "device": str(device), "world_size": plan.num_ranks,
+                                                       plan.num_microbatches * plan.data_parallel)
+        meta = {"torch_version": torch.__version__, "device": str(device), "world_size": world_size,
+                "mesh": {"pp": plan.num_ranks, "dp": plan.data_parallel}, "sharding": sharding,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
                 "load_average_1min": os.getloadavg()[0], "python": sys.version.split()[0],

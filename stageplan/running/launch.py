@@ -59,8 +59,8 @@ PROGRESS_PREFIX = "stageplan-progress: "
 
 
 def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
-    """A Plan, or a plan file, or a layout file's best layout (its plan); one that is not a single pipeline
-    is refused: replicas and tensor-parallel shards have no executor yet."""
+    """A Plan, or a plan file, or a layout file's best layout (its plan); one with tensor-parallel shards is
+    refused: they have no executor yet (data-parallel replicas have)."""
     if isinstance(plan, Plan):
         loaded = plan
     else:
@@ -78,12 +78,11 @@ def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
         else:
             loaded = Plan.from_json(data, source=f"plan {str(plan)!r}")
     tp = int(loaded.profile_meta.get("tensor_parallel") or 1)
-    if loaded.data_parallel > 1 or tp > 1:
-        raise StageplanError(f"this plan lays the model out with {loaded.data_parallel} data-parallel "
-                             f"replicas and {tp}-way tensor parallelism, and stageplan run trains one "
-                             "pipeline; lay it out with --pipeline-parallel equal to --devices (one replica, "
-                             "t = 1) to run it here, or train it with the exported torchtitan or Megatron "
-                             "configuration")
+    if tp > 1:
+        raise StageplanError(f"this plan shards each layer {tp} ways (tensor parallelism), and stageplan run "
+                             "trains pipelines and their data-parallel replicas, not tensor-parallel shards "
+                             "yet; lay the model out with --tensor-parallel 1 to run it here, or train it "
+                             "with the exported torchtitan or Megatron configuration")
     return loaded
 
 
@@ -105,8 +104,17 @@ def run(
     progress: bool = False,
     pin_cpus: bool = True,
     retime: bool = True,
+    sharding: str | None = None,
 ) -> RunReport:
-    """Train ``workload`` with ``plan`` on one local process per pipeline rank; return the RunReport.
+    """Train ``workload`` with ``plan`` on one local process per pipeline rank and replica; return the
+    RunReport.
+
+    A plan with ``data_parallel`` d > 1 (a layout's best, or ``plan --data-parallel``) runs p x d processes on
+    a ("pp", "dp") mesh: each replica trains its contiguous share of the workload's batch (the global batch,
+    d x m microbatches of the plan's size), and each stage is wrapped for ``sharding`` (default: the plan's):
+    "ddp", "zero1" (DDP and ZeroRedundancyOptimizer), "fsdp" (FSDP2, parameters unsharded until the last
+    microbatch) or "fsdp-reshard" (resharded after every forward). ``check`` compares with one process
+    training the whole global batch.
 
     ``workload`` is a Workload or a model spec (built-in name or ``package.module:factory``, called with
     ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Each rank builds the model
@@ -127,7 +135,9 @@ def run(
     """
     the_plan = _load_plan(plan)
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime,
+                        sharding=sharding)
+    world = the_plan.num_ranks * the_plan.data_parallel
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     _warn_precision(the_plan)
     if output is not None:
@@ -141,24 +151,24 @@ def run(
                              f"{type(workload).__name__}; "
                              "e.g. stageplan.run('gpt', plan) or stageplan.run(Workload(model, inputs), "
                              "plan)")
-    with _run_folder(log_dir, "stageplan-run-", the_plan.num_ranks) as run_dir:
+    with _run_folder(log_dir, "stageplan-run-", world) as run_dir:
         meta_wl, opts["weights"], opts["weights_from"] = _rank_workload(workload, factory_options, weights,
                                                                         run_dir, float(timeout_s))
-        opts["microbatch_size"] = (meta_wl.batch_size // the_plan.num_microbatches
-                                   if meta_wl.batch_size % the_plan.num_microbatches == 0 else None)
+        share = the_plan.num_microbatches * the_plan.data_parallel
+        opts["microbatch_size"] = meta_wl.batch_size // share if meta_wl.batch_size % share == 0 else None
         validate(meta_wl, the_plan)
         if check and 2 * parameter_bytes(meta_wl.model) > _available_bytes() // 2:
             raise StageplanError("--check trains the whole model in one process, and this model's parameters "
                                  f"({format_bytes(parameter_bytes(meta_wl.model))}, twice that with "
                                  f"gradients) would not fit in the {format_bytes(_available_bytes())} "
                                  f"available here; run without --check")
-        _warn_oversubscribed(the_plan.num_ranks, opts["backend"])
+        _warn_oversubscribed(world, opts["backend"])
         others = CpuWatch()  # what other processes take of the CPUs during the run (host.run_contention)
         stop = run_dir / STOP_FILE
         opts["stop_file"] = str(stop)
         if _needs_fork(meta_wl):
-            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress,
-                            forked=(meta_wl, the_plan, opts), stop=stop)
+            _spawn_and_wait(run_dir, world, float(timeout_s), progress, forked=(meta_wl, the_plan, opts),
+                            stop=stop)
         else:
             payload = {"plan": the_plan.to_json(), "options": opts, "workload": meta_wl}
             try:
@@ -168,7 +178,7 @@ def run(
                     f"the workload cannot be sent to the rank processes ({type(exc).__name__}: {exc}); pass "
                     "a model spec 'package.module:factory' instead, or use module-level functions and classes"
                 ) from exc
-            _spawn_and_wait(run_dir, the_plan.num_ranks, float(timeout_s), progress, stop=stop)
+            _spawn_and_wait(run_dir, world, float(timeout_s), progress, stop=stop)
         interrupted = stop.exists()
         if interrupted and not (run_dir / "report.json").exists():
             raise RunInterrupted("interrupted before the first measured step: nothing was measured")
@@ -517,9 +527,15 @@ def _run_options(
     timeout_s: float,
     pin_cpus: bool = True,
     retime: bool = True,
+    sharding: str | None = None,
 ) -> dict[str, Any]:
     """Validate every run option before any process starts."""
+    from stageplan.running.replicas import check_replicas
+
     check_steps_and_timeout(steps, warmup, timeout_s)
+    planned_sharding = str(plan.cost_options.get("sharding") or "ddp")
+    the_sharding = sharding or planned_sharding
+    check_replicas(plan, the_sharding)
     opt = (optimizer or str(plan.cost_options.get("optimizer", "sgd"))).lower()
     if opt not in OPTIMIZERS:
         raise StageplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -533,11 +549,18 @@ def _run_options(
                       f"step and idle times still hold the {planned} step; plan with --optimizer {opt} to "
                       f"compare like with like",
                       stacklevel=3)
-    backend = _backend(backend, plan.num_ranks)
+    backend = _backend(backend, plan.num_ranks * plan.data_parallel)
     # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
     # microbatch, measured on a 2-core CPU host): the step and compute medians come from steps without them
     clock_steps = min(5, max(2, steps // 4))
+    if the_sharding.split("-")[0] != planned_sharding and plan.data_parallel > 1:
+        import warnings
+
+        warnings.warn(f"the plan priced {planned_sharding} replicas and this run shards them as "
+                      f"{the_sharding}: the report's predicted memory and sync are the plan's; plan with "
+                      f"--sharding {the_sharding.split('-')[0]} to compare like with like", stacklevel=3)
     return {"steps": steps, "warmup": warmup, "clock_steps": clock_steps, "optimizer": opt,
+            "sharding": the_sharding,
             "lr": float(lr) if lr is not None else DEFAULT_LR[opt], "check": bool(check), "backend": backend,
             "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus), "comm_slice_ns": comm_slice_ns(),
             "retime": bool(retime)}
@@ -782,7 +805,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
                   backend: str | None = None,
                   timeout_s: float = 300.0, output: str | os.PathLike[str] | None = None,
                   weights: str | os.PathLike[str] | None = None, pin_cpus: bool = True,
-                  retime: bool = True) -> RunReport | None:
+                  retime: bool = True, sharding: str | None = None) -> RunReport | None:
     """One rank under torchrun (rank and world size from the environment); rank 0 returns the RunReport.
 
     Every rank builds the workload itself: its model with parameters on meta (build it inside
@@ -793,15 +816,13 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     the_plan = _load_plan(plan)
     rank, world = torchrun_rank()
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
-                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime)
+                        backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime,
+                        sharding=sharding)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     if rank == 0:
         _warn_precision(the_plan)
-    opts["microbatch_size"] = (
-        workload.batch_size // the_plan.num_microbatches
-        if workload.batch_size % the_plan.num_microbatches == 0
-        else None
-    )
+    share = the_plan.num_microbatches * the_plan.data_parallel
+    opts["microbatch_size"] = workload.batch_size // share if workload.batch_size % share == 0 else None
     if workload.model is None:  # a model_fn workload: build it weightless here
         import dataclasses
 

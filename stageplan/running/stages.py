@@ -31,25 +31,33 @@ from stageplan.workload import Workload, check_model_name, options_words
 
 
 def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
-    """The first of the plan's m microbatches of the
-    workload's inputs (refusing a batch m does not divide)."""
-    size = microbatch_size_for(workload.batch_size, plan.num_microbatches)
+    """The first of the plan's m microbatches of the workload's inputs (of a replica's share, with d
+    replicas: the batch makes d x m microbatches), refusing a batch they do not divide."""
+    size = microbatch_size_for(workload.batch_size, plan.num_microbatches * plan.data_parallel)
     return tuple(microbatch(workload.input_tuple(), 0, size))
 
 
 def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -> None:
-    """Refuse, before spawning anything, what would otherwise fail deep inside torch or hang a rank."""
-    if world_size is not None and world_size != plan.num_ranks:
+    """Refuse, before spawning anything, what would otherwise fail deep inside torch or hang a rank (the
+    replicas' own refusals are :func:`stageplan.running.replicas.check_replicas`)."""
+    if world_size is not None and world_size != plan.num_ranks * plan.data_parallel:
+        p, d = plan.num_ranks, plan.data_parallel
         raise StageplanError(
-            f"world size {world_size} does not match the plan's {plan.num_ranks} pipeline ranks; "
-            f"launch {plan.num_ranks} processes (torchrun --nproc-per-node {plan.num_ranks}) or re-plan with "
-            f"--stages {world_size}"
-        )
+            f"world size {world_size} does not match the plan's {p} pipeline ranks x {d} replicas = {p * d}; "
+            f"launch {p * d} processes (torchrun --nproc-per-node {p * d}), or plan for "
+            f"{'--stages ' + str(world_size) if d == 1 else f'--data-parallel {max(1, world_size // p)}'}")
     # the model first: a plan of another model fails every later check too, and their remedies mislead
     check_model_name(workload.name, plan.profile_meta.get("model"))
     check_microbatches(plan.schedule, plan.num_ranks, plan.num_microbatches, plan.virtual_stages)
-    check_same_model(workload, plan.profile_meta, "plan")
-    check_microbatch_size_of_plan(workload.batch_size, plan)
+    check_same_model(workload, plan.profile_meta, "plan", plan.data_parallel)
+    if plan.data_parallel > 1 and workload.batch_size % (plan.data_parallel * plan.num_microbatches):
+        d, m = plan.data_parallel, plan.num_microbatches
+        raise StageplanError(
+            f"a global batch of {workload.batch_size} samples cannot be shared by {d} replicas into {m} "
+            f"microbatches each (it must be a multiple of d x m = {d * m}); build the model with a batch of "
+            f"{d * m * max(1, workload.batch_size // (d * m))}, or plan another --data-parallel or "
+            "--microbatches")
+    check_microbatch_size_of_plan(workload.batch_size // plan.data_parallel, plan)
     check_layers(workload.model, first_microbatch_of_plan(workload, plan), plan)
 
 
@@ -57,17 +65,20 @@ def _json_value(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str) -> None:
+def check_same_model(workload: Workload, meta: Mapping[str, Any], what: str, data_parallel: int = 1) -> None:
     """Refuse a plan (or profile: ``what``) measured on the same model built with other factory options, or in
     another dtype, than this workload: the layer names stay the same, so nothing else notices, and the run
     would compare another model with the prediction (gpt profiled with vocab_size=2048 and run without it
     trained the default 8192-token head: measured 4.6x the prediction, against 1.6x for the matched run).
-    Every option both recorded is compared (a built-in model records its defaults too)."""
+    Every option both recorded is compared (a built-in model records its defaults too), except the batch size
+    when ``data_parallel`` > 1: d replicas share a global batch, and the run checks that its d x m
+    microbatches are the plan's size (:func:`check_microbatch_size_of_plan`)."""
     planned, model = meta.get("factory_options"), meta.get("model")
     same_name = isinstance(model, str) and model.rsplit(":", 1)[-1] == workload.name.rsplit(":", 1)[-1]
     if isinstance(planned, Mapping) and workload.factory_options and same_name:
         given = _json_value(dict(workload.factory_options))
-        differing = sorted(k for k in planned if k in given and _json_value(planned[k]) != given[k])
+        differing = sorted(k for k in planned if k in given and _json_value(planned[k]) != given[k]
+                           and not (k == "batch_size" and data_parallel > 1))
         if differing:
             text = ", ".join(f"{k}={given[k]!r} ({what}: {planned[k]!r})" for k in differing)
             these = options_words(*(f"{k}={given[k]}" for k in differing))
@@ -216,12 +227,18 @@ class RankStages:
     ties: list[TieGroup]
     ties_across: list[bool]
     tie_groups: list[Any] = field(default_factory=list)
+    # each stage's own module, unwrapped (its FQNs are the model's): a stage's submod may be DDP around it
+    pieces: list[nn.Module] = field(default_factory=list)
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...],
-                      *, weights: Checkpoint | None = None, seed: int = 0, group: Any = None) -> RankStages:
+                      *, weights: Checkpoint | None = None, seed: int = 0, group: Any = None,
+                      wrap: Callable[[nn.Module, list[str]], nn.Module] | None = None) -> RankStages:
     """Cut ``model`` (parameters on meta, or real) at the plan's boundaries, give only this rank's chunks real
-    parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects."""
+    parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects. ``rank``
+    is the pipeline rank and ``group`` the pipeline's process group (None: the world). ``wrap(piece,
+    layer_names)`` wraps each stage for its data-parallel replicas (:func:`stageplan.running.replicas.
+    wrap_stage`) before its PipelineStage is made."""
     from torch.distributed.pipelining import PipelineStage
 
     S = plan.num_chunks
@@ -233,24 +250,36 @@ def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.dev
     across = [len(ranks) > 1 for ranks in holders]
     tie_pgs = tie_process_groups(holders, rank, group)
     stages = []
+    pieces: list[nn.Module] = []
     for s in mine:
         piece = cut.pieces[s].module
         materialize_(piece,
                      real_parameters(model, meta_parameter_names(piece), device, weights=weights, seed=seed))
         if plan.cost_options.get("recompute"):
             _recompute(piece)
+        piece = piece.to(device)
+        module = wrap(piece, list(plan.layer_names[plan.boundaries[s]:plan.boundaries[s + 1]])) if wrap \
+            else piece
+        pieces.append(piece)
         if cut.method == "export":
+            if module is not piece:  # the stage is built from the pipe's own child: put the wrapper there
+                split = cut.pipe.split_gm  # type: ignore[attr-defined]
+                name = next(n for n, child in split.named_children() if child is piece)
+                setattr(split, name, module)
             stages.append(cut.pipe.build_stage(s, device, group=group))  # type: ignore[attr-defined]
         else:
-            stages.append(PipelineStage(piece.to(device), s, S, device, group=group))
+            stages.append(PipelineStage(module, s, S, device, group=group))
     _no_warmup_to_self(stages)
     params: dict[str, nn.Parameter] = {}
     every: list[nn.Parameter] = []
-    for st in stages:
-        params.update(used_parameters(st.submod))
-        every.extend(st.submod.parameters())
+    for piece in pieces:  # after wrapping: FSDP2 replaced the parameters with its shards
+        used = used_parameters(piece)
+        params.update(used)
+        # the optimizer's: the parameters the stage uses (an exported stage can hold a tied head's unused
+        # alias, which would get states, or a share of ZeRO-1's partition, and never a gradient)
+        every.extend(used.values())
     unique = list({id(p): p for p in every}.values())
-    return RankStages(stages, mine, params, unique, ties, across, tie_pgs)
+    return RankStages(stages, mine, params, unique, ties, across, tie_pgs, pieces)
 
 
 def _no_warmup_to_self(stages: list[Any]) -> None:
@@ -306,18 +335,22 @@ def sync_tied_grads(ties: list[TieGroup], params: dict[str, nn.Parameter], devic
     2-core CPU host). A tie on one rank is summed over that rank's copies, with no communication."""
     import torch.distributed as dist
 
-    for g, (names, original) in enumerate(ties):
+    for g, (names, _) in enumerate(ties):
         local = list({id(params[n]): params[n] for n in names if n in params}.values())
         spans = across is None or across[g]
         if not local or (not spans and len(local) < 2):
             continue  # no copy here, or this rank's one copy is the whole tie: nothing to add
         grads = [p.grad for p in local if p.grad is not None]
-        # with no gradient (a copy the backward did not reach), zeros still take part in the holders' sum
-        total = grads[0] if grads else torch.zeros(original.shape, dtype=original.dtype, device=device)
+        # with no gradient (a copy the backward did not reach), zeros still take part in the holders' sum (an
+        # FSDP2 shard's zeros are a shard too)
+        total = grads[0] if grads else torch.zeros_like(local[0])
         for grad in grads[1:]:
             total += grad
         if spans:
-            dist.all_reduce(total, group=groups[g] if groups is not None else group)
+            # an FSDP2 gradient is a DTensor: each holder reduces its own shard, and the holders (one per
+            # pipeline stage, same replica index) hold the same rows of the tie
+            shard = total.to_local() if hasattr(total, "to_local") else total
+            dist.all_reduce(shard, group=groups[g] if groups is not None else group)
         for p in local:
             if p.grad is None:
                 p.grad = total.clone()

@@ -138,7 +138,7 @@ def test_the_memory_ratio_is_the_runs_own_memory_over_the_plans() -> None:
     from before run/3) there is no ratio; a run/2 report still loads."""
     pl = _plan()
     report = _report(pl, ALONE)
-    assert report.to_json()["schema"] == "stageplan.run/3"
+    assert report.to_json()["schema"] == "stageplan.run/4"
     gathered = []
     for r, (peak, base) in enumerate(((5_000, 1_000), (9_000, None))):
         gathered.append({"rank": r, "stages": [r], "step_s": [0.2], "forward_s": 1e-3, "forward_iqr_s": 0.0,

@@ -1,0 +1,94 @@
+"""Layouts run on a ("pp", "dp") mesh of local ranks: each sharding mode and schedule against single-process
+training on the whole global batch (--check), the tied LM under replicas, and what each rank held against
+the plan's bytes by kind (ZeRO-1's greedy partition, FSDP2's shards)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stageplan.formats.plan import Plan
+from stageplan.planning.planner import plan
+from stageplan.planning.sharding import zero1_shares
+from stageplan.profiling.profiler import profile_model
+from stageplan.running.launch import run
+from stageplan.zoo import build_workload
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = {"n_layer": 2, "vocab_size": 512, "tied": True}
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tied GPT profiled at microbatch 2 (batch 8)."""
+    path = tmp_path_factory.mktemp("replicas") / "gpt.json"
+    profile_model(build_workload("gpt", OPTIONS), microbatch_size=2, warmup=0, repeats=1).save(path)
+    return path
+
+
+def _run(profiled: Path, p: int, d: int, sharding: str, schedule: str = "1F1B", v: int = 1,
+         m: int = 4) -> tuple[Plan, object]:
+    pl = plan(str(profiled), p, num_microbatches=m, schedule=schedule, virtual_stages=v, data_parallel=d,
+              sharding=sharding, optimizer="adam")
+    report = run("gpt", pl, factory_options={**OPTIONS, "batch_size": 2 * m * d}, steps=2, warmup=1,
+                 check=True, retime=False, timeout_s=240)
+    return pl, report
+
+
+@pytest.mark.parametrize(("sharding", "schedule", "v"), [
+    ("ddp", "1F1B", 1), ("zero1", "1F1B", 1), ("fsdp", "1F1B", 1),
+    ("ddp", "Interleaved1F1B", 2), ("fsdp", "Interleaved1F1B", 2),
+])
+def test_a_2x2_layout_trains_as_one_process_does(
+    profiled: Path, sharding: str, schedule: str, v: int
+) -> None:
+    """Four ranks, two replicas of a two-rank pipeline holding a tied embedding and LM head: every replica's
+    parameters and the replicas' mean loss equal one process training the whole global batch. DDP had
+    reduced twice in the first step (torch's shape inference ran the module outside no_sync) and an exported
+    stage had not been given its wrapper at all: both trained each replica on its own half."""
+    _, report = _run(profiled, 2, 2, sharding, schedule, v)
+    assert report.check is not None and report.check["passed"], report.check
+    assert report.check["params_compared"] == 2 * sum(1 for _ in build_workload("gpt", OPTIONS)
+                                                      .model.named_parameters(remove_duplicate=False))
+    assert report.meta["mesh"] == {"pp": 2, "dp": 2} and report.meta["sharding"] == sharding
+    rows = [*report.ranks, *report.replicas]
+    assert sorted((r["mesh"]["pp"], r["mesh"]["dp"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["measured_dp_sync_s"] is not None and r["measured_dp_sync_s"] >= 0 for r in rows)
+    assert report.samples_per_s == pytest.approx(2 * 4 * 2 / report.measured_step_s)
+
+
+def test_a_1x4_and_a_4x1_layout_train_as_one_process_does(profiled: Path) -> None:
+    """One stage on four replicas (FSDP2 shards the tied LM over four), and four stages on one replica."""
+    for p, d in ((1, 4), (4, 1)):
+        _, report = _run(profiled, p, d, "fsdp", m=4)
+        assert report.check is not None and report.check["passed"], (p, d, report.check)
+
+
+def test_each_rank_holds_what_its_sharding_says(profiled: Path) -> None:
+    """ZeRO-1: each replica's Adam states are exactly its share of ZeroRedundancyOptimizer's greedy
+    partition of whole tensors (8 bytes an fp32 element); DDP: whole states on every replica, equal to the
+    plan's; FSDP2: the shards it steps are the stage's parameters split over d (dim 0 padded to d rows)."""
+    from stageplan.layers import cut_stages, used_parameters
+    from stageplan.running.stages import first_microbatch_of_plan
+
+    pl, ddp = _run(profiled, 2, 2, "ddp")
+    _, zero1 = _run(profiled, 2, 2, "zero1")
+    _, fsdp = _run(profiled, 2, 2, "fsdp")
+    workload = build_workload("gpt", {**OPTIONS, "batch_size": 16})
+    cut = cut_stages(workload.model, first_microbatch_of_plan(workload, pl), pl.layer_names, pl.boundaries)
+    # each stage's distinct tensors in the order its rank's optimizer sees them
+    sizes = [[t.numel() for t in {id(t): t for t in used_parameters(piece.module).values()}.values()]
+             for piece in cut.pieces]
+    for row in [*zero1.ranks, *zero1.replicas]:
+        shares = zero1_shares(sizes[row["stages"][0]], 2)
+        assert row["measured_memory_by_kind"]["optimizer"] == 8 * shares[row["mesh"]["dp"]]
+    for row in [*ddp.ranks, *ddp.replicas]:
+        held, want = row["measured_memory_by_kind"], row["predicted_memory_by_kind"]
+        assert held["optimizer"] == 8 * sum(sizes[row["stages"][0]])
+        assert held["optimizer"] == pytest.approx(want["optimizer"], rel=0.01)
+        assert held["params"] == pytest.approx(want["params"], rel=0.01)
+    for row in [*fsdp.ranks, *fsdp.replicas]:
+        whole = 4 * sum(sizes[row["stages"][0]])
+        assert whole / 2 <= row["measured_memory_by_kind"]["master"] <= whole / 2 * 1.05
