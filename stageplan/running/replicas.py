@@ -173,21 +173,28 @@ def no_sync_inference(stage: Any) -> None:
     stage._forward_metadata_inference = quiet
 
 
-def make_replica_optimizer(name: str, params: list[nn.Parameter], lr: float, sharding: str,
-                           mesh: Mesh) -> torch.optim.Optimizer | None:
-    """The optimizer of a replica's rank: torch's for ddp and fsdp (FSDP2's parameters are already shards),
-    ZeroRedundancyOptimizer over the stage's replicas for zero1 (each steps its partition of whole tensors,
-    then broadcasts it: torch/distributed/optim/zero_redundancy_optimizer.py)."""
-    from stageplan.running.stages import make_optimizer
+# The optimizers a run can train with, by the words `plan --optimizer` accepts ("none" runs no update):
+# torch's class and the arguments beside the learning rate (momentum: SGD with momentum 0.9).
+OPTIMIZER_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {}), "momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}), "adamw": (torch.optim.AdamW, {})}
 
-    if sharding != "zero1" or mesh.data_parallel == 1 or name == "none" or not params:
-        return make_optimizer(name, params, lr)
+
+def make_replica_optimizer(name: str, params: list[nn.Parameter], lr: float, sharding: str = "ddp",
+                           mesh: Mesh | None = None) -> torch.optim.Optimizer | None:
+    """The optimizer of a rank: None for "none" or a stage without parameters; torch's for one replica, ddp
+    and fsdp (FSDP2's parameters are already shards); ZeroRedundancyOptimizer over the stage's replicas for
+    zero1 (each steps its partition of whole tensors, then broadcasts it:
+    torch/distributed/optim/zero_redundancy_optimizer.py)."""
+    if name == "none" or not params:
+        return None
+    if name not in OPTIMIZER_CLASSES:
+        raise StageplanError(f"unknown optimizer {name!r}; use one of none, {', '.join(OPTIMIZER_CLASSES)}")
+    cls, extra = OPTIMIZER_CLASSES[name]
+    if sharding != "zero1" or mesh is None or mesh.data_parallel == 1:
+        return cls(params, lr=lr, **extra)  # type: ignore[call-arg]
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    classes: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-        "sgd": (torch.optim.SGD, {}), "momentum": (torch.optim.SGD, {"momentum": 0.9}),
-        "adam": (torch.optim.Adam, {}), "adamw": (torch.optim.AdamW, {})}
-    cls, extra = classes[name]
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.dp_group, lr=lr, **extra)
 
 

@@ -134,18 +134,11 @@ DEFAULT_LR = {"none": 0.0, "sgd": 0.05, "momentum": 0.05, "adam": 1e-3, "adamw":
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
-    """torch's optimizer for ``name`` (momentum: SGD with momentum 0.9); None for "none"."""
-    if name == "none" or not params:
-        return None  # no update, or a stage without parameters (an activation alone) has nothing to update
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise StageplanError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    """torch's optimizer for ``name`` (momentum: SGD with momentum 0.9); None for "none", or for a stage
+    without parameters (an activation alone has nothing to update)."""
+    from stageplan.running.replicas import make_replica_optimizer
+
+    return make_replica_optimizer(name, params, lr)
 
 
 def batch_target(workload: Workload) -> Any:
@@ -385,8 +378,8 @@ class RankPipeline:
     _group: Any = None
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's distinct parameters."""
-        return list({id(p): p for m in self.modules for p in m.parameters()}.values())
+        """This rank's distinct parameters, those its stages use (FSDP2's shards under fsdp)."""
+        return list({id(p): p for p in self._params.values()}.values())
 
     def sync_tied_grads(self) -> None:
         sync_tied_grads(self._ties, self._params, self._device, self._group, self._ties_across,
@@ -405,13 +398,35 @@ class RankPipeline:
     _ties_across: list[bool] | None = None
     # per tie group, the process group of its holders where this rank is one (tie_process_groups)
     _tie_groups: list[Any] | None = None
+    # with data-parallel replicas: this rank's place in the ("pp", "dp") mesh and the sharding its stages
+    # were wrapped for (stageplan.running.replicas)
+    mesh: Any = None
+    sharding: str = "ddp"
+
+    def share(self, batch: Any) -> Any:
+        """This rank's replica's share of a global batch (dim 0, contiguous); the batch itself with one
+        replica."""
+        from stageplan.running.replicas import replica_share
+
+        if self.mesh is None:
+            return batch
+        return replica_share(batch, self.mesh.dp_rank, self.mesh.data_parallel)
+
+    def optimizer(self, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer | None:
+        """The optimizer that fits the sharding, over this rank's parameters: ZeroRedundancyOptimizer over
+        the stage's replicas for zero1, torch's own otherwise (FSDP2's parameters are already shards).
+        ``name``: sgd, momentum, adam or adamw."""
+        from stageplan.running.replicas import make_replica_optimizer
+
+        return make_replica_optimizer(name, self.parameters(), lr, self.sharding, self.mesh)
 
 
 def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.PathLike[str], *, rank: int,
                    world_size: int,
                    device: str | torch.device = "cpu", loss_fn: Callable[[Any, Any], Any] | None = None,
                    weights: str | os.PathLike[str] | Mapping[str, torch.Tensor] | None = None,
-                   group: Any = None, example_inputs: Any = None, seed: int = 0) -> RankPipeline:
+                   group: Any = None, example_inputs: Any = None, seed: int = 0,
+                   sharding: str | None = None) -> RankPipeline:
     """Build this rank's stages of ``plan`` for a training
     loop of your own (torchrun, an initialised process group).
 
@@ -422,14 +437,27 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
     on
     every rank. ``example_inputs`` (one microbatch) are needed to cut a model that is not an
     ``nn.Sequential``.
+
+    A plan with d > 1 data-parallel replicas (``plan --data-parallel``, or a layout's best) takes p x d
+    ranks on a ("pp", "dp") mesh (rank r at (r // d, r % d)), every stage wrapped for ``sharding`` (default:
+    the plan's; ddp, zero1, fsdp or fsdp-reshard); feed each rank ``pipe.share(batch)`` of the global batch,
+    and step ``pipe.optimizer(...)``, which fits the sharding.
     """
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    from stageplan.running.replicas import check_replicas, make_mesh, no_sync_inference, wrap_stage
+
     the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if world_size != the_plan.num_ranks or not 0 <= rank < world_size:
-        raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's "
-                             f"{the_plan.num_ranks} ranks; launch {the_plan.num_ranks} processes (torchrun "
-                             f"--nproc-per-node {the_plan.num_ranks})")
+    p, d = the_plan.num_ranks, the_plan.data_parallel
+    if world_size != p * d or not 0 <= rank < world_size:
+        raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's {p} ranks x "
+                             f"{d} replicas; launch {p * d} processes (torchrun --nproc-per-node {p * d})")
+    the_sharding = sharding or str(the_plan.cost_options.get("sharding") or "ddp")
+    check_replicas(the_plan, the_sharding)
+    if d > 1 and group is not None:
+        raise StageplanError("group= names one pipeline's process group, and this plan has "
+                             f"{d} replicas, whose groups build_pipeline makes itself (a ('pp', 'dp') mesh); "
+                             "drop group=")
     dev = torch.device(device)
     with init_empty_weights():
         model = model_fn()
@@ -446,10 +474,17 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
         mb_args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in raw)
     check_layers(model, mb_args, the_plan)
     source = Checkpoint(weights) if weights is not None else None
-    rs = build_rank_stages(model, the_plan, rank, dev, mb_args, weights=source, seed=seed, group=group)
+    mesh = make_mesh(rank, p, d, dev)
+    rs = build_rank_stages(model, the_plan, mesh.pp_rank, dev, mb_args, weights=source, seed=seed,
+                           group=mesh.pp_group if d > 1 else group,
+                           wrap=(lambda piece, names: wrap_stage(piece, names, the_sharding, mesh)) if d > 1
+                           else None)
+    for st in rs.stages:
+        no_sync_inference(st)
     cls = get_schedule_class(the_plan.schedule)
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(rs.stages[0] if single else rs.stages, n_microbatches=the_plan.num_microbatches,
                    loss_fn=loss_fn)
-    return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev, group,
-                        the_plan.num_chunks, rs.ties_across, rs.tie_groups)
+    return RankPipeline(schedule, [st.submod for st in rs.stages], rs.indices, rs.ties, rs.params, dev,
+                        mesh.pp_group if d > 1 else group, the_plan.num_chunks, rs.ties_across, rs.tie_groups,
+                        mesh if d > 1 else None, the_sharding)

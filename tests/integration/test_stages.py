@@ -215,8 +215,8 @@ def _readme_loop() -> str:
     return next(b for b in blocks if "build_pipeline" in b)
 
 
-def _reference_losses(checkpoint: Path, steps: int, m: int) -> list[float]:
-    wl = gpt(n_layer=4, tied=True)
+def _reference_losses(checkpoint: Path, steps: int, m: int, batch_size: int = 8) -> list[float]:
+    wl = gpt(n_layer=4, tied=True, batch_size=batch_size)
     model = wl.model
     state = Checkpoint(checkpoint).read(Checkpoint(checkpoint).keys())
     model.load_state_dict(state, strict=False)  # the tied head is stored once, under the embedding's name
@@ -236,17 +236,21 @@ def _reference_losses(checkpoint: Path, steps: int, m: int) -> list[float]:
     return out
 
 
-def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp"])
+def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path, sharding: str) -> None:
+    """2 pipeline ranks x 2 replicas under torchrun, each sharding mode: the replicas' mean loss each step is
+    one process's on the whole batch of 16 (8 microbatches of 2)."""
     save_checkpoint(gpt(n_layer=4, tied=True).model, tmp_path / "model.safetensors")
     names = ["tok_emb+pos_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f+head"]
     prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names),
                    {"batch_size": 8, "microbatch_size": 2, "named_layers": names[1:-1]})
-    plan(prof, 2, num_microbatches=4, schedule="1F1B", method="uniform").save(tmp_path / "plan.json")
+    plan(prof, 2, num_microbatches=4, schedule="1F1B", method="uniform", data_parallel=2,
+         sharding=sharding).save(tmp_path / "plan.json")
     (tmp_path / "train.py").write_text(_readme_loop())
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None
     # its own session, so that on a timeout torchrun's workers are ended with it (never orphaned)
-    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
+    proc = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "4", "train.py"], cwd=tmp_path,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -255,9 +259,11 @@ def test_the_readme_loop_under_torchrun_matches_one_process(tmp_path: Path) -> N
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", stdout)]
-    assert len(losses) == 3, stdout
-    torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 4), rtol=1e-5,
+    printed = {(int(s), int(r)): float(x) for s, r, x in re.findall(r"step (\d+) replica (\d) loss ([0-9.]+)",
+                                                                     stdout)}
+    assert sorted(printed) == [(s, r) for s in range(3) for r in range(2)], stdout
+    losses = [(printed[(s, 0)] + printed[(s, 1)]) / 2 for s in range(3)]
+    torch.testing.assert_close(losses, _reference_losses(tmp_path / "model.safetensors", 3, 8, 16), rtol=1e-5,
                                atol=1e-6)
 
 
@@ -273,7 +279,7 @@ def test_the_readme_loop_runs_from_the_inputs_its_own_commands_make(tmp_path: Pa
     assert made.returncode == 0, made.stderr[-2000:]
     assert (tmp_path / "plan.json").is_file() and (tmp_path / "model.safetensors").is_file()
     (tmp_path / "train.py").write_text(_readme_loop())
-    proc = subprocess.Popen([str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"],
+    proc = subprocess.Popen([str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "4", "train.py"],
                             cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, env=env)
     try:
@@ -282,5 +288,5 @@ def test_the_readme_loop_runs_from_the_inputs_its_own_commands_make(tmp_path: Pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-2000:]
-    assert [line.split(" loss ")[0] for line in out.splitlines() if " loss " in line] == [
-        "step 0", "step 1", "step 2"]
+    assert sorted(line.split(" loss ")[0] for line in out.splitlines() if " loss " in line) == [
+        f"step {s} replica {r}" for s in range(3) for r in range(2)]
