@@ -454,7 +454,12 @@ def step_own_loop(r: Replay, s: Step) -> None:
     done = r.sh(s, launch, here, 600)
     if not s.exited(done):
         return
-    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", done.out, flags=re.M)]
+    # one line a step, or one a step and replica (a loop over data-parallel replicas): a step's loss is the
+    # replicas' mean
+    by_step: dict[int, list[float]] = {}
+    for step, _, x in re.findall(r"^step (\d+)(?: replica (\d+))? loss (\S+)$", done.out, flags=re.M):
+        by_step.setdefault(int(step), []).append(float(x))
+    losses = [sum(v) / len(v) for _, v in sorted(by_step.items())]
     steps = re.search(r"for step in range\((\d+)\)", code)
     want = int(steps[1]) if steps else max(1, len(losses))
     s.check(len(losses) == want and all(math.isfinite(x) for x in losses),
