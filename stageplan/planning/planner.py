@@ -320,6 +320,12 @@ def plan(
     # sharded replicas count bytes per parameter by kind: at the profiled dtype when no precision is given
     own = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}.get(str(prof.meta.get("dtype")), "fp32")
     bytes_precision = precision if precision is not None or sharding == "ddp" else own
+    # the replicas' sync priced with the measured all-reduce (a link's probe, or a calibrated run's): its
+    # per-ring-step latency and bandwidth, which the ring formula scales to d ranks
+    collective = {k: price.overheads.get(k) for k in COLLECTIVE}
+    dp_link: dict[str, Any] = ({"dp_bandwidth_bytes_per_s": collective["allreduce_bandwidth_bytes_per_s"],
+                                "dp_latency_s": float(collective["allreduce_latency_s"] or 0.0)}
+                               if data_parallel > 1 and collective["allreduce_bandwidth_bytes_per_s"] else {})
 
     def candidate(sched: str, m: int) -> Plan:
         # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
@@ -330,7 +336,7 @@ def plan(
         opts = make_options(prof_m, num_ranks, num_microbatches=m, schedule=sched, virtual_stages=v,
                             optimizer=optimizer, devices=devs, memory_limit_bytes=limit,
                             recompute=recompute, precision=bytes_precision, data_parallel=data_parallel,
-                            sharding=sharding, **price.options())
+                            sharding=sharding, **price.options(), **dp_link)
         cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
         said = tuple(n for n in (precision_note, price.note) if n)

@@ -105,3 +105,21 @@ def test_plan_prices_replicas_and_says_so(tmp_path: Path, capsys: pytest.Capture
                             "--sharding", "zero1"], capsys)
     assert code == 0
     assert "1F1B, 2 ranks x 1 virtual x 2 replicas (zero1), 4 microbatches of 2" in out
+
+
+def test_a_measured_link_prices_the_replicas_sync_as_a_ring_all_reduce() -> None:
+    """With --link, d replicas' DDP sync is the link's all-reduce on the stage's gradients: under DDP's last
+    bucket (25 MiB) it is all exposed, 2(d - 1) latencies + 2(d - 1)/d x bytes / bandwidth (Patarasuk and
+    Yuan 2009), with the probe's per-step latency and bandwidth."""
+    import json
+
+    root = Path(__file__).parents[2]
+    link = json.loads((root / "profiles" / "cpu" / "links" / "gloo-2ranks.json").read_text())
+    prof = _prof()
+    grads = sum(x.param_bytes for x in prof.layers[:4])  # stage 0's 4 layers, fp32 gradients
+    for d in (2, 4):
+        pl = plan(prof, 2, num_microbatches=4, data_parallel=d, link=link, boundaries=[0, 4, 8])
+        want = 2 * (d - 1) * link["allreduce_latency_s"] + 2 * (d - 1) / d * grads / link[
+            "allreduce_bandwidth_bytes_per_s"]
+        assert pl.stages[0].dp_sync_s == pytest.approx(want, rel=1e-9)
+    assert plan(prof, 2, num_microbatches=4, link=link).stages[0].dp_sync_s == 0.0  # one replica
