@@ -499,6 +499,36 @@ def _interleaved_counts(p: int, m: int, v: int, rank: int) -> np.ndarray:
     return held[kinds[order] > 0]
 
 
+def warmup_counts(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+                  ) -> np.ndarray:
+    """Per chunk (p * v of them), the microbatches it holds at the first moment its rank holds the most in
+    total: one of the counts ``counts_shape`` lists for the rank (so each rank's activation peak is at least
+    sum_c counts[c] x bytes of chunk c), in closed form, without the order. GPipe: m on every stage; 1F1B:
+    min(p - s, m); Interleaved1F1B: the end of rank r's warm-up, its first min(w_r + 1, v m) forwards with
+    w_r = (v - 1) x m / rounds + 2 (p - 1 - r), taken round by round through its local chunks
+    (``_interleaved_counts``).
+
+    >>> warmup_counts("Interleaved1F1B", 2, 4, 2).tolist()  # rank 0: chunks 0 and 2; rank 1: chunks 1 and 3
+    [3.0, 2.0, 2.0, 1.0]
+    """
+    name = normalize_schedule(schedule)
+    p, m, v = int(num_ranks), int(num_microbatches), int(virtual_stages)
+    if name == "GPipe":
+        return np.full(p, float(m))
+    if name == "1F1B":
+        return np.minimum(np.arange(p, 0, -1), m).astype(float)
+    if name != "Interleaved1F1B":
+        raise StageplanError(f"warmup_counts prices GPipe, 1F1B and Interleaved1F1B, got {schedule!r}")
+    per_round = m // interleaved_rounds(p, m)
+    out = np.zeros(p * v)
+    for rank in range(p):
+        forwards = min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
+        cycles, rest = divmod(forwards, v * per_round)
+        for k in range(v):
+            out[k * p + rank] = cycles * per_round + min(max(rest - k * per_round, 0), per_round)
+    return out
+
+
 def peak_inflight(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[int, ...]:
