@@ -250,6 +250,8 @@ class _Search:
     optimizer: str
     sequence_parallel: bool = False
     free_splits: dict[tuple[Any, ...], tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    # the least-bottleneck split under the memory rows, or None where none fits (``_split``)
+    limited_splits: dict[tuple[Any, ...], tuple[int, ...] | None] = field(default_factory=dict)
     # the schedules' counts (schedules.counts_shape) per (schedule, p, m, v): shared by the shardings and
     # recompute settings of one schedule, which a search prices one after another
     shapes: dict[tuple[str, int, int, int], ScheduleShape] = field(default_factory=dict)
@@ -507,13 +509,26 @@ def _split(search: _Search, arr: LayerArrays, pt: _Point, opts: CostOptions, fit
     free, _ = search.free_split(arr, pt, opts.bandwidth_bytes_per_s)
     if limits is None or fits(free, inp["memory_bytes"], inp["memory_start_bytes"], inp["memory_end_bytes"]):
         return free
-    sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
-                boundary_costs=inp["boundary_costs"], tie_break=False, min_limit=False,
-                memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
-                memory_end_bytes=inp["memory_end_bytes"],
-                memory_limit_bytes=limits if opts.virtual_stages == 1
-                else limits[np.asarray(opts.shape.stage_ranks)])
-    return tuple(sol.boundaries)
+    # the memory rows are bytes per parameter by kind (costs.memory_terms) and the schedule's counts: zero1
+    # and fsdp hold the same of each kind, so their solves are one
+    per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype)
+    key = (id(arr), pt.p, pt.v, pt.recompute, opts.bandwidth_bytes_per_s, opts.shape.peak_inflight,
+           per.weights, per.grads, per.master, per.optimizer)
+    if key not in search.limited_splits:
+        try:
+            sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
+                        boundary_costs=inp["boundary_costs"], tie_break=False, min_limit=False,
+                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
+                        memory_end_bytes=inp["memory_end_bytes"],
+                        memory_limit_bytes=limits if opts.virtual_stages == 1
+                        else limits[np.asarray(opts.shape.stage_ranks)])
+            search.limited_splits[key] = tuple(sol.boundaries)
+        except InfeasiblePlanError:
+            search.limited_splits[key] = None
+    found = search.limited_splits[key]
+    if found is None:
+        raise InfeasiblePlanError("no split fits the memory limit")
+    return found
 
 
 def _zero1_extra(

@@ -735,9 +735,16 @@ def _event_clock(
     waits = shape.send_waits
 
     def done(sends: Sequence[Action]) -> float | None:
-        """When the last of ``sends`` completed (0.0 for none), or None while one has not."""
-        times = [arrived.get((c.kind, c.stage, c.microbatch)) for c in sends]
-        return None if any(t is None for t in times) else max(times, default=0.0)  # type: ignore[type-var]
+        """When the last of ``sends`` completed (0.0 for none), or None while one has not (a loop, not a
+        list and max: the loop asks this about every action of the step)."""
+        latest = 0.0
+        for c in sends:
+            t = arrived.get((c.kind, c.stage, c.microbatch))
+            if t is None:
+                return None
+            if t > latest:  # arrival times are >= 0: the same as max(times, default=0.0)
+                latest = t
+        return latest
 
     def start_at(a: Action, position: int, free_at: float) -> float | None:
         """When a starts on a rank free from ``free_at``, or None if something it waits for has not been
