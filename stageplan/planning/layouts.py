@@ -66,7 +66,7 @@ from stageplan.planning.sharding import (
     zero1_shares,
 )
 from stageplan.planning.solver import solve
-from stageplan.units import format_bytes
+from stageplan.units import _unit_for, format_bytes
 
 # The default grid (docs/cost-model.md, `stageplan layout --help`).
 DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
@@ -97,6 +97,12 @@ class Network:
 
     def bandwidth(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
+
+
+# _grid's choices besides the search: tensor degrees, pipeline degrees (None: all), microbatch sizes,
+# schedules, virtual stages (None: all), recompute settings, shardings
+_GridArgs = tuple[Sequence[int], Sequence[int] | None, Sequence[int], Sequence[str], Sequence[int] | None,
+                  Sequence[bool], Sequence[str]]
 
 
 @dataclass(frozen=True)
@@ -513,7 +519,7 @@ def _split(search: _Search, arr: LayerArrays, pt: _Point, opts: CostOptions, fit
     # and fsdp hold the same of each kind, so their solves are one
     per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype)
     key = (id(arr), pt.p, pt.v, pt.recompute, opts.bandwidth_bytes_per_s, opts.shape.peak_inflight,
-           per.weights, per.grads, per.master, per.optimizer)
+           per.weights, per.grads, per.master, per.optimizer, search.memory_limit_bytes)
     if key not in search.limited_splits:
         try:
             sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
@@ -669,7 +675,7 @@ def search_layouts(
     """Search the layout grid over ``num_devices`` devices given the profiles per (microbatch size, tensor
     degree), and rank the feasible candidates (module docstring). Refusals name the rule, the values and the
     remedy; a grid with no feasible candidate raises ``InfeasiblePlanError`` with the smallest memory limit
-    that admits one."""
+    that admits one (``min_memory_limit_bytes``) and the smallest device count that does at this limit."""
     _check(num_devices, global_batch_size, network, precision, grad_dtype, optimizer, tensor_parallel,
            microbatch_sizes, schedules, shardings, top, memory_limit_bytes)
     prepared = _prepared(profiles, network, tensor_parallel, microbatch_sizes, sequence_parallel)
@@ -677,8 +683,9 @@ def search_layouts(
     search = _Search(prepared, num_devices, global_batch_size, network, memory_limit_bytes, precision,
                      grad_dtype, optimizer, sequence_parallel)
     rejected: dict[str, dict[str, Any]] = {}
-    points = _grid(search, L, tensor_parallel, pipeline_parallel, microbatch_sizes,
-                   [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings, rejected)
+    grid_args: _GridArgs = (tensor_parallel, pipeline_parallel, microbatch_sizes,
+                 [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings)
+    points = _grid(search, L, *grid_args, rejected)
     if not points:
         rules = sorted({x for r in rejected.values() for x in r.get("rules", [])})
         raise StageplanError(
@@ -738,44 +745,151 @@ def search_layouts(
         # candidate whose step bound is above the --top-th step found cannot be one of them
         threshold = heapq.nsmallest(top, (c.step_s for c in priced))[-1] if len(priced) >= top else math.inf
     if not priced:
-        raise _none_fits(search, bounded, arrays, counts["grid"])
+        raise _none_fits(search, bounded, arrays, counts["grid"], L, grid_args)
     layout = _finish(search, priced, rejected, counts, top, arrays, L)
     return replace(layout, over_limit=tuple(over_limit))
 
 
 def _none_fits(search: _Search, bounded: list[tuple[float, float, _Point]],
-               arrays: dict[tuple[int, int, int], LayerArrays], grid: int) -> InfeasiblePlanError:
-    """Why no candidate fits: the candidate with the lowest memory bound and the limit its best split needs
-    (the solver's exact figure), and whether one sequence's activations alone overflow a device (then only
-    context parallelism, which stageplan does not model, would fit it)."""
+               arrays: dict[tuple[int, int, int], LayerArrays], grid: int, L: int, grid_args: _GridArgs
+               ) -> InfeasiblePlanError:
+    """Why no candidate fits, in one line: the smallest memory limit at which the search finds a layout
+    (``_least_limit``), the smallest device count that admits one at this limit (``_least_devices``; none
+    where one block's activations for one microbatch overflow a device, which only context parallelism, not
+    modelled, would split), and the remedies."""
     limit = float(search.memory_limit_bytes or 0.0)
-    _, _, pt = min(bounded, key=lambda x: (x[1], _order_key(x[2])))
+    floors = _tighten(search, bounded, arrays, lambda mem: True)
+    least = _least_limit(search, floors, arrays)
+    # every layout holds, on some device, the largest layer's activations for one microbatch of its (b, t)
+    act = min(float(max(x.activation_bytes for x in prep.profile.layers))
+              for prep in search.profiles.values())
+    parts, remedies = [], []
+    if least is not None:
+        need, cand = least
+        parts.append(f"the smallest memory limit that admits one is {format_bytes(need)} ({cand.degrees})")
+        remedies.append(f"raise --memory-limit to {_bytes_up(need)}")
+    if act > limit:
+        parts.append(f"a layer's activations for one microbatch alone take {format_bytes(act)} in every "
+                     "layout: the sequence does not fit without context parallelism, which stageplan does "
+                     "not model, at any device count")
+    else:
+        most = max(8 * search.num_devices, search.network.devices_per_node)
+        found = _least_devices(search, arrays, L, grid_args, most)
+        if found is not None:
+            n, cand = found
+            parts.append(f"the smallest device count that admits one at {format_bytes(limit)} is {n} "
+                         f"({cand.degrees})")
+            remedies.append(f"use --devices {n}")
+        else:
+            parts.append(f"no device count up to {most} admits one at {format_bytes(limit)} (counted per "
+                         f"device up to a node, then in whole nodes of {search.network.devices_per_node})")
+    shardings, recompute = grid_args[6], grid_args[5]
+    missing = ([] if "fsdp" in shardings else ["--sharding fsdp"]) + ([] if True in recompute
+                                                                      else ["--recompute full"])
+    if missing:
+        remedies.append(f"allow {' and '.join(missing)}")
+    return InfeasiblePlanError(
+        f"no layout of {search.num_devices} devices fits {format_bytes(limit)} per device ({grid} "
+        f"candidates): {'; '.join(parts)}; {', or '.join(remedies) or 'shorten the sequence'}",
+        min_memory_limit_bytes=None if least is None else least[0])
+
+
+def _bytes_up(n: float) -> str:
+    """``n`` bytes as a --memory-limit value, rounded up to the hundredth of its unit (so that it admits what
+    ``n`` admits)."""
+    unit, scale = _unit_for(n)
+    return f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+
+
+def _price_at(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int], LayerArrays], limit: float
+              ) -> Candidate:
+    """The candidate priced as a search with memory limit ``limit`` prices it."""
+    return _price_point(replace(search, memory_limit_bytes=limit), pt, arrays, 0.0)
+
+
+def _least_limit(search: _Search, floors: list[tuple[float, float, _Point]],
+                 arrays: dict[tuple[int, int, int], LayerArrays]) -> tuple[float, Candidate] | None:
+    """The smallest memory limit at which the search prices some candidate feasible, and that candidate:
+    candidates in the order of their memory floors (``floors``, valid lower bounds), each one's least limit
+    (``_least_limit_of``), until the next floor is above the least found."""
+    best: tuple[float, Candidate] | None = None
+    for _, floor, pt in sorted(floors, key=lambda x: (x[1], _order_key(x[2]))):
+        if best is not None and floor >= best[0]:
+            break
+        found = _least_limit_of(search, pt, floor, arrays, math.inf if best is None else best[0])
+        if found is not None:
+            best = found
+    return best
+
+
+def _least_limit_of(search: _Search, pt: _Point, floor: float,
+                    arrays: dict[tuple[int, int, int], LayerArrays], below: float
+                    ) -> tuple[float, Candidate] | None:
+    """The smallest limit under ``below`` at which this candidate is priced feasible, with the candidate
+    priced there; None where there is none. The limit is at least its floor and the least fullest chunk of
+    any split (the solver's exact figure: a rank holds at least its chunks); where the candidate fits there,
+    that is the answer. Else the fullest rank of its split without memory rows is a limit it fits (that split
+    is then kept), and bisection between the two (to 1e-6, each step pricing it as the search would) finds
+    the smallest."""
     prep = search.profiles[(pt.b, pt.t)]
     arr = search.arrays(pt.b, pt.t, pt.m, arrays)
     opts = search.options(pt, prep.profile)
     inp = solver_inputs(arr, opts)
-    needed = None
     try:
-        sol = solve(inp["costs"], opts.num_chunks, memory_bytes=inp["memory_bytes"],
-                    memory_start_bytes=inp["memory_start_bytes"], memory_end_bytes=inp["memory_end_bytes"],
-                    memory_limit_bytes=limit)
-        # the chunks fit one by one, and a rank of several chunks, or zero1's partition, does not
-        needed = max(_rank_memory(search, prep.profile, arr, sol.boundaries, opts)[0])
+        solve(inp["costs"], opts.num_chunks, memory_bytes=inp["memory_bytes"],
+              memory_start_bytes=inp["memory_start_bytes"], memory_end_bytes=inp["memory_end_bytes"],
+              memory_limit_bytes=1.0)
+        chunks = 0.0
     except InfeasiblePlanError as exc:
-        needed = exc.min_memory_limit_bytes
-    closest = f"{_family(pt)} b{pt.b} {pt.schedule}"
-    need = f"; the closest, {closest}, needs {format_bytes(needed)}" if needed else ""
-    smallest_b = min(b for (b, t) in search.profiles if t == pt.t)
-    widest = max(t for (_, t) in search.profiles)
-    act = float(max(x.activation_bytes for x in search.profiles[(smallest_b, widest)].profile.layers))
-    context = (f"; one block's activations for one microbatch at tp {widest} alone take {format_bytes(act)}: "
-               "the sequence does not fit without context parallelism, which stageplan does not model"
-               if act > limit else "")
-    return InfeasiblePlanError(
-        f"no layout of {search.num_devices} devices fits {format_bytes(limit)} per device ({grid} candidates)"
-        f"{need}{context}; raise --memory-limit, add --devices, or allow --sharding fsdp and --recompute "
-        f"full",
-        min_memory_limit_bytes=needed)
+        chunks = float(exc.min_memory_limit_bytes or 0.0)
+    lo = max(floor, chunks)
+    if lo >= below:
+        return None
+    cand = _price_at(search, pt, arrays, lo)
+    if cand.feasible:
+        return lo, cand
+    free, _ = search.free_split(arr, pt, opts.bandwidth_bytes_per_s)
+    hi = max(_rank_memory(search, prep.profile, arr, free, opts)[0])
+    cand = _price_at(search, pt, arrays, hi)
+    if not cand.feasible:  # the split without memory rows fits its own peak: not reached
+        return None
+    while hi - lo > 1e-6 * hi and lo < below:
+        mid = (lo + hi) / 2
+        at = _price_at(search, pt, arrays, mid)
+        if at.feasible:
+            hi, cand = mid, at
+        else:
+            lo = mid
+    return (hi, cand) if hi < below else None
+
+
+def _least_devices(search: _Search, arrays: dict[tuple[int, int, int], LayerArrays], L: int,
+                   grid_args: _GridArgs, most: int) -> tuple[int, Candidate] | None:
+    """The smallest device count above this one, up to ``most``, for which the grid holds a candidate the
+    search prices feasible at this limit, and that candidate: every count up to a node, then whole nodes.
+    Per count, candidates under the memory floors (closed form and split bound) are priced in the order of
+    their floors until one fits."""
+    limit = float(search.memory_limit_bytes or 0.0)
+    node = search.network.devices_per_node
+    n = search.num_devices
+    while True:
+        n = n + 1 if n < node else (n // node + 1) * node
+        if n > most:
+            return None
+        other = replace(search, num_devices=n)
+        points = _grid(other, L, *grid_args, {})
+        bounded = []
+        for pt in points:
+            arr = other.arrays(pt.b, pt.t, pt.m, arrays)
+            per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype)
+            bounded.append((0.0, lower_bounds(arr, pt, per.total)[1], pt))
+        floors = _tighten(other, bounded, arrays, lambda mem: mem <= limit * (1 + MEMORY_RTOL))
+        for _, floor, pt in sorted(floors, key=lambda x: (x[1], _order_key(x[2]))):
+            if floor > limit * (1 + MEMORY_RTOL):
+                break
+            cand = _price_point(other, pt, arrays, 0.0)
+            if cand.feasible:
+                return n, cand
 
 
 def _order_key(pt: _Point) -> tuple[Any, ...]:

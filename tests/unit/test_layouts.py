@@ -201,8 +201,9 @@ def test_refusals_name_the_rule_and_the_remedy() -> None:
     with pytest.raises(StageplanError, match=r"the layout search prices GPipe, 1F1B, Interleaved1F1B, got "
                                              r"'ZBVZeroBubble'"):
         search(schedules=["ZBVZeroBubble"])
-    with pytest.raises(InfeasiblePlanError, match=r"no layout of 8 devices fits 512.00 MiB per device .*the "
-                                                  r"closest, .* needs .*; raise --memory-limit"):
+    with pytest.raises(InfeasiblePlanError, match=r"no layout of 8 devices fits 512.00 MiB per device "
+                                                  r"\(176 candidates\): the smallest memory limit that "
+                                                  r"admits one is .*; raise --memory-limit to "):
         search(memory_limit_bytes=512 * 1024**2)
     with pytest.raises(StageplanError, match=r"the device count must be an integer >= 1, got 0"):
         search(n=0)
@@ -377,3 +378,48 @@ def test_the_bounds_keep_the_exhaustive_ranking(limit: float | None) -> None:
     assert pruned.plan is not None and full.plan is not None
     assert pruned.plan.boundaries == full.plan.boundaries
     assert pruned.plan.predicted_step_s == full.plan.predicted_step_s
+
+
+def test_no_fit_names_the_smallest_limit_and_device_count_that_admit_a_layout() -> None:
+    """The limit and the device count in the refusal are computed: the search finds a layout at that limit and
+    none a hair below it; at that device count and none of the counts tried before it."""
+    import re
+
+    from stageplan.units import parse_bytes
+
+    limit = 1.5 * GiB
+    with pytest.raises(InfeasiblePlanError) as exc:
+        search(memory_limit_bytes=limit)
+    text = str(exc.value)
+    assert "\n" not in text
+    found = re.fullmatch(r"no layout of 8 devices fits 1.50 GiB per device \(176 candidates\): the "
+                         r"smallest memory limit that admits one is [\d.]+ GiB \((?P<one>[^)]*)\); the "
+                         r"smallest device count that admits one at 1.50 GiB is (?P<n>\d+) "
+                         r"\((?P<other>[^)]*)\); raise --memory-limit to (?P<up>[\d.]+GiB), or use --devices "
+                         r"(?P=n)", text)
+    assert found is not None, text
+    need = exc.value.min_memory_limit_bytes
+    assert need is not None and limit < need <= parse_bytes(found["up"]) < need * 1.01
+    at = search(memory_limit_bytes=need)
+    assert at.best.peak_memory_bytes is not None and at.best.peak_memory_bytes <= need
+    assert at.best.degrees == found["one"]
+    assert search(memory_limit_bytes=parse_bytes(found["up"])).best.feasible
+    with pytest.raises(InfeasiblePlanError):
+        search(memory_limit_bytes=need * (1 - 1e-5))
+    n = int(found["n"])
+    assert search(n=n, memory_limit_bytes=limit).best.degrees == found["other"]
+    for fewer in range(12, n, NET.devices_per_node):  # whole nodes of 4 above 8 devices
+        with pytest.raises(StageplanError, match=r"no layout of \d+ devices fits"):
+            search(n=fewer, memory_limit_bytes=limit)
+
+
+def test_no_fit_where_a_layers_activations_overflow_any_device_count() -> None:
+    with pytest.raises(InfeasiblePlanError) as exc:
+        search(memory_limit_bytes=512 * 1024**2)
+    assert ("a layer's activations for one microbatch alone take 1.12 GiB in every layout: the sequence "
+            "does not fit without context parallelism, which stageplan does not model, at any device count; "
+            "raise --memory-limit to ") in str(exc.value)
+    need = exc.value.min_memory_limit_bytes
+    assert need is not None and search(memory_limit_bytes=need).best.feasible
+    with pytest.raises(InfeasiblePlanError):
+        search(memory_limit_bytes=need * (1 - 1e-5))
