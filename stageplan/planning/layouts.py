@@ -66,7 +66,7 @@ from stageplan.planning.sharding import (
     zero1_shares,
 )
 from stageplan.planning.solver import solve
-from stageplan.units import _unit_for, format_bytes
+from stageplan.units import format_bytes
 
 # The default grid (docs/cost-model.md, `stageplan layout --help`).
 DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
@@ -378,25 +378,33 @@ def split_memory_bounds(items: Sequence[tuple[LayerArrays, _Point, float]]) -> l
     weighting, for every schedule). Candidates with the same number of chunks are solved together."""
     out = [0.0] * len(items)
     groups: dict[int, list[tuple[Any, ...]]] = {}
+    counted: dict[tuple[str, int, int, int], np.ndarray] = {}
+    layers: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, np.ndarray, float, float]] = {}
     for n, (arr, pt, per) in enumerate(items):
         S = pt.p * pt.v
-        counts = warmup_counts(pt.schedule, pt.p, pt.m, pt.v)
-        ranks = np.arange(S) % pt.p  # placement_of for GPipe, 1F1B and Interleaved1F1B
-        static = arr.param_count * per
-        act = np.asarray(arr.activation_bytes, dtype=float)
+        shape = (pt.schedule, pt.p, pt.m, pt.v)
+        if shape not in counted:
+            counted[shape] = warmup_counts(*shape)
+        counts = counted[shape]
+        if (id(arr), per) not in layers:
+            static = arr.param_count * per
+            act = np.asarray(arr.activation_bytes, dtype=float)
+            layers[(id(arr), per)] = (np.concatenate([[0.0], np.cumsum(static)]),
+                                      np.concatenate([[0.0], np.cumsum(act)]),
+                                      # before[j] = out[j - 1]
+                                      np.concatenate([[0.0], np.asarray(arr.output_bytes, dtype=float)]),
+                                      float(static.sum()), float(act.sum()))
+        pre_static, pre_act, before, total_static, total_act = layers[(id(arr), per)]
         saved = np.ones(S) if pt.recompute else counts
         start = counts if pt.recompute else np.zeros(S)
-        whole = float(static.sum()) + saved * float(act.sum())
-        cheapest = np.array([whole[ranks == r].min() for r in range(pt.p)])
+        # chunk c = k p + r (placement_of for GPipe, 1F1B and Interleaved1F1B): rank r's chunks are column r
+        cheapest = (total_static + saved * total_act).reshape(pt.v, pt.p).min(axis=0)
         weights = [np.full(pt.p, 1.0 / pt.p)]
         if cheapest.min() > 0 and not np.all(cheapest == cheapest[0]):
             harmonic = 1.0 / cheapest
             weights.append(harmonic / harmonic.sum())
-        pre_static = np.concatenate([[0.0], np.cumsum(static)])
-        pre_act = np.concatenate([[0.0], np.cumsum(act)])
-        before = np.concatenate([[0.0], np.asarray(arr.output_bytes, dtype=float)])  # before[j] = out[j-1]
         for w in weights:
-            groups.setdefault(S, []).append((n, w[ranks], saved, start, pre_static, pre_act, before))
+            groups.setdefault(S, []).append((n, np.tile(w, pt.v), saved, start, pre_static, pre_act, before))
     for S, rows in groups.items():
         idx = [r[0] for r in rows]
         wc, saved, start, ps, pa, before = (np.stack([r[k] for r in rows]) for k in range(1, 7))
@@ -797,8 +805,11 @@ def _none_fits(search: _Search, bounded: list[tuple[float, float, _Point]],
 def _bytes_up(n: float) -> str:
     """``n`` bytes as a --memory-limit value, rounded up to the hundredth of its unit (so that it admits what
     ``n`` admits)."""
-    unit, scale = _unit_for(n)
-    return f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+    # format_bytes' units
+    for unit, scale in (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+    return f"{math.ceil(n)}B"
 
 
 def _price_at(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int], LayerArrays], limit: float
