@@ -487,16 +487,14 @@ def _interleaved_counts(p: int, m: int, v: int, rank: int) -> np.ndarray:
     warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
     total = v * m
     steps = np.arange(total)
-    back = np.arange(warmup, total + warmup)
-    # step s holds its forward (key 2s) before its backward (key 2s + 1)
-    keys = np.concatenate([2 * steps, 2 * back + 1])
-    kinds = np.concatenate([np.ones(total), -np.ones(total)])
-    chunks = np.concatenate([(steps // per_round) % v, v - 1 - ((back - warmup) // per_round) % v])
-    order = np.argsort(keys, kind="stable")
-    delta = np.zeros((2 * total, v))
-    delta[np.arange(2 * total), chunks[order]] = kinds[order]
-    held = np.cumsum(delta, axis=0)
-    return held[kinds[order] > 0]
+    # step s runs forward s, then (from step warmup on) backward s - warmup: before forward s, the first
+    # max(0, s - warmup) backwards have run. Forward s is on local chunk (s // per_round) % v, backward b on
+    # v - 1 - (b // per_round) % v.
+    one_hot = np.eye(v)
+    forwards = np.cumsum(one_hot[(steps // per_round) % v], axis=0)
+    backwards = np.zeros((total + 1, v))
+    np.cumsum(one_hot[v - 1 - (steps // per_round) % v], axis=0, out=backwards[1:])
+    return forwards - backwards[np.maximum(steps - warmup, 0)]
 
 
 def warmup_counts(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
