@@ -692,7 +692,7 @@ def search_layouts(
                      grad_dtype, optimizer, sequence_parallel)
     rejected: dict[str, dict[str, Any]] = {}
     grid_args: _GridArgs = (tensor_parallel, pipeline_parallel, microbatch_sizes,
-                 [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings)
+                            [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings)
     points = _grid(search, L, *grid_args, rejected)
     if not points:
         rules = sorted({x for r in rejected.values() for x in r.get("rules", [])})
