@@ -15,13 +15,15 @@ How a candidate is priced (units: seconds, bytes):
   section 2.2: the bubble is (p-1)/v of a microbatch's pass), plus the slowest rank's exposed data-parallel
   sync and optimizer step and the tied all-reduce. The best ``top`` within ``BAND`` of the best are then
   simulated over torch's order (``costs.evaluate``) and ranked by the simulated step.
-- Bounds, valid before any split: the step is at least (m + (p-1)/v) x max(total / p, largest layer), and the
-  fullest device at least max(sum of memory / p, largest layer's), with the fewest microbatches in flight any
-  stage holds. A candidate is priced only if its bound is below both ``BAND`` over the best step found so far
-  and the ``top``-th best (best-first by bound); the simulator then ranks the first ``top`` priced candidates
-  within ``BAND`` of the best closed-form step, which pricing every candidate (``bounds=False``) finds too:
-  the same
-  best.
+- Bounds, valid before any split (``lower_bounds``, ``split_memory_bounds``; tested against every split of
+  small models): the step is at least (m + (p-1)/v) x the slowest rank's least time per microbatch (the mean
+  rank's, the largest layer's, the ceil(L/p) quickest layers' that some rank holds, each with the cheapest
+  boundary's transfers; with one chunk a rank, the solver's least bottleneck without memory rows), and the
+  fullest device at least a closed form (the mean and the largest layer) and the split bound (a weighted mean
+  of the ranks, minimised over every split by a dynamic programme). A candidate is priced only if its memory
+  bound is within the limit and its step bound at most the ``top``-th best step found so far (best-first by
+  bound), so the first ``top`` candidates by step, and the simulator's ranking of those within ``BAND`` of the
+  best, are those pricing every candidate (``bounds=False``) finds: the same best and the same ranking.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from stageplan.planning.costs import (
     tied_sync_time,
 )
 from stageplan.planning.planner import make_plan
-from stageplan.planning.schedules import counts_shape
+from stageplan.planning.schedules import ScheduleShape, counts_shape, warmup_counts
 from stageplan.planning.sharding import (
     OPTIMIZER_STATES,
     PRECISIONS,
@@ -63,7 +65,7 @@ from stageplan.planning.sharding import (
     tensor_parallel_block_s,
     zero1_shares,
 )
-from stageplan.planning.solver import fits_memory, solve
+from stageplan.planning.solver import solve
 from stageplan.units import format_bytes
 
 # The default grid (docs/cost-model.md, `stageplan layout --help`).
@@ -74,9 +76,13 @@ DEFAULT_RECOMPUTE = (False, True)
 LAYOUT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 # The simulator ranks the candidates whose closed-form step is within this fraction of the best closed-form
 # step (at most --top of them): the closed form and the simulated step of one candidate differed by up to 6%
-# on LLaMA-70B's interleaved candidates. Every candidate in that band is priced with and without the bounds,
-# so the choice is the same; a candidate whose step bound is above the band is pruned.
+# on LLaMA-70B's interleaved candidates. Every one of the first --top candidates by step is priced with and
+# without the bounds (a candidate is pruned only above the --top-th step found), so the choice and the ranking
+# are the same.
 BAND = 0.05
+# A memory bound prunes a candidate only above the limit by this fraction: the bounds sum the same bytes in
+# another order than the pricing does (float64 rounding, about 1e-16 relative a term)
+MEMORY_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ class Network:
 
     def bandwidth(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
+
+
+# _grid's choices besides the search: tensor degrees, pipeline degrees (None: all), microbatch sizes,
+# schedules, virtual stages (None: all), recompute settings, shardings
+_GridArgs = tuple[Sequence[int], Sequence[int] | None, Sequence[int], Sequence[str], Sequence[int] | None,
+                  Sequence[bool], Sequence[str]]
 
 
 @dataclass(frozen=True)
@@ -248,7 +260,12 @@ class _Search:
     grad_dtype: str
     optimizer: str
     sequence_parallel: bool = False
-    free_splits: dict[tuple[Any, ...], tuple[int, ...]] = field(default_factory=dict)
+    free_splits: dict[tuple[Any, ...], tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    # the least-bottleneck split under the memory rows, or None where none fits (``_split``)
+    limited_splits: dict[tuple[Any, ...], tuple[int, ...] | None] = field(default_factory=dict)
+    # the schedules' counts (schedules.counts_shape) per (schedule, p, m, v): shared by the shardings and
+    # recompute settings of one schedule, which a search prices one after another
+    shapes: dict[tuple[str, int, int, int], ScheduleShape] = field(default_factory=dict)
 
     def arrays(self, b: int, t: int, m: int, cache: dict[tuple[int, int, int], LayerArrays]) -> LayerArrays:
         key = (b, t, m)
@@ -279,7 +296,30 @@ class _Search:
                             grad_dtype=self.grad_dtype,
                             dp_bandwidth_bytes_per_s=self.network.bandwidth(spans["dp"]),
                             dp_latency_s=self.network.latency_s,
-                            shape=None if full else counts_shape(pt.schedule, pt.p, pt.m, pt.v))
+                            shape=None if full else self.counts(pt))
+
+    def free_split(self, arr: LayerArrays, pt: _Point, bandwidth: float | None
+                   ) -> tuple[tuple[int, ...], float]:
+        """The least-bottleneck split of the candidate's p x v chunks without memory rows, and its bottleneck
+        (seconds per microbatch of the slowest chunk, within the solver's 1e-12): one solve per time problem
+        (the arrays, the chunks, recompute and the pipeline's link), shared by the shardings. Its inputs are
+        ``costs.solver_inputs``' time rows: ``layer_time`` and twice ``comm_time`` (each boundary both
+        ways), every device at speed 1."""
+        key = (id(arr), pt.p, pt.v, pt.recompute, bandwidth)
+        if key not in self.free_splits:
+            S = pt.p * pt.v
+            costs = arr.forward_s * (2.0 if pt.recompute else 1.0) + arr.backward_s
+            comm = (arr.output_bytes / bandwidth if bandwidth is not None
+                    else np.zeros_like(arr.output_bytes))
+            sol = solve(costs, S, stage_speeds=np.ones(S), boundary_costs=2.0 * comm, tie_break=False)
+            self.free_splits[key] = (tuple(sol.boundaries), sol.bottleneck)
+        return self.free_splits[key]
+
+    def counts(self, pt: _Point) -> ScheduleShape:
+        key = (pt.schedule, pt.p, pt.m, pt.v)
+        if key not in self.shapes:
+            self.shapes[key] = counts_shape(*key)
+        return self.shapes[key]
 
 
 def _min_inflight(schedule: str, m: int) -> int:
@@ -288,8 +328,10 @@ def _min_inflight(schedule: str, m: int) -> int:
     return m if schedule == "GPipe" else 1
 
 
-def lower_bounds(arr: LayerArrays, pt: _Point, per_param_bytes: float) -> tuple[float, float]:
-    """(step, fullest device's memory) no split of this candidate can beat (module docstring).
+def lower_bounds(arr: LayerArrays, pt: _Point, per_param_bytes: float,
+                 link_bytes_per_s: float | None = None) -> tuple[float, float]:
+    """(step, fullest device's memory) no split of this candidate can beat (module docstring), with the
+    pipeline's boundaries priced over ``link_bytes_per_s`` (None: not priced).
 
     >>> from stageplan.formats.profile import LayerProfile, Profile
     >>> prof = Profile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 10, 1, 0) for i in range(4)))
@@ -297,7 +339,16 @@ def lower_bounds(arr: LayerArrays, pt: _Point, per_param_bytes: float) -> tuple[
     (30.0, 26.666666666666668)
     """
     lt = arr.forward_s * (2.0 if pt.recompute else 1.0) + arr.backward_s
-    per_mb = max(float(lt.sum()) / pt.p, float(lt.max()))
+    L, S = len(lt), pt.p * pt.v
+    # every chunk but the last sends its output and receives its gradient: 2 x (the cheapest boundary) each,
+    # on its rank (``price``); a rank holds v chunks, so at least v - 1 of them
+    hop = (2.0 * float((arr.output_bytes[:L - 1] / link_bytes_per_s).min())
+           if link_bytes_per_s is not None and L > 1 else 0.0)
+    # the mean rank; the rank of the largest layer; a rank holding at least ceil(L / p) layers (some rank
+    # does), so at least the ceil(L / p) quickest layers' time
+    fewest = -(-L // pt.p)
+    per_mb = max((float(lt.sum()) + (S - 1) * hop) / pt.p,
+                 max(float(lt.max()), float(np.sort(lt)[:fewest].sum())) + (pt.v - 1) * hop)
     step = (pt.m + (pt.p - 1) / pt.v) * per_mb
     static = arr.param_count * per_param_bytes
     # recomputed, a stage holds one microbatch's activations of all its layers while it recomputes them (a
@@ -312,6 +363,96 @@ def lower_bounds(arr: LayerArrays, pt: _Point, per_param_bytes: float) -> tuple[
         memory = max(memory, (float(static.sum()) / float(f.max()) + float(arr.activation_bytes.sum()))
                      / float((1.0 / f).sum()))
     return step, memory
+
+
+def split_memory_bounds(items: Sequence[tuple[LayerArrays, _Point, float]]) -> list[float]:
+    """For each (arrays, candidate, bytes per parameter): a memory no split of the candidate can keep its
+    fullest device under, from the cost model's own terms (``costs.memory_terms``, ``_rank_memory``).
+
+    Rank r holds, over its chunks c, the static bytes of their layers, each chunk's send/receive buffers
+    (2 x the boundary's output, ``memory_terms``), zero1's imbalance (>= 0, dropped here) and its
+    activations: without recompute the largest sum_c counts[c] x (chunk c's saved bytes) over the moments of
+    its order, so at least the sum at one moment, the end of its warm-up (``schedules.warmup_counts``: k_c);
+    with recompute each chunk's saved bytes once plus its peak in flight (>= k_c) x its input. So for weights
+    w_r >= 0 summing to 1, max_r M_r >= sum_r w_r M_r >= sum over chunks c of w_r(c) x (sum over its layers
+    of static + k_c x saved, plus its boundary terms), which is linear in the split: its minimum over every
+    split into p x v non-empty chunks is a dynamic programme over (chunk, boundary), O(p v L) (a prefix
+    minimum per chunk). Two weightings are tried: uniform (the mean rank), and w_r proportional to 1 / (the
+    cost of the whole model on rank r's cheapest chunk), so that piling the layers onto the chunk holding the
+    fewest microbatches (1F1B's and interleaved's last) costs as much as anywhere else (1F1B's 1 / f_s
+    weighting, for every schedule). Candidates with the same number of chunks are solved together."""
+    out = [0.0] * len(items)
+    groups: dict[int, list[tuple[Any, ...]]] = {}
+    counted: dict[tuple[str, int, int, int], np.ndarray] = {}
+    layers: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, np.ndarray, float, float]] = {}
+    for n, (arr, pt, per) in enumerate(items):
+        S = pt.p * pt.v
+        shape = (pt.schedule, pt.p, pt.m, pt.v)
+        if shape not in counted:
+            counted[shape] = warmup_counts(*shape)
+        counts = counted[shape]
+        if (id(arr), per) not in layers:
+            static = arr.param_count * per
+            act = np.asarray(arr.activation_bytes, dtype=float)
+            layers[(id(arr), per)] = (np.concatenate([[0.0], np.cumsum(static)]),
+                                      np.concatenate([[0.0], np.cumsum(act)]),
+                                      # before[j] = out[j - 1]
+                                      np.concatenate([[0.0], np.asarray(arr.output_bytes, dtype=float)]),
+                                      float(static.sum()), float(act.sum()))
+        pre_static, pre_act, before, total_static, total_act = layers[(id(arr), per)]
+        saved = np.ones(S) if pt.recompute else counts
+        start = counts if pt.recompute else np.zeros(S)
+        # chunk c = k p + r (placement_of for GPipe, 1F1B and Interleaved1F1B): rank r's chunks are column r
+        cheapest = (total_static + saved * total_act).reshape(pt.v, pt.p).min(axis=0)
+        weights = [np.full(pt.p, 1.0 / pt.p)]
+        if cheapest.min() > 0 and not np.all(cheapest == cheapest[0]):
+            harmonic = 1.0 / cheapest
+            weights.append(harmonic / harmonic.sum())
+        for w in weights:
+            groups.setdefault(S, []).append((n, np.tile(w, pt.v), saved, start, pre_static, pre_act, before))
+    for S, rows in groups.items():
+        idx = [r[0] for r in rows]
+        wc, saved, start, ps, pa, before = (np.stack([r[k] for r in rows]) for k in range(1, 7))
+        L = ps.shape[1] - 1
+        cost = wc[:, :1] * (ps + saved[:, :1] * pa)  # chunk 0 over [0, j)
+        cost[:, 0] = np.inf
+        for c in range(1, S):
+            g = wc[:, c:c + 1] * (ps + saved[:, c:c + 1] * pa)
+            # chunk c starts at i: chunk c - 1's buffers and chunk c's input in flight (recompute) at i
+            val = cost + (2.0 * wc[:, c - 1:c] + start[:, c:c + 1] * wc[:, c:c + 1]) * before - g
+            val[:, :c] = np.inf
+            best = np.minimum.accumulate(val, axis=1)
+            cost = np.full_like(val, np.inf)
+            cost[:, c + 1:] = g[:, c + 1:] + best[:, c:L]
+        for n, value in zip(idx, cost[:, L], strict=True):
+            out[n] = max(out[n], float(value))
+    return out
+
+
+def _tighten(search: _Search, bounded: list[tuple[float, float, _Point]],
+             arrays: dict[tuple[int, int, int], LayerArrays], which: Any
+             ) -> list[tuple[float, float, _Point]]:
+    """``bounded`` with each memory bound for which ``which(bound)`` holds raised to its split bound
+    (:func:`split_memory_bounds`), computed once per distinct memory problem: zero1 and fsdp hold the same
+    bytes per parameter on average, so they share one."""
+    keys: dict[tuple[Any, ...], int] = {}
+    items: list[tuple[LayerArrays, _Point, float]] = []
+    todo = []
+    for n, (_, mem, pt) in enumerate(bounded):
+        if not which(mem):
+            continue
+        per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype).total
+        key = (pt.b, pt.t, pt.p, pt.m, pt.schedule, pt.v, pt.recompute, per)
+        if key not in keys:
+            keys[key] = len(items)
+            items.append((search.arrays(pt.b, pt.t, pt.m, arrays), pt, per))
+        todo.append((n, keys[key]))
+    floors = split_memory_bounds(items)
+    out = list(bounded)
+    for n, k in todo:
+        step, mem, pt = out[n]
+        out[n] = (step, max(mem, floors[k]), pt)
+    return out
 
 
 def _grid(search: _Search, L: int, tensor_parallel: Sequence[int], pipeline_parallel: Sequence[int] | None,
@@ -376,30 +517,37 @@ def _reject(rejected: dict[str, dict[str, Any]], family: str, kind: str, rule: s
         row["least_step_bound_s"] = min(row.get("least_step_bound_s", math.inf), step_bound_s)
 
 
-def _split(arr: LayerArrays, opts: CostOptions, free: dict[tuple[Any, ...], tuple[int, ...]],
-           fits: Any) -> tuple[int, ...]:
+def _split(search: _Search, arr: LayerArrays, pt: _Point, opts: CostOptions, fits: Any) -> tuple[int, ...]:
     """The exact min-max split under the memory limit (per chunk for interleaved candidates, each chunk under
-    its rank's limit, then checked per rank). One probe first says whether any split fits. The split without
-    memory rows is solved once per time problem (``free``) and kept where it fits (``fits``): it is then
-    optimal under the limit as well; else the solver runs with the memory rows."""
+    its rank's limit, then checked per rank). The split without memory rows (``_Search.free_split``) is kept
+    where it fits (``fits``): it is then optimal under the limit as well; else one solve with the memory rows
+    answers both whether any split fits (its first probe; ``InfeasiblePlanError`` without the smallest limit
+    where none does) and the least bottleneck under the limit."""
     inp = solver_inputs(arr, opts)
     limits = inp["limits"]
-    memory = {"memory_bytes": inp["memory_bytes"], "memory_start_bytes": inp["memory_start_bytes"],
-              "memory_end_bytes": inp["memory_end_bytes"],
-              "memory_limit_bytes": limits if limits is None or opts.virtual_stages == 1
-              else limits[np.asarray(opts.shape.stage_ranks)]}
-    if limits is not None and not fits_memory(len(arr.forward_s), opts.num_chunks, **memory):
+    free, _ = search.free_split(arr, pt, opts.bandwidth_bytes_per_s)
+    if limits is None or fits(free, inp["memory_bytes"], inp["memory_start_bytes"], inp["memory_end_bytes"]):
+        return free
+    # the memory rows are bytes per parameter by kind (costs.memory_terms) and the schedule's counts: zero1
+    # and fsdp hold the same of each kind, so their solves are one
+    per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype)
+    key = (id(arr), pt.p, pt.v, pt.recompute, opts.bandwidth_bytes_per_s, opts.shape.peak_inflight,
+           per.weights, per.grads, per.master, per.optimizer, search.memory_limit_bytes)
+    if key not in search.limited_splits:
+        try:
+            sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
+                        boundary_costs=inp["boundary_costs"], tie_break=False, min_limit=False,
+                        memory_bytes=inp["memory_bytes"], memory_start_bytes=inp["memory_start_bytes"],
+                        memory_end_bytes=inp["memory_end_bytes"],
+                        memory_limit_bytes=limits if opts.virtual_stages == 1
+                        else limits[np.asarray(opts.shape.stage_ranks)])
+            search.limited_splits[key] = tuple(sol.boundaries)
+        except InfeasiblePlanError:
+            search.limited_splits[key] = None
+    found = search.limited_splits[key]
+    if found is None:
         raise InfeasiblePlanError("no split fits the memory limit")
-    key = (id(arr), opts.num_ranks, opts.virtual_stages, opts.recompute, opts.bandwidth_bytes_per_s)
-    if key not in free:
-        free[key] = tuple(solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
-                                boundary_costs=inp["boundary_costs"], tie_break=False).boundaries)
-    if limits is None or fits(free[key], inp["memory_bytes"], inp["memory_start_bytes"],
-                              inp["memory_end_bytes"]):
-        return free[key]
-    sol = solve(inp["costs"], opts.num_chunks, stage_speeds=inp["speeds"],
-                boundary_costs=inp["boundary_costs"], tie_break=False, **memory)
-    return tuple(sol.boundaries)
+    return found
 
 
 def _zero1_extra(
@@ -540,7 +688,7 @@ def search_layouts(
     """Search the layout grid over ``num_devices`` devices given the profiles per (microbatch size, tensor
     degree), and rank the feasible candidates (module docstring). Refusals name the rule, the values and the
     remedy; a grid with no feasible candidate raises ``InfeasiblePlanError`` with the smallest memory limit
-    that admits one."""
+    that admits one (``min_memory_limit_bytes``) and the smallest device count that does at this limit."""
     _check(num_devices, global_batch_size, network, precision, grad_dtype, optimizer, tensor_parallel,
            microbatch_sizes, schedules, shardings, top, memory_limit_bytes)
     prepared = _prepared(profiles, network, tensor_parallel, microbatch_sizes, sequence_parallel)
@@ -548,8 +696,9 @@ def search_layouts(
     search = _Search(prepared, num_devices, global_batch_size, network, memory_limit_bytes, precision,
                      grad_dtype, optimizer, sequence_parallel)
     rejected: dict[str, dict[str, Any]] = {}
-    points = _grid(search, L, tensor_parallel, pipeline_parallel, microbatch_sizes,
-                   [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings, rejected)
+    grid_args: _GridArgs = (tensor_parallel, pipeline_parallel, microbatch_sizes,
+                            [normalize_schedule(s) for s in schedules], virtual_stages, recompute, shardings)
+    points = _grid(search, L, *grid_args, rejected)
     if not points:
         rules = sorted({x for r in rejected.values() for x in r.get("rules", [])})
         raise StageplanError(
@@ -562,16 +711,18 @@ def search_layouts(
     for pt in points:
         arr = search.arrays(pt.b, pt.t, pt.m, arrays)
         per = bytes_per_param(precision, optimizer, pt.sharding, pt.d, grad_dtype).total
-        bounded.append((*lower_bounds(arr, pt, per), pt))
+        bounded.append((*lower_bounds(arr, pt, per, network.bandwidth(search.spans(pt)["pp"])), pt))
+    if bounds and memory_limit_bytes is not None:
+        # the split bound where the closed form leaves a candidate under the limit
+        bounded = _tighten(search, bounded, arrays, lambda mem: mem <= memory_limit_bytes * (1 + MEMORY_RTOL))
     bounded.sort(key=lambda x: (x[0], _order_key(x[2])))
     priced: list[Candidate] = []
     over_limit: list[Candidate] = []
     counts = {"grid": len(points), "priced": 0, "pruned_by_time": 0, "pruned_by_memory": 0, "infeasible": 0}
-    best = threshold = math.inf
+    threshold = math.inf
     least_over: float | None = None
-    sibling_fits: dict[_Point, bool] = {}
     for step_lb, mem_lb, pt in bounded:
-        if bounds and memory_limit_bytes is not None and mem_lb > memory_limit_bytes:
+        if bounds and memory_limit_bytes is not None and mem_lb > memory_limit_bytes * (1 + MEMORY_RTOL):
             counts["pruned_by_memory"] += 1
             _reject(rejected, _family(pt), "memory", over_bytes=mem_lb - memory_limit_bytes)
             least_over = mem_lb if least_over is None else min(least_over, mem_lb)
@@ -580,10 +731,16 @@ def search_layouts(
             counts["pruned_by_time"] += 1
             _reject(rejected, _family(pt), "time", step_bound_s=step_lb)
             continue
-        if bounds and _lightest_sibling_misses(search, pt, shardings, arrays, sibling_fits):
-            counts["infeasible"] += 1
-            _reject(rejected, _family(pt), "memory")
-            continue
+        if bounds and pt.v == 1 and pt.p > 1:
+            # one chunk a rank: the slowest rank takes at least the least bottleneck of any split (memory only
+            # narrows the splits), exactly as the solver finds it (less its 1e-12 tolerance)
+            arr = search.arrays(pt.b, pt.t, pt.m, arrays)
+            _, least = search.free_split(arr, pt, network.bandwidth(search.spans(pt)["pp"]))
+            step_lb = max(step_lb, (pt.m + pt.p - 1) * least * (1 - 1e-9))
+            if step_lb > threshold * (1 + 1e-9):
+                counts["pruned_by_time"] += 1
+                _reject(rejected, _family(pt), "time", step_bound_s=step_lb)
+                continue
         counts["priced"] += 1
         cand = _price_point(search, pt, arrays, step_lb)
         if not cand.feasible:
@@ -597,81 +754,158 @@ def search_layouts(
                 over_limit.append(cand)
             continue
         priced.append(cand)
-        best = min(best, cand.step_s)
-        # the simulator looks at the first --top within BAND
-        # of the best: nothing above both can be one of them
-        kth = heapq.nsmallest(top, (c.step_s for c in priced))[-1] if len(priced) >= top else math.inf
-        threshold = min(best * (1 + BAND), kth)
+        # the ranking lists the first --top by step (the simulator ranks those within BAND of the best): a
+        # candidate whose step bound is above the --top-th step found cannot be one of them
+        threshold = heapq.nsmallest(top, (c.step_s for c in priced))[-1] if len(priced) >= top else math.inf
     if not priced:
-        raise _none_fits(search, bounded, arrays, counts["grid"])
+        raise _none_fits(search, bounded, arrays, counts["grid"], L, grid_args)
     layout = _finish(search, priced, rejected, counts, top, arrays, L)
     return replace(layout, over_limit=tuple(over_limit))
 
 
 def _none_fits(search: _Search, bounded: list[tuple[float, float, _Point]],
-               arrays: dict[tuple[int, int, int], LayerArrays], grid: int) -> InfeasiblePlanError:
-    """Why no candidate fits: the candidate with the lowest memory bound and the limit its best split needs
-    (the solver's exact figure), and whether one sequence's activations alone overflow a device (then only
-    context parallelism, which stageplan does not model, would fit it)."""
+               arrays: dict[tuple[int, int, int], LayerArrays], grid: int, L: int, grid_args: _GridArgs
+               ) -> InfeasiblePlanError:
+    """Why no candidate fits, in one line: the smallest memory limit at which the search finds a layout
+    (``_least_limit``), the smallest device count that admits one at this limit (``_least_devices``; none
+    where one block's activations for one microbatch overflow a device, which only context parallelism, not
+    modelled, would split), and the remedies."""
     limit = float(search.memory_limit_bytes or 0.0)
-    _, _, pt = min(bounded, key=lambda x: (x[1], _order_key(x[2])))
+    floors = _tighten(search, bounded, arrays, lambda mem: True)
+    least = _least_limit(search, floors, arrays)
+    # every layout holds, on some device, the largest layer's activations for one microbatch of its (b, t)
+    act = min(float(max(x.activation_bytes for x in prep.profile.layers))
+              for prep in search.profiles.values())
+    parts, remedies = [], []
+    if least is not None:
+        need, cand = least
+        parts.append(f"the smallest memory limit that admits one is {format_bytes(need)} ({cand.degrees})")
+        remedies.append(f"raise --memory-limit to {_bytes_up(need)}")
+    if act > limit:
+        parts.append(f"a layer's activations for one microbatch alone take {format_bytes(act)} in every "
+                     "layout: the sequence does not fit without context parallelism, which stageplan does "
+                     "not model, at any device count")
+    else:
+        most = max(8 * search.num_devices, search.network.devices_per_node)
+        found = _least_devices(search, arrays, L, grid_args, most)
+        if found is not None:
+            n, cand = found
+            parts.append(f"the smallest device count that admits one at {format_bytes(limit)} is {n} "
+                         f"({cand.degrees})")
+            remedies.append(f"use --devices {n}")
+        else:
+            parts.append(f"no device count up to {most} admits one at {format_bytes(limit)} (counted per "
+                         f"device up to a node, then in whole nodes of {search.network.devices_per_node})")
+    shardings, recompute = grid_args[6], grid_args[5]
+    missing = ([] if "fsdp" in shardings else ["--sharding fsdp"]) + ([] if True in recompute
+                                                                      else ["--recompute full"])
+    if missing:
+        remedies.append(f"allow {' and '.join(missing)}")
+    return InfeasiblePlanError(
+        f"no layout of {search.num_devices} devices fits {format_bytes(limit)} per device ({grid} "
+        f"candidates): {'; '.join(parts)}; {', or '.join(remedies) or 'shorten the sequence'}",
+        min_memory_limit_bytes=None if least is None else least[0])
+
+
+def _bytes_up(n: float) -> str:
+    """``n`` bytes as a --memory-limit value, rounded up to the hundredth of its unit (so that it admits what
+    ``n`` admits)."""
+    # format_bytes' units
+    for unit, scale in (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+    return f"{math.ceil(n)}B"
+
+
+def _price_at(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int], LayerArrays], limit: float
+              ) -> Candidate:
+    """The candidate priced as a search with memory limit ``limit`` prices it."""
+    return _price_point(replace(search, memory_limit_bytes=limit), pt, arrays, 0.0)
+
+
+def _least_limit(search: _Search, floors: list[tuple[float, float, _Point]],
+                 arrays: dict[tuple[int, int, int], LayerArrays]) -> tuple[float, Candidate] | None:
+    """The smallest memory limit at which the search prices some candidate feasible, and that candidate:
+    candidates in the order of their memory floors (``floors``, valid lower bounds), each one's least limit
+    (``_least_limit_of``), until the next floor is above the least found."""
+    best: tuple[float, Candidate] | None = None
+    for _, floor, pt in sorted(floors, key=lambda x: (x[1], _order_key(x[2]))):
+        if best is not None and floor >= best[0]:
+            break
+        found = _least_limit_of(search, pt, floor, arrays, math.inf if best is None else best[0])
+        if found is not None:
+            best = found
+    return best
+
+
+def _least_limit_of(search: _Search, pt: _Point, floor: float,
+                    arrays: dict[tuple[int, int, int], LayerArrays], below: float
+                    ) -> tuple[float, Candidate] | None:
+    """The smallest limit under ``below`` at which this candidate is priced feasible, with the candidate
+    priced there; None where there is none. The limit is at least its floor and the least fullest chunk of
+    any split (the solver's exact figure: a rank holds at least its chunks); where the candidate fits there,
+    that is the answer. Else the fullest rank of its split without memory rows is a limit it fits (that split
+    is then kept), and bisection between the two (to 1e-6, each step pricing it as the search would) finds
+    the smallest."""
     prep = search.profiles[(pt.b, pt.t)]
     arr = search.arrays(pt.b, pt.t, pt.m, arrays)
     opts = search.options(pt, prep.profile)
     inp = solver_inputs(arr, opts)
-    needed = None
     try:
-        sol = solve(inp["costs"], opts.num_chunks, memory_bytes=inp["memory_bytes"],
-                    memory_start_bytes=inp["memory_start_bytes"], memory_end_bytes=inp["memory_end_bytes"],
-                    memory_limit_bytes=limit)
-        # the chunks fit one by one, and a rank of several chunks, or zero1's partition, does not
-        needed = max(_rank_memory(search, prep.profile, arr, sol.boundaries, opts)[0])
+        solve(inp["costs"], opts.num_chunks, memory_bytes=inp["memory_bytes"],
+              memory_start_bytes=inp["memory_start_bytes"], memory_end_bytes=inp["memory_end_bytes"],
+              memory_limit_bytes=1.0)
+        chunks = 0.0
     except InfeasiblePlanError as exc:
-        needed = exc.min_memory_limit_bytes
-    closest = f"{_family(pt)} b{pt.b} {pt.schedule}"
-    need = f"; the closest, {closest}, needs {format_bytes(needed)}" if needed else ""
-    smallest_b = min(b for (b, t) in search.profiles if t == pt.t)
-    widest = max(t for (_, t) in search.profiles)
-    act = float(max(x.activation_bytes for x in search.profiles[(smallest_b, widest)].profile.layers))
-    context = (f"; one block's activations for one microbatch at tp {widest} alone take {format_bytes(act)}: "
-               "the sequence does not fit without context parallelism, which stageplan does not model"
-               if act > limit else "")
-    return InfeasiblePlanError(
-        f"no layout of {search.num_devices} devices fits {format_bytes(limit)} per device ({grid} candidates)"
-        f"{need}{context}; raise --memory-limit, add --devices, or allow --sharding fsdp and --recompute "
-        f"full",
-        min_memory_limit_bytes=needed)
+        chunks = float(exc.min_memory_limit_bytes or 0.0)
+    lo = max(floor, chunks)
+    if lo >= below:
+        return None
+    cand = _price_at(search, pt, arrays, lo)
+    if cand.feasible:
+        return lo, cand
+    free, _ = search.free_split(arr, pt, opts.bandwidth_bytes_per_s)
+    hi = max(_rank_memory(search, prep.profile, arr, free, opts)[0])
+    cand = _price_at(search, pt, arrays, hi)
+    if not cand.feasible:  # the split without memory rows fits its own peak: not reached
+        return None
+    while hi - lo > 1e-6 * hi and lo < below:
+        mid = (lo + hi) / 2
+        at = _price_at(search, pt, arrays, mid)
+        if at.feasible:
+            hi, cand = mid, at
+        else:
+            lo = mid
+    return (hi, cand) if hi < below else None
 
 
-def _lightest_sibling_misses(
-    search: _Search,
-    pt: _Point,
-    shardings: Sequence[str],
-    arrays: dict[tuple[int, int, int], LayerArrays],
-    cache: dict[_Point, bool],
-) -> bool:
-    """Whether the same candidate with the sharding that holds the fewest bytes per parameter (its memory rows
-    are below this one's, layer by layer) has no split that fits: then this one has none either. Memoised, so
-    a family of shardings costs one feasibility probe."""
-    if search.memory_limit_bytes is None or pt.d == 1:
-        return False
-    light = min(shardings, key=lambda sh: (bytes_per_param(search.precision, search.optimizer, sh, pt.d,
-                                                           search.grad_dtype).total, SHARDINGS.index(sh)))
-    if light == pt.sharding:
-        return False
-    sibling = replace(pt, sharding=light)
-    if sibling not in cache:
-        prep = search.profiles[(pt.b, pt.t)]
-        arr = search.arrays(pt.b, pt.t, pt.m, arrays)
-        opts = search.options(sibling, prep.profile)
-        inp = solver_inputs(arr, opts)
-        limits = inp["limits"]
-        if opts.virtual_stages > 1:
-            limits = limits[np.asarray(opts.shape.stage_ranks)]
-        cache[sibling] = fits_memory(len(arr.forward_s), opts.num_chunks, memory_bytes=inp["memory_bytes"],
-                                     memory_start_bytes=inp["memory_start_bytes"],
-                                     memory_end_bytes=inp["memory_end_bytes"], memory_limit_bytes=limits)
-    return not cache[sibling]
+def _least_devices(search: _Search, arrays: dict[tuple[int, int, int], LayerArrays], L: int,
+                   grid_args: _GridArgs, most: int) -> tuple[int, Candidate] | None:
+    """The smallest device count above this one, up to ``most``, for which the grid holds a candidate the
+    search prices feasible at this limit, and that candidate: every count up to a node, then whole nodes.
+    Per count, candidates under the memory floors (closed form and split bound) are priced in the order of
+    their floors until one fits."""
+    limit = float(search.memory_limit_bytes or 0.0)
+    node = search.network.devices_per_node
+    n = search.num_devices
+    while True:
+        n = n + 1 if n < node else (n // node + 1) * node
+        if n > most:
+            return None
+        other = replace(search, num_devices=n)
+        points = _grid(other, L, *grid_args, {})
+        bounded = []
+        for pt in points:
+            arr = other.arrays(pt.b, pt.t, pt.m, arrays)
+            per = bytes_per_param(search.precision, search.optimizer, pt.sharding, pt.d, search.grad_dtype)
+            bounded.append((0.0, lower_bounds(arr, pt, per.total)[1], pt))
+        floors = _tighten(other, bounded, arrays, lambda mem: mem <= limit * (1 + MEMORY_RTOL))
+        for _, floor, pt in sorted(floors, key=lambda x: (x[1], _order_key(x[2]))):
+            if floor > limit * (1 + MEMORY_RTOL):
+                break
+            cand = _price_point(other, pt, arrays, 0.0)
+            if cand.feasible:
+                return n, cand
 
 
 def _order_key(pt: _Point) -> tuple[Any, ...]:
@@ -710,7 +944,7 @@ def _price_point(search: _Search, pt: _Point, arrays: dict[tuple[int, int, int],
         return max(_rank_memory(search, prep.profile, arr, boundaries, opts)[0]) <= limit
 
     try:
-        boundaries = _split(arr, opts, search.free_splits, fits)
+        boundaries = _split(search, arr, pt, opts, fits)
     except InfeasiblePlanError as exc:
         need = getattr(exc, "min_memory_limit_bytes", None)
         return _candidate(search, pt, prep, None, math.inf, step_lb,
@@ -917,10 +1151,9 @@ def score_given(
     prep = prepared[(b, t)]
     arr = LayerArrays.of(prep.profile, m)
     opts = search.options(pt, prep.profile, full=True)
+    per = bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total
+    step_lb = lower_bounds(arr, pt, per, opts.bandwidth_bytes_per_s)[0]
     if boundaries is None:
-        step_lb = lower_bounds(arr, pt, bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total)[
-            0
-        ]
         cand = _price_point(search, pt, {(b, t, m): arr}, step_lb)
         if cand.boundaries is None:
             return cand
@@ -933,7 +1166,6 @@ def score_given(
                              f"{opts.num_chunks} chunks over {L} layers; give a layout with "
                              f"{opts.num_chunks} "
                              "stages")
-    step_lb = lower_bounds(arr, pt, bytes_per_param(precision, optimizer, sharding, d, grad_dtype).total)[0]
     cand = price(search, pt, prep, arr, opts, bounds, step_lb)
     ev = evaluate(arr, bounds, opts)
     tps, mfu, hfu = _rates(search, prep, pt, ev.predicted_step_s)

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -487,16 +487,44 @@ def _interleaved_counts(p: int, m: int, v: int, rank: int) -> np.ndarray:
     warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
     total = v * m
     steps = np.arange(total)
-    back = np.arange(warmup, total + warmup)
-    # step s holds its forward (key 2s) before its backward (key 2s + 1)
-    keys = np.concatenate([2 * steps, 2 * back + 1])
-    kinds = np.concatenate([np.ones(total), -np.ones(total)])
-    chunks = np.concatenate([(steps // per_round) % v, v - 1 - ((back - warmup) // per_round) % v])
-    order = np.argsort(keys, kind="stable")
-    delta = np.zeros((2 * total, v))
-    delta[np.arange(2 * total), chunks[order]] = kinds[order]
-    held = np.cumsum(delta, axis=0)
-    return held[kinds[order] > 0]
+    # step s runs forward s, then (from step warmup on) backward s - warmup: before forward s, the first
+    # max(0, s - warmup) backwards have run. Forward s is on local chunk (s // per_round) % v, backward b on
+    # v - 1 - (b // per_round) % v.
+    one_hot = np.eye(v)
+    forwards = np.cumsum(one_hot[(steps // per_round) % v], axis=0)
+    backwards = np.zeros((total + 1, v))
+    np.cumsum(one_hot[v - 1 - (steps // per_round) % v], axis=0, out=backwards[1:])
+    return forwards - backwards[np.maximum(steps - warmup, 0)]
+
+
+def warmup_counts(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+                  ) -> np.ndarray:
+    """Per chunk (p * v of them), the microbatches it holds at the first moment its rank holds the most in
+    total: one of the counts ``counts_shape`` lists for the rank (so each rank's activation peak is at least
+    sum_c counts[c] x bytes of chunk c), in closed form, without the order. GPipe: m on every stage; 1F1B:
+    min(p - s, m); Interleaved1F1B: the end of rank r's warm-up, its first min(w_r + 1, v m) forwards with
+    w_r = (v - 1) x m / rounds + 2 (p - 1 - r), taken round by round through its local chunks
+    (``_interleaved_counts``).
+
+    >>> warmup_counts("Interleaved1F1B", 2, 4, 2).tolist()  # rank 0: chunks 0 and 2; rank 1: chunks 1 and 3
+    [3.0, 2.0, 2.0, 1.0]
+    """
+    name = normalize_schedule(schedule)
+    p, m, v = int(num_ranks), int(num_microbatches), int(virtual_stages)
+    if name == "GPipe":
+        return np.full(p, float(m))
+    if name == "1F1B":
+        return np.minimum(np.arange(p, 0, -1), m).astype(float)
+    if name != "Interleaved1F1B":
+        raise StageplanError(f"warmup_counts prices GPipe, 1F1B and Interleaved1F1B, got {schedule!r}")
+    per_round = m // interleaved_rounds(p, m)
+    out = np.zeros(p * v)
+    for rank in range(p):
+        forwards = min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
+        cycles, rest = divmod(forwards, v * per_round)
+        for k in range(v):
+            out[k * p + rank] = cycles * per_round + min(max(rest - k * per_round, 0), per_round)
+    return out
 
 
 def peak_inflight(
@@ -525,7 +553,7 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _after_the_schedule(events: list[TimelineEvent], free: list[float], busy: list[float],
+def _after_the_schedule(events: list[_Event], free: list[float], busy: list[float],
                         ranks: Sequence[int], optimizer: np.ndarray | None, tied_sync_s: float) -> None:
     """Per rank, after its last backward (or W): the tied-gradient all-reduce ("T"; a collective, so it starts
     when the last rank gets there) and then one optimizer step over all its chunks' parameters ("O")."""
@@ -658,15 +686,18 @@ def simulate(
 
 
 def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray,
-                   optimizer: np.ndarray | None = None, tied_sync_s: float = 0.0) -> Simulation:
+                   optimizer: np.ndarray | None = None, tied_sync_s: float = 0.0, timeline: bool = True
+                   ) -> Simulation:
     """:func:`simulate` on a validated shape and validated per-chunk arrays (the cost model's entry point:
     it holds the shape already, so nothing is re-derived per plan). ``optimizer``: seconds per chunk of one
     optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none.
     ``tied_sync_s``: seconds of the tied-gradient all-reduce, a collective every rank starts once the last
-    rank's last action has ended, before its optimizer step; 0: none."""
+    rank's last action has ended, before its optimizer step; 0: none. ``timeline=False`` keeps no timeline
+    (``Simulation.timeline`` is empty; the step and the shares are the same): for callers that read only
+    those, such as ``costs.evaluate``."""
     hop, duration = _hops_and_durations(shape, fwd, bwd, comm)
-    events, free, busy, waited = _run_orders(shape, hop, duration)
-    return _simulation(shape, events, free, busy, waited, optimizer, tied_sync_s)
+    events, free, busy, waited = _run_orders(shape, hop, duration, TimelineEvent if timeline else _Span)
+    return _simulation(shape, events, free, busy, waited, optimizer, tied_sync_s, timeline)
 
 
 def _hops_and_durations(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray,
@@ -684,6 +715,19 @@ def _hops_and_durations(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray,
     return hop, duration
 
 
+class _Span(NamedTuple):
+    """A timeline event's fields without TimelineEvent (a frozen dataclass, whose construction took 60% of a
+    1F1B p16 m1024 step's simulation): for a simulation whose timeline is not kept."""
+
+    rank: int
+    stage: int
+    microbatch: int
+    kind: str
+    start_s: float
+    end_s: float
+
+
+_Event = TimelineEvent | _Span
 _Done = Callable[[Sequence[Action]], float | None]  # done(sends): when the last of them completed
 _StartAt = Callable[[Action, int, float], float | None]  # start_at(action, position, free_at)
 
@@ -695,7 +739,8 @@ def _event_clock(
     grad_end: list[list[float | None]],
     posted: dict[tuple[str, int, int], float],
     arrived: dict[tuple[str, int, int], float],
-    transfers: dict[tuple[str, int, int], TimelineEvent],
+    transfers: dict[tuple[str, int, int], _Event],
+    make: type[TimelineEvent] | type[_Span] = TimelineEvent,
 ) -> tuple[_Done, _StartAt]:
     """The two questions the event loop asks, as closures over the simulation's state (the dicts and lists
     passed in, which they read and fill): ``done(sends)`` and ``start_at(action, position, free_at)``."""
@@ -705,9 +750,16 @@ def _event_clock(
     waits = shape.send_waits
 
     def done(sends: Sequence[Action]) -> float | None:
-        """When the last of ``sends`` completed (0.0 for none), or None while one has not."""
-        times = [arrived.get((c.kind, c.stage, c.microbatch)) for c in sends]
-        return None if any(t is None for t in times) else max(times, default=0.0)  # type: ignore[type-var]
+        """When the last of ``sends`` completed (0.0 for none), or None while one has not (a loop, not a
+        list and max: the loop asks this about every action of the step)."""
+        latest = 0.0
+        for c in sends:
+            t = arrived.get((c.kind, c.stage, c.microbatch))
+            if t is None:
+                return None
+            if t > latest:  # arrival times are >= 0: the same as max(times, default=0.0)
+                latest = t
+        return latest
 
     def start_at(a: Action, position: int, free_at: float) -> float | None:
         """When a starts on a rank free from ``free_at``, or None if something it waits for has not been
@@ -718,7 +770,8 @@ def _event_clock(
         k, i = a.stage, a.microbatch
         key = (a.kind, k, i)
         if key not in posted:
-            before = done(waits[ranks[k]].before_post[position]) if waits is not None else 0.0
+            sends = waits[ranks[k]].before_post[position] if waits is not None else ()
+            before = done(sends) if sends else 0.0  # most actions wait for no send: no call
             if before is None:
                 return None
             posted[key] = max(free_at, before)
@@ -736,8 +789,9 @@ def _event_clock(
         moves = max(post, end) if on_demand else end
         arrived[key] = moves + delay
         if delay > 0:
-            transfers[key] = TimelineEvent(ranks[k], k, i, "A" if a.kind == "F" else "G", moves, arrived[key])
-        fused = done(waits[ranks[k]].with_post[position]) if waits is not None else 0.0
+            transfers[key] = make(ranks[k], k, i, "A" if a.kind == "F" else "G", moves, arrived[key])
+        sends = waits[ranks[k]].with_post[position] if waits is not None else ()
+        fused = done(sends) if sends else 0.0
         if fused is None:
             return None
         return max(post, arrived[key], fused)
@@ -745,8 +799,9 @@ def _event_clock(
     return done, start_at
 
 
-def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list[float]]
-                ) -> tuple[list[TimelineEvent], list[float], list[float], list[float]]:
+def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list[float]],
+                make: type[TimelineEvent] | type[_Span] = TimelineEvent
+                ) -> tuple[list[_Event], list[float], list[float], list[float]]:
     """Run every rank's torch order, one action at a time: the timeline's compute events followed by its
     transfers, and per rank when it is free after its last sends, its busy seconds and its receive waits."""
     name, p, m, v = shape.schedule, shape.num_ranks, shape.num_microbatches, shape.virtual_stages
@@ -760,10 +815,10 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
     # moment the send feeding it completes, for the sender's own waits)
     posted: dict[tuple[str, int, int], float] = {}
     arrived: dict[tuple[str, int, int], float] = {}
-    transfers: dict[tuple[str, int, int], TimelineEvent] = {}  # per receiving action: its message's crossing
-    done, start_at = _event_clock(shape, hop, forward_end, grad_end, posted, arrived, transfers)
+    transfers: dict[tuple[str, int, int], _Event] = {}  # per receiving action: its message's crossing
+    done, start_at = _event_clock(shape, hop, forward_end, grad_end, posted, arrived, transfers, make)
 
-    events: list[TimelineEvent] = []
+    events: list[_Event] = []
     free = [0.0] * p
     busy = [0.0] * p
     waited = [0.0] * p
@@ -790,7 +845,7 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
                     forward_end[action.stage][action.microbatch] = end
                 elif action.kind in ("B", "I"):
                     grad_end[action.stage][action.microbatch] = end
-                events.append(TimelineEvent(rank, action.stage, action.microbatch, action.kind, start, end))
+                events.append(make(rank, action.stage, action.microbatch, action.kind, start, end))
                 free[rank] = end
                 busy[rank] += took
                 position[rank] += 1
@@ -810,16 +865,18 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
     return events, free, busy, waited
 
 
-def _simulation(shape: ScheduleShape, events: list[TimelineEvent], free: list[float], busy: list[float],
-                waited: list[float], optimizer: np.ndarray | None, tied_sync_s: float) -> Simulation:
+def _simulation(shape: ScheduleShape, events: list[_Event], free: list[float], busy: list[float],
+                waited: list[float], optimizer: np.ndarray | None, tied_sync_s: float,
+                timeline: bool = True) -> Simulation:
     """The step after the schedule (tied all-reduce, optimizer steps) and the result: step time, idle shares
-    and the timeline sorted by start time."""
+    and the timeline sorted by start time (none without ``timeline``)."""
     p = shape.num_ranks
     _after_the_schedule(events, free, busy, shape.stage_ranks, optimizer, float(tied_sync_s))
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)
     bubble = sum(idle) / (p * step) if step > 0 else 0.0
-    events.sort(key=lambda e: (e.start_s, e.rank))
+    if timeline:
+        events.sort(key=lambda e: (e.start_s, e.rank))
     return Simulation(
         schedule=shape.schedule,
         num_ranks=p,
@@ -830,6 +887,6 @@ def _simulation(shape: ScheduleShape, events: list[TimelineEvent], free: list[fl
         idle_s=idle,
         bubble_fraction=bubble,
         peak_inflight=shape.peak_inflight,
-        timeline=tuple(events),
+        timeline=tuple(events) if timeline else (),  # type: ignore[arg-type]  # TimelineEvents where kept
         receive_wait_s=tuple(waited),
     )

@@ -261,6 +261,7 @@ def solve(
     memory_end_bytes: ArrayLike | None = None,
     memory_limit_bytes: ArrayLike | None = None,
     tie_break: bool = True,
+    min_limit: bool = True,
 ) -> Solution:
     """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage time.
 
@@ -284,7 +285,8 @@ def solve(
 
     Raises ``StageplanError`` on invalid input and ``InfeasiblePlanError`` (with
     ``min_memory_limit_bytes``, the smallest uniform limit that admits a plan) when no partition
-    fits the limits.
+    fits the limits; ``min_limit=False`` raises it without that limit (None), skipping the bisection that
+    finds it: for callers that ask only whether any split fits, such as the layout search.
 
     >>> solve([1, 2, 3, 4, 5, 6], 2).boundaries
     (0, 4, 6)
@@ -300,6 +302,9 @@ def solve(
     first = run_probe(inst, INF, INF)
     if not first.feasible:
         assert limits is not None
+        if not min_limit:
+            raise InfeasiblePlanError(f"no partition of {c.size} layers into {p} stages fits "
+                                      f"{format_limits(limits, 'stage')}")
         _raise_infeasible(inst, limits)
     assert first.bounds is not None
 

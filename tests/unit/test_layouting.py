@@ -176,3 +176,20 @@ def test_the_torchtitan_export_uses_that_releases_fields_only(profile_path: str)
     assert data["training"]["local_batch_size"] * 2 == 16  # b x m per replica
     split = data["parallelism"]["pipeline_parallel_split_points"]
     assert split == [lay.plan.layer_names[b] for b in lay.plan.boundaries[1:-1]]  # type: ignore[union-attr]
+
+
+def test_cli_no_fit_gives_the_limit_and_the_device_count_that_fit_in_one_line(
+        profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal's remedies are computed: each of them, given back to the CLI, lays the model out."""
+    import re
+
+    args = ["layout", profile_path, "--global-batch-size", "16", "--quiet", *LINKS]
+    assert main([*args, "--devices", "8", "--memory-limit", "1.5GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "no layout of 8 devices fits 1.50 GiB per device" in err
+    remedy = re.search(r"raise --memory-limit to (?P<limit>[\d.]+GiB), or use --devices (?P<n>\d+)$",
+                       err.strip())
+    assert remedy is not None, err
+    assert main([*args, "--devices", "8", "--memory-limit", remedy["limit"]]) == 0
+    assert main([*args, "--devices", remedy["n"], "--memory-limit", "1.5GiB"]) == 0

@@ -8,7 +8,14 @@ import pytest
 from stageplan.errors import InfeasiblePlanError, StageplanError
 from stageplan.formats.layout import Candidate, Layout
 from stageplan.formats.profile import LayerProfile, Profile
-from stageplan.planning.layouts import Network, lower_bounds, prepare_profile, scale_profile, search_layouts
+from stageplan.planning.layouts import (
+    Network,
+    _Point,
+    lower_bounds,
+    prepare_profile,
+    scale_profile,
+    search_layouts,
+)
 from stageplan.planning.planner import plan
 from stageplan.planning.sharding import bytes_per_param
 
@@ -86,7 +93,6 @@ def test_memory_bound_is_below_every_split_brute_force() -> None:
     import itertools
 
     from stageplan.planning.costs import LayerArrays
-    from stageplan.planning.layouts import _Point
 
     prof = lm_profile(blocks=5)
     L = len(prof)
@@ -195,8 +201,9 @@ def test_refusals_name_the_rule_and_the_remedy() -> None:
     with pytest.raises(StageplanError, match=r"the layout search prices GPipe, 1F1B, Interleaved1F1B, got "
                                              r"'ZBVZeroBubble'"):
         search(schedules=["ZBVZeroBubble"])
-    with pytest.raises(InfeasiblePlanError, match=r"no layout of 8 devices fits 512.00 MiB per device .*the "
-                                                  r"closest, .* needs .*; raise --memory-limit"):
+    with pytest.raises(InfeasiblePlanError, match=r"no layout of 8 devices fits 512.00 MiB per device "
+                                                  r"\(176 candidates\): the smallest memory limit that "
+                                                  r"admits one is .*; raise --memory-limit to "):
         search(memory_limit_bytes=512 * 1024**2)
     with pytest.raises(StageplanError, match=r"the device count must be an integer >= 1, got 0"):
         search(n=0)
@@ -236,3 +243,183 @@ def test_the_pipeline_goes_inside_the_data_groups_where_that_is_faster() -> None
     assert "--use-tp-pp-dp-mapping" in lay.export("megatron")
     with pytest.raises(StageplanError, match=r"torchtitan's mesh puts the pipeline outermost"):
         lay.export("torchtitan")
+
+
+def _small_grid_points() -> list[_Point]:
+    """Every schedule, recompute setting and sharding of a small grid (8 layers): up to 6 chunks."""
+    import itertools
+
+    from stageplan.formats.schedule import check_microbatches
+
+    points = []
+    for sched, rc, (p, v), m, (sh, d) in itertools.product(
+            ["GPipe", "1F1B", "Interleaved1F1B"], [False, True], [(2, 1), (3, 1), (2, 2), (2, 3), (3, 2)],
+            [2, 3, 4, 6], [("ddp", 1), ("zero1", 2), ("fsdp", 2), ("ddp", 2)]):
+        if (v > 1) != (sched == "Interleaved1F1B"):
+            continue
+        try:
+            check_microbatches(sched, p, m, v)
+        except StageplanError:
+            continue
+        points.append(_Point(1, p, d, 1, m, sched, v, rc, sh))
+    return points
+
+
+def test_memory_and_step_bounds_are_below_every_split_brute_force() -> None:
+    """Each bound against brute force, on every split of an 8-layer model (an embedding, six blocks with one
+    heavier, a head carrying three blocks' activations) into p x v chunks: the closed-form memory floor, the
+    split bound (split_memory_bounds: both weightings, the warm-up counts) and the step bound are at most
+    the least the pricing itself finds over the splits (its fullest device, zero1's whole tensors included,
+    and its closed-form step)."""
+    import itertools
+
+    from stageplan.planning.costs import LayerArrays
+    from stageplan.planning.layouts import _prepared, _rank_memory, _Search, price, split_memory_bounds
+
+    prof = lm_profile(blocks=6)
+    L = len(prof)
+    prepared = _prepared({(1, 1): prof}, NET, [1], [1], False)
+    prep = prepared[(1, 1)]
+    checked = 0
+    for pt in _small_grid_points():
+        search = _Search(prepared, pt.p * pt.d, 16, NET, None, "bf16-mixed", "param", "adam")
+        arr = LayerArrays.of(prep.profile, pt.m)
+        opts = search.options(pt, prep.profile)
+        per = bytes_per_param("bf16-mixed", "adam", pt.sharding, pt.d).total
+        step_lb, mem_lb = lower_bounds(arr, pt, per, opts.bandwidth_bytes_per_s)
+        (split_lb,) = split_memory_bounds([(arr, pt, per)])
+        least_memory = least_step = float("inf")
+        for cut in itertools.combinations(range(1, L), opts.num_chunks - 1):
+            bounds = (0, *cut, L)
+            least_memory = min(least_memory, max(_rank_memory(search, prep.profile, arr, bounds, opts)[0]))
+            least_step = min(least_step, price(search, pt, prep, arr, opts, bounds, 0.0).step_s)
+        assert mem_lb <= least_memory * (1 + 1e-12), (pt, mem_lb, least_memory)
+        assert split_lb <= least_memory * (1 + 1e-12), (pt, split_lb, least_memory)
+        assert step_lb <= least_step * (1 + 1e-12), (pt, step_lb, least_step)
+        checked += 1
+    assert checked > 100
+
+
+def test_the_split_bound_is_tight_where_the_closed_form_is_not() -> None:
+    """Interleaved without recompute: the closed form counts one microbatch in flight; the split bound counts
+    each rank's warm-up, and piling the layers onto the last chunk (one microbatch) costs its rank as much."""
+    import itertools
+
+    from stageplan.planning.costs import LayerArrays
+    from stageplan.planning.layouts import _prepared, _rank_memory, _Search, split_memory_bounds
+
+    prof = lm_profile(blocks=12)
+    prepared = _prepared({(1, 1): prof}, NET, [1], [1], False)
+    search = _Search(prepared, 4, 8, NET, None, "bf16-mixed", "param", "adam")
+    pt = _Point(1, 4, 1, 1, 8, "Interleaved1F1B", 2, False, "ddp")
+    arr = LayerArrays.of(prof, 8)
+    opts = search.options(pt, prof)
+    per = bytes_per_param("bf16-mixed", "adam").total
+    _, closed = lower_bounds(arr, pt, per)
+    (split,) = split_memory_bounds([(arr, pt, per)])
+    best = min(max(_rank_memory(search, prof, arr, (0, *cut, len(prof)), opts)[0])
+               for cut in itertools.combinations(range(1, len(prof)), 7))
+    assert closed < 0.6 * best
+    assert 0.75 * best < split <= best * (1 + 1e-12)
+
+
+def test_warmup_counts_are_a_moment_of_each_ranks_order() -> None:
+    """The counts the split bound weights each chunk by are one of the moments the pricing takes each rank's
+    activation peak over (counts_shape), and of torch's whole order (schedule_shape)."""
+    import numpy as np
+
+    from stageplan.formats.schedule import check_microbatches
+    from stageplan.planning.schedules import counts_shape, schedule_shape, warmup_counts
+
+    checked = 0
+    for sched in ("GPipe", "1F1B", "Interleaved1F1B"):
+        for p in range(1, 6):
+            for m in range(1, 17):
+                for v in (range(2, 5) if sched == "Interleaved1F1B" else [1]):
+                    try:
+                        check_microbatches(sched, p, m, v)
+                    except StageplanError:
+                        continue
+                    counts = warmup_counts(sched, p, m, v)
+                    for shape in (counts_shape(sched, p, m, v), schedule_shape(sched, p, m, v)):
+                        for r, moments in enumerate(shape._forward_counts):
+                            mine = np.asarray(shape.stage_ranks) == r
+                            assert any(np.array_equal(k[mine], counts[mine]) for k in moments), (p, m, v)
+                    checked += 1
+    assert checked > 150
+
+
+@pytest.mark.parametrize("limit", [None, 8 * GiB, 5 * GiB, 3.2 * GiB, 2.6 * GiB])
+def test_the_bounds_keep_the_exhaustive_ranking(limit: float | None) -> None:
+    """Every bound on (the closed forms, the split bound, the solver's least bottleneck) against every bound
+    off, on a grid of two tensor degrees, two microbatch sizes, every schedule, recompute and sharding: the
+    same best, the same first --top candidates in the same order with the same steps, simulated steps and
+    splits, and the same plan."""
+    profiles = {(1, 1): lm_profile(), (2, 1): lm_profile(b=2),
+                (1, 2): lm_profile(block_params=10_000_000, act=250_000_000),
+                (2, 2): lm_profile(b=2, block_params=10_000_000, act=250_000_000)}
+    kw: dict[str, object] = {"global_batch_size": 16, "network": NET, "memory_limit_bytes": limit,
+                             "tensor_parallel": [1, 2], "microbatch_sizes": [1, 2], "top": 5}
+    try:
+        full = search_layouts(profiles, 8, bounds=False, **kw)  # type: ignore[arg-type]
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as pruned_exc:
+            search_layouts(profiles, 8, **kw)  # type: ignore[arg-type]
+        assert str(pruned_exc.value) == str(exc)
+        return
+    pruned = search_layouts(profiles, 8, **kw)  # type: ignore[arg-type]
+    assert pruned.counts["priced"] < full.counts["priced"] == full.counts["grid"]
+
+    def ranked(lay: Layout) -> list[tuple[object, ...]]:
+        return [(c.degrees, c.placement, c.step_s, c.simulated_step_s, c.boundaries, c.peak_memory_bytes)
+                for c in lay.candidates[:5]]
+
+    assert ranked(pruned) == ranked(full)
+    assert pruned.plan is not None and full.plan is not None
+    assert pruned.plan.boundaries == full.plan.boundaries
+    assert pruned.plan.predicted_step_s == full.plan.predicted_step_s
+
+
+def test_no_fit_names_the_smallest_limit_and_device_count_that_admit_a_layout() -> None:
+    """The limit and the device count in the refusal are computed: the search finds a layout at that limit and
+    none a hair below it; at that device count and none of the counts tried before it."""
+    import re
+
+    from stageplan.units import parse_bytes
+
+    limit = 1.5 * GiB
+    with pytest.raises(InfeasiblePlanError) as exc:
+        search(memory_limit_bytes=limit)
+    text = str(exc.value)
+    assert "\n" not in text
+    found = re.fullmatch(r"no layout of 8 devices fits 1.50 GiB per device \(176 candidates\): the "
+                         r"smallest memory limit that admits one is [\d.]+ GiB \((?P<one>[^)]*)\); the "
+                         r"smallest device count that admits one at 1.50 GiB is (?P<n>\d+) "
+                         r"\((?P<other>[^)]*)\); raise --memory-limit to (?P<up>[\d.]+GiB), or use --devices "
+                         r"(?P=n)", text)
+    assert found is not None, text
+    need = exc.value.min_memory_limit_bytes
+    assert need is not None and limit < need <= parse_bytes(found["up"]) < need * 1.01
+    at = search(memory_limit_bytes=need)
+    assert at.best.peak_memory_bytes is not None and at.best.peak_memory_bytes <= need
+    assert at.best.degrees == found["one"]
+    assert search(memory_limit_bytes=parse_bytes(found["up"])).best.feasible
+    with pytest.raises(InfeasiblePlanError):
+        search(memory_limit_bytes=need * (1 - 1e-5))
+    n = int(found["n"])
+    assert search(n=n, memory_limit_bytes=limit).best.degrees == found["other"]
+    for fewer in range(12, n, NET.devices_per_node):  # whole nodes of 4 above 8 devices
+        with pytest.raises(StageplanError, match=r"no layout of \d+ devices fits"):
+            search(n=fewer, memory_limit_bytes=limit)
+
+
+def test_no_fit_where_a_layers_activations_overflow_any_device_count() -> None:
+    with pytest.raises(InfeasiblePlanError) as exc:
+        search(memory_limit_bytes=512 * 1024**2)
+    assert ("a layer's activations for one microbatch alone take 1.12 GiB in every layout: the sequence "
+            "does not fit without context parallelism, which stageplan does not model, at any device count; "
+            "raise --memory-limit to ") in str(exc.value)
+    need = exc.value.min_memory_limit_bytes
+    assert need is not None and search(memory_limit_bytes=need).best.feasible
+    with pytest.raises(InfeasiblePlanError):
+        search(memory_limit_bytes=need * (1 - 1e-5))
