@@ -214,6 +214,7 @@ _CAL = "`make bench` (calibration)"
 _PROF = "`make bench` (profiler)"
 _SOLVER = "`make bench` (solver)"
 _LAYOUT = "`make bench` (layout)"
+_REPL = "`make bench` (replicas)"
 
 TABLES: dict[str, Sequence[Row] | None] = {
     "runs": None,  # the records themselves
@@ -288,6 +289,19 @@ TABLES: dict[str, Sequence[Row] | None] = {
             command=_LAYOUT),
         Row("64 devices, every bound off: the same best (1 = yes)", "layout", "proof_64_same_best", number,
             worst="min", goal=1.0, command=_LAYOUT),
+    ],
+    "replicas": [
+        Row("replicas, skewed GPT, 2 ranks (2 x 1, and 1 x 2 under ddp, zero1, fsdp): step |measured ÷ "
+            "predicted − 1|, median over the runs", "replicas", "step_error_median", goal=0.15,
+            command=_REPL),
+        Row("the same: each rank's data-parallel sync, priced with the measured link, median", "replicas",
+            "sync_error_median", goal=0.25, command=_REPL),
+        Row("1 GB GPT 2 x 2, Adam, ddp/zero1/fsdp: held ÷ plan by kind (parameters, gradients, shards, "
+            "states), worst |error|", "replicas", "memory_kind_error_worst", goal=0.15, command=_REPL),
+        Row("the same: resident memory above each rank's baseline ÷ the plan's total, worst |error|",
+            "replicas", "memory_rss_error_worst", goal=0.20, command=_REPL),
+        Row("2 x 2 (four ranks on two cores, information): ddp step, measured ÷ predicted", "replicas",
+            "step_ratio_2x2_ddp", times, command=_REPL),
     ],
     "calibration": [
         Row("cross-split prediction after one calibration, median |measured ÷ predicted − 1|", "calibration",

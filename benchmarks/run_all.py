@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_executor
 import bench_layout
 import bench_profiler
+import bench_replicas
 import bench_simulator
 import bench_solver
 import results
@@ -21,7 +22,7 @@ if __name__ == "__main__":
     start, t0 = results.host(), time.perf_counter()
     sections: dict[str, dict[str, float | int | None]] = {}
     benches = {"solver": bench_solver, "simulator": bench_simulator, "profiler": bench_profiler,
-               "executor": bench_executor, "layout": bench_layout}
+               "executor": bench_executor, "layout": bench_layout, "replicas": bench_replicas}
     # `python benchmarks/run_all.py layout` runs (and records) only the named sections; `make bench` runs all
     wanted = sys.argv[1:] or list(benches)
     unknown = [w for w in wanted if w not in benches]

@@ -685,7 +685,9 @@ def _cmd_run(a: argparse.Namespace) -> int:
             report = run(a.model, the_plan, factory_options=factory_options, output=a.output,
                          log_dir=a.log_dir, weights=a.weights, progress=not a.quiet, **kwargs)
         except RunInterrupted as exc:  # Ctrl-C: the steps measured until then, marked partial
-            if exc.report is not None:
+            from stageplan.formats.runreport import RunReport
+
+            if isinstance(exc.report, RunReport):
                 print(run_table(exc.report, explain=a.explain))
             kept = (f"; partial report written to {exc.output}" if exc.output else
                     "; give -o FILE to keep the partial report" if exc.report is not None else "")

@@ -1,12 +1,10 @@
 """The one error family of stageplan: every message states the rule, the values and the remedy.
 
-This module imports nothing of stageplan's (it is a leaf), so every other module, the pure solver included,
+This module imports nothing (it is a leaf), so every other module, the pure solver included,
 may raise these errors.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 
 class StageplanError(ValueError):
@@ -53,7 +51,7 @@ class RunInterrupted(KeyboardInterrupt):
     ``report.meta["partial"]`` (None when no measured step had finished), and ``output`` the file it was
     written to (None when it was not written). A KeyboardInterrupt, so code that catches Ctrl-C still does."""
 
-    def __init__(self, message: str, *, report: Any = None, output: str | None = None) -> None:
+    def __init__(self, message: str, *, report: object = None, output: str | None = None) -> None:
         super().__init__(message)
         self.report = report
         self.output = output

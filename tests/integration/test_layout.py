@@ -48,8 +48,8 @@ def test_reference_case_llama3_70b_on_64_h100(llama3_70b: dict) -> None:
 
 
 def test_exhaustive_pricing_picks_the_same_best_on_16_devices(llama3_70b: dict) -> None:
-    # 16 x 80 GiB hold no layout of this model at sequence 8192 (the closest needs 102.7 GiB): a larger device
-    # keeps the memory bound in play
+    # 16 x 80 GiB hold no layout of this model at sequence 8192 (the smallest limit that admits one is 89.85
+    # GiB): a larger device keeps the memory bound in play
     kw = dict(global_batch_size=32, network=Network(8, 450e9, 50e9), memory_limit_bytes=160 * GiB,
               sequence_parallel=True, microbatch_sizes=[1, 2], top=5)
     pruned = search_layouts(llama3_70b, 16, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,130 @@
+"""A layout's replicas run against their prediction: time on 2 ranks, memory on 4.
+
+Time: the skewed GPT (gpt --set vocab_size=16384, microbatch 2), 1F1B, m = 4, on 2 local ranks, one per
+core: pp x dp = 2 x 1, and 1 x 2 under ddp, zero1 and fsdp, the replicas' sync priced with the link
+measured here (stageplan link). Each run's |measured / predicted - 1| of the step, and of each rank's
+data-parallel sync.
+The 2 x 2 runs (four ranks on two cores) are printed as information.
+
+Memory: a 12-block GPT of width 1280 (about 1 GB of fp32 weights, estimated on fake tensors: its bytes are
+exact) planned 2 x 2 with Adam under each sharding, run 1 step after 1 warm-up: each rank's parameters,
+gradients, shards and optimizer states held against the plan's, by kind, and its resident memory above its
+baseline against the plan's total.
+
+Run alone: python benchmarks/bench_replicas.py [--no-memory]."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from stageplan.planning.planner import plan
+from stageplan.profiling.profiler import profile_model
+from stageplan.running.launch import measure_link, run
+from stageplan.zoo import build_workload
+
+SKEWED = {"vocab_size": 16384}
+SHARDINGS = ("ddp", "zero1", "fsdp")
+KINDS = ("params", "grads", "master", "optimizer")
+
+
+def _err(measured: float | None, predicted: float | None) -> float | None:
+    return abs(measured / predicted - 1) if measured is not None and predicted else None
+
+
+def _time(tmp: Path) -> dict[str, float | int | None]:
+    figures: dict[str, float | int | None] = {}
+    prof = profile_model(build_workload("gpt", SKEWED), microbatch_size=2, warmup=2, repeats=5)
+    link = measure_link(2, output=tmp / "link.json")
+    steps, syncs = [], []
+    for p, d, sharding in [(2, 1, "ddp"), *((1, 2, s) for s in SHARDINGS)]:
+        pl = plan(prof, p, num_microbatches=4, data_parallel=d, sharding=sharding, link=link)
+        report = run("gpt", pl, factory_options={**SKEWED, "batch_size": 8 * d}, steps=10, warmup=2,
+                     retime=False, timeout_s=600)
+        step = _err(report.measured_step_s, report.predicted_step_s)
+        steps.append(step)
+        rows = [*report.ranks, *report.replicas]
+        if d > 1:
+            sync = [_err(r.get("measured_dp_sync_s"), r.get("predicted_dp_sync_s")) for r in rows]
+            syncs += [s for s in sync if s is not None]
+        print(f"{p} x {d} {sharding}: step predicted {report.predicted_step_s * 1e3:.1f} ms, measured "
+              f"{report.measured_step_s * 1e3:.1f} ms (|error| {step:.1%}); sync measured/predicted ms "
+              + ", ".join(f"{(r.get('measured_dp_sync_s') or 0) * 1e3:.2f}/"
+                          f"{(r.get('predicted_dp_sync_s') or 0) * 1e3:.2f}" for r in rows)
+              + f"; load {report.meta.get('load_average_1min', 0):.2f}", flush=True)
+        figures[f"step_error_{p}x{d}_{sharding}"] = step
+    figures["step_error_median"] = statistics.median(s for s in steps if s is not None)
+    figures["sync_error_median"] = statistics.median(syncs) if syncs else None
+    print(f"step |error| median over the 2-rank runs {figures['step_error_median']:.1%} (goal 15%); sync "
+          f"|error| median {figures['sync_error_median']:.1%} (goal 25%)", flush=True)
+    for sharding in SHARDINGS:  # information: four ranks share two cores
+        pl = plan(prof, 2, num_microbatches=4, data_parallel=2, sharding=sharding, link=link)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the oversubscription warning: said in the line below
+            report = run("gpt", pl, factory_options={**SKEWED, "batch_size": 16}, steps=6, warmup=2,
+                         retime=False, timeout_s=600)
+        cpu = statistics.median(r["measured_compute_cpu_s"] for r in report.ranks)
+        wall = statistics.median(r["measured_compute_s"] for r in report.ranks)
+        figures[f"step_ratio_2x2_{sharding}"] = report.step_ratio
+        print(f"2 x 2 {sharding} (information: 4 ranks on 2 cores): step ratio {report.step_ratio:.2f}, "
+              f"compute per microbatch wall {wall * 1e3:.2f} ms, thread CPU {cpu * 1e3:.2f} ms, load "
+              f"{report.meta.get('load_average_1min', 0):.2f}", flush=True)
+    return figures
+
+
+def _memory(tmp: Path) -> dict[str, float | int | None]:
+    figures: dict[str, float | int | None] = {}
+    options = {"n_layer": 12, "d_model": 1280, "n_head": 16, "seq_len": 64, "batch_size": 8}
+    # estimated on fake tensors (exact bytes, GPU times that do not matter here), labelled as this CPU's so
+    # that run takes it: this bench reads memory only
+    from stageplan.profiling.profiler import build_workload_for_profile
+
+    workload = build_workload_for_profile("gpt", options, device="estimate:h100-sxm", dtype="float32")
+    prof = profile_model(workload, microbatch_size=2, device="estimate:h100-sxm", dtype="float32")
+    data = prof.to_json()
+    data["meta"].update(device="cpu", timer="perf_counter")
+    (tmp / "big.json").write_text(json.dumps(data))
+    weights = sum(x.param_bytes for x in prof.layers)
+    print(f"memory: gpt {options}: {weights / 1e9:.2f} GB of fp32 weights, 2 x 2 ranks, Adam", flush=True)
+    kind_errors, rss_errors = [], []
+    for sharding in SHARDINGS:
+        pl = plan(str(tmp / "big.json"), 2, num_microbatches=4, data_parallel=2, sharding=sharding,
+                  optimizer="adam")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = run("gpt", pl, factory_options={**options, "batch_size": 16}, steps=1, warmup=1,
+                         retime=False, timeout_s=1800)
+        for r in sorted([*report.ranks, *report.replicas], key=lambda r: r["global_rank"]):
+            held, want = r["measured_memory_by_kind"], r["predicted_memory_by_kind"]
+            errors = {k: _err(float(held.get(k, 0)), want.get(k)) for k in KINDS if want.get(k)}
+            kind_errors += [e for e in errors.values() if e is not None]
+            rss = _err(r.get("measured_run_memory_bytes"), r.get("predicted_memory_bytes"))
+            if rss is not None:
+                rss_errors.append(rss)
+            print(f"  {sharding} rank ({r['mesh']['pp']},{r['mesh']['dp']}): "
+                  + ", ".join(f"{k} {float(held.get(k, 0)) / 2**20:.0f}/{want.get(k, 0) / 2**20:.0f} MiB"
+                              for k in KINDS)
+                  + f"; RSS above baseline {(r.get('measured_run_memory_bytes') or 0) / 2**20:.0f} MiB, plan "
+                  f"{r['predicted_memory_bytes'] / 2**20:.0f} MiB", flush=True)
+    figures["memory_kind_error_worst"] = max(kind_errors) if kind_errors else None
+    figures["memory_rss_error_worst"] = max(rss_errors) if rss_errors else None
+    print(f"memory by kind: worst |held / plan - 1| {figures['memory_kind_error_worst']:.1%} (goal 15%); RSS "
+          f"above baseline: worst {figures['memory_rss_error_worst']:.1%} (goal 20%)", flush=True)
+    return figures
+
+
+def main(memory: bool = True) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        figures = _time(Path(tmp))
+        if memory:
+            figures.update(_memory(Path(tmp)))
+    return figures
+
+
+if __name__ == "__main__":
+    main(memory="--no-memory" not in sys.argv)
