@@ -286,7 +286,10 @@ def _warn_precision(plan: Plan) -> None:
     import warnings
 
     precision = plan.cost_options.get("precision")
-    if precision:
+    # a plan of sharded replicas counts bytes at the profiled dtype's own precision (fp32 for float32): what
+    # the run trains in
+    own = {"float32": "fp32", "bfloat16": "bf16"}.get(str(plan.profile_meta.get("dtype")))
+    if precision and precision != own:
         warnings.warn(f"the plan counts memory for {precision} training; this run trains the model in its "
                       "own dtype without mixed precision, so measured memory is not comparable with the "
                       "plan's", stacklevel=3)

@@ -312,3 +312,15 @@ def test_the_runs_step_lines_say_how_long_is_left(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err.splitlines() == ["run: step 1/20 50.0 ms (about 1 s left)",
                                                     "run: step 20/20 50.0 ms",
                                                     "run: step 100/600 1000.0 ms (about 8 min 20 s left)"]
+
+
+def test_a_run_warns_of_memory_counted_at_another_precision_only() -> None:
+    """A plan at bf16-mixed counts memory a float32 run does not hold: said. A plan of sharded replicas counts
+    bytes at the profiled dtype's own precision (fp32), which the run trains in: nothing to say."""
+    prof = Profile(tuple(LayerProfile(f"l{i}", 1e-3, 1e-3, 64, 256, 64) for i in range(4)),
+                   meta={"batch_size": 8, "microbatch_size": 2, "dtype": "float32"})
+    with pytest.warns(UserWarning, match=r"the plan counts memory for bf16-mixed training"):
+        launch._warn_precision(plan(prof, 2, num_microbatches=4, precision="bf16-mixed"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._warn_precision(plan(prof, 2, num_microbatches=4, data_parallel=2, sharding="zero1"))
