@@ -8,7 +8,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
@@ -41,9 +41,9 @@ class InterleavedSolution:
     ``bottleneck == max(rank_loads)``. ``lower_bound`` is a proven lower bound on the optimal
     bottleneck (equal to ``bottleneck`` when ``optimal``). ``chunk_memory`` holds bytes per chunk (with live
     counts, each chunk at its own activation peak: a rank's chunks need not peak at once, so their sum bounds
-    the rank's memory from above). ``timed_out`` is True when the MILP stopped at ``time_limit_s`` (then
-    ``optimal``
-    is False unless a split it had found is proven to share the optimum's bottleneck).
+    the rank's memory from above). ``timed_out`` is True when the MILP stopped at ``time_limit_s`` or at its
+    ``node_limit`` (then ``optimal`` is False unless a split it had found is proven to share the optimum's
+    bottleneck). ``nodes``: the branch-and-bound nodes HiGHS solved (0 where no MILP ran).
     """
 
     boundaries: tuple[int, ...]
@@ -53,6 +53,7 @@ class InterleavedSolution:
     optimal: bool
     chunk_memory: tuple[float, ...] | None
     timed_out: bool = False
+    nodes: int = 0
 
 
 def _chunk_values(
@@ -112,6 +113,8 @@ def solve_interleaved(
     memory_end_bytes: ArrayLike | None = None,
     activation_bytes: ArrayLike | None = None,
     live_counts: Sequence[Sequence[Sequence[int]]] | None = None,
+    node_limit: int | None = None,
+    incumbent: Sequence[int] | None = None,
 ) -> InterleavedSolution:
     """Split layers into ``p*v`` contiguous non-empty chunks, chunk c on rank ``placement[c]`` (default ``c %
     p``, torch's looped schedules; ZBVZeroBubble's V is ``0..p-1, p-1..0``), minimising the largest rank load
@@ -133,6 +136,13 @@ def solve_interleaved(
     (not canonical; repeatable when HiGHS finishes within the time limit). Each MILP (the plan,
     and on infeasibility the smallest limit) gets ``time_limit_s``; under memory limits, so does each of the
     incumbent's two slide searches (:class:`_Slides`: towards fitting, then faster).
+
+    ``node_limit`` (an int >= 1) also bounds each MILP by HiGHS's branch-and-bound nodes: a deterministic
+    budget (the same input, the same answer) where ``time_limit_s`` is set beyond what that many nodes take.
+    ``incumbent``: boundaries (p*v + 1 of them) of a split known already, e.g. the contiguous split chunk by
+    chunk; where it fits it replaces the heuristic incumbent's search (only the single-layer moves of
+    :func:`_improve_interleaved` descend from it) and bounds the MILP, so the split returned is never slower
+    than it.
 
     >>> solve_interleaved([1, 1, 1, 1], 2, 2).rank_loads
     (2.0, 2.0)
@@ -163,6 +173,16 @@ def solve_interleaved(
     ):
         raise StageplanError(
             f"time_limit_s must be a number > 0, got {time_limit_s!r}; pass seconds, e.g. 2.0")
+    if node_limit is not None and (isinstance(node_limit, bool)
+                                   or not isinstance(node_limit, (int, np.integer)) or node_limit < 1):
+        raise StageplanError(f"node_limit must be an int >= 1 or None, got {node_limit!r}; e.g. 200")
+    given = None
+    if incumbent is not None:
+        given = [int(x) for x in incumbent]
+        if len(given) != C + 1 or given[0] != 0 or given[-1] != L or any(
+                a >= b for a, b in zip(given, given[1:], strict=False)):
+            raise StageplanError(f"incumbent must be {C + 1} increasing boundaries from 0 to {L}, got "
+                                 f"{list(incumbent)}")
 
     if v == 1:
         return _solve_one_chunk_per_rank(c, p, speeds, place, bc, memory, limits, start, end, live)
@@ -172,7 +192,7 @@ def solve_interleaved(
         time_end = np.array(bc) * speeds[place][:, None]
         time_end[C - 1] = 0.0  # the last chunk sends nothing
     return _solve_interleaved_milp(c, p, v, speeds, memory, limits, float(time_limit_s), place, time_end, bc,
-                                   start, end, live)
+                                   start, end, live, node_limit, given)
 
 
 def _validated_placement(placement: Sequence[int] | None, p: int, v: int) -> list[int]:
@@ -316,6 +336,8 @@ def _solve_interleaved_milp(
     start: FloatArray | None,
     end: FloatArray | None,
     live: LiveActivations | None = None,
+    node_limit: int | None = None,
+    given: list[int] | None = None,
 ) -> InterleavedSolution:
     trivial = lower_bound(c, speeds)
     static = memory
@@ -324,16 +346,23 @@ def _solve_interleaved_milp(
         memory = memory + live.upper_activations
     split = _Split(c, p, v, speeds, static, memory, limits, time_limit_s, place, time_end, bc, start, end,
                    live)
-    heur, upper = _incumbent(split)
+    if given is not None and split.fits(given):
+        heur = _improve_interleaved(split.time_rows, p, speeds, static, limits, given, place, None, time_end,
+                                    start, end, live)
+        if not (split.fits(heur) and split.bottleneck_of(heur) <= split.bottleneck_of(given)):
+            heur = given
+        upper = split.bottleneck_of(heur)
+    else:
+        heur, upper = _incumbent(split)
     heur_ok = bool(heur)
 
     result = interleaved_milp(c, p, v, speeds, static, limits, "time", upper, trivial, time_limit_s, place,
-                              time_end,
-                               start, end, live)
+                              time_end, start, end, live, node_limit=node_limit)
     if result.infeasible and not heur_ok:
-        _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live)
-    return _best_split(split, (result.bounds, result.unchecked), result.optimal, heur, trivial,
-                       result.dual_bound, result.timed_out)
+        _raise_interleaved_infeasible(c, p, v, static, limits, time_limit_s, place, start, end, live,
+                                      node_limit)
+    return replace(_best_split(split, (result.bounds, result.unchecked), result.optimal, heur, trivial,
+                               result.dual_bound, result.timed_out), nodes=result.nodes)
 
 
 def _incumbent_starts(s: _Split) -> list[list[int]]:
@@ -712,6 +741,7 @@ class _Slides:
 def _raise_interleaved_infeasible(
     c: FloatArray, p: int, v: int, memory: FloatArray | None, limits: FloatArray | None, time_limit_s: float,
     place: list[int], start: FloatArray | None, end: FloatArray | None, live: LiveActivations | None = None,
+    node_limit: int | None = None,
 ) -> NoReturn:
     assert memory is not None and limits is not None
     L = c.size
@@ -719,7 +749,7 @@ def _raise_interleaved_infeasible(
     # HiGHS's proof with presolve is checked without it (interleaved_milp): with it alone, HiGHS (scipy
     # 1.17.1) called a split 1 B above the optimum optimal on a 7-layer ZBV instance (35 B against 34 B)
     res = interleaved_milp(c, p, v, np.ones(p), memory, None, "memory", INF, 0.0, time_limit_s, place, None,
-                            start, end, live)
+                           start, end, live, node_limit=node_limit)
     if res.optimal and res.bounds:
         needed = min(float(_exact_rank_memory(memory, live, found, place, p, start, end).max())
                      for found in (res.bounds, res.unchecked) if found)

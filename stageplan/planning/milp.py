@@ -20,6 +20,7 @@ _VERIFY = 1e-6  # a split better than HiGHS's proven optimum by more than this (
 _CHECK_MIN_S = 0.5  # the least time the check of a proof gets (within the time limit)
 # scipy.optimize.milp's status when HiGHS ends in an error (0 optimal, 1 limit, 2 infeasible)
 _HIGHS_SOLVE_ERROR = 4
+_NODE_LIMIT_MESSAGE = "Solution limit reached"  # HiGHS's text for status 16, kSolutionLimit
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,10 @@ class _MilpResult:
     optimal: bool
     infeasible: bool
     dual_bound: float  # in the unscaled unit of the objective (time or bytes); -inf when unknown
-    timed_out: bool = False  # HiGHS stopped at its time limit
+    timed_out: bool = False  # HiGHS stopped at its time or node limit
     # the split HiGHS proved with presolve, when the check found a better one
     unchecked: list[int] | None = None
+    nodes: int = 0  # branch-and-bound nodes HiGHS solved (the check's included)
 
 
 def interleaved_milp(
@@ -74,6 +76,7 @@ def interleaved_milp(
     mem_end: FloatArray | None = None,
     live: LiveActivations | None = None,
     presolve: bool = True,
+    node_limit: int | None = None,
 ) -> _MilpResult:
     """Solve with HiGHS (``presolve``: HiGHS's own reductions first, its default). u[l, c] = 1 iff layer l
     sits in chunk >= c (c = 1..C-1): a staircase, non-decreasing in l, rising by at most one per layer, so
@@ -83,7 +86,9 @@ def interleaved_milp(
     starts chunk c >= 1 iff u[l, c] - u[l-1, c] = 1. ``time_end`` is a chunk's boundary time at its last
     layer, already times its rank's speed. With ``live``, ``memory`` holds the static bytes only and each rank
     gets one memory row per live-count vector (its chunks' static bytes + sum_c count_c x activation bytes of
-    chunk c): the exact activation peak, not a bound."""
+    chunk c): the exact activation peak, not a bound. ``node_limit`` bounds each HiGHS solve by its
+    branch-and-bound nodes as well as by ``time_limit_s``: with a time limit HiGHS never reaches, the answer
+    depends on the node limit alone (HiGHS's MIP search is deterministic for a given model and options)."""
     L = costs.size
     C = p * v
     rows = _Rows(L, C, p, place)
@@ -113,12 +118,12 @@ def interleaved_milp(
         ub[z] = INF
         scale = mem_scale
     model = _Model(L, rows.nc, z, lb, ub, rows.matrix(), np.asarray(rows.lo), np.asarray(rows.hi))
-    res, unchecked = _solve_checked(model, presolve, time_limit_s)
+    res, unchecked, nodes = _solve_checked(model, presolve, time_limit_s, node_limit)
     dual = res.get("mip_dual_bound")
     dual_bound = float(dual) * scale if dual is not None and np.isfinite(dual) else -INF
     bounds = model.split_of(res)
     return _MilpResult(bounds, res.status == 0 and bounds is not None, res.status == 2, dual_bound,
-                       res.status == 1, unchecked)
+                       res.status == 1, unchecked, nodes)
 
 
 def _variable_bounds(L: int, C: int) -> tuple[FloatArray, FloatArray]:
@@ -266,18 +271,27 @@ class _Model:
         return cand if all(b1 < b2 for b1, b2 in itertools.pairwise(cand)) else None
 
 
-def _highs(model: _Model, use_presolve: bool, seconds: float) -> Any:
+def _highs(model: _Model, use_presolve: bool, seconds: float, node_limit: int | None = None) -> Any:
     try:
-        return _milp(model, use_presolve, seconds)
+        res = _milp(model, use_presolve, seconds, node_limit)
+        if res.status == _HIGHS_SOLVE_ERROR and _NODE_LIMIT_MESSAGE in str(res.get("message", "")):
+            # HiGHS stopped at mip_max_nodes (scipy's node_limit) reports kSolutionLimit (16), which scipy
+            # 1.17.1 does not map and returns as status 4 (with HiGHS's split and dual bound): a limit, as 1
+            res.status = 1
+        return res
     except (ValueError, RuntimeError) as exc:  # HiGHS can raise (vector::reserve): an error like status 4
         return optimize.OptimizeResult(status=_HIGHS_SOLVE_ERROR, x=None, message=str(exc))
 
 
-def _milp(model: _Model, use_presolve: bool, seconds: float) -> Any:
+def _milp(model: _Model, use_presolve: bool, seconds: float, node_limit: int | None = None) -> Any:
     objective_vec = np.zeros(model.z + 1)
     objective_vec[model.z] = 1.0
     integrality = np.ones(model.z + 1)
     integrality[model.z] = 0
+    options: dict[str, Any] = {"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9,
+                               "presolve": use_presolve}
+    if node_limit is not None:
+        options["node_limit"] = int(node_limit)  # scipy.optimize.milp's option, HiGHS's mip_max_nodes
     with warnings.catch_warnings():
         # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -286,17 +300,24 @@ def _milp(model: _Model, use_presolve: bool, seconds: float) -> Any:
             integrality=integrality,
             bounds=optimize.Bounds(model.lb, model.ub),
             constraints=optimize.LinearConstraint(model.a, model.row_lo, model.row_hi),
-            options={"time_limit": seconds, "mip_rel_gap": 1e-9, "mip_abs_gap": 1e-9,
-                     "presolve": use_presolve},
+            options=options,
         )
 
 
-def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[Any, list[int] | None]:
-    """HiGHS's result within ``time_limit_s`` (with ``presolve``: solved again without it after a solve error,
-    and a proof checked without it), and the split a check refuted (``unchecked``; None when none was)."""
+def _nodes(res: Any) -> int:
+    n = res.get("mip_node_count")
+    return int(n) if n is not None else 0
+
+
+def _solve_checked(model: _Model, presolve: bool, time_limit_s: float, node_limit: int | None = None
+                   ) -> tuple[Any, list[int] | None, int]:
+    """HiGHS's result within ``time_limit_s`` (and ``node_limit`` nodes a solve; with ``presolve``: solved
+    again without it after a solve error, and a proof checked without it), the split a check refuted
+    (``unchecked``; None when none was), and the nodes solved in all."""
     z, lb, ub = model.z, model.lb, model.ub
     began = time.perf_counter()
-    res = _highs(model, bool(presolve), float(time_limit_s))
+    res = _highs(model, bool(presolve), float(time_limit_s), node_limit)
+    nodes = _nodes(res)
     unchecked = None
     if presolve:
         took = time.perf_counter() - began
@@ -307,7 +328,8 @@ def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[
             # chunks, 9-10 layers; one of them [1, 8, 3, 3, 3, 3, 3, 7, 2, 6] with the incumbent's 15 as z's
             # upper bound: optimal 14). The plan had fallen back to the unproven heuristic split. So it is
             # solved again without.
-            res = _highs(model, False, left)
+            res = _highs(model, False, left, node_limit)
+            nodes += _nodes(res)
         elif res.status == 0 and res.x is not None and left > 0 and res.x[z] * (1 - _VERIFY) > lb[z]:
             # ... and it can call a split optimal that is not: a 7-layer 2 x 2 instance with boundary costs,
             # 5.6 where 5.3 exists (2 of 45,939 random instances; and the memory objective's 35 B against 34
@@ -315,11 +337,14 @@ def _solve_checked(model: _Model, presolve: bool, time_limit_s: float) -> tuple[
             # _VERIFY? None (infeasible, or no answer in its time): the split stands. One: it is returned, and
             # the claimed split beside it (``unchecked``), for the caller to keep the better by its exact
             # figures. The check gets at most what the proof took (at least _CHECK_MIN_S), so a plan takes at
-            # most about twice as long.
+            # most about twice as long; under a node limit it gets the same node limit and the time left
+            # instead (a wall-clock share would make the answer depend on the machine's speed).
             claimed = ub[z]
             ub[z] = res.x[z] * (1 - _VERIFY)
-            check = _highs(model, False, min(left, max(took, _CHECK_MIN_S)))
+            seconds = left if node_limit is not None else min(left, max(took, _CHECK_MIN_S))
+            check = _highs(model, False, seconds, node_limit)
+            nodes += _nodes(check)
             ub[z] = claimed
             if model.split_of(check) is not None:
                 unchecked, res = model.split_of(res), check
-    return res, unchecked
+    return res, unchecked, nodes

@@ -673,3 +673,31 @@ def test_sixteen_ranks_of_the_70b_estimate_under_150_gib_get_a_plan(schedule: st
     ev = evaluate(LayerArrays.of(prof, 16), pl.boundaries, opts)
     assert max(ev.rank_memory_bytes) <= limit
     assert max(pl.rank_memory_bytes) == max(ev.rank_memory_bytes)
+
+
+def test_a_node_limit_stops_the_milp_deterministically_with_a_proven_bound() -> None:
+    """A node limit is a budget that does not depend on the machine: HiGHS stopped at it (its status 16, which
+    scipy returns as 4) is a limit with the best split and the proven bound, not a solve error."""
+    rng = np.random.default_rng(5)
+    costs = rng.lognormal(0, 1, 60)
+    first = solve_interleaved(costs, 4, 3, time_limit_s=600, node_limit=1)
+    again = solve_interleaved(costs, 4, 3, time_limit_s=600, node_limit=1)
+    assert first == again
+    assert first.timed_out and not first.optimal and first.nodes == 1
+    assert max(costs.sum() / 4, costs.max()) * (1 - 1e-12) <= first.lower_bound <= first.bottleneck
+    check_interleaved(first, list(costs), 4, 3, [1.0] * 4)
+
+
+def test_an_incumbent_bounds_the_milp_and_is_never_beaten_by_a_slower_split() -> None:
+    rng = np.random.default_rng(3)
+    costs = rng.lognormal(0, 1, 20)
+    given = solve(costs, 6, tie_break=False).boundaries  # the split chunk by chunk
+    chunk = max(sum(costs[given[c]:given[c + 1]].sum() for c in range(r, 6, 3)) for r in range(3))
+    sol = solve_interleaved(costs, 3, 2, incumbent=given, node_limit=50, time_limit_s=600)
+    check_interleaved(sol, list(costs), 3, 2, [1.0] * 3)
+    assert sol.bottleneck <= chunk * (1 + 1e-12)
+    assert sol.nodes >= 1
+    with pytest.raises(StageplanError, match=r"incumbent must be 7 increasing boundaries from 0 to 20"):
+        solve_interleaved(costs, 3, 2, incumbent=[0, 5, 20])
+    with pytest.raises(StageplanError, match=r"node_limit must be an int >= 1 or None, got 0"):
+        solve_interleaved(costs, 3, 2, node_limit=0)

@@ -8,6 +8,8 @@ import pytest
 from stageplan.errors import InfeasiblePlanError, StageplanError
 from stageplan.formats.layout import Candidate, Layout
 from stageplan.formats.profile import LayerProfile, Profile
+from stageplan.planning import layouts
+from stageplan.planning.costs import LayerArrays, make_options, solver_inputs
 from stageplan.planning.layouts import (
     Network,
     _Point,
@@ -423,3 +425,59 @@ def test_no_fit_where_a_layers_activations_overflow_any_device_count() -> None:
     assert need is not None and search(memory_limit_bytes=need).best.feasible
     with pytest.raises(InfeasiblePlanError):
         search(memory_limit_bytes=need * (1 - 1e-5))
+
+
+def _interleaved_search(monkeypatch: pytest.MonkeyPatch) -> tuple[Layout, list[tuple[Candidate, Candidate,
+                                                                                        object]]]:
+    """12 blocks on 2 ranks x 3 chunks under 8 GiB, where the rank-level MILP's split simulates 3.4% faster
+    than the chunk-by-chunk one; with each call of the MILP (the candidate in, out, and what it found)."""
+    calls: list[tuple[Candidate, Candidate, object]] = []
+    run_milp = layouts._milp_split
+
+    def spy(search: object, c: Candidate, arrays: object) -> tuple[Candidate, object]:
+        out, run = run_milp(search, c, arrays)  # type: ignore[arg-type]
+        calls.append((c, out, run))
+        return out, run
+
+    monkeypatch.setattr(layouts, "_milp_split", spy)
+    lay = search_layouts({(1, 1): lm_profile()}, 2, global_batch_size=8, network=NET, tensor_parallel=[1],
+                         pipeline_parallel=[2], microbatch_sizes=[1], schedules=["Interleaved1F1B"],
+                         virtual_stages=[3], recompute=[False], shardings=["ddp"], memory_limit_bytes=8 * GiB)
+    return lay, calls
+
+
+def test_an_interleaved_best_gets_the_rank_level_milp_split_and_its_proven_gap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    lay, calls = _interleaved_search(monkeypatch)
+    assert len(calls) == 1
+    chunk, out, run = calls[0]
+    assert isinstance(run, layouts._MilpRun) and run.kept and 1 <= run.nodes <= 2 * layouts.MILP_NODE_LIMIT
+    # no slower than the chunk split, simulated and at the rank level (the MILP's objective)
+    assert chunk.simulated_step_s is not None and out.simulated_step_s is not None
+    assert out.simulated_step_s < chunk.simulated_step_s
+    arr = LayerArrays.of(lm_profile(), 8)
+    opts = make_options(lm_profile(), 2, num_microbatches=8, schedule="Interleaved1F1B", virtual_stages=3,
+                        memory_limit_bytes=8 * GiB, bandwidth_bytes_per_s=NET.bandwidth(False))
+    inp = solver_inputs(arr, opts)
+
+    def slowest_rank(b: tuple[int, ...]) -> float:
+        ranks = opts.shape.stage_ranks
+        return max(sum(inp["costs"][b[c]:b[c + 1]].sum() + (inp["boundary_costs"][b[c + 1] - 1]
+                                                            if c < len(ranks) - 1 else 0.0)
+                       for c in range(len(ranks)) if ranks[c] == r) for r in range(2))
+
+    assert chunk.boundaries is not None and out.boundaries is not None
+    assert run.bottleneck == pytest.approx(slowest_rank(out.boundaries), rel=1e-9)
+    assert run.bottleneck <= slowest_rank(chunk.boundaries) * (1 + 1e-9)
+    assert run.gap >= 0 and run.gap == run.bottleneck / run.lower_bound - 1
+    assert lay.best.boundaries == out.boundaries and lay.plan.boundaries == out.boundaries
+    assert f"interleaved split by the rank-level MILP: within {run.gap:.1%} of its proven optimum" in \
+        " ".join(lay.notes)
+    assert not any("chunk by chunk" in n for n in lay.notes)
+
+
+def test_an_interleaved_layout_is_the_same_twice_milp_split_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, calls_a = _interleaved_search(monkeypatch)
+    b, calls_b = _interleaved_search(monkeypatch)
+    assert a.to_json() == b.to_json() and a.notes == b.notes
+    assert calls_a[0][1].boundaries == calls_b[0][1].boundaries and calls_a[0][2] == calls_b[0][2]
