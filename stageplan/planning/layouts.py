@@ -56,7 +56,6 @@ from stageplan.planning.costs import (
     solver_inputs,
     tied_sync_time,
 )
-from stageplan.planning.interleaved import solve_interleaved
 from stageplan.planning.planner import make_plan
 from stageplan.planning.schedules import ScheduleShape, counts_shape, warmup_counts
 from stageplan.planning.sharding import (
@@ -708,6 +707,9 @@ def _milp_split(search: _Search, c: Candidate, arrays: dict[tuple[int, int, int]
     pt = _point_of(c)
     if pt.v == 1 or c.boundaries is None or c.simulated_step_s is None:
         return c, None
+    # imported here: the MILP needs scipy, which planning without an interleaved best never loads
+    from stageplan.planning.interleaved import solve_interleaved
+
     prep = search.profiles[(pt.b, pt.t)]
     arr = search.arrays(pt.b, pt.t, pt.m, arrays)
     # torch's whole order: its live counts give each rank's exact activation peak, as plan() solves it
