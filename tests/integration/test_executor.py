@@ -91,7 +91,7 @@ def test_check_passes(spec: str, options: dict, schedule: str, extra: dict, tmp_
     data = json.loads((tmp_path / "run.json").read_text())
     assert {"measured_step_s", "predicted_step_s", "ranks"} <= data.keys() and data[
         "schema"
-    ] == "stageplan.run/3"
+    ] == "stageplan.run/4"
     # a report written before run/2 (rows under "stages", options under "options") still loads
     old = {**{k: v for k, v in data.items() if k not in ("ranks", "run_options")},
            "schema": "stageplan.run/1", "stages": data["ranks"], "options": data["run_options"]}

@@ -30,15 +30,16 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(profiled: Path, p: int, d: int, sharding: str, schedule: str = "1F1B", v: int = 1,
          m: int = 4) -> tuple[Plan, object]:
+    # the plan prices fsdp; the run reshards after every forward under fsdp-reshard
     pl = plan(str(profiled), p, num_microbatches=m, schedule=schedule, virtual_stages=v, data_parallel=d,
-              sharding=sharding, optimizer="adam")
+              sharding=sharding.removesuffix("-reshard"), optimizer="adam")
     report = run("gpt", pl, factory_options={**OPTIONS, "batch_size": 2 * m * d}, steps=2, warmup=1,
-                 check=True, retime=False, timeout_s=240)
+                 check=True, retime=False, timeout_s=240, sharding=sharding)
     return pl, report
 
 
 @pytest.mark.parametrize(("sharding", "schedule", "v"), [
-    ("ddp", "1F1B", 1), ("zero1", "1F1B", 1), ("fsdp", "1F1B", 1),
+    ("ddp", "1F1B", 1), ("zero1", "1F1B", 1), ("fsdp", "1F1B", 1), ("fsdp-reshard", "1F1B", 1),
     ("ddp", "Interleaved1F1B", 2), ("fsdp", "Interleaved1F1B", 2),
 ])
 def test_a_2x2_layout_trains_as_one_process_does(
