@@ -515,7 +515,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         ins.tracker.reset_peak()
         ins.tracker.exclude.intersection_update(own_storages)
         sync.spans.clear()
-        out.reading = step < warmup + 1
+        out.reading = step < max(warmup, 1)  # warm-up steps (the first step when there is none)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
