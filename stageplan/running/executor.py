@@ -371,7 +371,7 @@ class _Samples:
     interrupted: bool = False
     # with replicas: per measured step, the data-parallel sync the rank waited for (replicas.SyncClock)
     dp_sync_s: list[float] = field(default_factory=list)
-    # with replicas: the bytes the rank held by kind after a step's backward (the most over the steps read)
+    # the bytes the rank held by kind after a warm-up step's backward (the most over the steps read)
     held: dict[str, int] = field(default_factory=dict)
     reading: bool = False  # hold() is called within this step
 
