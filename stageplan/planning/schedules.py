@@ -368,18 +368,9 @@ class ScheduleShape:
         >>> shape.peak_inflight, shape.live_counts[0]  # rank 0 holds chunks 0 and 2: never 4 and 2 at once
         ((4, 3, 2, 1), ((4, 0, 1, 0), (3, 0, 2, 0)))
         """
-        release = "W" if self.zero_bubble else "B"
         out = []
-        for order in self.orders:
-            held = [0] * self.num_chunks
-            seen: list[tuple[int, ...]] = []
-            for action in order:
-                if action.kind == "F":
-                    held[action.stage] += 1
-                    seen.append(tuple(held))
-                elif action.kind == release:
-                    held[action.stage] -= 1
-            unique = set(seen)
+        for counts in self._forward_counts:  # every distinct count vector after a forward, by rank
+            unique = {tuple(int(c) for c in row) for row in counts}
             kept = [x for x in unique
                     if not any(y != x and all(a <= b for a, b in zip(x, y, strict=True)) for y in unique)]
             out.append(tuple(sorted(kept, reverse=True)))

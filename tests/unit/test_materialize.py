@@ -29,6 +29,8 @@ from stageplan.running.stages import reference_model
 from stageplan.workload import Workload
 from stageplan.zoo import gpt
 
+from .test_streaming import Looped
+
 
 def test_the_cli_profiles_a_model_fn_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # small enough to fit: materialised whole from meta (initialised by FQN); --streaming: one layer at a time
@@ -193,24 +195,10 @@ def test_a_model_fn_workload_is_profiled_layer_at_a_time_without_building_it() -
     assert wl.model is None  # the caller's workload is untouched
 
 
-class _Looped(nn.Module):
-    """Weight reuse inside a block, as ALBERT's shared layers or a looped block: one Linear called three times
-    (torch.export names the later calls ``lin@1`` and ``lin@2``)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(3):
-            x = torch.tanh(self.lin(x))
-        return x
-
-
 class _LoopedNet(nn.Module):
     def __init__(self, width: int = 8) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Looped(width) for _ in range(3))
+        self.blocks = nn.ModuleList(Looped(width) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

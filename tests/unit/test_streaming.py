@@ -268,9 +268,9 @@ def test_the_fake_chain_gives_each_layers_inputs_and_the_bytes_crossing_each_bou
     assert crossing == [4 * 32 * 4, 4 * 32 * 4, 0]
 
 
-class _Looped(nn.Module):
-    """Weight reuse inside a block, as ALBERT's shared layers or a looped block: one Linear called three
-    times."""
+class Looped(nn.Module):
+    """Weight reuse inside a block, as ALBERT's shared layers or a looped block: one Linear called three times
+    (torch.export names the later calls ``lin@1`` and ``lin@2``). test_materialize uses it too."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -287,7 +287,7 @@ class _LoopedNet(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Looped(width) for _ in range(6))
+        self.blocks = nn.ModuleList(Looped(width) for _ in range(6))
         self.out = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +321,7 @@ def test_a_block_that_calls_its_linear_three_times_profiles_with_its_parameters_
         opts.update(warmup=0, repeats=1)
     prof = profile_model(wl, microbatch_size=mb, **opts)
     assert prof.names == [f"blocks.{k}" for k in range(6)] + ["out"]
-    own = sum(p.numel() for p in _Looped(width).parameters())  # the module's own count: width^2 + width
+    own = sum(p.numel() for p in Looped(width).parameters())  # the module's own count: width^2 + width
     assert [(x.param_count, x.param_bytes) for x in prof.layers] == [(own, 4 * own)] * 7
     # saved: the block's input and each tanh's output (each the next call's input), float32
     assert [x.activation_bytes for x in prof.layers[1:6]] == [4 * 4 * mb * width] * 5
