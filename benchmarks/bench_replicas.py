@@ -11,7 +11,11 @@ exact) planned 2 x 2 with Adam under each sharding, run 1 step after 1 warm-up: 
 gradients, shards and optimizer states held against the plan's, by kind, and its resident memory above its
 baseline against the plan's total.
 
-Run alone: python benchmarks/bench_replicas.py [--no-memory]."""
+Ranking: the 4-rank layouts of the skewed GPT (4 x 1; 2 x 2 and 1 x 4 under each sharding), each run 3
+times round-robin; every pair predicted apart by more than twice its measured spread, measured in the
+predicted order or not.
+
+Run alone: python benchmarks/bench_replicas.py [--no-memory] [--no-ranking] [--only-ranking]."""
 
 from __future__ import annotations
 
@@ -118,13 +122,80 @@ def _memory(tmp: Path) -> dict[str, float | int | None]:
     return figures
 
 
-def main(memory: bool = True) -> dict[str, Any]:
+# The ranking check: every 4-rank layout of the skewed GPT (pp x dp = 4 x 1; 2 x 2 and 1 x 4 under each
+# sharding) at one global batch of 16 samples in microbatches of 2, each run REPEATS times, round-robin (a
+# slow spell of the host then touches every layout alike).
+RANKING_LAYOUTS = ((4, 1, "ddp"), *((2, 2, s) for s in SHARDINGS), *((1, 4, s) for s in SHARDINGS))
+RANKING_BATCH = 16
+REPEATS = 3
+
+
+def _ranking(tmp: Path) -> dict[str, float | int | None]:
+    """Among the 4-rank layouts, every pair whose predicted steps differ by more than twice the pair's
+    measured spread (the larger of the two layouts' max - min over their repeats): measured in the predicted
+    order or not. Four ranks share two cores here, so each measured step is about twice the plan's, and a
+    layout whose ranks idle in a pipeline bubble gives their core to the others: the pairs that swap are
+    named with both figures."""
+    prof = profile_model(build_workload("gpt", SKEWED), microbatch_size=2, warmup=2, repeats=5)
+    link = measure_link(4, output=tmp / "link4.json")
+    plans = {}
+    for p, d, sharding in RANKING_LAYOUTS:
+        m = RANKING_BATCH // (2 * d)
+        plans[(p, d, sharding)] = plan(prof, p, num_microbatches=m, data_parallel=d, sharding=sharding,
+                                       link=link)
+    steps: dict[tuple[int, int, str], list[float]] = {k: [] for k in plans}
+    loads = []
+    for _ in range(REPEATS):
+        for key, pl in plans.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # four ranks on two cores: the point of the note below
+                report = run("gpt", pl, factory_options={**SKEWED, "batch_size": RANKING_BATCH}, steps=6,
+                             warmup=2, retime=False, timeout_s=600, sharding=key[2])
+            steps[key].append(report.measured_step_s)
+            loads.append(float(report.meta.get("load_average_1min", 0.0)))
+    for key, pl in plans.items():
+        print(f"ranking {key[0]} x {key[1]} {key[2]}: predicted {pl.predicted_step_s * 1e3:.1f} ms, measured "
+              + ", ".join(f"{x * 1e3:.1f}" for x in steps[key]) + " ms", flush=True)
+    checked = in_order = 0
+    swapped = []
+    keys = list(plans)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            gap = abs(plans[a].predicted_step_s - plans[b].predicted_step_s)
+            spread = max(max(steps[k]) - min(steps[k]) for k in (a, b))
+            if gap <= 2 * spread:
+                continue
+            checked += 1
+            fast, slow = (a, b) if plans[a].predicted_step_s < plans[b].predicted_step_s else (b, a)
+            if statistics.median(steps[fast]) < statistics.median(steps[slow]):
+                in_order += 1
+            else:
+                ms = plans[fast].predicted_step_s * 1e3, plans[slow].predicted_step_s * 1e3
+                predicted = f"{ms[0]:.1f} < {ms[1]:.1f}"
+                swapped.append(f"{fast[0]}x{fast[1]} {fast[2]} < {slow[0]}x{slow[1]} {slow[2]} predicted "
+                               f"({predicted} ms), measured {statistics.median(steps[fast]) * 1e3:.1f} >= "
+                               f"{statistics.median(steps[slow]) * 1e3:.1f} ms")
+    pairs = len(keys) * (len(keys) - 1) // 2
+    print(f"ranking: {checked} of {pairs} pairs predicted apart by more than twice their spread; {in_order} "
+          f"measured in the predicted order; load {statistics.median(loads):.2f}"
+          + "".join(f"\n  swapped: {x}" for x in swapped), flush=True)
+    return {"ranking_pairs_checked": checked, "ranking_pairs_in_order": in_order,
+            "ranking_in_order_share": in_order / checked if checked else None}
+
+
+def main(memory: bool = True, ranking: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         figures = _time(Path(tmp))
+        if ranking:
+            figures.update(_ranking(Path(tmp)))
         if memory:
             figures.update(_memory(Path(tmp)))
     return figures
 
 
 if __name__ == "__main__":
-    main(memory="--no-memory" not in sys.argv)
+    if "--only-ranking" in sys.argv:
+        with tempfile.TemporaryDirectory() as scratch:
+            _ranking(Path(scratch))
+    else:
+        main(memory="--no-memory" not in sys.argv, ranking="--no-ranking" not in sys.argv)

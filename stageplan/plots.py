@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from stageplan.formats.timeline import Simulation
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "I": "#DD8452", "O": "#8172B3", "T": "#DA8BC3",
-          "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
+          "D": "#CCB974", "comm": "#55A868", "loop": "#937860", "idle": "#EEEEEE"}
 HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "+++", "---")  # one per plan when plans are compared
 LABEL_PT = 8  # text written on the data (in flight, microbatch, rank): readable at 110 dpi
 LEGEND_PT = 8
@@ -174,11 +174,12 @@ def _fits(ax: Axes, width_data: float, span_data: float, text: str) -> bool:
 
 def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], ax: Axes | None = None,
                   title: str | None = None) -> Axes:
-    """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync and the optimizer step
-    coloured, idle in grey, microbatches labelled. A crossing's transfer (kinds "A" and "G", an activation or
-    a gradient) is a thin bar in the strip just below its receiving rank's row: it occupies the link, and the
-    rank may compute meanwhile. A run's bar runs from when the message could start to move (the later of the
-    receive's post and the producing call's end) to when the receiving rank's wait for it returned.
+    """Gantt chart of rank x time: forward, backward (and W), the tied-gradient sync, the data-parallel
+    replicas' sync and the optimizer step coloured, idle in grey, microbatches labelled. A crossing's transfer
+    (kinds "A" and "G", an activation or a gradient) is a thin bar in the strip just below its receiving
+    rank's row: it occupies the link, and the rank may compute meanwhile. A run's bar runs from when the
+    message could start to move (the later of the receive's post and the producing call's end) to when the
+    receiving rank's wait for it returned.
     ``source`` is a simulator result, a RunReport (its measured last step) or rows with rank, stage,
     microbatch, kind, start_s, end_s.
 
@@ -207,7 +208,7 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
         ax.broken_barh([(start, stop - start)], (int(r["rank"]) - 0.4, 0.8),
                        facecolors=COLORS.get(str(r["kind"]), "grey"), edgecolors="white", linewidth=0.5)
         # the step's tail has no microbatch
-        label = "" if str(r["kind"]) in ("O", "T") else str(r["microbatch"])
+        label = "" if str(r["kind"]) in ("O", "T", "D") else str(r["microbatch"])
         if label and _fits(ax, stop - start, end * 1e3, label):
             ax.text((start + stop) / 2, int(r["rank"]), label, ha="center", va="center", fontsize=LABEL_PT,
                     color="white")
@@ -219,9 +220,9 @@ def plot_timeline(source: Simulation | RunReport | Sequence[Mapping[str, Any]], 
     from matplotlib.patches import Patch
 
     kinds = sorted({"X" if str(r["kind"]) in TRANSFER_KINDS else str(r["kind"]) for r in rows},
-                   key="FBIWXTO".find)
+                   key="FBIWXTDO".find)
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "X": "transfer",
-             "T": "tied sync", "O": "optimizer"}
+             "T": "tied sync", "D": "replicas' sync", "O": "optimizer"}
     handles = [Patch(color=COLORS["comm"] if k == "X" else COLORS.get(k, "grey"), label=names.get(k, k))
                for k in kinds]
     handles.append(Patch(color=COLORS["idle"], label="idle"))

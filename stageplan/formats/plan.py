@@ -219,7 +219,8 @@ class Plan:
         return simulate(self.schedule, [st.forward_s + st.action_s / 2 for st in self.stages],
                         [st.backward_s + st.action_s / 2 for st in self.stages],
                         self.num_microbatches, comm_s=comm, virtual_stages=self.virtual_stages,
-                        optimizer_s=[st.optimizer_s for st in self.stages], tied_sync_s=self.tied_sync_s)
+                        optimizer_s=[st.optimizer_s for st in self.stages], tied_sync_s=self.tied_sync_s,
+                        dp_sync_s=[st.dp_sync_s for st in self.stages])
 
     def chrome_trace(self) -> dict[str, Any]:
         """The simulated step as Chrome trace-event JSON (Perfetto): a compute and a transfer track per rank

@@ -17,8 +17,11 @@ class TimelineEvent:
     """One executed action: on ``rank``, ``kind`` of ``microbatch`` on ``stage`` from start_s to end_s.
 
     Kind "O" is the rank's optimizer step (over all its stages' parameters, once per step, after its last
-    backward or W), and kind "T" its part in the all-reduce of the tied parameters' gradients (before the
-    optimizer step): their ``stage`` is the rank's first stage and their ``microbatch`` is -1 (they have
+    backward or W), kind "T" its part in the all-reduce of the tied parameters' gradients (before the
+    optimizer step) and kind "D" the data-parallel replicas' sync it waits for (predicted: between the two;
+    measured: where torch ran it, DDP's exposed all-reduce at the end of the last backward, FSDP2's
+    reduce-scatter after it, ZeRO-1's broadcast inside the optimizer step): their ``stage`` is the rank's
+    first stage (a measured DDP or FSDP2 sync, the stage it syncs) and their ``microbatch`` is -1 (they have
     none). Kinds "A" and "G" are a crossing's transfer, an activation (to the receiver's forward) or a
     gradient (to its backward) moving between ranks: ``rank``, ``stage`` and ``microbatch`` are the receiving
     action's, from when the message starts to move to when it arrives. It occupies the link, not the rank, so

@@ -5,8 +5,8 @@ The format is Google's "Trace Event Format"
 (docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): a ``traceEvents`` list of complete
 events (``"ph": "X"``, start ``ts`` and duration ``dur`` in microseconds) on tracks named by metadata events
 (``"ph": "M"``). Each rank gets a track of what it computes (forward, backward, input and weight gradients,
-the optimizer step, the tied-gradient sync) and a second track for the transfers that arrive at it
-(activations and gradients move on the link, while the rank may compute)."""
+the optimizer step, the tied-gradient sync, the data-parallel replicas' sync) and a second track for the
+transfers that arrive at it (activations and gradients move on the link, while the rank may compute)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from stageplan.formats.timeline import TimelineEvent
 # A timeline event's kind, as the trace names it (TimelineEvent's kinds; the run and the simulator share them)
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient",
               "O": "optimizer step",
-              "T": "tied-gradient sync", "A": "activation transfer", "G": "gradient transfer"}
+              "T": "tied-gradient sync", "D": "data-parallel sync", "A": "activation transfer",
+              "G": "gradient transfer"}
 _TRANSFERS = ("A", "G")
 # Track ids: a rank's compute on tid = rank, the transfers arriving at it on tid = _LINK_TID + rank
 _LINK_TID = 10_000

@@ -628,7 +628,8 @@ def evaluate(arr: LayerArrays, boundaries: Sequence[int], opts: CostOptions,
     sim = simulate_shape(shape, np.array([st.forward_s for st in stages]) + opts.action_s,
                          np.array([st.backward_s for st in stages]) + opts.action_s,
                          np.array(one_way_delays([st.comm_s for st in stages], opts.boundary_latency_s)),
-                         np.array([st.optimizer_s + st.dp_sync_s for st in stages]), tied, timeline=False)
+                         np.array([st.optimizer_s for st in stages]), tied, timeline=False,
+                         dp_sync=np.array([st.dp_sync_s for st in stages]))
     bottleneck = max(rank_time)
     # every rank pays the schedule's loop and PipelineStage's
     # overhead around each of its v chunks, whatever the split

@@ -545,9 +545,12 @@ def bubble_closed_form(num_ranks: int, num_microbatches: int) -> float:
 
 
 def _after_the_schedule(events: list[_Event], free: list[float], busy: list[float],
-                        ranks: Sequence[int], optimizer: np.ndarray | None, tied_sync_s: float) -> None:
+                        ranks: Sequence[int], optimizer: np.ndarray | None, tied_sync_s: float,
+                        dp_sync: np.ndarray | None = None) -> None:
     """Per rank, after its last backward (or W): the tied-gradient all-reduce ("T"; a collective, so it starts
-    when the last rank gets there) and then one optimizer step over all its chunks' parameters ("O")."""
+    when the last rank gets there), then the data-parallel replicas' sync of its chunks' gradients ("D"; the
+    rank's own group of replicas, so each rank starts when it gets there) and one optimizer step over all its
+    chunks' parameters ("O")."""
     first = {r: ranks.index(r) for r in sorted(set(ranks))}  # each rank's first chunk names its events
     if tied_sync_s > 0:
         begin = max(free)
@@ -555,14 +558,15 @@ def _after_the_schedule(events: list[_Event], free: list[float], busy: list[floa
             events.append(TimelineEvent(rank, chunk, -1, "T", begin, begin + tied_sync_s))
             free[rank] = begin + tied_sync_s
             busy[rank] += tied_sync_s
-    if optimizer is None:
-        return
-    for rank, chunk in first.items():
-        took = sum(float(optimizer[k]) for k in range(len(ranks)) if ranks[k] == rank)
-        if took > 0:
-            events.append(TimelineEvent(rank, chunk, -1, "O", free[rank], free[rank] + took))
-            free[rank] += took
-            busy[rank] += took
+    for kind, per_chunk in (("D", dp_sync), ("O", optimizer)):
+        if per_chunk is None:
+            continue
+        for rank, chunk in first.items():
+            took = sum(float(per_chunk[k]) for k in range(len(ranks)) if ranks[k] == rank)
+            if took > 0:
+                events.append(TimelineEvent(rank, chunk, -1, kind, free[rank], free[rank] + took))
+                free[rank] += took
+                busy[rank] += took
 
 
 def _times(name: str, values: npt.ArrayLike, length: int | None, remedy: str) -> np.ndarray:
@@ -605,6 +609,7 @@ def simulate(
     virtual_stages: int = 1,
     optimizer_s: npt.ArrayLike | None = None,
     tied_sync_s: float = 0.0,
+    dp_sync_s: npt.ArrayLike | None = None,
 ) -> Simulation:
     """Simulate one training step of ``schedule`` on per-stage times (seconds, one microbatch each).
 
@@ -632,6 +637,11 @@ def simulate(
     backward (or W) action, runs on every rank at once as a "T" event, and each rank's optimizer step follows
     it. Like the optimizer step it counts as busy time; the ranks that wait for the last one idle.
 
+    ``dp_sync_s`` has one value per stage: the seconds a rank waits for its data-parallel replicas to sync
+    that stage's gradients (the exposed all-reduce, reduce-scatter or broadcast;
+    ``costs.data_parallel_sync_s``). Each rank runs the sum over its stages after the tied all-reduce and
+    before its optimizer step, as a "D" event of busy time.
+
     >>> sim = simulate("1F1B", [1.0] * 4, [2.0] * 4, 8)
     >>> sim.step_s, round(sim.bubble_fraction, 4)   # (m + p - 1)(f + b) = 11 * 3
     (33.0, 0.2727)
@@ -639,6 +649,9 @@ def simulate(
     33.5
     >>> simulate("1F1B", [1.0] * 4, [2.0] * 4, 8, optimizer_s=[0.5] * 4, tied_sync_s=0.25).step_s   # + t + o
     33.75
+    >>> simulate("1F1B", [1.0] * 4, [2.0] * 4, 8, optimizer_s=[0.5] * 4,
+    ...          dp_sync_s=[0.125] * 4).step_s  # + d + o
+    33.625
     """
     name = normalize_schedule(schedule)
     v = check_count("virtual_stages", virtual_stages)
@@ -672,23 +685,28 @@ def simulate(
     if not 0 <= tied < math.inf:
         raise StageplanError(f"tied_sync_s must be finite and >= 0 seconds, got {tied_sync_s!r}; "
                              "fix the profile or cost model that produced it")
+    sync = None if dp_sync_s is None else _times("dp_sync_s", dp_sync_s, num_stages,
+                                                 "pass one data-parallel sync time per stage, as many as "
+                                                 "forward_s")
     return simulate_shape(schedule_shape(name, num_stages // v, num_microbatches, v), fwd, bwd, comm, opt,
-                          tied)
+                          tied, dp_sync=sync)
 
 
 def simulate_shape(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray,
-                   optimizer: np.ndarray | None = None, tied_sync_s: float = 0.0, timeline: bool = True
-                   ) -> Simulation:
+                   optimizer: np.ndarray | None = None, tied_sync_s: float = 0.0, timeline: bool = True,
+                   dp_sync: np.ndarray | None = None) -> Simulation:
     """:func:`simulate` on a validated shape and validated per-chunk arrays (the cost model's entry point:
     it holds the shape already, so nothing is re-derived per plan). ``optimizer``: seconds per chunk of one
     optimizer step, run per rank (summed over its chunks) after the rank's last action; None or 0: none.
     ``tied_sync_s``: seconds of the tied-gradient all-reduce, a collective every rank starts once the last
-    rank's last action has ended, before its optimizer step; 0: none. ``timeline=False`` keeps no timeline
+    rank's last action has ended, before its optimizer step; 0: none. ``dp_sync``: seconds per chunk of the
+    replicas' gradient sync, run per rank (summed over its chunks) between the two; None: none.
+    ``timeline=False`` keeps no timeline
     (``Simulation.timeline`` is empty; the step and the shares are the same): for callers that read only
     those, such as ``costs.evaluate``."""
     hop, duration = _hops_and_durations(shape, fwd, bwd, comm)
     events, free, busy, waited = _run_orders(shape, hop, duration, TimelineEvent if timeline else _Span)
-    return _simulation(shape, events, free, busy, waited, optimizer, tied_sync_s, timeline)
+    return _simulation(shape, events, free, busy, waited, optimizer, tied_sync_s, timeline, dp_sync)
 
 
 def _hops_and_durations(shape: ScheduleShape, fwd: np.ndarray, bwd: np.ndarray,
@@ -858,11 +876,11 @@ def _run_orders(shape: ScheduleShape, hop: list[float], duration: dict[str, list
 
 def _simulation(shape: ScheduleShape, events: list[_Event], free: list[float], busy: list[float],
                 waited: list[float], optimizer: np.ndarray | None, tied_sync_s: float,
-                timeline: bool = True) -> Simulation:
-    """The step after the schedule (tied all-reduce, optimizer steps) and the result: step time, idle shares
-    and the timeline sorted by start time (none without ``timeline``)."""
+                timeline: bool = True, dp_sync: np.ndarray | None = None) -> Simulation:
+    """The step after the schedule (tied all-reduce, the replicas' sync, optimizer steps) and the result: step
+    time, idle shares and the timeline sorted by start time (none without ``timeline``)."""
     p = shape.num_ranks
-    _after_the_schedule(events, free, busy, shape.stage_ranks, optimizer, float(tied_sync_s))
+    _after_the_schedule(events, free, busy, shape.stage_ranks, optimizer, float(tied_sync_s), dp_sync)
     step = max(e.end_s for e in events)
     idle = tuple(step - b for b in busy)
     bubble = sum(idle) / (p * step) if step > 0 else 0.0

@@ -39,7 +39,7 @@ from stageplan.running.link import ping_pong, probe_sizes
 from stageplan.running.replicas import (
     Mesh,
     SyncClock,
-    ddp_exposed_s,
+    ddp_exposed,
     full_value,
     local_bytes,
     make_mesh,
@@ -563,11 +563,12 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out.calls.append(
                 [(kind, s, mb, sec, idle) for kind, s, mb, _, sec, _, idle in intervals if idle is not None])
             out.other_s.append(t1 - t_other)
+            exposed: dict[int, float] = {}
             if d > 1:  # DDP reduces inside the last backward; FSDP2 and ZeRO-1 where SyncClock times them
                 backwards = [(s, mb, sec) for kind, s, mb, _, sec, *_ in intervals if kind == "B"]
-                exposed = (ddp_exposed_s(backwards, plan.num_microbatches) if sharding in ("ddp", "zero1")
-                           else 0.0)
-                out.dp_sync_s.append(sync.seconds + exposed)
+                if sharding in ("ddp", "zero1"):
+                    exposed = ddp_exposed(backwards, plan.num_microbatches)
+                out.dp_sync_s.append(sync.seconds + sum(exposed.values()))
             out.tied_sync_s.append(t_sync - t_other)
             out.optimizer_step_s.append(t1 - t_sync)
             # every measured step's timeline replaces the one before (an interrupted run keeps its last
@@ -586,12 +587,36 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
                               "start_wall": wall0 + (begin - t0), "duration_s": end - begin,
                               "step_wall": wall0}
                              for kind, begin, end in tail]
+            if d > 1:
+                out.timeline += _sync_events(rank, min(rs.indices), intervals, exposed, sync, wall0, t0,
+                                             t_other, plan.num_microbatches)
             if rank == 0:  # the launcher forwards these lines of rank 0's log to the user
                 print(f"stageplan-progress: step {step - warmup + 1}/{steps} {1e3 * (t1 - t0):.1f} ms",
                       flush=True)
         if has_last:
             out.losses.append(float(torch.stack([x.detach().float() for x in losses]).mean()) * loss_divisor)
     return out
+
+
+def _sync_events(rank: int, first_stage: int, intervals: list[Any], exposed: dict[int, float],
+                 sync: SyncClock, wall0: float, t0: float, t_other: float, m: int) -> list[dict[str, Any]]:
+    """The step's data-parallel sync as timeline rows of kind "D", where torch ran it: DDP's exposed
+    all-reduce (``exposed``, per stage) as the tail of that stage's last backward, and what SyncClock timed
+    (a stage's ``perform_reduce_grad``, FSDP2's reduce-scatter after that stage's last backward, on the stage
+    it reduces; ZeRO-1's broadcast inside the optimizer step, on the rank's first stage) at its own place on
+    the CPU's clock; on CUDA, whose events carry no host time, those end where the schedule's step
+    returned."""
+    rows: list[dict[str, Any]] = []
+    for kind, s, mb, w, sec, *_ in intervals:
+        if kind == "B" and mb == m - 1 and exposed.get(s, 0.0) > 0:
+            rows.append({"rank": rank, "stage": s, "microbatch": -1, "kind": "D",
+                         "start_wall": w + sec - exposed[s], "duration_s": exposed[s], "step_wall": wall0})
+    for a, b, stage in sync.spans:
+        took = sync._seconds(a, b)
+        begin = t_other - took if sync.cuda else a
+        rows.append({"rank": rank, "stage": first_stage if stage is None else stage, "microbatch": -1,
+                     "kind": "D", "start_wall": wall0 + (begin - t0), "duration_s": took, "step_wall": wall0})
+    return rows
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

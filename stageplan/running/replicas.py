@@ -243,38 +243,44 @@ class SyncClock(DeviceClock):
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.spans: list[tuple[Any, Any]] = []
+        # (begin, end, stage): a stage's reduce, or the optimizer's broadcast (stage None)
+        self.spans: list[tuple[Any, Any, int | None]] = []
 
     @property
     def seconds(self) -> float:
-        return sum(self._seconds(a, b) for a, b in self.spans)
+        return sum(self._seconds(a, b) for a, b, _ in self.spans)
 
-    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self, fn: Callable[..., Any], stage: int | None = None) -> Callable[..., Any]:
         def run(*a: Any, **k: Any) -> Any:
             begin = self._now()
             try:
                 return fn(*a, **k)
             finally:
-                self.spans.append((begin, self._now()))
+                self.spans.append((begin, self._now(), stage))
         return run
 
     def attach(self, stages: Sequence[Any], optimizer: Any) -> None:
         for st in stages:
             if hasattr(st, "perform_reduce_grad"):
-                st.perform_reduce_grad = self.timed(st.perform_reduce_grad)
+                st.perform_reduce_grad = self.timed(st.perform_reduce_grad, int(st.stage_index))
         if optimizer is not None and hasattr(optimizer, "_sync_params"):
             optimizer._sync_params = self.timed(optimizer._sync_params)
 
 
-def ddp_exposed_s(backwards: Sequence[tuple[int, int, float]], m: int) -> float:
-    """DDP's exposed all-reduce in one step: per stage, its last microbatch's backward (``(stage,
+def ddp_exposed(backwards: Sequence[tuple[int, int, float]], m: int) -> dict[int, float]:
+    """DDP's exposed all-reduce in one step, per stage: its last microbatch's backward (``(stage,
     microbatch, seconds)`` of the step's backward calls) less the median of its other backwards, never
-    below 0; summed over the rank's stages."""
-    total = 0.0
+    below 0 (a stage with nothing to compare with: none)."""
+    out: dict[int, float] = {}
     for s in sorted({st for st, _, _ in backwards}):
         own = [(mb, sec) for st, mb, sec in backwards if st == s]
         last = [sec for mb, sec in own if mb == m - 1]
         rest = [sec for mb, sec in own if mb != m - 1]
         if last and rest:
-            total += max(0.0, last[0] - median_iqr(rest)[0])
-    return total
+            out[s] = max(0.0, last[0] - median_iqr(rest)[0])
+    return out
+
+
+def ddp_exposed_s(backwards: Sequence[tuple[int, int, float]], m: int) -> float:
+    """:func:`ddp_exposed` summed over the rank's stages (seconds)."""
+    return sum(ddp_exposed(backwards, m).values())

@@ -58,6 +58,27 @@ def test_a_2x2_layout_trains_as_one_process_does(
     assert sorted((r["mesh"]["pp"], r["mesh"]["dp"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["measured_dp_sync_s"] is not None and r["measured_dp_sync_s"] >= 0 for r in rows)
     assert report.samples_per_s == pytest.approx(2 * 4 * 2 / report.measured_step_s)
+    _sync_bars_sit_where_torch_ran_them(report.timeline, sharding)
+
+
+def _sync_bars_sit_where_torch_ran_them(timeline: tuple[dict, ...], sharding: str) -> None:
+    """The run's "D" rows: DDP's exposed all-reduce inside its stage's last backward, the stage's
+    ``perform_reduce_grad`` (FSDP2's reduce-scatter) after the rank's last backward and before its optimizer
+    step, ZeRO-1's broadcast inside the optimizer step (its DDP part as DDP's). FSDP2 and ZeRO-1 sync on
+    every rank every step; DDP's exposed part may be nothing."""
+    slack = 1e-4  # seconds: wall clocks read on either side of one call
+    sync = [e for e in timeline if e["kind"] == "D"]
+    if sharding != "ddp":  # the timeline is the first replica's pipeline: ranks 0 and 2
+        assert {e["rank"] for e in sync} == {0, 2}
+    for e in sync:
+        mine = [x for x in timeline if x["rank"] == e["rank"]]
+        own_b = [x for x in mine if x["kind"] == "B" and x["stage"] == e["stage"]]
+        opt = [x for x in mine if x["kind"] == "O"]
+        inside = [x for x in own_b + opt if x["start_s"] - slack <= e["start_s"] <= e["end_s"]
+                  <= x["end_s"] + slack]
+        after = max(x["end_s"] for x in own_b) - slack <= e["start_s"] and all(
+            e["end_s"] <= x["start_s"] + slack for x in opt)
+        assert inside or after, (sharding, e)
 
 
 def test_a_1x4_and_a_4x1_layout_train_as_one_process_does(profiled: Path) -> None:

@@ -123,3 +123,49 @@ def test_a_measured_link_prices_the_replicas_sync_as_a_ring_all_reduce() -> None
             "allreduce_bandwidth_bytes_per_s"]
         assert pl.stages[0].dp_sync_s == pytest.approx(want, rel=1e-9)
     assert plan(prof, 2, num_microbatches=4, link=link).stages[0].dp_sync_s == 0.0  # one replica
+
+
+def test_the_replicas_sync_is_its_own_bar_in_the_simulated_step_and_its_trace() -> None:
+    """A plan with replicas simulates each rank's sync as a "D" event of its stages' dp_sync_s, after its
+    last backward (only its optimizer step may follow), and the step ends where evaluate's did (the plan's
+    predicted step); the trace names it."""
+    import json
+
+    from stageplan.formats.trace import KIND_NAMES
+
+    root = Path(__file__).parents[2]
+    link = json.loads((root / "profiles" / "cpu" / "links" / "gloo-2ranks.json").read_text())
+    pl = plan(_prof(), 2, num_microbatches=4, data_parallel=2, link=link, boundaries=[0, 4, 8])
+    sim = pl.simulate()
+    assert sim.step_s == pytest.approx(pl.predicted_step_s, rel=1e-12)
+    for rank in range(2):
+        mine = [e for e in sim.timeline if e.rank == rank]
+        sync = [e for e in mine if e.kind == "D"]
+        assert len(sync) == 1 and sync[0].microbatch == -1
+        assert sync[0].end_s - sync[0].start_s == pytest.approx(pl.stages[rank].dp_sync_s, rel=1e-12)
+        last_b = max(e.end_s for e in mine if e.kind == "B")
+        after = [e for e in mine if e.start_s >= sync[0].end_s - 1e-15]
+        assert last_b <= sync[0].start_s and {e.kind for e in after} <= {"D", "O"}
+    names = [e["cat"] for e in pl.chrome_trace()["traceEvents"] if e["ph"] == "X"]
+    assert names.count(KIND_NAMES["D"]) == 2
+    one = plan(_prof(), 2, num_microbatches=4, link=link, boundaries=[0, 4, 8])
+    assert not [e for e in one.simulate().timeline if e.kind == "D"]  # one replica: nothing to sync
+
+
+def test_a_runs_sync_events_sit_where_torch_ran_them() -> None:
+    """DDP's exposed all-reduce is the tail of its stage's last backward; what SyncClock timed (FSDP2's
+    reduce-scatter, ZeRO-1's broadcast) keeps its own place on the step's clock."""
+    from stageplan.running.executor import _sync_events
+    from stageplan.running.replicas import SyncClock
+
+    # (kind, stage, microbatch, wall start, seconds, cpu, idle): stage 1's last backward starts at wall 10.5
+    intervals = [("B", 1, 0, 10.0, 0.2, 0.2, 0.0), ("B", 1, 1, 10.5, 0.3, 0.3, 0.0),
+                 ("F", 1, 1, 10.3, 0.1, 0.1, 0.0)]
+    clock = SyncClock(torch.device("cpu"))
+    clock.spans.append((101.0, 101.25, None))  # perf_counter seconds; the step began at perf_counter 100
+    rows = _sync_events(3, 1, intervals, {1: 0.1}, clock, wall0=10.0, t0=100.0, t_other=101.5, m=2)
+    assert [(r["kind"], r["stage"], r["microbatch"]) for r in rows] == [("D", 1, -1)] * 2
+    assert rows[0]["start_wall"] == pytest.approx(10.5 + 0.3 - 0.1) and rows[0]["duration_s"] == 0.1
+    assert rows[1]["start_wall"] == pytest.approx(11.0) and rows[1]["duration_s"] == pytest.approx(0.25)
+    assert _sync_events(3, 1, intervals, {1: 0.0}, SyncClock(torch.device("cpu")), wall0=10.0, t0=100.0,
+                        t_other=101.5, m=2) == []  # nothing exposed, nothing timed
