@@ -88,7 +88,9 @@ def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_
     sizes, times = link["dp_allreduce_sizes"], link["dp_allreduce_s"]
     assert sizes == [4096, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
     assert all(t > 0 for t in times) and times[0] < times[3] < times[4]  # 4 KiB < 4 MiB < 16 MiB
-    assert 0 < link["dp_allreduce_probe_s"] < 2.0  # the budget the probe's repeats were chosen for
+    # a ceiling, not the budget: the repeats were chosen for about 2 s and took 0.25-1.03 s on a 2-core VM at
+    # load 0-7 (docs/accuracy.md), so only a gross slowdown fails here
+    assert 0 < link["dp_allreduce_probe_s"] < 10.0
     assert f"data-parallel all-reduce over 2 replicas, {groups} groups at once" in stdout
     # the oracle: numpy's least squares on the relative residuals (a + n c - t) / t: rows [1/t, n/t] vs 1
     t, n = np.array(times), np.array(sizes, dtype=float)
