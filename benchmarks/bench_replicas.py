@@ -2,8 +2,8 @@
 
 Time: the skewed GPT (gpt --set vocab_size=16384, microbatch 2), 1F1B, m = 4, on 2 local ranks, one per
 core: pp x dp = 2 x 1, and 1 x 2 under ddp, zero1 and fsdp, the replicas' sync priced with the link
-measured here (stageplan link). Each run's |measured / predicted - 1| of the step, and of each rank's
-data-parallel sync.
+measured here (stageplan link --ranks 2 --data-parallel 2: the replicas' own all-reduce). Each run's
+|measured / predicted - 1| of the step, and of each rank's data-parallel sync.
 The 2 x 2 runs (four ranks on two cores) are printed as information.
 
 Memory: a 12-block GPT of width 1280 (about 1 GB of fp32 weights, estimated on fake tensors: its bytes are
@@ -44,7 +44,7 @@ def _err(measured: float | None, predicted: float | None) -> float | None:
 def _time(tmp: Path) -> dict[str, float | int | None]:
     figures: dict[str, float | int | None] = {}
     prof = profile_model(build_workload("gpt", SKEWED), microbatch_size=2, warmup=2, repeats=5)
-    link = measure_link(2, output=tmp / "link.json")
+    link = measure_link(2, data_parallel=2, output=tmp / "link.json")
     steps, syncs = [], []
     for p, d, sharding in [(2, 1, "ddp"), *((1, 2, s) for s in SHARDINGS)]:
         pl = plan(prof, p, num_microbatches=4, data_parallel=d, sharding=sharding, link=link)

@@ -153,6 +153,8 @@ def _add_layout_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--intra-node-bandwidth", default=None, help="per GPU, one way, e.g. 450GB/s (default: "
                    "the estimated GPU's link)")
     p.add_argument("--inter-node-bandwidth", default=None, help="per GPU, one way, e.g. 50GB/s")
+    p.add_argument("--link", default=None, metavar="LINK.json", help="the link measured by stageplan link "
+                   "(--data-parallel D): its all-reduce prices the sync of replicas within a node")
     p.add_argument("--tensor-parallel", default=None, help="degrees to try, e.g. 1,2,4,8")
     p.add_argument("--pipeline-parallel", default=None, help="pipeline degrees to try (default: every one)")
     p.add_argument("--sequence-parallel", action="store_true", help="with tensor parallelism (Megatron's)")
@@ -322,6 +324,10 @@ def _add_link_command(sub: argparse._SubParsersAction[_Parser]) -> None:
                                    "them): latency and bandwidth, for stageplan plan --link.")
     p.add_argument("--backend", default=None, help="gloo (CPU, default) or nccl (CUDA)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks (pairs r, r+1 are measured)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas: lay the ranks out as run does, ranks / D pipeline ranks x D, and also "
+                        "time every stage's replicas all-reducing at once, by message size (for plan --link "
+                        "--data-parallel)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before every rank is ended")
     _add_pin_arg(p)
     p.add_argument("-o", "--output", required=True, metavar="LINK.json", help="where to write the link")
@@ -705,7 +711,8 @@ def _cmd_link(a: argparse.Namespace) -> int:
     from stageplan.report import link_table
     from stageplan.running.launch import measure_link
 
-    link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus)
+    link = measure_link(a.ranks, backend=a.backend, timeout_s=a.timeout, output=a.output, pin_cpus=a.pin_cpus,
+                        data_parallel=a.data_parallel)
     print(link_table(link))
     print(f"wrote {a.output}")
     return 0
@@ -787,7 +794,7 @@ def _cmd_layout(a: argparse.Namespace) -> int:
 
     warnings.simplefilter("ignore", PlanNote)
     if a.output is not None:
-        check_output_path(a.output, tuple(a.source))
+        check_output_path(a.output, (*a.source, a.link))
     recompute = None
     if a.recompute is not None:
         kinds = _names(a.recompute, "--recompute") or []
@@ -808,7 +815,7 @@ def _cmd_layout(a: argparse.Namespace) -> int:
                     virtual_stages=_ints(a.virtual_stages, "--virtual-stages", "2,4"), recompute=recompute,
                     shardings=_names(a.sharding, "--sharding"), top=a.top, given=a.given,
                     context_parallel=a.context_parallel, progress=not a.quiet,
-                    pipeline_parallel=_ints(a.pipeline_parallel, "--pipeline-parallel", "4,8"))
+                    pipeline_parallel=_ints(a.pipeline_parallel, "--pipeline-parallel", "4,8"), link=a.link)
     export = result.export(a.export) if a.export else None
     out = sys.stderr if export is not None else sys.stdout
     print(layout_table(result, top=a.top), file=out)

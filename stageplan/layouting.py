@@ -51,6 +51,28 @@ def _default_network(profiles: Sequence[Profile], devices_per_node: int, intra: 
     return Network(devices_per_node, parse_bandwidth(intra), parse_bandwidth(inter))
 
 
+def _with_link(net: Network, link: Mapping[str, Any] | str | os.PathLike[str], notes: list[str]) -> Network:
+    """``net`` with the measured link's all-reduce for replicas within a node, and the note saying so; a link
+    that timed no all-reduce is refused (its point-to-point figure would replace a node's collective)."""
+    from stageplan.formats.link import load_link
+    from stageplan.planning.costs import data_parallel_link
+
+    measured = load_link(link)
+    where = f"link file {str(link)!r}" if not isinstance(link, Mapping) else "the link"
+    # at the rank count the constants were timed at (any d > 1 reads the same constants; this one words the
+    # note without a scaling the layout does per candidate)
+    own = measured.get("dp_allreduce_bandwidth_bytes_per_s") is not None
+    timed = measured.get("dp_allreduce_ranks" if own else "allreduce_ranks")
+    fields, note = data_parallel_link(int(timed or 2), measured)
+    if not fields:
+        raise StageplanError(f"{where} timed no all-reduce to price the replicas' sync with; measure one "
+                             "with stageplan link --ranks N --data-parallel D")
+    notes.append(f"{note}; for replicas within a node, scaled as a ring to each d (across nodes, the "
+                 "inter-node link)")
+    return replace(net, dp_bandwidth_bytes_per_s=fields["dp_bandwidth_bytes_per_s"],
+                   dp_latency_s=fields["dp_latency_s"])
+
+
 def parse_given(text: str) -> dict[str, Any]:
     """``"tp=4,pp=8,dp=2,mbs=1,sharding=zero1,vp=5,sp=1,layout=Et*2|t*3,L"``: the user's own layout. The
     Megatron layout string comes last (it holds commas).
@@ -93,6 +115,7 @@ def layout(
     shardings: Sequence[str] | None = None, top: int = 10, given: str | None = None,
     context_parallel: int = 1, bounds: bool = True, progress: bool = False,
     pipeline_parallel: Sequence[int] | None = None,
+    link: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> Layout:
     """Choose pipeline, data- and tensor-parallel degrees, microbatching, schedule, recompute and sharding for
     ``num_devices`` devices, with the exact split inside each candidate (``stageplan.planning.layouts``).
@@ -105,6 +128,11 @@ def layout(
     Interleaved1F1B with every valid v, recompute none or full, sharding ddp, zero1 or fsdp. ``given`` scores
     the user's own layout ("tp=4,pp=8,dp=2,mbs=1,
     sharding=zero1[,vp=5][,sp=1][,layout=MEGATRON_LAYOUT]") beside the best.
+
+    ``link`` (a LINK.json from ``stageplan link``, or its dict) prices the sync of replicas within a node
+    with the all-reduce it timed: the replicas' own (``--data-parallel D``), else the one over its pipeline's
+    ranks, as a ring scaled to each d (:func:`stageplan.planning.costs.data_parallel_link`). A local probe
+    says nothing of the link across nodes, and the pipeline's and tensor groups' links stay the network's.
     """
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel != 1:
         raise StageplanError(f"context parallelism (cp = {context_parallel}) is not modelled by stageplan; "
@@ -130,6 +158,8 @@ def layout(
         tps = [1]
     net = _default_network(list(profiles.values()), devices_per_node, intra_node_bandwidth,
                            inter_node_bandwidth)
+    if link is not None:
+        net = _with_link(net, link, notes)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     result = search_layouts(
         profiles, num_devices, global_batch_size=global_batch_size, network=net, memory_limit_bytes=limit,

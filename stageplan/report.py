@@ -576,7 +576,12 @@ def tune_table(result: dict[str, Any], *, rounds: bool = True) -> str:
 def link_table(link: dict[str, Any]) -> str:
     """A measured link (LINK.json), a figure a line."""
     pairs = link.get("pairs") or []
-    lines = [f"link ({link.get('backend', '?')}, {len(pairs) + 1 if pairs else '?'} ranks, median over "
+    d = int(link.get("data_parallel") or 1)
+    # with replicas, the point-to-point probes ran on replica 0's pipeline (stage 0's replicas where p = 1)
+    p = link.get("pipeline_parallel")
+    mesh = (f" of {link.get('num_ranks', '?')} laid out {p} pp x {d} dp, "
+            + ("stage 0's replicas" if p == 1 else "replica 0's pipeline")) if d > 1 else ""
+    lines = [f"link ({link.get('backend', '?')}, {len(pairs) + 1 if pairs else '?'} ranks{mesh}, median over "
              f"{len(pairs)} pairs):",
              f"  latency {link['latency_s'] * 1e6:.1f} us",
              f"  bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s one way"]
@@ -590,7 +595,23 @@ def link_table(link: dict[str, Any]) -> str:
     if link.get("allreduce_s"):
         lines.append("  all-reduce " + ", ".join(f"{t * 1e3:.2f} ms at {n / 2**10:.0f} KiB" for n, t in
                                                  zip(link["allreduce_sizes"], link["allreduce_s"])))
+    if link.get("dp_allreduce_s") and link.get("dp_allreduce_bandwidth_bytes_per_s"):
+        # the ring constants back to the fit a + n / B at the d they were timed at (link.dp_allreduce_probe)
+        d = int(link.get("dp_allreduce_ranks") or 2)
+        fixed = float(link["dp_allreduce_latency_s"]) * 2 * (d - 1)
+        rate = float(link["dp_allreduce_bandwidth_bytes_per_s"]) * d / (2 * (d - 1))
+        groups = link.get("dp_allreduce_groups")
+        lines.append(f"  data-parallel all-reduce over {d} replicas"
+                     + (f", {groups} groups at once" if groups else "")
+                     + f", measured (fit {fixed * 1e3:.3f} ms + bytes / {rate / 1e9:.3g} GB/s): "
+                     + ", ".join(f"{t * 1e3:.2f} ({(fixed + n / rate) * 1e3:.2f}) ms at {_kib(n)}"
+                                 for n, t in zip(link["dp_allreduce_sizes"], link["dp_allreduce_s"])))
     return "\n".join(lines)
+
+
+def _kib(n: float) -> str:
+    """A message size in KiB below 1 MiB, else in MiB."""
+    return f"{n / 2**10:.0f} KiB" if n < 2**20 else f"{n / 2**20:.0f} MiB"
 
 
 GiB = 1024.0**3

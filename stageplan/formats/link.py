@@ -43,23 +43,37 @@ def _seconds(value: Any) -> bool:
     return is_number(value) and value >= 0
 
 
-def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str) -> None:
+def check_allreduce(fields: Mapping[str, Any], source: str, remedy: str, *, prefix: str = "") -> None:
     """Refuse (SchemaError, one line) the all-reduce's ring constants (``allreduce_latency_s``,
     ``allreduce_bandwidth_bytes_per_s``) unless both are absent (or null) or both numbers, the latency seconds
     >= 0 and the bandwidth bytes/s > 0, and the rank count they were timed at (``allreduce_ranks``), where
     given, an integer >= 2: wherever they are read (a LINK.json, a run report's link or plan, a calibrated
-    profile, the cost model's options)."""
-    latency: Any = fields.get("allreduce_latency_s")
-    bandwidth: Any = fields.get("allreduce_bandwidth_bytes_per_s")
+    profile, the cost model's options). ``prefix`` "dp_" checks the data-parallel group's own
+    (``dp_allreduce_latency_s``, ...), and with it the sizes and times they were fitted to
+    (``dp_allreduce_sizes``, ``dp_allreduce_s``): both absent, or lists of as many positive numbers."""
+    lat_key, bw_key, ranks_key = (f"{prefix}allreduce_{k}" for k in ("latency_s", "bandwidth_bytes_per_s",
+                                                                      "ranks"))
+    latency: Any = fields.get(lat_key)
+    bandwidth: Any = fields.get(bw_key)
     if (latency is None) != (bandwidth is None) or (latency is not None and not (
             _seconds(latency) and _seconds(bandwidth) and bandwidth > 0)):
-        raise SchemaError(f"{source} has allreduce_latency_s = {latency!r} and "
-                          f"allreduce_bandwidth_bytes_per_s = {bandwidth!r}; both must be numbers (seconds "
-                          f">= 0 and bytes/s > 0), or both absent; {remedy}")
-    ranks: Any = fields.get("allreduce_ranks")
+        raise SchemaError(f"{source} has {lat_key} = {short_repr(latency)} and {bw_key} = "
+                          f"{short_repr(bandwidth)}; both must be numbers (seconds >= 0 and bytes/s > 0), or "
+                          f"both absent; {remedy}")
+    ranks: Any = fields.get(ranks_key)
     if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2):
-        raise SchemaError(f"{source} has allreduce_ranks = {short_repr(ranks)}; the all-reduce is timed over "
+        raise SchemaError(f"{source} has {ranks_key} = {short_repr(ranks)}; the all-reduce is timed over "
                           f"2 or more ranks, so it must be an integer >= 2, or absent; {remedy}")
+    if not prefix:
+        return
+    sizes: Any = fields.get(f"{prefix}allreduce_sizes")
+    times: Any = fields.get(f"{prefix}allreduce_s")
+    if (sizes is None) != (times is None) or (sizes is not None and not (
+            isinstance(sizes, list) and isinstance(times, list) and len(sizes) == len(times) > 0
+            and all(is_number(n) and n > 0 for n in sizes) and all(_seconds(t) and t > 0 for t in times))):
+        raise SchemaError(f"{source} has {prefix}allreduce_sizes = {short_repr(sizes)} and "
+                          f"{prefix}allreduce_s = {short_repr(times)}; both must be lists of as many "
+                          f"positive numbers (bytes, seconds), or both absent; {remedy}")
 
 
 def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -95,6 +109,9 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
             raise StageplanError(f"{source} has {key} = {value!r}; it must be seconds >= 0, or absent; "
                                  "measure it again with stageplan link")
     check_allreduce(data, source, "measure it again with stageplan link")
+    # the data-parallel group's own all-reduce (stageplan link --data-parallel D); optional, so links measured
+    # before it load as they are, with the same schema version
+    check_allreduce(data, source, "measure it again with stageplan link --data-parallel D", prefix="dp_")
     if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
         raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = "
                           f"{data.get('backend')!r}; pairs "

@@ -739,6 +739,57 @@ OVERHEADS = ("action_s", "chunk_forward_s", "chunk_backward_s")
 # The all-reduce the link probe timed (link.allreduce_probe), as the ring model's constants: CostOptions
 # fields, None where the link did not time it (then the tied sync is priced from the point-to-point link)
 COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
+# The data-parallel group's own all-reduce (link.dp_allreduce_probe, stageplan link --data-parallel D): its
+# ring constants, the replicas it was timed over and the groups that ran at once; None where not measured
+DP_COLLECTIVE = ("dp_allreduce_latency_s", "dp_allreduce_bandwidth_bytes_per_s", "dp_allreduce_ranks",
+                 "dp_allreduce_groups")
+
+
+def data_parallel_link(data_parallel: int, measured: Mapping[str, Any], *,
+                       link_bandwidth_bytes_per_s: float | None = None, link_latency_s: float = 0.0
+                       ) -> tuple[dict[str, Any], str | None]:
+    """The replicas' link for the ring model of their sync (:func:`stageplan.planning.sharding.ring_time`:
+    per-step latency, per-link bandwidth) as :func:`make_options`' ``dp_latency_s`` and
+    ``dp_bandwidth_bytes_per_s``, and the plan's note saying where it came from, first found of:
+
+    1. the data-parallel group's own all-reduce (:data:`DP_COLLECTIVE` in ``measured``): at the d it was timed
+       over it gives back its fit a + n / B at every size; at another d the ring scales it;
+    2. the all-reduce that prices the tied gradients (:data:`COLLECTIVE`: the link's over its pipeline ranks,
+       or a calibrating run's), scaled the same way;
+    3. the point-to-point link (``link_bandwidth_bytes_per_s``, ``link_latency_s``), as a ring of d.
+
+    Nothing with one replica or with none of them (the sync is then not priced).
+
+    >>> opts, note = data_parallel_link(2, {"dp_allreduce_latency_s": 1e-4, "dp_allreduce_ranks": 2,
+    ...                                     "dp_allreduce_bandwidth_bytes_per_s": 1e9})
+    >>> opts
+    {'dp_bandwidth_bytes_per_s': 1000000000.0, 'dp_latency_s': 0.0001}
+    """
+    if data_parallel <= 1:
+        return {}, None
+    for keys, what in ((DP_COLLECTIVE, "the link's data-parallel all-reduce"),
+                       (COLLECTIVE, "the all-reduce that prices the tied gradients (the link's over its "
+                                    "pipeline ranks, or a calibrating run's; stageplan link --data-parallel "
+                                    "D times the replicas' own)")):
+        latency, bandwidth = measured.get(keys[0]), measured.get(keys[1])
+        if bandwidth is None:
+            continue
+        k = int(measured.get(f"{keys[0].removesuffix('latency_s')}ranks") or 2)
+        fixed, rate = float(latency or 0.0) * 2 * (k - 1), float(bandwidth) * k / (2 * (k - 1))
+        groups = measured.get("dp_allreduce_groups") if keys is DP_COLLECTIVE else None
+        at_once = f", {groups} groups at once" if groups else ""
+        scaled = "" if k == data_parallel else f", scaled as a ring to {data_parallel}"
+        return ({"dp_bandwidth_bytes_per_s": float(bandwidth), "dp_latency_s": float(latency or 0.0)},
+                f"the replicas' gradient sync is priced from {what}: {fixed * 1e3:.3f} ms + bytes / "
+                f"{rate / 1e9:.3g} GB/s over {k} ranks{at_once}{scaled}")
+    if link_bandwidth_bytes_per_s is not None:
+        return ({"dp_bandwidth_bytes_per_s": float(link_bandwidth_bytes_per_s),
+                 "dp_latency_s": float(link_latency_s)},
+                f"the replicas' gradient sync is priced as a ring of {data_parallel} over the link's "
+                f"point-to-point {link_bandwidth_bytes_per_s / 1e9:.3g} GB/s and "
+                f"{link_latency_s * 1e6:.1f} us a step (the link timed no all-reduce: stageplan link "
+                "--data-parallel D measures one)")
+    return {}, None
 
 
 def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration: Mapping[str, Any]
@@ -788,6 +839,8 @@ def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration:
     )
     source = calibration if kept else measured
     overheads.update({k: source.get(k) for k in COLLECTIVE})
+    overheads["allreduce_ranks"] = 2 if kept else measured.get("allreduce_ranks")  # what the constants are at
+    overheads.update({k: measured.get(k) for k in DP_COLLECTIVE})  # the replicas' own, whatever calibrated
     if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
         p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
         fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)

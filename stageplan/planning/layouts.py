@@ -104,9 +104,20 @@ class Network:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     latency_s: float = 0.0
+    # a measured all-reduce of replicas within a node (layout --link: costs.data_parallel_link), as the ring
+    # model's per-link bandwidth and per-step latency; None: the replicas' sync uses the links above
+    dp_bandwidth_bytes_per_s: float | None = None
+    dp_latency_s: float = 0.0
 
     def bandwidth(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
+
+    def data_parallel(self, spans_nodes: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of the replicas' ring: the measured all-reduce within a node where there is
+        one (a local probe says nothing of a link across nodes), else the network's link."""
+        if self.dp_bandwidth_bytes_per_s is not None and not spans_nodes:
+            return self.dp_bandwidth_bytes_per_s, self.dp_latency_s
+        return self.bandwidth(spans_nodes), self.latency_s
 
 
 # _grid's choices besides the search: tensor degrees, pipeline degrees (None: all), microbatch sizes,
@@ -297,6 +308,7 @@ class _Search:
         """The candidate's cost options; for pricing (``full`` False) with the schedule's counts only
         (``schedules.counts_shape``), for the simulator with torch's whole order."""
         spans = self.spans(pt)
+        dp_bandwidth, dp_latency = self.network.data_parallel(spans["dp"])
         return make_options(arr_profile, pt.p, num_microbatches=pt.m, schedule=pt.schedule,
                             virtual_stages=pt.v, optimizer=self.optimizer,
                             memory_limit_bytes=self.memory_limit_bytes, recompute=pt.recompute,
@@ -304,8 +316,7 @@ class _Search:
                             bandwidth_bytes_per_s=self.network.bandwidth(spans["pp"]),
                             link_latency_s=self.network.latency_s, data_parallel=pt.d, sharding=pt.sharding,
                             grad_dtype=self.grad_dtype,
-                            dp_bandwidth_bytes_per_s=self.network.bandwidth(spans["dp"]),
-                            dp_latency_s=self.network.latency_s,
+                            dp_bandwidth_bytes_per_s=dp_bandwidth, dp_latency_s=dp_latency,
                             shape=None if full else self.counts(pt))
 
     def free_split(self, arr: LayerArrays, pt: _Point, bandwidth: float | None
@@ -1109,7 +1120,10 @@ def _finish(
                "devices_per_node": search.network.devices_per_node,
                "intra_node_bytes_per_s": search.network.intra_node_bytes_per_s,
                "inter_node_bytes_per_s": search.network.inter_node_bytes_per_s,
-               "latency_s": search.network.latency_s, "layers": L}
+               "latency_s": search.network.latency_s, "layers": L,
+               **({"dp_bandwidth_bytes_per_s": search.network.dp_bandwidth_bytes_per_s,
+                   "dp_latency_s": search.network.dp_latency_s}
+                  if search.network.dp_bandwidth_bytes_per_s is not None else {})}
     return Layout(search.num_devices, search.network.devices_per_node, search.global_batch_size,
                   search.memory_limit_bytes, ranked,
                   tuple(sorted(rejected.values(), key=lambda r: r["family"])),

@@ -29,6 +29,7 @@ from stageplan.planning.costs import (
     CostOptions,
     Device,
     LayerArrays,
+    data_parallel_link,
     estimated_link,
     evaluate,
     layer_time,
@@ -320,12 +321,13 @@ def plan(
     # sharded replicas count bytes per parameter by kind: at the profiled dtype when no precision is given
     own = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}.get(str(prof.meta.get("dtype")), "fp32")
     bytes_precision = precision if precision is not None or sharding == "ddp" else own
-    # the replicas' sync priced with the measured all-reduce (a link's probe, or a calibrated run's): its
-    # per-ring-step latency and bandwidth, which the ring formula scales to d ranks
-    collective = {k: price.overheads.get(k) for k in COLLECTIVE}
-    dp_link: dict[str, Any] = ({"dp_bandwidth_bytes_per_s": collective["allreduce_bandwidth_bytes_per_s"],
-                                "dp_latency_s": float(collective["allreduce_latency_s"] or 0.0)}
-                               if data_parallel > 1 and collective["allreduce_bandwidth_bytes_per_s"] else {})
+    # the replicas' sync priced with the measured all-reduce (the link's data-parallel probe, its all-reduce
+    # over the pipeline, or a calibrated run's), else the link's point-to-point figures: per-ring-step latency
+    # and per-link bandwidth, which the ring formula scales to d ranks
+    dp_link, dp_note = data_parallel_link(
+        data_parallel, price.overheads,
+        link_bandwidth_bytes_per_s=price.bandwidth_bytes_per_s if link is not None else None,
+        link_latency_s=price.link_latency_s)
 
     def candidate(sched: str, m: int) -> Plan:
         # auto tries single-stage schedules too: they run v = 1; a schedule named by the user gets v as given
@@ -339,7 +341,7 @@ def plan(
                             sharding=sharding, **price.options(), **dp_link)
         cand = make_plan(prof, LayerArrays.of(prof_m, m), opts, method, {"microbatch_size": mb}, given,
                           given_as, given_input, time_limit_s, objective)
-        said = tuple(n for n in (precision_note, price.note) if n)
+        said = tuple(n for n in (precision_note, price.note, dp_note) if n)
         return cand.with_notes((*cand.notes, *said)) if said else cand
 
     best, candidates = _best_candidate(candidate, schedules, ms, auto, method, recompute=recompute)

@@ -35,7 +35,7 @@ from stageplan.measure import (
     resident_bytes,
     steady_allocator,
 )
-from stageplan.running.link import ping_pong, probe_sizes
+from stageplan.running.link import dp_allreduce_probe, ping_pong, probe_sizes
 from stageplan.running.replicas import (
     Mesh,
     SyncClock,
@@ -899,14 +899,32 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
 
 
 def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_path: str | None) -> None:
-    """Only the ping-pong between neighbouring ranks (``stageplan link``); rank 0 writes LINK.json."""
+    """Only the link probes (``stageplan link``); rank 0 writes LINK.json. With ``options["data_parallel"]``
+    d > 1 the ranks sit on the ("pp", "dp") mesh as a run places them (:func:`make_mesh`): the pipeline
+    probes run on replica 0's pipeline, then every stage's replicas time their all-reduce at once
+    (:func:`dp_allreduce_probe`)."""
     import torch.distributed as dist
 
     device, _ = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
     join_process_group(options["backend"], rank, world_size, float(options["timeout_s"]))
     short_comm_slices(int(options.get("comm_slice_ns", COMM_SLICE_NS)))  # as a run's ranks have it
-    link = ping_pong(device)
-    if rank == 0 and output_path:
+    d = int(options.get("data_parallel", 1))
+    mesh = make_mesh(rank, world_size // d, d, device)
+    if d == 1:
+        link: dict[str, Any] | None = ping_pong(device)
+    else:
+        # One pipeline, not each: the ping-pong times one pair at a time so that no other traffic shares the
+        # cores, and the plan prices every boundary with one figure; d pipelines probed one after another
+        # would only multiply the probe's time. With one pipeline rank (p = 1) there is no boundary: stage
+        # 0's replicas are the pair, which the link's point-to-point figures (the collectives' fallback) need.
+        on_pipeline = mesh.dp_rank == 0 if mesh.num_ranks > 1 else True
+        group = mesh.pp_group if mesh.num_ranks > 1 else mesh.dp_group
+        link = ping_pong(device, group=group) if on_pipeline else None
+        dist.barrier()  # the other replicas wait here, idle, while replica 0's pipeline is probed
+        replicas = dp_allreduce_probe(device, mesh.dp_group)
+        link = None if link is None else {**link, **(replicas or {}), "pipeline_parallel": mesh.num_ranks,
+                                          "data_parallel": d}
+    if rank == 0 and output_path and link is not None:
         save_link({**link, "num_ranks": world_size, "torch_version": torch.__version__,
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, output_path)
     dist.barrier()

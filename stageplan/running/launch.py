@@ -195,7 +195,7 @@ def run(
 
 def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: float = 60.0,
                  output: str | os.PathLike[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 pin_cpus: bool = True) -> dict[str, Any]:
+                 pin_cpus: bool = True, data_parallel: int = 1) -> dict[str, Any]:
     """Measure the links between neighbouring ranks alone:
     ``num_ranks`` local processes (spawned and watched as
     :func:`run` does them) ping-pong rank r <-> r + 1; return the LINK.json dict (schema stageplan.link/1:
@@ -203,15 +203,29 @@ def measure_link(num_ranks: int = 2, *, backend: str | None = None, timeout_s: f
     any rank ends all ranks and raises :class:`stageplan.RunError`; so does ``timeout_s``. ``pin_cpus``: CPU
     ranks
     on their own CPUs, as :func:`run` puts them.
+
+    ``data_parallel`` D > 1 (dividing ``num_ranks``) lays the ranks out as :func:`run` lays out
+    num_ranks / D pipeline ranks x D replicas: the pipeline probes run on replica 0's pipeline, and every
+    stage's replicas then time their all-reduce at once, by message size (``dp_allreduce_*``, which
+    ``plan --link`` prices the replicas' sync with).
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
         raise StageplanError(f"the link is measured between neighbouring ranks: num_ranks must be an integer "
                              f">= 2, got {num_ranks!r}; e.g. --ranks 2")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 or (
+            num_ranks % data_parallel):
+        # the ranks are (num_ranks / D) pipeline ranks x D replicas
+        whole = isinstance(data_parallel, int) and not isinstance(data_parallel, bool) and data_parallel >= 1
+        fits = (f"--ranks {-(-num_ranks // data_parallel) * data_parallel} for {data_parallel} replicas, or "
+                if whole else "")
+        raise StageplanError(f"data_parallel ({data_parallel!r}) must be an integer >= 1 that divides the "
+                             f"ranks ({num_ranks}), which are pipeline ranks x replicas; use {fits}a divisor "
+                             f"of {num_ranks}, e.g. --data-parallel {2 if num_ranks % 2 == 0 else num_ranks}")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise StageplanError(f"timeout must be > 0 seconds, got {timeout_s}; e.g. --timeout 60")
     the_backend = _backend(backend, num_ranks)
     opts: dict[str, Any] = {"backend": the_backend, "timeout_s": float(timeout_s), "pin_cpus": bool(pin_cpus),
-                            "comm_slice_ns": comm_slice_ns()}
+                            "comm_slice_ns": comm_slice_ns(), "data_parallel": data_parallel}
     if output is not None:
         check_output_path(output)
     if log_dir is not None:

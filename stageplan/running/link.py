@@ -230,6 +230,116 @@ def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int
             "allreduce_ranks": world, "allreduce_sizes": sizes, "allreduce_s": slowest}
 
 
+# The data-parallel group's all-reduce (:func:`dp_allreduce_probe`): sizes from a small gradient bucket to the
+# size of DDP's 25 MiB buckets, so that the fit is read where a replica's sync is priced, and timed rounds
+# (median). Every group of replicas all-reduces at once, as every stage's replicas sync at the end of a real
+# step, so the contention between groups on one host is in the figure. 3 warm-up and 9 timed rounds at these
+# sizes took 0.25 s for 1 pipeline rank x 2 replicas and 0.58 s for 2 x 2 (gloo, pinned ranks, measured on a
+# 2-core CPU host), well inside the probe's budget of about 2 s.
+DP_ALLREDUCE_SIZES = (SMALL_BYTES, 64 * 2**10, 2**20, LARGE_BYTES, MAX_BYTES)
+DP_ALLREDUCE_WARMUP = 3
+DP_ALLREDUCE_REPEATS = 9
+
+
+def hockney_fit(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(fixed_s, bandwidth_bytes_per_s) of t(n) = fixed + n / bandwidth through the times at every size, by
+    least squares on the relative residuals (t_fit - t) / t: the priced sync is judged by measured /
+    predicted, so each size weighs alike, where absolute residuals would let the largest size decide the
+    small ones' fixed cost alone. The fixed cost is held >= 0 (refit through the origin where it came out
+    negative); with no positive slope (a link too fast to tell at these sizes), the two-point :func:`fit`.
+    Through two sizes it is the line through both.
+
+    >>> fixed_s, bandwidth = hockney_fit([4096, 2**20, 2**24], [1e-4 + n / 1e9 for n in [4096, 2**20, 2**24]])
+    >>> round(fixed_s * 1e6, 6), round(bandwidth)
+    (100.0, 1000000000)
+    """
+    n = [float(x) for x in sizes_bytes]
+    t = [float(x) for x in seconds]
+    w = [1.0 / (x * x) for x in t]  # relative residuals: weight 1 / t^2
+    sw = sum(w)
+    swn = sum(wi * ni for wi, ni in zip(w, n))
+    swnn = sum(wi * ni * ni for wi, ni in zip(w, n))
+    swt = sum(wi * ti for wi, ti in zip(w, t))
+    swnt = sum(wi * ni * ti for wi, ni, ti in zip(w, n, t))
+    det = sw * swnn - swn * swn
+    if len(n) < 2 or det <= 0:
+        return fit(sizes_bytes, seconds)
+    fixed = (swt * swnn - swn * swnt) / det
+    slope = (sw * swnt - swn * swt) / det
+    if fixed < 0:
+        fixed, slope = 0.0, swnt / swnn
+    if slope <= 0:
+        return fit(sizes_bytes, seconds)
+    return float(fixed), float(1.0 / slope)
+
+
+def dp_allreduce_probe(device: Any, dp_group: Any, *, sizes_bytes: Sequence[int] = DP_ALLREDUCE_SIZES,
+                       warmup: int = DP_ALLREDUCE_WARMUP, repeats: int = DP_ALLREDUCE_REPEATS
+                       ) -> dict[str, Any] | None:
+    """Time the replicas' gradient all-reduce: every rank of the world calls it with its own data-parallel
+    group (``dp_group``, its stage's d replicas) and every rank gets the result. Per size and round, a
+    barrier of the whole world, then one ``all_reduce`` of a float buffer on each group at once, timed until
+    its result is there; the median per rank and size, the slowest rank's per size (the step waits for the
+    last replica's sync). The :func:`hockney_fit` a + n / B is stored as the ring model's constants at d, as
+    :func:`allreduce_probe` stores its own: ``dp_allreduce_latency_s`` = a / (2(d - 1)) per ring step and
+    ``dp_allreduce_bandwidth_bytes_per_s`` = B x 2(d - 1) / d, so that
+    :func:`stageplan.planning.sharding.ring_time` gives back a + n / B at d and scales it to another d.
+    Also ``dp_allreduce_ranks`` (d), ``dp_allreduce_groups`` (the groups that ran at once, p),
+    ``dp_allreduce_sizes`` and ``dp_allreduce_s`` (the slowest medians), ``dp_allreduce_probe_s`` (the
+    probe's wall time on rank 0's clock). None with one replica."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.measure import median_iqr
+
+    d = dist.get_world_size(dp_group)
+    if d < 2:
+        return None
+    world = dist.get_world_size()
+    dev = torch.device(device)
+    sizes = [int(n) for n in sizes_bytes]
+    medians = []
+    began = time.perf_counter()
+    for n in sizes:
+        buf = torch.ones(max(n // 4, 1), dtype=torch.float32, device=dev)
+        times = []
+        for k in range(warmup + repeats):
+            dist.barrier()  # the whole world: every group starts its all-reduce together
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=dp_group)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if k >= warmup:
+                times.append(time.perf_counter() - start)
+        medians.append(median_iqr(times)[0])
+    took = time.perf_counter() - began
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, medians)
+    slowest = [max(row[i] for row in gathered) for i in range(len(sizes))]
+    return {**dp_allreduce_fields(sizes, slowest, d, world // d), "dp_allreduce_probe_s": took}
+
+
+def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ranks: int, groups: int
+                        ) -> dict[str, Any]:
+    """LINK.json's fields for the data-parallel all-reduce timed at ``seconds`` per size over ``ranks``
+    replicas, ``groups`` groups at once: the :func:`hockney_fit` a + n / B as the ring's per-step latency
+    a / (2(d - 1)) and per-link bandwidth B x 2(d - 1) / d (see :func:`dp_allreduce_probe`).
+
+    >>> f = dp_allreduce_fields([4096, 2**24], [1e-4 + 4096 / 1e9, 1e-4 + 2**24 / 1e9], 2, 1)
+    >>> round(f["dp_allreduce_latency_s"] * 1e6, 6), round(f["dp_allreduce_bandwidth_bytes_per_s"])
+    (50.0, 1000000000)
+    """
+    fixed_s, bandwidth = hockney_fit(sizes_bytes, seconds)
+    steps, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
+    return {"dp_allreduce_latency_s": fixed_s / steps,
+            "dp_allreduce_bandwidth_bytes_per_s": bandwidth * share,
+            "dp_allreduce_ranks": int(ranks), "dp_allreduce_groups": int(groups),
+            "dp_allreduce_sizes": [int(n) for n in sizes_bytes],
+            "dp_allreduce_s": [float(t) for t in seconds]}
+
+
 def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,
                        warmup: int = ACTION_WARMUP, steps: int = ACTION_STEPS,
                        evict_bytes: int = ACTION_EVICT_BYTES) -> dict[str, float] | None:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, spawn_ranks
-from unit.test_link import _profile
+from unit.test_link import GPT, _profile
 
 import stageplan.running.link
 from stageplan import RunReport
 from stageplan.formats.link import load_link
+from stageplan.formats.plan import Plan
+from stageplan.formats.profile import Profile
 from stageplan.planning.planner import plan
 
 
@@ -61,6 +63,50 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
     pl = plan(_profile(), 2, num_microbatches=4, link=out)
     assert pl.cost_options["bandwidth_bytes_per_s"] == link["bandwidth_bytes_per_s"]
     assert pl.cost_options["allreduce_bandwidth_bytes_per_s"] == link["allreduce_bandwidth_bytes_per_s"]
+
+
+@pytest.mark.parametrize(("ranks", "pipeline"), [(4, [0, 2]), (2, [0, 1])])
+def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_its_fit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], ranks: int, pipeline: list[int]) -> None:
+    """``stageplan link --data-parallel 2`` on 4 ranks (2 pipeline ranks x 2 replicas, as run lays them out)
+    and on 2 (1 x 2): both groups of replicas all-reduce at once, by size; plan --link then prices each rank's
+    sync (all exposed: GPT's gradients per rank are under DDP's 25 MiB bucket) at the least-squares fit of
+    those times on the rank's gradient bytes."""
+    import numpy as np
+
+    out = tmp_path / "link.json"
+    code, stdout, err = run_cli(["link", "--backend", "gloo", "--ranks", str(ranks), "--data-parallel", "2",
+                                 "-o", str(out), "--timeout", "120"], capsys)
+    assert code == 0, err
+    link = load_link(out)
+    groups = ranks // 2
+    assert (link["dp_allreduce_ranks"], link["dp_allreduce_groups"], link["pipeline_parallel"]) == (2, groups,
+                                                                                                     groups)
+    # the point-to-point probes ran on replica 0's pipeline (global ranks 0 and 2), or with one pipeline rank
+    # on stage 0's two replicas
+    assert [p["ranks"] for p in link["pairs"]] == [pipeline]
+    sizes, times = link["dp_allreduce_sizes"], link["dp_allreduce_s"]
+    assert sizes == [4096, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
+    assert all(t > 0 for t in times) and times[0] < times[3] < times[4]  # 4 KiB < 4 MiB < 16 MiB
+    # a ceiling, not the budget: the repeats were chosen for about 2 s and took 0.25-1.03 s on a 2-core VM at
+    # load 0-7 (docs/accuracy.md), so only a gross slowdown fails here
+    assert 0 < link["dp_allreduce_probe_s"] < 10.0
+    assert f"data-parallel all-reduce over 2 replicas, {groups} groups at once" in stdout
+    # the oracle: numpy's least squares on the relative residuals (a + n c - t) / t: rows [1/t, n/t] vs 1
+    t, n = np.array(times), np.array(sizes, dtype=float)
+    (a, c), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
+    if a < 0:  # held at 0
+        a, ((c,), *_) = 0.0, np.linalg.lstsq((n / t)[:, None], np.ones_like(t), rcond=None)
+    plan_path = tmp_path / "plan.json"
+    code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--microbatches", "4", "--data-parallel", "2",
+                            "--link", str(out), "-o", str(plan_path)], capsys)
+    assert code == 0, err
+    pl = Plan.load(plan_path)
+    params = [x.param_bytes for x in Profile.load(GPT).layers]
+    for st in pl.stages:
+        grads = sum(params[st.first_layer:st.end_layer])
+        assert grads < 25 * 2**20 and st.dp_sync_s == pytest.approx(a + grads * c, rel=1e-6)
+    assert any("the link's data-parallel all-reduce" in x for x in pl.notes)
 
 
 def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]

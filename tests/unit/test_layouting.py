@@ -193,3 +193,40 @@ def test_cli_no_fit_gives_the_limit_and_the_device_count_that_fit_in_one_line(
     assert remedy is not None, err
     assert main([*args, "--devices", "8", "--memory-limit", remedy["limit"]]) == 0
     assert main([*args, "--devices", remedy["n"], "--memory-limit", "1.5GiB"]) == 0
+
+
+def test_a_measured_link_prices_the_sync_of_replicas_within_a_node_and_not_across(
+        profile_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """layout --link: a replicas' ring of per-link bandwidth B and no per-step latency, measured, prices a dp
+    group inside a node as the network's link of bandwidth B would (the split is the given one, so only the
+    dp price differs); a group spanning nodes keeps the inter-node link."""
+    from unit.test_link import _dp_link
+
+    rate = 3e9
+    link = {**_dp_link(), "dp_allreduce_latency_s": 0.0, "dp_allreduce_bandwidth_bytes_per_s": rate}
+    given = "tp=1,pp=4,dp=2,mbs=1,sharding=ddp,layout=Et*3|t*3|t*3|t*3L"
+
+    def dp_sync(per_node: int, intra: float, with_link: bool) -> float:
+        lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=per_node,
+                     intra_node_bandwidth=intra, inter_node_bandwidth=1e9, microbatch_sizes=[1],
+                     schedules=["1F1B"], recompute=[False], shardings=["ddp"], given=given,
+                     link=link if with_link else None)
+        assert lay.given is not None
+        if with_link:
+            assert any("the link's data-parallel all-reduce" in n and "within a node" in n for n in lay.notes)
+            assert lay.options["dp_bandwidth_bytes_per_s"] == rate
+        return lay.given.step_parts["dp_sync_s"]
+
+    within = dp_sync(8, 1e11, True)
+    assert within == pytest.approx(dp_sync(8, rate, False), rel=1e-12) and within > dp_sync(8, 1e11, False)
+    assert dp_sync(1, 1e11, True) == pytest.approx(dp_sync(1, 1e11, False), rel=1e-12)  # across nodes
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({k: v for k, v in link.items() if not k.startswith("dp_")}))
+    with pytest.raises(StageplanError, match=r"timed no all-reduce .* stageplan link --ranks N "
+                                             r"--data-parallel D"):
+        layout(profile_path, 8, global_batch_size=16, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10,
+               link=path)
+    rc = main(["layout", profile_path, "--devices", "8", "--global-batch-size", "16", "--quiet", *LINKS,
+               "--link", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "timed no all-reduce" in err and "Traceback" not in err

@@ -235,3 +235,133 @@ def test_a_link_with_the_chunks_overhead_prices_it_inside_every_chunk(tmp_path: 
         for bad in (True, -1.0, float("nan"), "slow"):
             with pytest.raises(StageplanError, match=key):
                 load_link({**base, key: bad})
+
+
+# The data-parallel group's all-reduce (stageplan link --data-parallel D)
+
+DP_SIZES = [4096, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
+DP_FIXED_S, DP_RATE = 4e-4, 8e8  # the fit a + n / B the synthetic probe times lie on
+
+
+def _dp_link(ranks: int = 2, **extra: object) -> dict:  # type: ignore[type-arg]
+    from stageplan.running.link import dp_allreduce_fields
+
+    times = [DP_FIXED_S + n / DP_RATE for n in DP_SIZES]
+    return {"schema": LINK_SCHEMA, "backend": "gloo", "latency_s": 5e-5, "bandwidth_bytes_per_s": 2e9,
+            **dp_allreduce_fields(DP_SIZES, times, ranks, 2), **extra}
+
+
+def _grads_profile(grad_bytes: int) -> Profile:
+    """Two layers, the first holding ``grad_bytes`` of fp32 parameters (so of gradients), the second none."""
+    layers = (LayerProfile("l0", 1e-3, 2e-3, 0, 1024, grad_bytes, param_count=grad_bytes // 4),
+              LayerProfile("l1", 1e-3, 2e-3, 0, 1024, 0))
+    return Profile(layers, {"batch_size": 8, "microbatch_size": 1, "dtype": "float32"})
+
+
+def test_a_link_without_the_data_parallel_probe_still_loads_and_a_bad_one_is_refused_in_one_line() -> None:
+    base = {"schema": LINK_SCHEMA, "latency_s": LATENCY, "bandwidth_bytes_per_s": BANDWIDTH}
+    assert not any(k.startswith("dp_") for k in load_link(base))  # links from before the probe
+    good = _dp_link()
+    assert load_link(good)["dp_allreduce_sizes"] == DP_SIZES
+    fit_keys = ("dp_allreduce_latency_s", "dp_allreduce_bandwidth_bytes_per_s")
+    for bad in ({"dp_allreduce_latency_s": None}, {"dp_allreduce_bandwidth_bytes_per_s": None},
+                {"dp_allreduce_latency_s": -1e-4}, {"dp_allreduce_bandwidth_bytes_per_s": 0.0},
+                {"dp_allreduce_latency_s": "1ms"}):
+        row = {k: v for k, v in {**good, **bad}.items() if v is not None}
+        shown = tuple(row.get(k) for k in fit_keys)
+        with pytest.raises(SchemaError, match=rf"dp_allreduce_latency_s = {shown[0]!r} and "
+                                              rf"dp_allreduce_bandwidth_bytes_per_s = {shown[1]!r}; both "
+                                              r"must be numbers .* stageplan link --data-parallel D$"):
+            load_link(row)
+    for ranks in (1, True, 2.0):
+        with pytest.raises(SchemaError, match=rf"dp_allreduce_ranks = {ranks!r}; .* integer >= 2"):
+            load_link({**good, "dp_allreduce_ranks": ranks})
+    for sizes, times in ((DP_SIZES[:2], good["dp_allreduce_s"]), (DP_SIZES, None),
+                         ([0, *DP_SIZES[1:]], good["dp_allreduce_s"]), (DP_SIZES, [-1.0] * 5)):
+        row = {k: v for k, v in {**good, "dp_allreduce_sizes": sizes, "dp_allreduce_s": times}.items()
+               if v is not None}
+        with pytest.raises(SchemaError, match=r"dp_allreduce_sizes = .* and dp_allreduce_s = .*; both must "
+                                              r"be lists of as many positive numbers"):
+            load_link(row)
+
+
+def test_a_bad_data_parallel_probe_is_one_line_and_exit_2_from_plan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps({**_dp_link(), "dp_allreduce_bandwidth_bytes_per_s": -1.0}))
+    code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--data-parallel", "2", "--link", str(path)],
+                           capsys)
+    assert_one_line_error(code, err, r"dp_allreduce_bandwidth_bytes_per_s = -1.0; both must be numbers")
+
+
+@pytest.mark.parametrize("grad_bytes", DP_SIZES)
+def test_the_replicas_sync_priced_with_the_data_parallel_probe_is_its_fit_at_every_probed_size(
+        grad_bytes: int) -> None:
+    """At the d it was timed over, a stage's DDP sync (all exposed under DDP's 25 MiB bucket) is the probe's
+    own fit a + n / B on the stage's gradient bytes n: the closed form the synthetic times were made on."""
+    pl = plan(_grads_profile(grad_bytes), 2, num_microbatches=4, data_parallel=2, link=_dp_link(),
+              boundaries=[0, 1, 2])
+    assert pl.stages[0].dp_sync_s == pytest.approx(DP_FIXED_S + grad_bytes / DP_RATE, rel=1e-9)
+    note = next(n for n in pl.notes if n.startswith("the replicas' gradient sync"))
+    assert "the link's data-parallel all-reduce" in note and "over 2 ranks, 2 groups at once" in note
+    assert "scaled" not in note
+
+
+@pytest.mark.parametrize(("measured_d", "planned_d"), [(2, 4), (2, 3), (3, 2), (4, 8)])
+def test_the_data_parallel_probe_scales_to_another_replica_count_as_a_ring(measured_d: int,
+                                                                         planned_d: int) -> None:
+    """Timed over D replicas, the fit a + n / B is a ring of 2(D - 1) steps of a / (2(D - 1)) each, moving
+    2(D - 1)/D x n over links of B x 2(D - 1)/D; over d replicas the ring takes 2(d - 1) such steps and moves
+    2(d - 1)/d x n (Patarasuk and Yuan 2009)."""
+    n = 2**20
+    step_s = DP_FIXED_S / (2 * (measured_d - 1))
+    link_rate = DP_RATE * 2 * (measured_d - 1) / measured_d
+    want = 2 * (planned_d - 1) * step_s + 2 * (planned_d - 1) / planned_d * n / link_rate
+    pl = plan(_grads_profile(n), 2, num_microbatches=4, data_parallel=planned_d, link=_dp_link(measured_d),
+              boundaries=[0, 1, 2])
+    assert pl.stages[0].dp_sync_s == pytest.approx(want, rel=1e-9)
+    assert any(f"over {measured_d} ranks, 2 groups at once, scaled as a ring to {planned_d}" in x
+               for x in pl.notes)
+
+
+def test_the_replicas_sync_is_priced_by_the_dp_probe_then_the_pipelines_all_reduce_then_point_to_point(
+) -> None:
+    n, d = 2**20, 2
+    prof = _grads_profile(n)
+    both = _dp_link(allreduce_latency_s=1e-3, allreduce_bandwidth_bytes_per_s=1e8, allreduce_ranks=2)
+    pl = plan(prof, 2, num_microbatches=4, data_parallel=d, link=both, boundaries=[0, 1, 2])
+    assert pl.stages[0].dp_sync_s == pytest.approx(DP_FIXED_S + n / DP_RATE, rel=1e-9)
+    pipeline_only = {k: v for k, v in both.items() if not k.startswith("dp_")}
+    pl = plan(prof, 2, num_microbatches=4, data_parallel=d, link=pipeline_only, boundaries=[0, 1, 2])
+    assert pl.stages[0].dp_sync_s == pytest.approx(2 * 1e-3 + n / 1e8, rel=1e-9)
+    assert any("the all-reduce that prices the tied gradients" in x for x in pl.notes)
+    p2p = {k: v for k, v in pipeline_only.items() if not k.startswith("allreduce_")}
+    pl = plan(prof, 2, num_microbatches=4, data_parallel=d, link=p2p, boundaries=[0, 1, 2])
+    # a ring of 2 over the one-way link: 2(d - 1) = 2 steps of its latency, 2(d - 1)/d = 1 x n at its rate
+    assert pl.stages[0].dp_sync_s == pytest.approx(2 * 5e-5 + n / 2e9, rel=1e-9)
+    assert any("point-to-point" in x for x in pl.notes)
+
+
+def test_show_link_lists_the_data_parallel_all_reduce_by_size_measured_and_fitted() -> None:
+    from stageplan.report import link_table
+
+    link = _dp_link(pairs=[{"ranks": [0, 2]}], num_ranks=4, pipeline_parallel=2, data_parallel=2)
+    link["dp_allreduce_s"][1] = 1.5e-3  # a measured time off the fit shows beside it
+    line = link_table(link).splitlines()[-1]
+    assert line.startswith("  data-parallel all-reduce over 2 replicas, 2 groups at once")
+    assert "1.50 (0.48) ms at 64 KiB" in line
+    largest_ms = (DP_FIXED_S + 2**24 / DP_RATE) * 1e3
+    assert f"{largest_ms:.2f} ({largest_ms:.2f}) ms at 16 MiB" in line
+    assert "laid out 2 pp x 2 dp, replica 0's pipeline" in link_table(link).splitlines()[0]
+
+
+@pytest.mark.parametrize(("ranks", "dp", "remedy"),
+                         [("4", "3", r"--ranks 6 for 3 replicas, or a divisor of 4"),
+                          ("3", "0", r"a divisor of 3, e.g. --data-parallel 3")])
+def test_link_refuses_replicas_that_do_not_divide_the_ranks_before_any_rank_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], ranks: str, dp: str, remedy: str) -> None:
+    code, _, err = run_cli(["link", "--ranks", ranks, "--data-parallel", dp, "-o", str(tmp_path / "l.json")],
+                           capsys)
+    assert_one_line_error(code, err, rf"data_parallel \({dp}\) must be an integer >= 1 that divides the "
+                                     rf"ranks \({ranks}\).*{remedy}")
+    assert not (tmp_path / "l.json").exists()
