@@ -137,12 +137,13 @@ def _ranking(tmp: Path) -> dict[str, float | int | None]:
     layout whose ranks idle in a pipeline bubble gives their core to the others: the pairs that swap are
     named with both figures."""
     prof = profile_model(build_workload("gpt", SKEWED), microbatch_size=2, warmup=2, repeats=5)
-    link = measure_link(4, output=tmp / "link4.json")
+    # each mesh's own link: its replicas' all-reduce timed as that mesh places them
+    links = {d: measure_link(4, data_parallel=d, output=tmp / f"link4-dp{d}.json") for d in (1, 2, 4)}
     plans = {}
     for p, d, sharding in RANKING_LAYOUTS:
         m = RANKING_BATCH // (2 * d)
         plans[(p, d, sharding)] = plan(prof, p, num_microbatches=m, data_parallel=d, sharding=sharding,
-                                       link=link)
+                                       link=links[d])
     steps: dict[tuple[int, int, str], list[float]] = {k: [] for k in plans}
     loads = []
     for _ in range(REPEATS):
