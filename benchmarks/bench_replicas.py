@@ -136,7 +136,9 @@ def _ranking(tmp: Path) -> dict[str, float | int | None]:
     order or not. Four ranks share two cores here, so each measured step is about twice the plan's, and a
     layout whose ranks idle in a pipeline bubble gives their core to the others: the pairs that swap are
     named with both figures."""
-    prof = profile_model(build_workload("gpt", SKEWED), microbatch_size=2, warmup=2, repeats=5)
+    # profiled at the global batch, as the 4 x 1 run takes it (the replicas' runs share it out)
+    prof = profile_model(build_workload("gpt", {**SKEWED, "batch_size": RANKING_BATCH}), microbatch_size=2,
+                         warmup=2, repeats=5)
     # each mesh's own link: its replicas' all-reduce timed as that mesh places them
     links = {d: measure_link(4, data_parallel=d, output=tmp / f"link4-dp{d}.json") for d in (1, 2, 4)}
     plans = {}

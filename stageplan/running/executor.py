@@ -472,6 +472,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     schedule, loss_divisor = _schedule(plan, rs, workload, ins)
     optimizer = make_replica_optimizer(options["optimizer"], rs.unique_params, float(options["lr"]), sharding,
                                        mesh)
+    # ZeRO-1's bucket views moved the parameters into its buckets: their new storages are parameters too
+    ins.tracker.exclude.update(_local(p).untyped_storage().data_ptr() for p in rs.unique_params)
     sync = SyncClock(device)
     sync.attach(rs.stages, optimizer)
     d = mesh.data_parallel

@@ -195,7 +195,12 @@ def make_replica_optimizer(name: str, params: list[nn.Parameter], lr: float, sha
         return cls(params, lr=lr, **extra)  # type: ignore[call-arg]
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.dp_group, lr=lr, **extra)
+    # parameters_as_bucket_view: each replica's partition lives in one contiguous bucket, so the broadcast
+    # after the step is one message per replica, not one per tensor (ZeRO-1's sync of the skewed GPT's 1 x 2
+    # run took 129-154 ms against the 58 ms its all-gather is priced at, on gloo on a 2-core CPU host,
+    # broadcasting tensor by tensor)
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.dp_group, lr=lr,
+                                   parameters_as_bucket_view=True, **extra)
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:
