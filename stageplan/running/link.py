@@ -196,31 +196,16 @@ def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int
     here and scales it to another p: ``allreduce_latency_s`` = a / (2(p - 1)) per ring step and
     ``allreduce_bandwidth_bytes_per_s`` = B x 2(p - 1) / p. Also ``allreduce_ranks`` (p), ``allreduce_sizes``
     and ``allreduce_s`` (the medians). None on a single rank."""
-    import time
 
     import torch
     import torch.distributed as dist
 
-    from stageplan.measure import median_iqr
 
     world = dist.get_world_size(group)
     if world < 2:
         return None
-    dev = torch.device(device)
     sizes = [int(n) for n in sizes_bytes]
-    medians = []
-    for n in sizes:
-        buf = torch.ones(max(n // 4, 1), dtype=torch.float32, device=dev)
-        times = []
-        for k in range(warmup + repeats):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if k >= warmup:
-                times.append(time.perf_counter() - start)
-        medians.append(median_iqr(times)[0])
+    medians = _allreduce_medians(torch.device(device), sizes, group, group, warmup, repeats)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, medians, group=group)
     slowest = [max(row[i] for row in gathered) for i in range(len(sizes))]
@@ -292,33 +277,47 @@ def dp_allreduce_probe(device: Any, dp_group: Any, *, sizes_bytes: Sequence[int]
     import torch
     import torch.distributed as dist
 
-    from stageplan.measure import median_iqr
 
     d = dist.get_world_size(dp_group)
     if d < 2:
         return None
     world = dist.get_world_size()
-    dev = torch.device(device)
     sizes = [int(n) for n in sizes_bytes]
-    medians = []
     began = time.perf_counter()
-    for n in sizes:
-        buf = torch.ones(max(n // 4, 1), dtype=torch.float32, device=dev)
-        times = []
-        for k in range(warmup + repeats):
-            dist.barrier()  # the whole world: every group starts its all-reduce together
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=dp_group)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if k >= warmup:
-                times.append(time.perf_counter() - start)
-        medians.append(median_iqr(times)[0])
+    # the barrier of the whole world: every group starts its all-reduce together
+    medians = _allreduce_medians(torch.device(device), sizes, dp_group, None, warmup, repeats)
     took = time.perf_counter() - began
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, medians)
     slowest = [max(row[i] for row in gathered) for i in range(len(sizes))]
     return {**dp_allreduce_fields(sizes, slowest, d, world // d), "dp_allreduce_probe_s": took}
+
+
+def _allreduce_medians(dev: Any, sizes: Sequence[int], group: Any, barrier_group: Any, warmup: int,
+                       repeats: int) -> list[float]:
+    """This rank's median seconds of an ``all_reduce`` of a float buffer of each size on ``group``, each
+    round after a barrier of ``barrier_group`` (None: the whole world), timed until its result is there."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.measure import median_iqr
+
+    medians = []
+    for n in sizes:
+        buf = torch.ones(max(n // 4, 1), dtype=torch.float32, device=dev)
+        times = []
+        for k in range(warmup + repeats):
+            dist.barrier(group=barrier_group)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if k >= warmup:
+                times.append(time.perf_counter() - start)
+        medians.append(median_iqr(times)[0])
+    return medians
 
 
 def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ranks: int, groups: int
