@@ -662,10 +662,9 @@ def _in_torchrun() -> bool:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from stageplan.formats.plan import Plan
     from stageplan.materialize import init_empty_weights
     from stageplan.report import run_table
-    from stageplan.running.launch import run, torchrun_main
+    from stageplan.running.launch import load_plan, run, torchrun_main
     from stageplan.zoo import build_workload
 
     kwargs: dict[str, Any] = dict(steps=a.steps, warmup=a.warmup, optimizer=a.optimizer, lr=a.lr,
@@ -677,7 +676,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         from stageplan._io import check_output_path
 
         check_output_path(a.output, (a.plan, a.weights))
-    the_plan = Plan.load(a.plan)
+    the_plan = load_plan(a.plan)  # a plan file, or a layout file's best layout
     if _in_torchrun():
         with init_empty_weights():  # each rank materialises only its own stage
             workload = build_workload(a.model, factory_options)

@@ -99,7 +99,9 @@ def run_contention(meta: Mapping[str, Any], num_ranks: int) -> str | None:
 
 def first_contention(reports: Iterable[Any]) -> str | None:
     """The first of ``reports`` (RunReports) whose run was distorted: why (:func:`run_contention`)."""
-    return next((d for d in (run_contention(r.meta, len(r.ranks)) for r in reports) if d), None)
+    # every process of a run: each replica's and each shard's ranks too
+    found = (run_contention(r.meta, len(r.ranks) + len(getattr(r, "replicas", ()))) for r in reports)
+    return next((d for d in found if d), None)
 
 
 def slower_explained(measured_speedup: float | None, predicted_speedup: float | None,

@@ -123,10 +123,10 @@ def layout(
     ``profile_or_model`` is a profile (or several: one per microbatch size, each at t = 1, or with
     ``meta["factory_options"]["tensor_parallel"]``), or a model spec ("hf" with ``options`` {"preset":
     ..., "seq_len": ...}, or "module:factory") profiled for ``device`` (an HF decoder is estimated per (b, t)
-    for "estimate:GPU"). ``pipeline_parallel`` limits the pipeline degrees tried. The default grid: t in {1,
-    2, 4, 8} up to a node, every p dividing N / t up to the layers, b in {1, 2, 4, 8}, GPipe, 1F1B and
-    Interleaved1F1B with every valid v, recompute none or full, sharding ddp, zero1 or fsdp. ``given`` scores
-    the user's own layout ("tp=4,pp=8,dp=2,mbs=1,
+    for "estimate:GPU", or measured per (b, t) on "cpu"). ``pipeline_parallel`` limits the pipeline degrees
+    tried. The default grid: t in {1, 2, 4, 8} up to a node, every p dividing N / t up to the layers, b in
+    {1, 2, 4, 8}, GPipe, 1F1B and Interleaved1F1B with every valid v, recompute none or full, sharding ddp,
+    zero1 or fsdp. ``given`` scores the user's own layout ("tp=4,pp=8,dp=2,mbs=1,
     sharding=zero1[,vp=5][,sp=1][,layout=MEGATRON_LAYOUT]") beside the best.
 
     ``link`` (a LINK.json from ``stageplan link``, or its dict) prices the sync of replicas within a node

@@ -487,10 +487,13 @@ class SavedTensorTracker:
         self.peak = self.live
 
     def _pack(self, t: torch.Tensor) -> Any:
-        ptr = self.key(t)
+        # a DTensor (a tensor-parallel run's) holds the bytes of its local shard; its own storage is empty
+        inner = getattr(t, "_local_tensor", None)
+        local = inner if isinstance(inner, torch.Tensor) else t
+        ptr = self.key(local)
         if ptr in self.exclude:
             return t
-        span = _byte_span(t)
+        span = _byte_span(local)
         spans = self._spans.setdefault(ptr, {})
         before = _union_bytes(spans)
         spans[span] = spans.get(span, 0) + 1

@@ -385,6 +385,23 @@ def _replicas_line(report: RunReport) -> str | None:
             f"held/predicted: {per}")
 
 
+def _tensor_line(report: RunReport) -> str | None:
+    """With tensor-parallel shards: the mesh, and per rank of every shard the all-reduces it issued in one
+    step against the cost model's count, forward and backward."""
+    mesh = report.meta.get("mesh")
+    if not isinstance(mesh, dict) or int(mesh.get("tp", 1)) <= 1:
+        return None
+    rows = sorted([*report.ranks, *report.replicas], key=lambda r: r.get("global_rank", 0))
+
+    def pair(counts: Any) -> str:
+        return f"{counts['forward']}+{counts['backward']}" if isinstance(counts, dict) else "-"
+
+    per = "; ".join(f"({r['mesh']['pp']},{r['mesh'].get('tp', 0)}) {pair(r.get('measured_tp_collectives'))}/"
+                    f"{pair(r.get('predicted_tp_collectives'))}" for r in rows if r.get("mesh"))
+    return (f"tensor parallel: mesh {mesh['pp']} x {mesh['tp']} (pp x tp); per rank (pp,tp) all-reduces in a "
+            f"step, forward+backward, counted/predicted: {per}")
+
+
 def run_table(report: RunReport, *, explain: bool = False) -> str:
     """Predicted vs measured, per rank and for the step, with ratios; then the check result. A line says one
     thing: the details (layers inside the schedule, the chunk overhead, the compute ratio in two, the tied
@@ -408,16 +425,17 @@ def run_table(report: RunReport, *, explain: bool = False) -> str:
         f"{100 * report.measured_bubble_fraction:.1f}%; {report.samples_per_s:.1f} samples/s; load average "
         f"{figure(report.meta.get('load_average_1min'), '.2f')}"
     )
-    replicas = _replicas_line(report)
-    if replicas:
-        lines.append(replicas)
+    for extra in (_replicas_line(report), _tensor_line(report)):
+        if extra:
+            lines.append(extra)
     part = report.meta.get("partial")
     if isinstance(part, dict):
         skipped = ", ".join(part.get("skipped") or [])
         lines.append(f"partial: {part.get('reason', 'interrupted')} after {part.get('steps_measured')} of "
                      f"{part.get('steps_asked')} measured steps"
                      + (f"; skipped: {skipped}" if skipped else ""))
-    distorted = run_contention(report.meta, len(report.ranks))
+    # every process of the run: each replica's and each shard's ranks too
+    distorted = run_contention(report.meta, len(report.ranks) + len(report.replicas))
     if distorted:
         lines.append(f"warning: {distorted}")
     if "cpus_per_rank" in report.meta:

@@ -26,7 +26,8 @@ RUN_SCHEMA = "stageplan.run/4"
 # the run's memory over its baseline (measured_run_memory_bytes), read after retiming. All three load; an
 # older report's rows keep their own memory_ratio. run/4 adds data-parallel replicas: each row's mesh
 # coordinates, its data-parallel sync and its memory by kind, and the other replicas' rows; an older report
-# was one replica.
+# was one replica. A tensor-parallel run's rows add measured_tp_collectives and predicted_tp_collectives, and
+# its other shards' rows go with the other replicas'; other reports have neither field.
 _OLD_SCHEMAS = {"stageplan.run/1": {"stages": "ranks"}, "stageplan.run/2": {}, "stageplan.run/3": {}}
 
 
@@ -397,7 +398,22 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
             k: sum(float(st.memory.get(k, 0.0)) for st in plan.stages if st.rank == r)
             for k in ("params", "grads", "master", "optimizer", "activations")},
         "measured_memory_by_kind": g.get("memory_by_kind"),
+        # with tensor-parallel shards: the all-reduces the rank's chunk calls issued in one step, forward and
+        # backward (counted in its last warm-up step), beside the plan's count of them (the cost model's
+        # closed form, planning.sharding.tensor_parallel_collectives; None in a plan made before it)
+        **_tp_counts(plan, g, r),
     }
+
+
+def _tp_counts(plan: Plan, g: dict[str, Any], r: int) -> dict[str, Any]:
+    """The rank row's tensor-parallel all-reduce counts, measured and predicted ({"forward": n, "backward":
+    n} each); nothing without tensor-parallel shards, so rows of other runs keep their fields."""
+    if int(plan.profile_meta.get("tensor_parallel") or 1) <= 1:
+        return {}
+    planned = plan.profile_meta.get("tensor_parallel_collectives")
+    predicted = ({"forward": int(planned[r][0]), "backward": int(planned[r][1])}
+                 if isinstance(planned, list) and r < len(planned) else None)
+    return {"measured_tp_collectives": g.get("tp_collectives"), "predicted_tp_collectives": predicted}
 
 
 def _run_timeline(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
@@ -458,8 +474,8 @@ class RunReport:
     timeline: tuple[dict[str, Any], ...] = ()
     link: dict[str, Any] | None = None
     layers: tuple[dict[str, Any], ...] = ()
-    # with data-parallel replicas, the rows of the replicas other than the first (``ranks`` is replica 0's
-    # pipeline), each with its mesh coordinates
+    # with data-parallel replicas or tensor-parallel shards, the rows of the replicas and shards other than
+    # the first (``ranks`` is replica 0's pipeline, shard 0), each with its mesh coordinates
     replicas: tuple[dict[str, Any], ...] = ()
 
     @property
@@ -544,11 +560,14 @@ class RunReport:
         # (a zero-bubble I is the run's B: backward_one_chunk)
         planned = {("B" if e.kind == "I" else e.kind, e.stage): e.end_s - e.start_s for e in sim.timeline
                    if e.kind in CALL_KINDS}
-        first = [g for g in ranks if g.get("mesh", {}).get("dp", 0) == 0]
+        # the first replica's first shard of each stage makes the rows; the others' rows are kept apart
+        first = [g for g in ranks
+                 if g.get("mesh", {}).get("dp", 0) == 0 and g.get("mesh", {}).get("tp", 0) == 0]
         replicas: list[dict[str, Any]] = []
-        for g in sorted(ranks, key=lambda g: (g.get("mesh", {}).get("dp", 0), g["rank"])):
+        for g in sorted(ranks, key=lambda g: (g.get("mesh", {}).get("dp", 0), g.get("mesh", {}).get("tp", 0),
+                                              g["rank"])):
             r = g["rank"]
-            if all(g is not f for f in first):  # another replica of the pipeline: its own row, kept apart
+            if all(g is not f for f in first):  # another replica or shard of the pipeline: its own row, apart
                 replicas.append(_rank_row(plan, g, {}, step_s=step_s, predicted_wait_s=sim.receive_wait_s[r],
                                           predicted_idle_calls=idle_calls[r], planned=planned))
                 continue

@@ -65,6 +65,7 @@ from stageplan.planning.sharding import (
     bytes_per_param,
     check_sharding,
     tensor_parallel_block_s,
+    tensor_parallel_collectives,
     zero1_shares,
 )
 from stageplan.planning.solver import solve
@@ -1089,6 +1090,17 @@ def _finish(
         # interleaved: the MILP balances the ranks' loads, which the simulated step need not follow; keep the
         # split the search simulated where it is faster
         plan = make_plan(prep.profile, arr, opts, "layout", meta, given=best.boundaries)
+    if pt.t > 1:
+        # what a run counts of its tensor-parallel all-reduces, per pipeline rank: its blocks' share
+        blocks = _block_mask(prep.profile)
+        per_rank = [[0, 0] for _ in range(pt.p)]
+        for st in plan.stages:
+            pair = tensor_parallel_collectives(int(blocks[st.first_layer:st.end_layer].sum()), pt.m, pt.t,
+                                               pt.recompute, bool(blocks[st.end_layer - 1]))
+            per_rank[st.rank] = [a + b for a, b in zip(per_rank[st.rank], pair)]
+        meta_tp: dict[str, Any] = {"sequence_parallel": bool(search.sequence_parallel),
+                                   "tensor_parallel_collectives": per_rank}
+        plan = replace(plan, profile_meta={**plan.profile_meta, **meta_tp})
     memory, by_kind = _rank_memory(search, prep.profile, arr, plan.boundaries, opts)
     tps, mfu, hfu = _rates(search, prep, pt, plan.predicted_step_s)
     best = replace(best, boundaries=plan.boundaries, simulated_step_s=plan.predicted_step_s,

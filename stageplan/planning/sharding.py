@@ -205,6 +205,30 @@ def tensor_parallel_block_s(tokens: int, hidden: int, activation_bytes: float, t
     return 2 * one, (4 if recompute else 2) * one
 
 
+def tensor_parallel_collectives(num_blocks: int, num_microbatches: int, t: int, recompute: bool = False,
+                                ends_with_block: bool = False) -> tuple[int, int]:
+    """(forward, backward) all-reduces one stage issues in a step for tensor parallelism, the count that
+    :func:`tensor_parallel_block_s` prices: per block and microbatch, Megatron's g operator twice in the
+    forward (the attention's and the MLP's row-parallel outputs summed) and its f operator twice in the
+    backward (the gradients of the two column-parallel inputs summed; Shoeybi et al. 2019, section 3,
+    figure 3). Full recompute runs the forward's two again inside the backward, but for the stage's last
+    all-reduce when the stage ends with a block (``ends_with_block``): torch.utils.checkpoint stops
+    recomputing once the backward's saved tensors are back, and nothing in the stage saves the last block's
+    output (non-reentrant early stop, torch/utils/checkpoint.py ``set_checkpoint_early_stop``). (0, 0)
+    without tensor parallelism.
+
+    >>> tensor_parallel_collectives(2, 4, 2)
+    (16, 16)
+    >>> tensor_parallel_collectives(2, 4, 2, recompute=True, ends_with_block=True)
+    (16, 28)
+    """
+    if t <= 1 or num_blocks <= 0:
+        return 0, 0
+    forward = 2 * num_blocks
+    again = (forward - (1 if ends_with_block else 0)) if recompute else 0
+    return forward * num_microbatches, (2 * num_blocks + again) * num_microbatches
+
+
 def padded_vocab(vocab_size: int, t: int, multiple: int = 128) -> int:
     """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` (128) x t, so each of
     the t shards is whole (megatron/training/tokenizer/tokenizer.py, ``_vocab_size_with_padding``).

@@ -1,6 +1,7 @@
 """The profiles a layout search needs, one per (microbatch size b, tensor-parallel degree t): for an HF
-decoder, one block of the t-way shard, the embedding and the head, estimated for a GPU and repeated to the
-model's blocks; for any other model, the whole model profiled once (t = 1, other b scaled by the search)."""
+decoder, one block of the t-way shard, the embedding and the head, estimated for a GPU (or measured on this
+CPU) and repeated to the model's blocks; for any other model, the whole model profiled once (t = 1, other b
+scaled by the search)."""
 
 from __future__ import annotations
 
@@ -149,17 +150,22 @@ def estimate_hf_profiles(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[tuple[int, int], Profile], list[str]]:
     """The (b, t) profiles of an HF decoder given by ``options`` (preset or config, seq_len), estimated for
-    ``device`` ("estimate:GPU"): one block of each t-way shard with its embedding and head, repeated to the
-    model's blocks. Each carries ``meta["layout_model"]`` (the full model's parameters, layers, hidden size
-    and sequence, for tensor parallelism's traffic and MFU) and ``meta["param_tensors"]``."""
+    ``device`` ("estimate:GPU"), or measured on this machine's CPU ("cpu", in float32 as a CPU run trains):
+    one block of each t-way shard with its embedding and head, repeated to the model's blocks. Each carries
+    ``meta["layout_model"]`` (the full model's parameters, layers, hidden size and sequence, for tensor
+    parallelism's traffic and MFU) and ``meta["param_tensors"]``."""
     from stageplan.profiling.device import is_estimate_device
     from stageplan.profiling.profiler import profile_model
     from stageplan.zoo import hf
 
-    if not is_estimate_device(device):
-        raise StageplanError(f"a layout of an HF model spec is estimated for a GPU: pass --device "
-                             f"estimate:GPU (e.g. estimate:h100-sxm), got {device!r}; or profile the model "
-                             "and pass the profiles")
+    measured = device == "cpu"
+    if not is_estimate_device(device) and not measured:
+        raise StageplanError(f"a layout of an HF model spec is estimated for a GPU or measured on this CPU: "
+                             f"pass --device estimate:GPU (e.g. estimate:h100-sxm) or --device cpu, got "
+                             f"{device!r}; or profile the model and pass the profiles")
+    if measured:
+        # measured on this machine, in the dtype a CPU run trains in (stageplan run builds hf in float32)
+        dtype = "float32"
     fields = hf_fields(options)
     notes = check_tensor_parallel(fields, tensor_parallel)
     degrees = [t for t in tensor_parallel if t == 1 or not notes]
@@ -175,7 +181,7 @@ def estimate_hf_profiles(
             for b in microbatch_sizes:
                 if progress:
                     progress(f"estimating tp={t} b={b}")
-                work = hf(config=path, seq_len=seq_len, batch_size=b, dtype=dtype, meta=True)
+                work = hf(config=path, seq_len=seq_len, batch_size=b, dtype=dtype, meta=not measured)
                 prof = profile_model(work, microbatch_size=b, device=device)
                 tensors = param_tensors(work.model, prof.names)
                 prof = Profile(prof.layers, {**prof.meta, "param_tensors": tensors,

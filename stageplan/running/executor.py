@@ -57,6 +57,13 @@ from stageplan.running.stages import (
     reference_model,
     sync_tied_grads,
 )
+from stageplan.running.tensor import (
+    CollectiveCounter,
+    base_prefix,
+    model_tp_plan,
+    parallelize_stage,
+    plan_tensor_parallel,
+)
 from stageplan.workload import Workload
 
 
@@ -464,7 +471,7 @@ def _schedule(plan: Plan, rs: RankStages, workload: Workload, ins: _Instruments)
 
 
 def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device, options: dict[str, Any],
-           ins: _Instruments, mesh: Mesh | None = None) -> _Samples:
+           ins: _Instruments, mesh: Mesh | None = None, counter: CollectiveCounter | None = None) -> _Samples:
     import torch.distributed as dist
 
     mesh = mesh or Mesh(dist.get_rank(), 0, plan.num_ranks, 1)
@@ -527,6 +534,10 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         ins.tracker.exclude.intersection_update(own_storages)
         sync.spans.clear()
         out.reading = step < max(warmup, 1)  # warm-up steps (the first step when there is none)
+        if counter is not None:
+            # the tensor-parallel all-reduces of one whole step: the last warm-up step (the first step when
+            # there is none), so that the counting dispatch mode slows no measured step
+            counter.enabled = step == max(warmup, 1) - 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -794,8 +805,10 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     # the backend's threads exist now: let them in as soon as a message needs them
     short_comm_slices(slice_ns)
     _check_same_weights(options, world_size)
-    # p pipeline ranks x d replicas; every rank creates the mesh's groups, in the same order
-    mesh = make_mesh(rank, plan.num_ranks, plan.data_parallel, device)
+    # p pipeline ranks x d replicas (or x t tensor-parallel shards); every rank creates the mesh's groups, in
+    # the same order
+    t = plan_tensor_parallel(plan)
+    mesh = make_mesh(rank, plan.num_ranks, plan.data_parallel, device, t)
     sharding = str(options.get("sharding") or "ddp")
     # the links between neighbouring ranks first, while nothing
     # else runs (well under a second on gloo localhost)
@@ -813,11 +826,22 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     gc.collect()
     baseline_bytes = _memory_now_bytes(device)
     reference = reference_model(model, device, weights=weights, seed=seed) if (check and rank == 0) else None
+    if t > 1:
+        tp_plan, prefix = model_tp_plan(model), base_prefix(model)
+
+        def wrap(piece: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+            return parallelize_stage(piece, names, mesh.tp_mesh, tp_plan, prefix)
+    else:
+        def wrap(piece: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+            return wrap_stage(piece, names, sharding, mesh)
     rs = build_rank_stages(model, plan, mesh.pp_rank, device, mb_args, weights=weights, seed=seed,
-                           group=mesh.pp_group,
-                           wrap=lambda piece, names: wrap_stage(piece, names, sharding, mesh))
+                           group=mesh.pp_group, wrap=wrap)
     for st in rs.stages:
         no_sync_inference(st)
+    counter = CollectiveCounter()
+    if t > 1:
+        for st in rs.stages:
+            counter.wrap(st)
     own = {_local(p).untyped_storage().data_ptr() for p in rs.unique_params}
     ins = _Instruments(Timer(device), SavedTensorTracker(set(own)), LayerClock(device))
     if mesh.data_parallel > 1 and sharding.startswith("fsdp"):
@@ -827,7 +851,7 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     _attach_layer_clock(ins.clock, rs, plan)
     # again, for a backend that starts threads at its first message
     short_threads = short_comm_slices(slice_ns)
-    samples = _train(plan, workload, rs, device, options, ins, mesh)
+    samples = _train(plan, workload, rs, device, options, ins, mesh, counter)
     interrupted = samples.interrupted  # the same on every rank (_stop_requested)
     if interrupted and not samples.step_s:  # stopped in the warm-up: nothing measured, no report
         dist.barrier()
@@ -854,12 +878,14 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
-              "calls": samples.calls, "short_slice_threads": short_threads}
+              "calls": samples.calls, "short_slice_threads": short_threads,
+              "tp_collectives": dict(counter.counts) if t > 1 else None}
     steps_measured = len(samples.step_s)
     del samples
     # an interrupted run ends at once: its user is waiting, so no retiming and no single-process check
+    # (a tensor-parallel rank would retime its layers whole, not its shards: not retimed)
     result["retimed_layer_s"] = (_retime(workload, plan, rs, device, weights, seed, mesh)
-                                 if options.get("retime", True) and not interrupted else {})
+                                 if options.get("retime", True) and not interrupted and t == 1 else {})
     # read last: the peak covers everything the rank did, retiming included
     result["peak_memory_bytes"] = _peak_memory_bytes(device)
     result["baseline_memory_bytes"] = baseline_bytes
@@ -874,7 +900,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
             check_result = compare_with_single_process(workload, reference, gathered, options,
                                                        plan.num_microbatches * plan.data_parallel)
         meta = {"torch_version": torch.__version__, "device": str(device), "world_size": world_size,
-                "mesh": {"pp": plan.num_ranks, "dp": plan.data_parallel}, "sharding": sharding,
+                "mesh": {"pp": plan.num_ranks, "dp": plan.data_parallel, **({"tp": t} if t > 1 else {})},
+                "sharding": sharding,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
                 "load_average_1min": os.getloadavg()[0], "python": sys.version.split()[0],

@@ -52,15 +52,15 @@ from stageplan.materialize import (
 from stageplan.running.executor import comm_slice_ns, worker_main
 from stageplan.running.rank import rank_entry, train_rank
 from stageplan.running.stages import DEFAULT_LR, OPTIMIZERS, validate
+from stageplan.running.tensor import check_tensor_parallel_run, plan_tensor_parallel
 from stageplan.units import format_bytes
 from stageplan.workload import Workload, default_microbatch_size
 
 PROGRESS_PREFIX = "stageplan-progress: "
 
 
-def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
-    """A Plan, or a plan file, or a layout file's best layout (its plan); one with tensor-parallel shards is
-    refused: they have no executor yet (data-parallel replicas have)."""
+def load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
+    """A Plan, or a plan file, or a layout file's best layout (its plan)."""
     if isinstance(plan, Plan):
         loaded = plan
     else:
@@ -77,12 +77,6 @@ def _load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
             loaded = layout.plan
         else:
             loaded = Plan.from_json(data, source=f"plan {str(plan)!r}")
-    tp = int(loaded.profile_meta.get("tensor_parallel") or 1)
-    if tp > 1:
-        raise StageplanError(f"this plan shards each layer {tp} ways (tensor parallelism), and stageplan run "
-                             "trains pipelines and their data-parallel replicas, not tensor-parallel shards "
-                             "yet; lay the model out with --tensor-parallel 1 to run it here, or train it "
-                             "with the exported torchtitan or Megatron configuration")
     return loaded
 
 
@@ -114,7 +108,10 @@ def run(
     d x m microbatches of the plan's size), and each stage is wrapped for ``sharding`` (default: the plan's):
     "ddp", "zero1" (DDP and ZeroRedundancyOptimizer), "fsdp" (FSDP2, parameters unsharded until the last
     microbatch) or "fsdp-reshard" (resharded after every forward). ``check`` compares with one process
-    training the whole global batch.
+    training the whole global batch. A plan of t > 1 tensor-parallel shards (a layout's best at
+    ``--tensor-parallel t``, an HF decoder) runs p x t processes on a ("pp", "tp") mesh, each block sharded
+    by the model's own ``base_model_tp_plan`` (:mod:`stageplan.running.tensor`), and the report counts each
+    rank's all-reduces beside the plan's.
 
     ``workload`` is a Workload or a model spec (built-in name or ``package.module:factory``, called with
     ``factory_options``). ``optimizer`` defaults to the one the plan was made for. Each rank builds the model
@@ -133,11 +130,11 @@ def run(
     far larger than a
     rank's share pass ``retime=False`` (``--no-retime``).
     """
-    the_plan = _load_plan(plan)
+    the_plan = load_plan(plan)
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime,
                         sharding=sharding)
-    world = the_plan.num_ranks * the_plan.data_parallel
+    world = the_plan.num_ranks * the_plan.data_parallel * plan_tensor_parallel(the_plan)
     _refuse_estimate_on_cpu(the_plan, opts["backend"])
     _warn_precision(the_plan)
     if output is not None:
@@ -156,6 +153,8 @@ def run(
                                                                         run_dir, float(timeout_s))
         share = the_plan.num_microbatches * the_plan.data_parallel
         opts["microbatch_size"] = meta_wl.batch_size // share if meta_wl.batch_size % share == 0 else None
+        # before the model's checks: what cannot run at all
+        check_tensor_parallel_run(meta_wl.model, the_plan)
         validate(meta_wl, the_plan)
         if check and 2 * parameter_bytes(meta_wl.model) > _available_bytes() // 2:
             raise StageplanError("--check trains the whole model in one process, and this model's parameters "
@@ -566,7 +565,7 @@ def _run_options(
                       f"step and idle times still hold the {planned} step; plan with --optimizer {opt} to "
                       f"compare like with like",
                       stacklevel=3)
-    backend = _backend(backend, plan.num_ranks * plan.data_parallel)
+    backend = _backend(backend, plan.num_ranks * plan.data_parallel * plan_tensor_parallel(plan))
     # after the measured steps, a few more with the per-layer clock's hooks on (about 11 us per layer and
     # microbatch, measured on a 2-core CPU host): the step and compute medians come from steps without them
     clock_steps = min(5, max(2, steps // 4))
@@ -830,7 +829,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
     initialised by FQN, identically on every rank. A model built with real parameters is used as it is; then
     the factory must be seeded, and a checksum of the initial weights is compared across ranks.
     """
-    the_plan = _load_plan(plan)
+    the_plan = load_plan(plan)
     rank, world = torchrun_rank()
     opts = _run_options(the_plan, steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, check=check,
                         backend=backend, timeout_s=timeout_s, pin_cpus=pin_cpus, retime=retime,
@@ -856,6 +855,7 @@ def torchrun_main(workload: Workload, plan: Plan | str | os.PathLike[str], *, st
                             "each rank's own factory build" if real else "initialised by FQN")
     if output is not None and rank == 0:
         check_output_path(output, (plan, weights))
+    check_tensor_parallel_run(workload.model, the_plan)
     validate(workload, the_plan, world_size=world)
     if real:
         opts["weights_checksum"] = float(sum(float(p.detach().double().sum()) for p in real))

@@ -63,19 +63,33 @@ class Mesh:
     pp_group: Any = None
     dp_group: Any = None
     dp_mesh: Any = None
+    # with tensor-parallel shards (stageplan.running.tensor): this rank's shard, t, and the 1-D mesh its
+    # stage's blocks are sharded over
+    tp_rank: int = 0
+    tensor_parallel: int = 1
+    tp_mesh: Any = None
 
     @property
     def coordinates(self) -> dict[str, int]:
-        return {"pp": self.pp_rank, "dp": self.dp_rank}
+        return {"pp": self.pp_rank, "dp": self.dp_rank, **({"tp": self.tp_rank} if self.tensor_parallel > 1
+                                                            else {})}
 
 
-def make_mesh(rank: int, p: int, d: int, device: torch.device) -> Mesh:
-    """The mesh of p pipeline ranks x d replicas (every rank calls this, in the same order: creating a
-    group is collective). With one replica, no subgroup: the pipeline is the whole world, as before."""
-    if d == 1:
-        return Mesh(rank, 0, p, 1)
+def make_mesh(rank: int, p: int, d: int, device: torch.device, t: int = 1) -> Mesh:
+    """The mesh of p pipeline ranks x d replicas, or of p pipeline ranks x t tensor-parallel shards (rank r
+    at (r // t, r % t); every rank calls this, in the same order: creating a group is collective). With one
+    replica and one shard, no subgroup: the pipeline is the whole world, as before."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if t > 1:
+        if d > 1:
+            raise StageplanError(f"a mesh of {d} replicas and {t} tensor-parallel shards is not run yet; "
+                                 "lay the model out with --tensor-parallel 1 or one replica")
+        mesh = init_device_mesh(device.type, (p, t), mesh_dim_names=("pp", "tp"))
+        return Mesh(rank // t, 0, p, 1, mesh["pp"].get_group(), tp_rank=rank % t, tensor_parallel=t,
+                    tp_mesh=mesh["tp"])
+    if d == 1:
+        return Mesh(rank, 0, p, 1)
     mesh = init_device_mesh(device.type, (p, d), mesh_dim_names=("pp", "dp"))
     return Mesh(rank // d, rank % d, p, d, mesh["pp"].get_group(), mesh["dp"].get_group(), mesh["dp"])
 

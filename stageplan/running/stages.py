@@ -40,7 +40,13 @@ def first_microbatch_of_plan(workload: Workload, plan: Plan) -> tuple[Any, ...]:
 def validate(workload: Workload, plan: Plan, *, world_size: int | None = None) -> None:
     """Refuse, before spawning anything, what would otherwise fail deep inside torch or hang a rank (the
     replicas' own refusals are :func:`stageplan.running.replicas.check_replicas`)."""
-    if world_size is not None and world_size != plan.num_ranks * plan.data_parallel:
+    t = int(plan.profile_meta.get("tensor_parallel") or 1)
+    if world_size is not None and t > 1 and world_size != plan.num_ranks * t:
+        p = plan.num_ranks
+        raise StageplanError(
+            f"world size {world_size} does not match the plan's {p} pipeline ranks x {t} tensor-parallel "
+            f"shards = {p * t}; launch {p * t} processes (torchrun --nproc-per-node {p * t})")
+    if world_size is not None and t == 1 and world_size != plan.num_ranks * plan.data_parallel:
         p, d = plan.num_ranks, plan.data_parallel
         raise StageplanError(
             f"world size {world_size} does not match the plan's {p} pipeline ranks x {d} replicas = {p * d}; "
@@ -449,6 +455,12 @@ def build_pipeline(model_fn: Callable[[], nn.Module], plan: Plan | str | os.Path
 
     the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     p, d = the_plan.num_ranks, the_plan.data_parallel
+    t = int(the_plan.profile_meta.get("tensor_parallel") or 1)
+    if t > 1:
+        raise StageplanError(f"this plan shards each block {t} ways (tensor parallelism), which "
+                             "build_pipeline does not set up for a loop of your own yet; train it with "
+                             "stageplan run (CLI: stageplan run MODEL --plan PLAN.json), or lay it out with "
+                             "--tensor-parallel 1")
     if world_size != p * d or not 0 <= rank < world_size:
         raise StageplanError(f"rank {rank} of world size {world_size} does not fit the plan's {p} ranks x "
                              f"{d} replicas; launch {p * d} processes (torchrun --nproc-per-node {p * d})")

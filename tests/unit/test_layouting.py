@@ -116,24 +116,28 @@ def test_cli_bad_input_is_one_line_and_exit_2(profile_path: str, capsys: pytest.
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
-def test_run_takes_a_layouts_plan_with_replicas_and_refuses_tensor_parallel_shards(profile_path: str,
-                                                                                 tmp_path: Path) -> None:
-    """A layout's best (p = 4, d = 2) is what run trains, on 8 ranks; a t-way shard has no executor yet."""
+def test_run_takes_a_layouts_plan_with_replicas_and_refuses_replicas_of_tensor_parallel_shards(
+        profile_path: str, tmp_path: Path) -> None:
+    """A layout's best (p = 4, d = 2) is what run trains, on 8 ranks; replicas of t-way shards are not run."""
     import dataclasses
 
-    from stageplan.running.launch import _load_plan
+    import torch
+
+    from stageplan.running.launch import load_plan
+    from stageplan.running.tensor import check_tensor_parallel_run
 
     lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=4, intra_node_bandwidth=1e11,
                  inter_node_bandwidth=1e10, microbatch_sizes=[1], pipeline_parallel=[4], shardings=["ddp"])
     path = tmp_path / "layout.json"
     lay.save(path)
-    loaded = _load_plan(path)
+    loaded = load_plan(path)
     assert (loaded.num_ranks, loaded.data_parallel) == (4, 2)
     assert lay.plan is not None
     sharded = dataclasses.replace(lay.plan, profile_meta={**lay.plan.profile_meta, "tensor_parallel": 2})
-    with pytest.raises(StageplanError, match=r"this plan shards each layer 2 ways \(tensor parallelism\), "
-                                             r"and stageplan run trains pipelines and their data-parallel"):
-        _load_plan(sharded)
+    with pytest.raises(StageplanError, match=r"this plan has 2 data-parallel replicas of 2-way "
+                                             r"tensor-parallel shards, and stageplan run trains replicas or "
+                                             r"shards, not both"):
+        check_tensor_parallel_run(torch.nn.Linear(1, 1), load_plan(sharded))
 
 
 # The fields of torchtitan's JobConfig sections that the torchtitan export writes, as torchtitan/config/

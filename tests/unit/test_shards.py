@@ -10,6 +10,7 @@ from stageplan.errors import StageplanError
 from stageplan.formats.profile import LayerProfile, Profile
 from stageplan.profiling.shards import (
     check_tensor_parallel,
+    estimate_hf_profiles,
     expand_blocks,
     hf_fields,
     param_tensors,
@@ -70,3 +71,10 @@ def test_one_block_is_repeated_to_the_models_blocks() -> None:
     with pytest.raises(StageplanError, match=r"expanding blocks needs a profile of exactly one named block, "
                                              r"got 0"):
         expand_blocks(Profile(layers, {}), 4)
+
+
+def test_an_hf_layout_is_estimated_for_a_gpu_or_measured_on_this_cpu() -> None:
+    with pytest.raises(StageplanError, match=r"estimated for a GPU or measured on this CPU: pass --device "
+                                             r"estimate:GPU .* or --device cpu, got 'cuda'"):
+        estimate_hf_profiles({"preset": "llama3-8b"}, device="cuda", microbatch_sizes=[1],
+                             tensor_parallel=[1])
