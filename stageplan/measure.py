@@ -61,6 +61,24 @@ def steady_allocator() -> bool:
     return ok
 
 
+def release_free_memory() -> bool:
+    """Hand the allocator's free pages back to the system: glibc's ``malloc_trim(0)``, which since glibc 2.8
+    releases free pages anywhere in the heap, not only at its top (malloc_trim(3)); elsewhere a no-op. With
+    :func:`steady_allocator`'s trim threshold glibc never does this by itself. Returns whether it ran."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def resident_bytes() -> int:
     """This process's resident set now (VmRSS of /proc/self/status, Linux); elsewhere its peak so far
     (ru_maxrss: KiB on Linux, bytes on macOS), the nearest figure the platform gives."""

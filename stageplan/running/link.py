@@ -226,36 +226,24 @@ DP_ALLREDUCE_WARMUP = 3
 DP_ALLREDUCE_REPEATS = 9
 
 
-def hockney_fit(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """(fixed_s, bandwidth_bytes_per_s) of t(n) = fixed + n / bandwidth through the times at every size, by
-    least squares on the relative residuals (t_fit - t) / t: the priced sync is judged by measured /
-    predicted, so each size weighs alike, where absolute residuals would let the largest size decide the
-    small ones' fixed cost alone. The fixed cost is held >= 0 (refit through the origin where it came out
-    negative); with no positive slope (a link too fast to tell at these sizes), the two-point :func:`fit`.
-    Through two sizes it is the line through both.
+def line_through_ends(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(fixed_s, bandwidth_bytes_per_s) of the line t(n) = fixed + n / bandwidth through the times at the
+    smallest and the largest size, the fixed cost held >= 0; with no positive slope (the large message no
+    slower), the ping-pong's two-point :func:`fit`.
 
-    >>> fixed_s, bandwidth = hockney_fit([4096, 2**20, 2**24], [1e-4 + n / 1e9 for n in [4096, 2**20, 2**24]])
+    >>> sizes = [4096, 2**20, 2**24]
+    >>> fixed_s, bandwidth = line_through_ends(sizes, [1e-4 + n / 1e9 for n in sizes])
     >>> round(fixed_s * 1e6, 6), round(bandwidth)
     (100.0, 1000000000)
     """
-    n = [float(x) for x in sizes_bytes]
-    t = [float(x) for x in seconds]
-    w = [1.0 / (x * x) for x in t]  # relative residuals: weight 1 / t^2
-    sw = sum(w)
-    swn = sum(wi * ni for wi, ni in zip(w, n))
-    swnn = sum(wi * ni * ni for wi, ni in zip(w, n))
-    swt = sum(wi * ti for wi, ti in zip(w, t))
-    swnt = sum(wi * ni * ti for wi, ni, ti in zip(w, n, t))
-    det = sw * swnn - swn * swn
-    if len(n) < 2 or det <= 0:
+    small = min(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i])
+    large = max(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i])
+    rise = float(seconds[large]) - float(seconds[small])
+    run = float(sizes_bytes[large]) - float(sizes_bytes[small])
+    if rise <= 0 or run <= 0:
         return fit(sizes_bytes, seconds)
-    fixed = (swt * swnn - swn * swnt) / det
-    slope = (sw * swnt - swn * swt) / det
-    if fixed < 0:
-        fixed, slope = 0.0, swnt / swnn
-    if slope <= 0:
-        return fit(sizes_bytes, seconds)
-    return float(fixed), float(1.0 / slope)
+    fixed = max(0.0, float(seconds[small]) - float(sizes_bytes[small]) * rise / run)
+    return fixed, float((sizes_bytes[large]) / (float(seconds[large]) - fixed))
 
 
 def dp_allreduce_probe(device: Any, dp_group: Any, *, sizes_bytes: Sequence[int] = DP_ALLREDUCE_SIZES,
@@ -265,8 +253,9 @@ def dp_allreduce_probe(device: Any, dp_group: Any, *, sizes_bytes: Sequence[int]
     group (``dp_group``, its stage's d replicas) and every rank gets the result. Per size and round, a
     barrier of the whole world, then one ``all_reduce`` of a float buffer on each group at once, timed until
     its result is there; the median per rank and size, the slowest rank's per size (the step waits for the
-    last replica's sync). The :func:`hockney_fit` a + n / B is stored as the ring model's constants at d, as
-    :func:`allreduce_probe` stores its own: ``dp_allreduce_latency_s`` = a / (2(d - 1)) per ring step and
+    last replica's sync). The :func:`line_through_ends` a + n / B is stored as the ring model's constants at
+    d, as :func:`allreduce_probe` stores its own: ``dp_allreduce_latency_s`` = a / (2(d - 1)) per ring step
+    and
     ``dp_allreduce_bandwidth_bytes_per_s`` = B x 2(d - 1) / d, so that
     :func:`stageplan.planning.sharding.ring_time` gives back a + n / B at d and scales it to another d.
     Also ``dp_allreduce_ranks`` (d), ``dp_allreduce_groups`` (the groups that ran at once, p),
@@ -323,14 +312,19 @@ def _allreduce_medians(dev: Any, sizes: Sequence[int], group: Any, barrier_group
 def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ranks: int, groups: int
                         ) -> dict[str, Any]:
     """LINK.json's fields for the data-parallel all-reduce timed at ``seconds`` per size over ``ranks``
-    replicas, ``groups`` groups at once: the :func:`hockney_fit` a + n / B as the ring's per-step latency
-    a / (2(d - 1)) and per-link bandwidth B x 2(d - 1) / d (see :func:`dp_allreduce_probe`).
+    replicas, ``groups`` groups at once: the :func:`line_through_ends` a + n / B as the ring's per-step
+    latency a / (2(d - 1)) and per-link bandwidth B x 2(d - 1) / d (see :func:`dp_allreduce_probe`).
 
     >>> f = dp_allreduce_fields([4096, 2**24], [1e-4 + 4096 / 1e9, 1e-4 + 2**24 / 1e9], 2, 1)
     >>> round(f["dp_allreduce_latency_s"] * 1e6, 6), round(f["dp_allreduce_bandwidth_bytes_per_s"])
     (50.0, 1000000000)
     """
-    fixed_s, bandwidth = hockney_fit(sizes_bytes, seconds)
+    # the latency from the smallest size and the bandwidth from the largest: the sync it prices sends a
+    # stage's whole gradients, megabytes at least, and a least-squares line weighting every size alike
+    # priced the skewed GPT's 1 x 2 DDP sync (46 MB of gradients) at 15.5 ms against 28.9 ms measured on gloo
+    # on a 2-core CPU host: the times grow faster than linearly towards 16 MiB (2.5 ms at 4 MiB, 11.5 ms at
+    # 16 MiB), and the small sizes pulled the slope down
+    fixed_s, bandwidth = line_through_ends(sizes_bytes, seconds)
     steps, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
     return {"dp_allreduce_latency_s": fixed_s / steps,
             "dp_allreduce_bandwidth_bytes_per_s": bandwidth * share,

@@ -50,31 +50,6 @@ def test_estimated_profile_gets_its_gpus_link_within_a_node(
 SIZES = [4096, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
 
 
-def test_the_hockney_fit_gives_back_a_line_and_weighs_each_size_by_its_relative_error() -> None:
-    import numpy as np
-
-    from stageplan.running.link import fit, hockney_fit
-
-    a, bandwidth = 2e-4, 1.5e9
-    exact = [a + n / bandwidth for n in SIZES]
-    assert hockney_fit(SIZES, exact) == pytest.approx((a, bandwidth), rel=1e-9)
-    # noisy times: the oracle is numpy's least squares on (a + n c - t) / t, i.e. rows [1/t, n/t] against 1
-    noisy = [t * f for t, f in zip(exact, [1.3, 0.8, 1.1, 0.95, 1.05])]
-    t, n = np.array(noisy), np.array(SIZES, dtype=float)
-    (a_ls, c_ls), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
-    assert hockney_fit(SIZES, noisy) == pytest.approx((a_ls, 1 / c_ls), rel=1e-9)
-    # a fixed cost that comes out negative is held at 0: the slope through the origin, as least squares says
-    through = [n / 1e9 - 1e-5 if n > 4096 else 1e-7 for n in SIZES]
-    t = np.array(through)
-    (c_0,), *_ = np.linalg.lstsq((n / t)[:, None], np.ones_like(t), rcond=None)
-    assert hockney_fit(SIZES, through) == pytest.approx((0.0, 1 / c_0), rel=1e-9)
-    # through two sizes, the line through both
-    a2, b2 = hockney_fit([4096, 2**22], [1e-4, 3e-3])
-    assert (a2 + 4096 / b2, a2 + 2**22 / b2) == pytest.approx((1e-4, 3e-3), rel=1e-9)
-    # no positive slope (the large message no slower): the ping-pong's two-point fit
-    assert hockney_fit([4096, 2**22], [2e-3, 1e-3]) == fit([4096, 2**22], [2e-3, 1e-3])
-
-
 @pytest.mark.parametrize("ranks", [2, 3, 8])
 def test_the_data_parallel_fields_are_ring_constants_that_give_back_the_fit_at_their_rank_count(
         ranks: int) -> None:
