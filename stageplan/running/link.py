@@ -319,11 +319,10 @@ def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ra
     >>> round(f["dp_allreduce_latency_s"] * 1e6, 6), round(f["dp_allreduce_bandwidth_bytes_per_s"])
     (50.0, 1000000000)
     """
-    # the latency from the smallest size and the bandwidth from the largest: the sync it prices sends a
-    # stage's whole gradients, megabytes at least, and a least-squares line weighting every size alike
-    # priced the skewed GPT's 1 x 2 DDP sync (46 MB of gradients) at 15.5 ms against 28.9 ms measured on gloo
-    # on a 2-core CPU host: the times grow faster than linearly towards 16 MiB (2.5 ms at 4 MiB, 11.5 ms at
-    # 16 MiB), and the small sizes pulled the slope down
+    # the latency from the smallest size and the bandwidth from the largest, as the ping-pong's fit: the sync
+    # it prices sends a stage's whole gradients, megabytes at least, where a line weighting every size alike
+    # lets the small sizes set the slope (gloo's times grow faster than linearly towards 16 MiB: 2.5 ms at 4
+    # MiB, 11.5 ms at 16 MiB between two ranks of a 2-core CPU host)
     fixed_s, bandwidth = line_through_ends(sizes_bytes, seconds)
     steps, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
     return {"dp_allreduce_latency_s": fixed_s / steps,
