@@ -282,3 +282,18 @@ def test_the_timer_gives_each_chunk_call_the_idle_gap_before_it_across_drains() 
     assert 0.008 <= first[3][6] < 0.008 + 0.02  # the sleep and the wait
     assert first[3][4] >= 0.001 and first[0][4] >= 0.002  # seconds are unchanged
     assert 0.004 <= second[0][6] < 0.009  # from the mark, not from the last call (9 ms and more before)
+
+
+def test_free_memory_is_handed_back_where_glibc_can_and_nowhere_else() -> None:
+    """release_free_memory runs malloc_trim on glibc Linux (and says so), and is a no-op elsewhere; after a
+    large freed allocation kept in the heap, the resident set does not grow from it."""
+    import platform
+
+    from stageplan.measure import release_free_memory, resident_bytes
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    buffers = [torch.ones(2**20) for _ in range(64)]  # 64 x 4 MiB, under glibc's 32 MiB mmap threshold here
+    del buffers
+    before = resident_bytes()
+    assert release_free_memory() is glibc
+    assert resident_bytes() <= before

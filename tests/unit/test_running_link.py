@@ -62,3 +62,18 @@ def test_the_data_parallel_fields_are_ring_constants_that_give_back_the_fit_at_t
     for n in SIZES:
         priced = ring_time(n, ranks, f["dp_allreduce_bandwidth_bytes_per_s"], f["dp_allreduce_latency_s"])
         assert priced == pytest.approx(a + n / bandwidth, rel=1e-9)
+
+
+def test_the_replicas_line_runs_through_the_ends_and_holds_its_fixed_cost_at_zero_or_above() -> None:
+    """The line through the smallest and the largest size's times; one that would cross zero below the
+    smallest size starts at 0 and still meets the largest; a large message no slower falls back to the
+    ping-pong's two-point fit."""
+    from stageplan.running.link import fit, line_through_ends
+
+    largest = 2e-3 + SIZES[-1] / 2e9
+    a, bandwidth = line_through_ends(SIZES, [1e-3, 5.0, 5.0, 5.0, largest])  # the middle sizes play no part
+    assert (a + SIZES[0] / bandwidth, a + SIZES[-1] / bandwidth) == pytest.approx((1e-3, largest))
+    steep = [1e-6, 0.0, 0.0, 0.0, 0.02]  # the line through both ends crosses zero above 4 KiB
+    fixed, rate = line_through_ends(SIZES, steep)
+    assert fixed == 0.0 and SIZES[-1] / rate == pytest.approx(0.02)
+    assert line_through_ends([4096, 2**22], [2e-3, 1e-3]) == fit([4096, 2**22], [2e-3, 1e-3])
