@@ -1,4 +1,4 @@
-"""Replay a new user's trial (issue 47) end to end on a fresh clone, and check every step.
+"""Replay a new user's trial end to end on a fresh clone, and check every step.
 
     python3 benchmarks/replay_trial.py                        # a true fresh clone: make demo installs .venv
     python3 benchmarks/replay_trial.py --venv /path/to/.venv  # link an existing venv instead: a quick rerun
@@ -13,7 +13,7 @@ demo is what creates the clone's .venv):
   own-model  a factory in the current folder (the README's mymodel.py) profiled, planned and run with --check
   own-loop   the README's own-loop example: its commands make plan.json and model.safetensors, then torchrun
   70b        the README's LLaMA-2-70B estimate and plan: the summary's tokens/s, MFU and "fits" wording
-  mistakes   issue 47's mistakes: one line on stderr, exit 2, no traceback, in the words the issue asks for
+  mistakes   a new user's mistakes: one line on stderr, exit 2, no traceback, naming the rule and the remedy
   ctrl-c     SIGINT during run and compare: exit 130, a partial run report, no rank left, --log-dir reused
 
 Each step prints one line (PASS or FAIL, what it checked, its seconds), with the failed checks under it;
@@ -344,7 +344,7 @@ def step_demo(r: Replay, s: Step) -> None:
     speedup = re.search(r"^measured speed-up of optimal over uniform.*?([\d.]+)x \(predicted ([\d.]+)x\)",
                         done.out, flags=re.M)
     s.check(speedup is not None, "the demo prints the measured and predicted speed-up", done.out[-1500:])
-    if speedup and float(speedup[1]) < 1 < float(speedup[2]):  # issue 47: such a reversal is never bare
+    if speedup and float(speedup[1]) < 1 < float(speedup[2]):  # such a reversal is never left bare
         s.check(re.search(r"^note: ", done.out, flags=re.M) is not None,
                 "a measured slow-down against a predicted speed-up is explained (a note)", done.out[-1500:])
     passes = len(re.findall(r"^check: PASS", done.out, flags=re.M))
@@ -542,14 +542,14 @@ def step_mistakes(r: Replay, s: Step) -> None:
                 done.out[:500])
     compare_over_a_limit(r, s, here, big)
     errors = sum(1 for _, what, _ in s.checks if what.endswith(": exit 2"))
-    s.summary = (f"checked {errors} refusals for exit 2, one line, the issue's words (convnet with a gpt "
+    s.summary = (f"checked {errors} refusals for exit 2, one line, the expected words (convnet with a gpt "
                  f"plan, --stages two, --recompute's remedies, --set vs factory_options=); show of tune.json "
                  f"and link.json; plan --compare's rows over 80 GiB")
 
 
 def compare_over_a_limit(r: Replay, s: Step, here: Path, big: Path) -> None:
     """The README's 70B plan with --compare: every row says whether it fits, and by how much it does not,
-    consistently with its own peak memory; at least one peer's row is over (uniform was, in the issue)."""
+    consistently with its own peak memory; at least one peer's row is over (uniform is, on this profile)."""
     limit_gib = 80
     done = r.sh(s, f"stageplan plan {big} --stages 16 --microbatches 64 --recompute --memory-limit "
                    f"{limit_gib}GiB --precision bf16-mixed --optimizer adam --compare", here, 120)
@@ -568,7 +568,7 @@ def compare_over_a_limit(r: Replay, s: Step, here: Path, big: Path) -> None:
             over.append(name)
             s.check(abs(float(by) - excess) <= 0.06, f"plan --compare: {name} is {by} GiB over",
                     f"its peak {mem_mib} MiB is {excess:.2f} GiB over")
-    s.check(bool(over), "plan --compare: some row is over 80 GiB (uniform was, in the issue)",
+    s.check(bool(over), "plan --compare: some row is over 80 GiB (uniform is, on this profile)",
             done.out[-1500:])
     named = re.search(r"^over the memory limit: (.*)$", done.out, flags=re.M)
     s.check(named is not None and all(n in named[1] for n in over),
@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     needed = {"clone"} | (set() if args.venv else {"demo"})
     selected = [name for name in STEPS if args.only is None or name in args.only | needed]
     replay = Replay(args)
-    print(f"replaying issue 47's trial in {replay.base}: {', '.join(selected)}", flush=True)
+    print(f"replaying a new user's trial in {replay.base}: {', '.join(selected)}", flush=True)
     start, failed = time.monotonic(), 0
     try:
         for name in selected:

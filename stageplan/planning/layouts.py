@@ -87,8 +87,8 @@ BAND = 0.05
 # another order than the pricing does (float64 rounding, about 1e-16 relative a term)
 MEMORY_RTOL = 1e-9
 # The rank-level MILP (interleaved.solve_interleaved, HiGHS) on an interleaved best is budgeted in
-# branch-and-bound nodes, not seconds, so that the same input gives the same layout on any machine (issue 45:
-# "use iteration limits, not wall-clock limits"). Its time limit is set far beyond what these nodes take (2.5
+# branch-and-bound nodes, not seconds, so that the same input gives the same layout on any machine (an
+# iteration limit, not a wall-clock one). Its time limit is set far beyond what these nodes take (2.5
 # s on the LLaMA-3-70B 512-device best, 28 chunks, on a loaded 2-core host), so that on any working machine
 # the answer depends on the node limit alone. 20 nodes: there 20 and 200 nodes prove the same bound (the
 # split within 0.04% of it), in 2.5 s against 6.7 s.
