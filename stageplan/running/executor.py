@@ -646,9 +646,10 @@ def _sync_events(rank: int, first_stage: int, intervals: list[Any], exposed: dic
 def _rebuild_ddp_buckets(rs: RankStages) -> None:
     """DDP rebuilds its gradient buckets once, in the order the first step's gradients became ready, at the
     next forward, allocating the new buckets (and copying the gradients into them) before freeing the old
-    (torch/nn/parallel/distributed.py, ``_pre_forward``): at the second step's start that held the
-    parameters, the optimizer states and two copies of the gradients at once (0.37 GB a rank above the plan's
-    peak, 2 x 2 DDP of a 1 GB GPT, measured on a 2-core CPU host). Rebuilt here instead, after the first
+    (torch/nn/parallel/distributed.py, ``_pre_forward``): at the second step's start that holds the
+    parameters, the optimizer states and two copies of the gradients at once (0.49 GB of gradients a rank on a
+    2 x 2 DDP run of a 1 GB GPT, whose resident set grew 0.44-0.58 GB in its second step with this and the
+    gradients set to None, on a 2-core CPU host). Rebuilt here instead, after the first
     step's backward and before its optimizer step has made any state, where the two copies fit within the
     peak the plan prices; DDP's own call then finds the buckets rebuilt."""
     from torch.nn.parallel import DistributedDataParallel
