@@ -39,14 +39,10 @@ def steady_allocator() -> bool:
     global _ALLOCATOR_STEADY
     if _ALLOCATOR_STEADY:
         return True
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
         # 32 MiB, glibc's own ceiling for its moving threshold: whole weight matrices above it stay mapped
         # (returned to the system when freed, as layer-at-a-time profiling needs), the activations below it
@@ -65,18 +61,28 @@ def release_free_memory() -> bool:
     """Hand the allocator's free pages back to the system: glibc's ``malloc_trim(0)``, which since glibc 2.8
     releases free pages anywhere in the heap, not only at its top (malloc_trim(3)); elsewhere a no-op. With
     :func:`steady_allocator`'s trim threshold glibc never does this by itself. Returns whether it ran."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    try:
+        libc.malloc_trim(0)
+    except AttributeError:
+        return False
+    return True
+
+
+def _glibc() -> Any:
+    """The process's C library through ctypes where it is glibc on Linux, else None."""
     import ctypes
     import ctypes.util
     import platform
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def resident_bytes() -> int:

@@ -118,3 +118,23 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
                           "must be a list and backend a name such as 'gloo'; measure it again with stageplan "
                           "link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
+
+
+def ring_constants(fixed_s: float, bandwidth_bytes_per_s: float, ranks: int) -> tuple[float, float]:
+    """An all-reduce timed as a + n / B over ``ranks`` as the ring model's constants
+    (:func:`stageplan.planning.sharding.ring_time`): per-step latency a / (2(p - 1)) and per-link bandwidth
+    B x 2(p - 1) / p, so that the ring gives back a + n / B at p ranks and scales it to another p.
+    :func:`ring_fit` is its inverse.
+
+    >>> ring_constants(1e-3, 1e9, 2), ring_fit(*ring_constants(1e-3, 1e9, 4), 4)
+    ((0.0005, 1000000000.0), (0.001, 1000000000.0))
+    """
+    steps = 2.0 * (ranks - 1)
+    return fixed_s / steps, bandwidth_bytes_per_s * steps / ranks
+
+
+def ring_fit(latency_s: float, bandwidth_bytes_per_s: float, ranks: int) -> tuple[float, float]:
+    """The all-reduce's a + n / B over ``ranks`` from the ring model's per-step latency and per-link bandwidth
+    (the inverse of :func:`ring_constants`)."""
+    steps = 2.0 * (ranks - 1)
+    return latency_s * steps, bandwidth_bytes_per_s * ranks / steps

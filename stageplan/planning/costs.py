@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from stageplan.errors import StageplanError
+from stageplan.formats.link import ring_fit
 from stageplan.formats.plan import Evidence, StagePlan
 from stageplan.formats.profile import Profile
 from stageplan.formats.schedule import normalize_schedule
@@ -775,7 +776,7 @@ def data_parallel_link(data_parallel: int, measured: Mapping[str, Any], *,
         if bandwidth is None:
             continue
         k = int(measured.get(f"{keys[0].removesuffix('latency_s')}ranks") or 2)
-        fixed, rate = float(latency or 0.0) * 2 * (k - 1), float(bandwidth) * k / (2 * (k - 1))
+        fixed, rate = ring_fit(float(latency or 0.0), float(bandwidth), k)
         groups = measured.get("dp_allreduce_groups") if keys is DP_COLLECTIVE else None
         at_once = f", {groups} groups at once" if groups else ""
         scaled = "" if k == data_parallel else f", scaled as a ring to {data_parallel}"
@@ -843,8 +844,8 @@ def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration:
     overheads.update({k: measured.get(k) for k in DP_COLLECTIVE})  # the replicas' own, whatever calibrated
     if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
         p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
-        fixed = overheads["allreduce_latency_s"] * 2 * (p - 1)
-        rate = overheads["allreduce_bandwidth_bytes_per_s"] * p / (2 * (p - 1))
+        fixed, rate = ring_fit(overheads["allreduce_latency_s"], overheads["allreduce_bandwidth_bytes_per_s"],
+                               p)
         whose = (f"as the calibrating run's last rank to reach the sum took it "
                  f"({float(calibration['tied_sync_ratio']):.3f}x "
                  "its price then), not from this link's probe" if kept else "from the link's own all-reduce")

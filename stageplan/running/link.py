@@ -31,6 +31,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from stageplan.formats.link import ring_constants
+
 SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
 # cap on the largest probe: the ping-pong must stay well under a second on gloo localhost
@@ -200,7 +202,6 @@ def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int
     import torch
     import torch.distributed as dist
 
-
     world = dist.get_world_size(group)
     if world < 2:
         return None
@@ -209,9 +210,8 @@ def allreduce_probe(device: Any, *, group: Any = None, sizes_bytes: Sequence[int
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, medians, group=group)
     slowest = [max(row[i] for row in gathered) for i in range(len(sizes))]
-    fixed_s, bandwidth = fit(sizes, slowest)
-    steps, share = 2.0 * (world - 1), 2.0 * (world - 1) / world
-    return {"allreduce_latency_s": fixed_s / steps, "allreduce_bandwidth_bytes_per_s": bandwidth * share,
+    latency, bandwidth = ring_constants(*fit(sizes, slowest), world)
+    return {"allreduce_latency_s": latency, "allreduce_bandwidth_bytes_per_s": bandwidth,
             "allreduce_ranks": world, "allreduce_sizes": sizes, "allreduce_s": slowest}
 
 
@@ -323,10 +323,8 @@ def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ra
     # it prices sends a stage's whole gradients, megabytes at least, where a line weighting every size alike
     # lets the small sizes set the slope (gloo's times grow faster than linearly towards 16 MiB: 2.5 ms at 4
     # MiB, 11.5 ms at 16 MiB between two ranks of a 2-core CPU host)
-    fixed_s, bandwidth = line_through_ends(sizes_bytes, seconds)
-    steps, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
-    return {"dp_allreduce_latency_s": fixed_s / steps,
-            "dp_allreduce_bandwidth_bytes_per_s": bandwidth * share,
+    latency, bandwidth = ring_constants(*line_through_ends(sizes_bytes, seconds), ranks)
+    return {"dp_allreduce_latency_s": latency, "dp_allreduce_bandwidth_bytes_per_s": bandwidth,
             "dp_allreduce_ranks": int(ranks), "dp_allreduce_groups": int(groups),
             "dp_allreduce_sizes": [int(n) for n in sizes_bytes],
             "dp_allreduce_s": [float(t) for t in seconds]}
