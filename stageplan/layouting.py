@@ -69,8 +69,14 @@ def _with_link(net: Network, link: Mapping[str, Any] | str | os.PathLike[str], n
                              "with stageplan link --ranks N --data-parallel D")
     notes.append(f"{note}; for replicas within a node, scaled as a ring to each d (across nodes, the "
                  "inter-node link)")
+    fits = measured.get("dp_sync_fit") or {}
+    if fits:
+        notes.append(f"each sharding mode's own sync, timed by the link over {measured['dp_sync_ranks']} "
+                     "replicas, prices the layouts of that d within a node")
     return replace(net, dp_bandwidth_bytes_per_s=fields["dp_bandwidth_bytes_per_s"],
-                   dp_latency_s=fields["dp_latency_s"])
+                   dp_latency_s=fields["dp_latency_s"],
+                   dp_sync_fit=tuple((k, float(a), float(b)) for k, (a, b) in sorted(fits.items())),
+                   dp_sync_ranks=int(measured.get("dp_sync_ranks") or 0))
 
 
 def parse_given(text: str) -> dict[str, Any]:

@@ -624,6 +624,16 @@ def link_table(link: dict[str, Any]) -> str:
                      + f", measured (fit {fixed * 1e3:.3f} ms + bytes / {rate / 1e9:.3g} GB/s): "
                      + ", ".join(f"{t * 1e3:.2f} ({(fixed + n / rate) * 1e3:.2f}) ms at {_kib(n)}"
                                  for n, t in zip(link["dp_allreduce_sizes"], link["dp_allreduce_s"])))
+    if link.get("dp_sync_fit") and link.get("dp_sync_s"):
+        units = int(link.get("dp_sync_units") or 1)
+        lines.append(f"  each sharding mode's own sync over {link.get('dp_sync_ranks')} replicas, a module "
+                     f"of {units} units, measured (fit) ms:")
+        for kind, (fixed, rate) in link["dp_sync_fit"].items():
+            # FSDP2's fixed cost is stored per unit (link.dp_sync_fields): the probe paid it once a unit
+            whole = fixed * (units if kind.startswith("fsdp") else 1)
+            lines.append(f"    {kind}: " + ", ".join(
+                f"{t * 1e3:.2f} ({(whole + n / rate) * 1e3:.2f}) at {_kib(n)}"
+                for n, t in zip(link["dp_sync_sizes"], link["dp_sync_s"].get(kind, []))))
     return "\n".join(lines)
 
 

@@ -112,12 +112,46 @@ def load_link(link: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any
     # the data-parallel group's own all-reduce (stageplan link --data-parallel D); optional, so links measured
     # before it load as they are, with the same schema version
     check_allreduce(data, source, "measure it again with stageplan link --data-parallel D", prefix="dp_")
+    check_dp_sync(data, source)
     if not isinstance(data.get("pairs", []), list) or not isinstance(data.get("backend", ""), str):
         raise SchemaError(f"{source} has pairs = {data.get('pairs')!r} and backend = "
                           f"{data.get('backend')!r}; pairs "
                           "must be a list and backend a name such as 'gloo'; measure it again with stageplan "
                           "link")
     return {**data, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
+
+
+# The sharding modes' own sync (stageplan.running.link.dp_sync_probe): the kinds it times
+DP_SYNC_KINDS = ("ddp", "zero1_broadcast", "fsdp_reduce", "fsdp_gather")
+
+
+def check_dp_sync(data: Mapping[str, Any], source: str) -> None:
+    """Refuse (SchemaError, one line) the sharding modes' sync fits unless absent, or ``dp_sync_fit`` a
+    mapping of known kinds to [fixed seconds >= 0, bytes/s > 0] with ``dp_sync_ranks`` an integer >= 2 and
+    ``dp_sync_units`` an integer >= 1 beside it.
+
+    >>> check_dp_sync({"dp_sync_fit": {"ddp": [1e-3, 0]}, "dp_sync_ranks": 2, "dp_sync_units": 4},
+    ...               "link")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    stageplan.errors.SchemaError: link has dp_sync_fit = {'ddp': [0.001, 0]}; it must map ddp, ...
+    """
+    fits: Any = data.get("dp_sync_fit")
+    if fits is None:
+        return
+    ranks, units = data.get("dp_sync_ranks"), data.get("dp_sync_units")
+
+    def whole(x: Any, least: int) -> bool:
+        return not isinstance(x, bool) and isinstance(x, int) and x >= least
+
+    good = isinstance(fits, Mapping) and whole(ranks, 2) and whole(units, 1) and all(
+        k in DP_SYNC_KINDS and isinstance(v, (list, tuple)) and len(v) == 2 and _seconds(v[0])
+        and is_number(v[1]) and v[1] > 0 for k, v in fits.items())
+    if not good:
+        raise SchemaError(f"{source} has dp_sync_fit = {short_repr(fits)}; it must map "
+                          f"{', '.join(DP_SYNC_KINDS[:-1])} or {DP_SYNC_KINDS[-1]} to [fixed seconds >= 0, "
+                          "bytes/s > 0] with dp_sync_ranks an integer >= 2 and dp_sync_units >= 1 beside it, "
+                          "or be absent; measure it again with stageplan link --data-parallel D")
 
 
 def ring_constants(fixed_s: float, bandwidth_bytes_per_s: float, ranks: int) -> tuple[float, float]:

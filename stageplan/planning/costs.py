@@ -95,6 +95,9 @@ class CostOptions:
     grad_dtype: str = "param"
     dp_bandwidth_bytes_per_s: float | None = None
     dp_latency_s: float = 0.0
+    # each sharding mode's own sync as the link timed it at this d (stageplan link --data-parallel D:
+    # (kind, fixed_s, bytes_per_s) of formats.link.DP_SYNC_KINDS); a kind it lacks is priced by the ring
+    dp_sync_fit: tuple[tuple[str, float, float], ...] = ()
     # The schedule's orders, chunk->rank map and in-flight counts, derived once (make_options validates).
     shape: ScheduleShape = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
@@ -113,6 +116,7 @@ class CostOptions:
         # shape (every action of the step) only to drop it
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "shape"}
         d["devices"] = [asdict(x) for x in self.devices]
+        d["dp_sync_fit"] = [list(row) for row in self.dp_sync_fit]  # as JSON reads it back
         return d
 
 
@@ -143,6 +147,7 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                  allreduce_bandwidth_bytes_per_s: float | None = None, data_parallel: int = 1,
                  sharding: str = "ddp", grad_dtype: str = "param",
                  dp_bandwidth_bytes_per_s: float | None = None, dp_latency_s: float = 0.0,
+                 dp_sync_fit: Mapping[str, Sequence[float]] | Sequence[Sequence[Any]] | None = None,
                  shape: ScheduleShape | None = None) -> CostOptions:
     """Validate and assemble CostOptions; every refusal names the rule, the values and the remedy. ``shape``
     (``schedules.counts_shape``, for memory and loads only) replaces the full schedule shape."""
@@ -236,12 +241,32 @@ def make_options(profile: Profile, num_ranks: int, *, num_microbatches: int, sch
                                                             float(allreduce_bandwidth_bytes_per_s))  # type: ignore[arg-type]
     _check_data_parallel(data_parallel, sharding, grad_dtype, precision, dp_bandwidth_bytes_per_s,
                          dp_latency_s)
+    sync_fit = _sync_fit(dp_sync_fit, int(data_parallel))
     return CostOptions(num_ranks, num_microbatches, name, virtual_stages, opt, bandwidth_bytes_per_s, devs,
                        bool(recompute),
                        float(boundary_latency_s), precision, latency_source, float(link_latency_s),
                        float(action_s), float(chunk_forward_s), float(chunk_backward_s), ar[0], ar[1],
                        int(data_parallel), sharding, grad_dtype, dp_bandwidth_bytes_per_s,
-                       float(dp_latency_s), shape=shape)
+                       float(dp_latency_s), sync_fit, shape=shape)
+
+
+def _sync_fit(fits: Mapping[str, Sequence[float]] | Sequence[Sequence[Any]] | None, data_parallel: int
+              ) -> tuple[tuple[str, float, float], ...]:
+    """The sharding modes' measured sync as CostOptions holds it, from a kind -> (fixed_s, bytes_per_s)
+    mapping or the (kind, fixed_s, bytes_per_s) rows a plan's JSON keeps; checked as a LINK.json's are."""
+    if not fits:
+        return ()
+    from stageplan.formats.link import check_dp_sync
+
+    as_map = dict(fits) if isinstance(fits, Mapping) else {
+        row[0]: list(row[1:]) for row in fits if isinstance(row, (list, tuple)) and len(row) == 3}
+    check_dp_sync({"dp_sync_fit": as_map, "dp_sync_ranks": max(data_parallel, 2), "dp_sync_units": 1},
+                  "the cost options")
+    if not isinstance(fits, Mapping) and len(as_map) != len(fits):
+        raise StageplanError(f"the cost options have dp_sync_fit = {fits!r}; it must be rows of (kind, "
+                             "fixed seconds, bytes/s); measure it again with stageplan link "
+                             "--data-parallel D")
+    return tuple((k, float(v[0]), float(v[1])) for k, v in sorted(as_map.items()))
 
 
 def _check_data_parallel(data_parallel: object, sharding: str, grad_dtype: str, precision: str | None,
@@ -659,10 +684,13 @@ def data_parallel_sync_s(arr: LayerArrays, boundaries: Sequence[int], opts: Cost
     per = (bytes_per_param(opts.precision, opts.optimizer, opts.sharding, d, opts.grad_dtype)
            if opts.precision is not None else None)
     ranks = opts.shape.stage_ranks
+    fits = {k: (a, b) for k, a, b in opts.dp_sync_fit}
     out = []
     for r in range(p):
         mine = [s for s in range(len(boundaries) - 1) if ranks[s] == r]
         count = sum(float(arr.param_count[boundaries[s]:boundaries[s + 1]].sum()) for s in mine)
+        # FSDP2's units: each layer holding parameters is sharded on its own (running.replicas.wrap_stage)
+        units = sum(int((arr.param_count[boundaries[s]:boundaries[s + 1]] > 0).sum()) for s in mine)
         params = sum(float(arr.param_bytes[boundaries[s]:boundaries[s + 1]].sum()) for s in mine)
         speed = opts.devices[r].speed
         last_backward = (
@@ -670,7 +698,8 @@ def data_parallel_sync_s(arr: LayerArrays, boundaries: Sequence[int], opts: Cost
         )
         grads, weights = (per.grads * count, per.weights * count) if per is not None else (params, params)
         out.append(data_parallel_sync(opts.sharding, d, grads, weights, last_backward,
-                                      opts.dp_bandwidth_bytes_per_s, opts.dp_latency_s).exposed_s)
+                                      opts.dp_bandwidth_bytes_per_s, opts.dp_latency_s, fits,
+                                      units).exposed_s)
     return out
 
 
@@ -744,6 +773,9 @@ COLLECTIVE = ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s")
 # ring constants, the replicas it was timed over and the groups that ran at once; None where not measured
 DP_COLLECTIVE = ("dp_allreduce_latency_s", "dp_allreduce_bandwidth_bytes_per_s", "dp_allreduce_ranks",
                  "dp_allreduce_groups")
+# Each sharding mode's own sync, timed by the same probe (link.dp_sync_probe): its fits, the replicas and
+# the FSDP2 units it was timed over
+DP_SYNC = ("dp_sync_fit", "dp_sync_ranks", "dp_sync_units")
 
 
 def data_parallel_link(data_parallel: int, measured: Mapping[str, Any], *,
@@ -759,7 +791,10 @@ def data_parallel_link(data_parallel: int, measured: Mapping[str, Any], *,
        or a calibrating run's), scaled the same way;
     3. the point-to-point link (``link_bandwidth_bytes_per_s``, ``link_latency_s``), as a ring of d.
 
-    Nothing with one replica or with none of them (the sync is then not priced).
+    Nothing with one replica or with none of them (the sync is then not priced). Beside those, where the link
+    timed each sharding mode's own sync at this d (:data:`DP_SYNC`: ``stageplan link --data-parallel D``),
+    ``dp_sync_fit`` prices each mode's sync from its own line
+    (:func:`stageplan.planning.sharding.data_parallel_sync`).
 
     >>> opts, note = data_parallel_link(2, {"dp_allreduce_latency_s": 1e-4, "dp_allreduce_ranks": 2,
     ...                                     "dp_allreduce_bandwidth_bytes_per_s": 1e9})
@@ -768,6 +803,22 @@ def data_parallel_link(data_parallel: int, measured: Mapping[str, Any], *,
     """
     if data_parallel <= 1:
         return {}, None
+    fields, note = _ring_link(data_parallel, measured, link_bandwidth_bytes_per_s, link_latency_s)
+    fits, ranks = measured.get("dp_sync_fit"), measured.get("dp_sync_ranks")
+    if fits and fields and ranks == data_parallel:
+        fields["dp_sync_fit"] = dict(fits)
+        note = (f"{note}; where the link timed a sharding mode's own sync over {ranks} replicas (DDP's, "
+                "ZeRO-1's broadcast, FSDP2's reduce and gather, with the code around each collective), that "
+                "prices it instead")
+    elif fits and fields:
+        note = (f"{note}; the link timed the sharding modes' own sync over {ranks} replicas, not "
+                f"{data_parallel}: measure it again with stageplan link --data-parallel {data_parallel}")
+    return fields, note
+
+
+def _ring_link(data_parallel: int, measured: Mapping[str, Any], link_bandwidth_bytes_per_s: float | None,
+               link_latency_s: float) -> tuple[dict[str, Any], str | None]:
+    """:func:`data_parallel_link`'s ring constants and their note."""
     for keys, what in ((DP_COLLECTIVE, "the link's data-parallel all-reduce"),
                        (COLLECTIVE, "the all-reduce that prices the tied gradients (the link's over its "
                                     "pipeline ranks, or a calibrating run's; stageplan link --data-parallel "
@@ -841,7 +892,8 @@ def measured_link(link: Mapping[str, Any] | str | os.PathLike[str], calibration:
     source = calibration if kept else measured
     overheads.update({k: source.get(k) for k in COLLECTIVE})
     overheads["allreduce_ranks"] = 2 if kept else measured.get("allreduce_ranks")  # what the constants are at
-    overheads.update({k: measured.get(k) for k in DP_COLLECTIVE})  # the replicas' own, whatever calibrated
+    # the replicas' own, whatever calibrated
+    overheads.update({k: measured.get(k) for k in (*DP_COLLECTIVE, *DP_SYNC)})
     if overheads["allreduce_bandwidth_bytes_per_s"] is not None:
         p = int(measured.get("allreduce_ranks") or 2) if not kept else 2
         fixed, rate = ring_fit(overheads["allreduce_latency_s"], overheads["allreduce_bandwidth_bytes_per_s"],

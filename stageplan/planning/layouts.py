@@ -109,6 +109,10 @@ class Network:
     # model's per-link bandwidth and per-step latency; None: the replicas' sync uses the links above
     dp_bandwidth_bytes_per_s: float | None = None
     dp_latency_s: float = 0.0
+    # each sharding mode's own sync as the link timed it ((kind, fixed_s, bytes_per_s) rows: costs.CostOptions
+    # dp_sync_fit), over dp_sync_ranks replicas within a node: it prices candidates of that d only
+    dp_sync_fit: tuple[tuple[str, float, float], ...] = ()
+    dp_sync_ranks: int = 0
 
     def bandwidth(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
@@ -318,6 +322,8 @@ class _Search:
                             link_latency_s=self.network.latency_s, data_parallel=pt.d, sharding=pt.sharding,
                             grad_dtype=self.grad_dtype,
                             dp_bandwidth_bytes_per_s=dp_bandwidth, dp_latency_s=dp_latency,
+                            dp_sync_fit=(self.network.dp_sync_fit
+                                         if pt.d == self.network.dp_sync_ranks and not spans["dp"] else None),
                             shape=None if full else self.counts(pt))
 
     def free_split(self, arr: LayerArrays, pt: _Point, bandwidth: float | None

@@ -29,7 +29,7 @@ textbook ZeRO stages:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stageplan.errors import StageplanError
@@ -159,6 +159,7 @@ class DataParallelSync:
 
 def data_parallel_sync(sharding: str, data_parallel: int, grad_bytes: float, weight_bytes: float,
                        last_backward_s: float, bandwidth_bytes_per_s: float, latency_s: float = 0.0,
+                       fits: Mapping[str, tuple[float, float]] | None = None, units: int = 1,
                        ) -> DataParallelSync:
     """One rank's data-parallel communication per step, for a stage holding ``grad_bytes`` of gradients (in
     the reduce dtype) and ``weight_bytes`` of weights.
@@ -170,19 +171,47 @@ def data_parallel_sync(sharding: str, data_parallel: int, grad_bytes: float, wei
     - fsdp: a reduce-scatter of the gradients after the last microbatch (``perform_reduce_grad``), and the
       all-gather of the weights before the first microbatch's forward; both exposed (no other work is left to
       hide them behind at either end of the step).
+
+    Each collective is the ring model's (:func:`ring_time` over ``bandwidth_bytes_per_s`` and ``latency_s``),
+    or, where ``fits`` has the mode's own measured sync at this d (``stageplan link --data-parallel D``:
+    kind -> (fixed_s, bytes_per_s), :data:`stageplan.formats.link.DP_SYNC_KINDS`), that line: DDP's whole
+    sync and ZeRO-1's broadcast
+    once per stage, FSDP2's reduce and gather with their fixed cost once per unit (``units``: the stage's
+    layers that hold parameters, each its own ``fully_shard``).
+
+    >>> fits = {"fsdp_reduce": (1e-3, 1e9), "fsdp_gather": (5e-4, 2e9)}
+    >>> round(data_parallel_sync("fsdp", 2, 1e8, 1e8, 0.0, 1e9, fits=fits, units=3).total_s, 6)
+    0.1545
     """
     d = int(data_parallel)
     if d <= 1:
         return DataParallelSync(0.0, 0.0, "none")
+    fits = fits or {}
+
+    def own(kind: str, nbytes: float, times: int = 1) -> float | None:
+        if kind not in fits or nbytes <= 0:
+            return None
+        fixed, rate = fits[kind]
+        return times * float(fixed) + nbytes / float(rate)
+
     if sharding == "fsdp":
-        total = (ring_time(grad_bytes, d, bandwidth_bytes_per_s, latency_s, "reduce_scatter")
-                 + ring_time(weight_bytes, d, bandwidth_bytes_per_s, latency_s, "all_gather"))
+        reduce = own("fsdp_reduce", grad_bytes, max(units, 1))
+        gather = own("fsdp_gather", weight_bytes, max(units, 1))
+        total = ((ring_time(grad_bytes, d, bandwidth_bytes_per_s, latency_s, "reduce_scatter")
+                  if reduce is None else reduce)
+                 + (ring_time(weight_bytes, d, bandwidth_bytes_per_s, latency_s, "all_gather")
+                    if gather is None else gather))
         return DataParallelSync(total, total, "reduce-scatter + all-gather")
-    allreduce = ring_time(grad_bytes, d, bandwidth_bytes_per_s, latency_s)
-    last_bucket = ring_time(min(grad_bytes, DDP_BUCKET_BYTES), d, bandwidth_bytes_per_s, latency_s)
+    allreduce = own("ddp", grad_bytes)
+    last_bucket = own("ddp", min(grad_bytes, DDP_BUCKET_BYTES))
+    if allreduce is None or last_bucket is None:
+        allreduce = ring_time(grad_bytes, d, bandwidth_bytes_per_s, latency_s)
+        last_bucket = ring_time(min(grad_bytes, DDP_BUCKET_BYTES), d, bandwidth_bytes_per_s, latency_s)
     exposed = max(allreduce - last_backward_s, last_bucket)
     if sharding == "zero1":
-        broadcast = ring_time(weight_bytes, d, bandwidth_bytes_per_s, latency_s, "broadcast")
+        broadcast = own("zero1_broadcast", weight_bytes)
+        if broadcast is None:
+            broadcast = ring_time(weight_bytes, d, bandwidth_bytes_per_s, latency_s, "broadcast")
         return DataParallelSync(allreduce + broadcast, exposed + broadcast, "all-reduce + owners' broadcast")
     return DataParallelSync(allreduce, exposed, "all-reduce")
 

@@ -35,7 +35,7 @@ from stageplan.measure import (
     resident_bytes,
     steady_allocator,
 )
-from stageplan.running.link import dp_allreduce_probe, ping_pong, probe_sizes
+from stageplan.running.link import dp_allreduce_probe, dp_sync_probe, ping_pong, probe_sizes
 from stageplan.running.replicas import (
     Mesh,
     SyncClock,
@@ -490,6 +490,9 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
     # DDP of a 1 GB GPT: 0.5 GB a rank above its plan, measured on a 2-core CPU host). Zeroed in place, they
     # stay the buckets' views, as DistributedDataParallel's gradient_as_bucket_view documents.
     in_place = d > 1 and sharding in ("ddp", "zero1")
+    # FSDP2's all-gather, timed at the step's start (SyncClock.gather); resharded after every forward, it
+    # gathers again inside each forward and backward, which the plan does not price as sync
+    gather = d > 1 and sharding == "fsdp"
     out = _Samples()
     if d > 1 and sharding.startswith("fsdp"):
         for st in rs.stages:  # FSDP2's unsharded parameters and gradients, read as its reduce begins
@@ -542,6 +545,8 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         wall0 = time.time()
+        if gather:
+            sync.gather(rs.stages)
         losses: list[Any] = []
         kwargs: dict[str, Any] = {"return_outputs": False}
         if has_last:
@@ -627,7 +632,8 @@ def _sync_events(rank: int, first_stage: int, intervals: list[Any], exposed: dic
     """The step's data-parallel sync as timeline rows of kind "D", where torch ran it: DDP's exposed
     all-reduce (``exposed``, per stage) as the tail of that stage's last backward, and what SyncClock timed
     (a stage's ``perform_reduce_grad``, FSDP2's reduce-scatter after that stage's last backward, on the stage
-    it reduces; ZeRO-1's broadcast inside the optimizer step, on the rank's first stage) at its own place on
+    it reduces; FSDP2's all-gather of that stage's units at the step's start; ZeRO-1's broadcast inside
+    the optimizer step, on the rank's first stage) at its own place on
     the CPU's clock; on CUDA, whose events carry no host time, those end where the schedule's step
     returned."""
     rows: list[dict[str, Any]] = []
@@ -932,7 +938,7 @@ def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_pat
     """Only the link probes (``stageplan link``); rank 0 writes LINK.json. With ``options["data_parallel"]``
     d > 1 the ranks sit on the ("pp", "dp") mesh as a run places them (:func:`make_mesh`): the pipeline
     probes run on replica 0's pipeline, then every stage's replicas time their all-reduce at once
-    (:func:`dp_allreduce_probe`)."""
+    (:func:`dp_allreduce_probe`), and each sharding mode's own sync (:func:`dp_sync_probe`)."""
     import torch.distributed as dist
 
     device, _ = _device(options["backend"], rank, world_size, bool(options.get("pin_cpus", True)))
@@ -952,8 +958,9 @@ def link_main(*, rank: int, world_size: int, options: dict[str, Any], output_pat
         link = ping_pong(device, group=group) if on_pipeline else None
         dist.barrier()  # the other replicas wait here, idle, while replica 0's pipeline is probed
         replicas = dp_allreduce_probe(device, mesh.dp_group)
-        link = None if link is None else {**link, **(replicas or {}), "pipeline_parallel": mesh.num_ranks,
-                                          "data_parallel": d}
+        modes = dp_sync_probe(device, mesh)  # and each sharding mode's own sync, as a run wraps a stage
+        link = None if link is None else {**link, **(replicas or {}), **(modes or {}),
+                                          "pipeline_parallel": mesh.num_ranks, "data_parallel": d}
     if rank == 0 and output_path and link is not None:
         save_link({**link, "num_ranks": world_size, "torch_version": torch.__version__,
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, output_path)

@@ -28,10 +28,10 @@ torch is imported inside the functions that measure, so that the planner can rea
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stageplan.formats.link import ring_constants
+from stageplan.formats.link import DP_SYNC_KINDS, ring_constants
 
 SMALL_BYTES = 4 * 2**10  # the latency probe: small enough that bandwidth plays no part
 LARGE_BYTES = 4 * 2**20  # the bandwidth probe when the plan's boundary tensors are smaller (or unknown)
@@ -328,6 +328,165 @@ def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ra
             "dp_allreduce_ranks": int(ranks), "dp_allreduce_groups": int(groups),
             "dp_allreduce_sizes": [int(n) for n in sizes_bytes],
             "dp_allreduce_s": [float(t) for t in seconds]}
+
+
+# The sharding modes' own sync (:func:`dp_sync_probe`): torch's DDP, ZeRO-1 and FSDP2 code around the
+# collective costs as much as the collective on gloo. Between two pinned CPU ranks (torch 2.13, medians of 9
+# on a loaded 2-core host), 20.6 MiB of gradients: a bare all-reduce 20.8 ms, DDP's sync 56 ms; FSDP2's
+# reduce (what PipelineStage.perform_reduce_grad runs) 45 ms over 8 units against a bare reduce-scatter of
+# 33 ms, and its unshard 31 ms against a bare all-gather of 30 ms; at 4 MiB over 8 units FSDP2's reduce took
+# 23 ms against 6 ms bare, a fixed cost per unit the ring model does not have. So the probe times each mode's
+# own calls over a module of DP_SYNC_UNITS equal layers, at sizes from DP_SYNC_SIZES[0] (where the fixed costs
+# show) to DP_SYNC_SIZES[-1] (past DDP's 25 MiB bucket, as a stage's gradients are).
+DP_SYNC_SIZES = (64 * 2**10, 2**20, 16 * 2**20, 32 * 2**20)
+DP_SYNC_UNITS = 4
+DP_SYNC_WARMUP = 2
+DP_SYNC_REPEATS = 7
+# What each kind times: DDP's backward with its sync less the same backward under no_sync (the whole
+# all-reduce and DDP's work around it, nothing overlapped: the probe's backward is a fill);
+# ZeroRedundancyOptimizer's broadcast of the stepped partitions (_sync_params, what a run's sync clock
+# times); FSDP2's reduce of the accumulated gradients after the last microbatch, as torch's
+# PipelineStage.perform_reduce_grad runs it; FSDP2's unshard (all-gather) of every unit before a step's first
+# forward.
+# the kinds whose fixed cost is paid once per FSDP2 unit (each fully_shard call's parameter group issues
+# its own collective), not once per stage
+DP_SYNC_PER_UNIT = ("fsdp_reduce", "fsdp_gather")
+
+
+def dp_sync_probe(device: Any, mesh: Any, *, sizes_bytes: Sequence[int] = DP_SYNC_SIZES,
+                  units: int = DP_SYNC_UNITS, warmup: int = DP_SYNC_WARMUP, repeats: int = DP_SYNC_REPEATS
+                  ) -> dict[str, Any] | None:
+    """Time each sharding mode's own data-parallel sync (:data:`DP_SYNC_KINDS`) on the replicas of ``mesh``
+    (:class:`stageplan.running.replicas.Mesh`): a module of ``units`` equal layers holding ``n`` bytes of fp32
+    weights in all, per size, wrapped as a run wraps a stage. Every stage's replicas probe at once, each round
+    after a barrier of the whole world; the median per rank, kind and size, the slowest rank's per kind and
+    size (the step waits for the last replica). Stored as :func:`dp_sync_fields`. None with one replica."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from stageplan.measure import median_iqr
+
+    d = int(mesh.data_parallel)
+    if d < 2:
+        return None
+    dev = torch.device(device)
+    sizes = [int(n) for n in sizes_bytes]
+    began = time.perf_counter()
+    medians: dict[str, list[float]] = {}
+
+    def timed(call: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    for n in sizes:
+        for kind, seconds in _dp_sync_rounds(dev, mesh, n, units, warmup + repeats, timed).items():
+            medians.setdefault(kind, []).append(median_iqr(seconds[warmup:])[0])
+    took = time.perf_counter() - began
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, medians)
+    slowest = {k: [max(row[k][i] for row in gathered) for i in range(len(sizes))] for k in medians}
+    return {**dp_sync_fields(sizes, slowest, d, units), "dp_sync_probe_s": took}
+
+
+def _sync_module(n: int, units: int, device: Any) -> Any:
+    """``units`` bias-free linear layers of 256 inputs holding ``n`` bytes of fp32 weights in all (at least
+    one row each), whose forward is a weighted sum of the weights: its backward fills the gradients and does
+    nothing else, so a sync timed around it is the sync."""
+    import torch
+
+    rows = max(n // 4 // units // 256, 1)
+
+    class Units(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, rows, bias=False, device=device)
+                                              for _ in range(units))
+
+        def forward(self, x: Any) -> Any:
+            return sum((layer.weight * x).sum() for layer in self.layers)
+
+    return Units()
+
+
+def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed: Any
+                    ) -> dict[str, list[float]]:
+    """Seconds of every round of each kind at ``n`` bytes (see :data:`DP_SYNC_KINDS`); ``timed(call)`` runs
+    ``call`` after a barrier of the world and returns its seconds."""
+    import types
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+    from torch.nn.parallel import DistributedDataParallel
+
+    x = torch.ones((), device=dev)
+    reduce = getattr(_PipelineStageBase, "perform_reduce_grad", None)
+    # torch before the schedule ran FSDP2's reduce itself (perform_reduce_grad) reduces inside the last
+    # backward, a path this probe does not time: those links price fsdp from the all-reduce
+    out: dict[str, list[float]] = {k: [] for k in DP_SYNC_KINDS if reduce is not None or k.startswith(
+        ("ddp", "zero1"))}
+    # DDP, as a run wraps a stage (replicas.wrap_stage): gradients as views into its buckets, zeroed in place
+    ddp = DistributedDataParallel(_sync_module(n, units, dev), process_group=mesh.dp_group,
+                                  broadcast_buffers=False, gradient_as_bucket_view=True)
+    apart, synced = [], []
+    for _ in range(rounds):
+        ddp.zero_grad(set_to_none=False)
+        with ddp.no_sync():
+            apart.append(timed(lambda: ddp(x).backward()))
+        synced.append(timed(lambda: ddp(x).backward()))
+    out["ddp"] = [max(0.0, s - a) for s, a in zip(synced, apart)]
+    # ZeRO-1's broadcast, with each replica's partition in one bucket as a run builds it
+    zero = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.SGD,
+                                   process_group=mesh.dp_group, parameters_as_bucket_view=True, lr=0.0)
+    out["zero1_broadcast"] = [timed(zero._sync_params) for _ in range(rounds)]  # type: ignore[attr-defined]
+    if reduce is None:
+        return out
+    # FSDP2, as a run wraps a stage: every layer a unit, then the root, not resharded after forward
+    fsdp = _sync_module(n, units, dev)
+    for layer in fsdp.layers:
+        fully_shard(layer, mesh=mesh.dp_mesh, reshard_after_forward=False)
+    fully_shard(fsdp, mesh=mesh.dp_mesh, reshard_after_forward=False)
+    unit_modules = [m for m in fsdp.modules() if hasattr(m, "unshard")]
+    # torch's own reduce, called as the schedule calls it: it reads only the stage's module
+    # (torch/distributed/pipelining/stage.py, perform_reduce_grad)
+    stage = types.SimpleNamespace(submod=fsdp)
+    for _ in range(rounds):
+        out["fsdp_gather"].append(timed(lambda: [m.unshard() for m in unit_modules]))
+        fsdp.set_requires_gradient_sync(False)
+        fsdp.set_reshard_after_backward(False)
+        fsdp(x).backward()
+        out["fsdp_reduce"].append(timed(lambda: reduce(stage, 1)))
+        for p in fsdp.parameters():
+            p.grad = None
+    return out
+
+
+def dp_sync_fields(sizes_bytes: Sequence[int], seconds: Mapping[str, Sequence[float]], ranks: int, units: int
+                   ) -> dict[str, Any]:
+    """LINK.json's fields for the sharding modes' sync timed at ``seconds[kind]`` per size over ``ranks``
+    replicas on a module of ``units`` layers: per kind, the :func:`line_through_ends` a + n / B as
+    ``dp_sync_fit[kind] = [fixed_s, bytes_per_s]``, the fixed cost per FSDP2 unit for the kinds of
+    :data:`DP_SYNC_PER_UNIT` (a / units), per stage for the others; and the sizes and times it was fitted to.
+
+    >>> sizes = [2**16, 2**25]
+    >>> f = dp_sync_fields(sizes, {k: [4e-3 + n / 1e9 for n in sizes] for k in DP_SYNC_KINDS}, 2, 4)
+    >>> [(round(a * 1e3, 6), round(b)) for a, b in (f["dp_sync_fit"]["ddp"], f["dp_sync_fit"]["fsdp_gather"])]
+    [(4.0, 1000000000), (1.0, 1000000000)]
+    """
+    fits = {}
+    for kind in (k for k in DP_SYNC_KINDS if k in seconds):
+        fixed, rate = line_through_ends(sizes_bytes, seconds[kind])
+        fits[kind] = [fixed / units if kind in DP_SYNC_PER_UNIT else fixed, rate]
+    return {"dp_sync_ranks": int(ranks), "dp_sync_units": int(units),
+            "dp_sync_sizes": [int(n) for n in sizes_bytes],
+            "dp_sync_s": {k: [float(t) for t in seconds[k]] for k in fits}, "dp_sync_fit": fits}
 
 
 def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,

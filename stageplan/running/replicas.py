@@ -262,7 +262,8 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 class SyncClock(DeviceClock):
     """The data-parallel sync each step waits for, measured where torch runs it: FSDP2's reduce-scatter in
-    each stage's ``perform_reduce_grad`` (after the last microbatch's backward), ZeRO-1's broadcast of the
+    each stage's ``perform_reduce_grad`` (after the last microbatch's backward) and its all-gather at the
+    step's start (:meth:`gather`), ZeRO-1's broadcast of the
     stepped partitions (``ZeroRedundancyOptimizer._sync_params``), and DDP's all-reduce as what the last
     microbatch's backward took beyond the stage's other backwards (DDP reduces inside it: its buckets'
     all-reduces overlap the backward, and what is left is exposed). On the device's own clock
@@ -292,6 +293,17 @@ class SyncClock(DeviceClock):
                 st.perform_reduce_grad = self.timed(st.perform_reduce_grad, int(st.stage_index))
         if optimizer is not None and hasattr(optimizer, "_sync_params"):
             optimizer._sync_params = self.timed(optimizer._sync_params)
+
+    def gather(self, stages: Sequence[Any]) -> None:
+        """Unshard (all-gather) every FSDP2 unit of each stage now, timed as that stage's sync: at a step's
+        start, where FSDP2 not resharded after forward would otherwise gather each unit inside the first
+        microbatch's forward, out of sight of the sync clock. ``FSDPModule.unshard`` is FSDP2's own call
+        for it (torch/distributed/fsdp/_fully_shard/_fully_shard.py); the forward then finds the units
+        gathered."""
+        for st in stages:
+            units = [m for m in st.submod.modules() if callable(getattr(m, "unshard", None))]
+            if units:
+                self.timed(lambda units=units: [m.unshard() for m in units], int(st.stage_index))()
 
 
 def ddp_exposed(backwards: Sequence[tuple[int, int, float]], m: int) -> dict[int, float]:

@@ -69,10 +69,10 @@ def test_cli_link_writes_a_loadable_link(tmp_path: Path, capsys: pytest.CaptureF
 def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_its_fit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], ranks: int, pipeline: list[int]) -> None:
     """``stageplan link --data-parallel 2`` on 4 ranks (2 pipeline ranks x 2 replicas, as run lays them out)
-    and on 2 (1 x 2): both groups of replicas all-reduce at once, by size; plan --link then prices each rank's
-    sync (all exposed: GPT's gradients per rank are under DDP's 25 MiB bucket) at the two-point fit of
-    those times (the latency the smallest size's time, the bandwidth the largest size's) on the rank's
-    gradient bytes."""
+    and on 2 (1 x 2): both groups of replicas all-reduce at once, by size, and time each sharding mode's own
+    sync; plan --link then prices each rank's sync (all exposed under DDP: GPT's gradients per rank are under
+    its 25 MiB bucket) at the two-point fit of its mode's times (the latency the smallest size's time, the
+    bandwidth the largest size's) on the rank's gradient bytes."""
     out = tmp_path / "link.json"
     code, stdout, err = run_cli(["link", "--backend", "gloo", "--ranks", str(ranks), "--data-parallel", "2",
                                  "-o", str(out), "--timeout", "120"], capsys)
@@ -91,19 +91,45 @@ def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_
     # load 0-7 (docs/accuracy.md), so only a gross slowdown fails here
     assert 0 < link["dp_allreduce_probe_s"] < 10.0
     assert f"data-parallel all-reduce over 2 replicas, {groups} groups at once" in stdout
-    # the oracle: the line through the smallest and the largest size's times (times rise with size here)
-    a = max(0.0, times[0] - sizes[0] * (times[-1] - times[0]) / (sizes[-1] - sizes[0]))
-    c = (times[-1] - a) / sizes[-1]
-    plan_path = tmp_path / "plan.json"
-    code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--microbatches", "4", "--data-parallel", "2",
-                            "--link", str(out), "-o", str(plan_path)], capsys)
-    assert code == 0, err
-    pl = Plan.load(plan_path)
+    # each sharding mode's own sync, timed on a module of 4 units at every size
+    kinds = ("ddp", "zero1_broadcast", "fsdp_reduce", "fsdp_gather")
+    assert (link["dp_sync_ranks"], link["dp_sync_units"]) == (2, 4)
+    assert sorted(link["dp_sync_fit"]) == sorted(kinds)
+    sync_sizes = link["dp_sync_sizes"]
+    assert sync_sizes == [64 * 2**10, 2**20, 16 * 2**20, 32 * 2**20]
+    for kind in kinds:  # 32 MiB takes longer than 64 KiB in every mode
+        assert all(t > 0 for t in link["dp_sync_s"][kind]) and link["dp_sync_s"][kind][-1] > link[
+            "dp_sync_s"][kind][0], kind
+    assert 0 < link["dp_sync_probe_s"] < 60.0  # a ceiling: 16 s at load 7 on a 2-core VM
+    assert "each sharding mode's own sync over 2 replicas" in stdout
+
+    def through_ends(xs: list[int], ts: list[float]) -> tuple[float, float]:
+        """The oracle: the line through the smallest and the largest size's times (they rise with size)."""
+        a = max(0.0, ts[0] - xs[0] * (ts[-1] - ts[0]) / (xs[-1] - xs[0]))
+        return a, (ts[-1] - a) / xs[-1]
+
     params = [x.param_bytes for x in Profile.load(GPT).layers]
-    for st in pl.stages:
-        grads = sum(params[st.first_layer:st.end_layer])
-        assert grads < 25 * 2**20 and st.dp_sync_s == pytest.approx(a + grads * c, rel=1e-6)
-    assert any("the link's data-parallel all-reduce" in x for x in pl.notes)
+    for sharding in ("ddp", "fsdp"):
+        plan_path = tmp_path / f"plan-{sharding}.json"
+        code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--microbatches", "4", "--data-parallel",
+                                "2", "--sharding", sharding, "--link", str(out), "-o", str(plan_path)],
+                               capsys)
+        assert code == 0, err
+        pl = Plan.load(plan_path)
+        for st in pl.stages:
+            grads = sum(params[st.first_layer:st.end_layer])
+            assert grads < 25 * 2**20  # under DDP's first bucket: DDP's whole sync is exposed
+            if sharding == "ddp":
+                a, c = through_ends(sync_sizes, link["dp_sync_s"]["ddp"])
+                want = a + grads * c
+            else:  # FSDP2's fixed costs once per unit: the stage's layers that hold parameters
+                units = sum(1 for n in params[st.first_layer:st.end_layer] if n > 0)
+                want = sum(through_ends(sync_sizes, link["dp_sync_s"][k])[0] / 4 * units
+                           + grads * through_ends(sync_sizes, link["dp_sync_s"][k])[1]
+                           for k in ("fsdp_reduce", "fsdp_gather"))
+            assert st.dp_sync_s == pytest.approx(want, rel=1e-6), (sharding, st)
+        assert any("the link's data-parallel all-reduce" in x and "a sharding mode's own sync" in x
+                   for x in pl.notes)
 
 
 def _probe_in_child(rank: int, port: int, where: str, delay_s: float, queue) -> None:  # type: ignore[no-untyped-def]

@@ -64,7 +64,8 @@ def test_a_2x2_layout_trains_as_one_process_does(
 def _sync_bars_sit_where_torch_ran_them(timeline: tuple[dict, ...], sharding: str) -> None:
     """The run's "D" rows: DDP's exposed all-reduce inside its stage's last backward, the stage's
     ``perform_reduce_grad`` (FSDP2's reduce-scatter) after the rank's last backward and before its optimizer
-    step, ZeRO-1's broadcast inside the optimizer step (its DDP part as DDP's). FSDP2 and ZeRO-1 sync on
+    step, FSDP2's all-gather of each stage before that stage's first forward, ZeRO-1's broadcast inside the
+    optimizer step (its DDP part as DDP's). FSDP2 and ZeRO-1 sync on
     every rank every step; DDP's exposed part may be nothing."""
     slack = 1e-4  # seconds: wall clocks read on either side of one call
     sync = [e for e in timeline if e["kind"] == "D"]
@@ -78,7 +79,17 @@ def _sync_bars_sit_where_torch_ran_them(timeline: tuple[dict, ...], sharding: st
                   <= x["end_s"] + slack]
         after = max(x["end_s"] for x in own_b) - slack <= e["start_s"] and all(
             e["end_s"] <= x["start_s"] + slack for x in opt)
-        assert inside or after, (sharding, e)
+        # FSDP2's all-gather of the stage's units, timed at the step's start, before its first forward
+        own_f = [x for x in mine if x["kind"] == "F" and x["stage"] == e["stage"]]
+        before = sharding == "fsdp" and e["end_s"] <= min(x["start_s"] for x in own_f) + slack
+        assert inside or after or before, (sharding, e)
+    if sharding == "fsdp":  # each stage gathers before its first forward, and reduces after its last backward
+        for rank in {e["rank"] for e in sync}:
+            firsts = {x["stage"]: x["start_s"] for x in sorted(timeline, key=lambda x: -x["start_s"])
+                      if x["rank"] == rank and x["kind"] == "F"}
+            mine = [e for e in sync if e["rank"] == rank]
+            assert all(any(e["stage"] == s and e["end_s"] <= t + slack for e in mine)
+                       for s, t in firsts.items()), (rank, mine)
 
 
 def test_a_1x4_and_a_4x1_layout_train_as_one_process_does(profiled: Path) -> None:

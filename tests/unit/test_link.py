@@ -365,3 +365,94 @@ def test_link_refuses_replicas_that_do_not_divide_the_ranks_before_any_rank_star
     assert_one_line_error(code, err, rf"data_parallel \({dp}\) must be an integer >= 1 that divides the "
                                      rf"ranks \({ranks}\).*{remedy}")
     assert not (tmp_path / "l.json").exists()
+
+
+# Each sharding mode's own sync (stageplan link --data-parallel D: link.dp_sync_probe)
+
+SYNC_SIZES = [64 * 2**10, 2**20, 16 * 2**20, 32 * 2**20]
+# the lines the synthetic probe times lie on, per kind: (fixed seconds for the probe's whole module, bytes/s)
+SYNC_LINES = {"ddp": (2e-3, 4e8), "zero1_broadcast": (3e-4, 9e8), "fsdp_reduce": (8e-3, 3e8),
+              "fsdp_gather": (6e-3, 5e8)}
+SYNC_UNITS = 4
+
+
+def _sync_link(ranks: int = 2) -> dict:  # type: ignore[type-arg]
+    from stageplan.running.link import dp_sync_fields
+
+    times = {k: [a + n / b for n in SYNC_SIZES] for k, (a, b) in SYNC_LINES.items()}
+    return {**_dp_link(ranks), **dp_sync_fields(SYNC_SIZES, times, ranks, SYNC_UNITS)}
+
+
+def _units_profile(unit_bytes: int, units: int) -> Profile:
+    """``units`` layers of ``unit_bytes`` fp32 parameters each, then one layer without parameters."""
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 0, 1024, unit_bytes, param_count=unit_bytes // 4)
+                   for i in range(units))
+    return Profile((*layers, LayerProfile("head", 1e-3, 2e-3, 0, 1024, 0)),
+                   {"batch_size": 8, "microbatch_size": 1, "dtype": "float32"})
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("unit_bytes", [2**20, 16 * 2**20])
+def test_each_sharding_modes_sync_is_priced_from_its_own_probe_at_the_probed_replica_count(
+        sharding: str, unit_bytes: int) -> None:
+    """At the d it was timed over, each mode's sync is its own probe's line a + n / B on the stage's bytes n
+    (the closed forms the synthetic times were made on): DDP's whole, exposed beyond the last backward but
+    never below its last 25 MiB bucket; ZeRO-1's broadcast added; FSDP2's reduce and gather with their fixed
+    cost once per unit (the probe's a / 4 units, times the stage's 3 layers holding parameters)."""
+    units = 3
+    grads = units * unit_bytes
+    pl = plan(_units_profile(unit_bytes, units), 2, num_microbatches=4, data_parallel=2, link=_sync_link(),
+              boundaries=[0, units, units + 1], sharding=sharding, optimizer="sgd")
+    line = {k: (lambda n, a=a, b=b, k=k: (a / SYNC_UNITS * units if k.startswith("fsdp") else a) + n / b)
+            for k, (a, b) in SYNC_LINES.items()}
+    last_backward = units * 2e-3
+    ddp = max(line["ddp"](grads) - last_backward, line["ddp"](min(grads, 25 * 2**20)))
+    want = {"ddp": ddp, "zero1": ddp + line["zero1_broadcast"](grads),
+            "fsdp": line["fsdp_reduce"](grads) + line["fsdp_gather"](grads)}[sharding]
+    assert pl.stages[0].dp_sync_s == pytest.approx(want, rel=1e-9)
+    assert pl.stages[1].dp_sync_s == 0.0  # no parameters, nothing to sync
+    assert any("a sharding mode's own sync over 2 replicas" in n for n in pl.notes)
+    again = Plan.from_json(json.loads(json.dumps(pl.to_json())))  # the fits travel in the plan's options
+    assert again == pl
+
+
+def test_the_modes_own_sync_prices_only_the_replica_count_it_was_timed_at() -> None:
+    """Over another d, the modes' probe says nothing (their code around the collective does not scale as a
+    ring): the sync is the all-reduce probe's ring, and the note says to measure at that d."""
+    n = 2**20
+    pl = plan(_grads_profile(n), 2, num_microbatches=4, data_parallel=4, link=_sync_link(2),
+              boundaries=[0, 1, 2], sharding="ddp")
+    ring = plan(_grads_profile(n), 2, num_microbatches=4, data_parallel=4, link=_dp_link(2),
+                boundaries=[0, 1, 2], sharding="ddp")
+    assert pl.stages[0].dp_sync_s == pytest.approx(ring.stages[0].dp_sync_s, rel=1e-12)
+    assert any("timed the sharding modes' own sync over 2 replicas, not 4: measure it again with stageplan "
+               "link --data-parallel 4" in x for x in pl.notes)
+
+
+def test_a_bad_sharding_sync_probe_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _sync_link()
+    assert load_link(good)["dp_sync_fit"]["fsdp_reduce"][0] == pytest.approx(8e-3 / SYNC_UNITS)
+    for bad in ({"dp_sync_fit": {"ddp": [1e-3, 0.0]}}, {"dp_sync_fit": {"allgather": [1e-3, 1e9]}},
+                {"dp_sync_fit": {"ddp": [-1.0, 1e9]}}, {"dp_sync_fit": [["ddp", 1e-3, 1e9]]},
+                {"dp_sync_ranks": 1}, {"dp_sync_units": 0}):
+        with pytest.raises(SchemaError, match=r"dp_sync_fit = .*; it must map ddp, zero1_broadcast, "
+                                              r"fsdp_reduce or fsdp_gather to .* --data-parallel D$"):
+            load_link({**good, **bad})
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps({**good, "dp_sync_fit": {"ddp": [1e-3, -5]}}))
+    code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--data-parallel", "2", "--link", str(path)],
+                           capsys)
+    assert_one_line_error(code, err, r"dp_sync_fit = \{'ddp': \[0.001, -5\]\}; it must map")
+
+
+def test_show_link_lists_each_modes_sync_measured_and_fitted() -> None:
+    from stageplan.report import link_table
+
+    link = _sync_link()
+    link["dp_sync_s"]["fsdp_gather"][1] = 0.05  # off its line: shown beside the fit
+    lines = link_table(link).splitlines()
+    assert "each sharding mode's own sync over 2 replicas, a module of 4 units" in lines[-5]
+    gather = next(x for x in lines if x.strip().startswith("fsdp_gather:"))
+    fit_ms = (6e-3 + 2**20 / 5e8) * 1e3
+    assert f"50.00 ({fit_ms:.2f}) at 1 MiB" in gather
