@@ -456,9 +456,13 @@ def run_table(report: RunReport, *, explain: bool = False) -> str:
     if report.check is not None:
         c = report.check
         verdict = "PASS" if c["passed"] else "FAIL"
+        grads = (f", max gradient diff {figure(c.get('max_grad_diff'))} at {c.get('worst_grad') or '-'} "
+                 f"over {c['grads_compared']} gradients" if c.get("grads_compared") else "")
         lines.append(f"check: {verdict} (max loss diff {figure(c.get('max_loss_diff'))}, max param diff "
                      f"{figure(c.get('max_param_diff'))} "
-                     f"at {c.get('worst_param') or '-'}, {c['params_compared']} parameters compared)")
+                     f"at {c.get('worst_param') or '-'}, {c['params_compared']} parameters compared{grads})")
+        if c.get("grads_missing"):
+            lines.append(f"gradients on one side only: {', '.join(c['grads_missing'][:5])}")
         if c.get("hint"):
             lines.append(f"hint: {c['hint']}")
     return "\n".join(lines)

@@ -268,12 +268,15 @@ def _check_run_parts(data: dict[str, Any], plan: Any, bad: Callable[[str, Any], 
     if check is not None:
         if not (isinstance(check, dict) and isinstance(check.get("passed"), bool)):
             raise bad("'check' must be the --check verdict (an object with passed true/false) or null", check)
-        for key in ("max_loss_diff", "max_param_diff"):  # a diverged run's NaN is written as null
+        for key in ("max_loss_diff", "max_param_diff", "max_grad_diff"):  # a diverged run's NaN: null
             if check.get(key) is not None and not is_number(check[key], finite=False):
                 raise bad(f"check's {key} must be a number or null", check[key])
         if not (_ints([check.get("params_compared")]) and check["params_compared"] >= 0):
             raise bad("check's params_compared must be an integer >= 0", check.get("params_compared"))
-        for key in ("worst_param", "hint"):
+        if check.get("grads_compared") is not None and not (_ints([check["grads_compared"]])
+                                                             and check["grads_compared"] >= 0):
+            raise bad("check's grads_compared must be an integer >= 0", check["grads_compared"])
+        for key in ("worst_param", "worst_grad", "hint"):
             if check.get(key) is not None and not isinstance(check[key], str):
                 raise bad(f"check's {key} must be text or null", check[key])
 

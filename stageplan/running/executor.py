@@ -882,6 +882,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "peak_activation_bytes": max(samples.peak_activation_bytes, default=0),
               # every replica's parameters, whole (an FSDP2 shard gathered over its replicas: collective)
               "params": {k: full_value(v) for k, v in rs.params.items()} if check else {},
+              # and their last step's gradients, whole the same way (None where the backward made none)
+              "grads": {k: None if v.grad is None else full_value(v.grad) for k, v in rs.params.items()}
+              if check else None,
               "layer_s": layer_s, "overhead_s": overhead_s,
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,

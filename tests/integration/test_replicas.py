@@ -60,6 +60,9 @@ def test_a_2x2_layout_trains_as_one_process_does(
     stage had not been given its wrapper at all: both trained each replica on its own half."""
     _, report = _run(profiled, 2, 2, sharding, schedule, v)
     assert report.check is not None and report.check["passed"], report.check
+    # every replica's gradients too, by FQN: Adam's update alone could hide a gradient off by a factor
+    assert report.check["grads_compared"] == report.check["params_compared"]
+    assert report.check["max_grad_diff"] < 1e-6, report.check
     assert report.check["params_compared"] == 2 * sum(1 for _ in build_workload("gpt", OPTIONS)
                                                       .model.named_parameters(remove_duplicate=False))
     assert report.meta["mesh"] == {"pp": 2, "dp": 2} and report.meta["sharding"] == sharding
@@ -121,6 +124,8 @@ def test_a_1x4_and_a_4x1_layout_train_as_one_process_does(
     assert report.check is not None and report.check["passed"], report.check
     names = build_workload("gpt", options).model.named_parameters(remove_duplicate=False)
     assert report.check["params_compared"] == d * sum(1 for _ in names)
+    assert report.check["grads_compared"] == report.check["params_compared"]
+    assert report.check["max_grad_diff"] < 1e-6, report.check
     assert report.meta["mesh"] == {"pp": p, "dp": d}
 
 

@@ -64,6 +64,8 @@ def test_a_2x2_tensor_parallel_pipeline_trains_as_one_process_and_counts_its_all
     assert report.check["max_loss_diff"] < 1e-5
     # every parameter of the model, gathered whole, on each of the 2 shards
     assert report.check["params_compared"] == 2 * (1 + 4 * 9 + 2)
+    assert report.check["grads_compared"] == report.check["params_compared"]  # the shards' whole gradients
+    assert report.check["max_grad_diff"] < 1e-6, report.check
     assert not report.check["not_trained_by_pipeline"]
     assert report.meta["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
     forward = 2 * 2 * M

@@ -50,3 +50,43 @@ def test_check_detects_a_wrong_result() -> None:
     bad = _check(wl, __import__("copy").deepcopy(reference), [{"losses": losses, "params": params}], options,
                  2)
     assert not bad["passed"] and bad["worst_param"] == "2.weight"
+
+
+def test_check_compares_the_last_steps_gradients_by_fqn_and_fails_a_summed_one() -> None:
+    """Adam all but hides a gradient that replicas summed instead of averaging (2x): it divides each gradient
+    by its own running size, so the parameters land within the check's tolerance. The gradients, gathered
+    from the ranks, are compared on their own: the reference's last step's, taken before its update, is the
+    oracle, and a 2x gradient fails and is named."""
+    import copy
+
+    from stageplan.running.check import compare_with_single_process as _check
+
+    wl = build_workload("workloads:mlp", {})
+    options = {"optimizer": "adam", "lr": 1e-3, "warmup": 0, "steps": 1}
+    twin = copy.deepcopy(wl.model)
+    opt = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    total = 0.0
+    for i in range(2):
+        loss = wl.compute_loss(twin(wl.inputs[i * 4:(i + 1) * 4]), wl.target[i * 4:(i + 1) * 4])
+        (loss / 2).backward()
+        total += float(loss.detach())
+    grads = {k: v.grad.detach().clone() for k, v in twin.named_parameters()}
+    opt.step()
+    params = {k: v.detach().clone() for k, v in twin.named_parameters()}
+    rank = {"losses": [total / 2], "params": params, "grads": grads}
+    good = _check(wl, copy.deepcopy(wl.model), [rank], options, 2)
+    assert good["passed"] and good["grads_compared"] == len(params), good
+    assert good["max_grad_diff"] <= 1e-6
+    summed = {**grads, "2.weight": 2 * grads["2.weight"]}
+    # what Adam's first step does with it: the same update, to rounding (m / sqrt(v) is the sign of g)
+    twin2 = copy.deepcopy(wl.model)
+    for p, g in zip(twin2.parameters(), summed.values()):
+        p.grad = g.clone()
+    torch.optim.Adam(twin2.parameters(), lr=1e-3).step()
+    stepped = {k: v.detach().clone() for k, v in twin2.named_parameters()}
+    assert max(float((stepped[k] - params[k]).abs().max()) for k in params) < 1e-5
+    bad = _check(wl, copy.deepcopy(wl.model), [{**rank, "params": stepped, "grads": summed}], options, 2)
+    assert not bad["passed"] and bad["worst_grad"] == "2.weight", bad
+    assert bad["max_param_diff"] < 1e-5  # the parameters alone would have passed
+    lost = _check(wl, copy.deepcopy(wl.model), [{**rank, "grads": {**grads, "2.weight": None}}], options, 2)
+    assert not lost["passed"] and lost["grads_missing"] == ["2.weight"]
