@@ -383,8 +383,8 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "predicted_memory_bytes": plan.rank_memory_bytes[r],
         # the process's peak (CPU: resident set; CUDA: max allocated), read after everything the rank did
         # (retiming included), and its memory before it built its stage (torch's libraries, the process
-        # group: a few hundred MiB per CPU process, which the plan does not count); the ratio compares what
-        # the run added on top of that with the plan
+        # group, the meta model and its cut at the plan's boundaries: a few hundred MiB per CPU process, which
+        # the plan does not count); the ratio compares what the run added on top of that with the plan
         "measured_peak_memory_bytes": g.get("peak_memory_bytes"),
         "measured_baseline_memory_bytes": baseline,
         "measured_run_memory_bytes": run_bytes,

@@ -32,6 +32,7 @@ from stageplan.measure import (
     Timer,
     median_iqr,
     microbatch_size_for,
+    release_free_memory,
     resident_bytes,
     steady_allocator,
 )
@@ -53,6 +54,7 @@ from stageplan.running.stages import (
     RankStages,
     batch_target,
     build_rank_stages,
+    cut_rank_stages,
     first_microbatch_of_plan,
     reference_model,
     sync_tied_grads,
@@ -732,6 +734,10 @@ def _release_stages(rs: RankStages) -> int:
     """Give back the rank's stage once its run is over: every parameter's storage and gradient is freed, and
     the stage's modules get meta parameters back (shapes kept). The objects themselves may live on (the
     instruments' wrappers and the layer clock hold them), so their storage is what goes, not a reference.
+    The freed pages go back to the system too (:func:`release_free_memory`): weight matrices under the steady
+    allocator's 32 MiB mmap threshold live in the heap, which it never trims, so retiming's copy had to fit in
+    among the holes the steps left there, and where it did not, the heap grew past the run's own peak (by
+    0.01-0.05 GB a rank on the 1.97 GB GPT of benchmarks/bench_memory.py, measured on a 2-core CPU host).
     Returns the bytes freed."""
     from stageplan.timing import release_
 
@@ -749,6 +755,7 @@ def _release_stages(rs: RankStages) -> int:
     rs.params.clear()
     rs.unique_params.clear()
     gc.collect()
+    release_free_memory()
     return freed
 
 
@@ -795,7 +802,8 @@ def _peak_memory_bytes(device: torch.device) -> int:
 def _memory_now_bytes(device: torch.device) -> int:
     """The rank's memory now, before its stage exists: allocated on CUDA (the context is not counted, as
     max_memory_allocated does not count it); on CPU the resident set, which holds torch's libraries, the
-    process group and the meta model: what the run's own memory (the plan's prediction) comes on top of."""
+    process group and the meta model, cut: what the run's own memory (the plan's prediction) comes on top
+    of."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return resident_bytes()
@@ -828,6 +836,11 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
     check = bool(options.get("check"))
     weights = Checkpoint(options["weights"]) if options.get("weights") else None
     seed = int(options.get("init_seed", 0))
+    # the meta model cut at the plan's boundaries, before the baseline: like the meta model itself, the trace
+    # is set-up, not the stage's tensors (torch.export's graph objects on meta tensors, which no gc gives
+    # back: the baseline rose 0.046-0.048 GB a rank for the 24-block GPT of benchmarks/bench_memory.py,
+    # measured on a 2-core CPU host), and a CUDA rank's allocated memory never counts it
+    cut = cut_rank_stages(model, plan, mb_args, device)
     # read last before anything of the run's own: the link probe's buffers are gone (read right after it, the
     # resident set was 0.06 GB above where it settled, measured on a 2-core CPU host)
     gc.collect()
@@ -842,7 +855,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         def wrap(piece: torch.nn.Module, names: list[str]) -> torch.nn.Module:
             return wrap_stage(piece, names, sharding, mesh)
     rs = build_rank_stages(model, plan, mesh.pp_rank, device, mb_args, weights=weights, seed=seed,
-                           group=mesh.pp_group, wrap=wrap)
+                           group=mesh.pp_group, wrap=wrap, cut=cut)
+    del cut
     for st in rs.stages:
         no_sync_inference(st)
     counter = CollectiveCounter()

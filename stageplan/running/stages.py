@@ -230,21 +230,33 @@ class RankStages:
     pieces: list[nn.Module] = field(default_factory=list)
 
 
+def cut_rank_stages(model: nn.Module, plan: Plan, mb_args: tuple[Any, ...], device: torch.device) -> CutModel:
+    """``model`` cut at the plan's boundaries (every stage's piece, parameters as the model has them), its
+    pieces aimed at ``device``. Nothing is materialised: with the model on meta, what this costs is the
+    trace's own objects (torch.export's graph of the whole model: 58 MB resident in a fresh process for the
+    24-block GPT at d_model 1280, kept after the cut is dropped, measured on a 2-core CPU host)."""
+    cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
+    retarget_devices(cut, device)  # a trace with meta tensors flowing bakes device=meta into the pieces
+    return cut
+
+
 def build_rank_stages(model: nn.Module, plan: Plan, rank: int, device: torch.device, mb_args: tuple[Any, ...],
                       *, weights: Checkpoint | None = None, seed: int = 0, group: Any = None,
-                      wrap: Callable[[nn.Module, list[str]], nn.Module] | None = None) -> RankStages:
+                      wrap: Callable[[nn.Module, list[str]], nn.Module] | None = None,
+                      cut: CutModel | None = None) -> RankStages:
     """Cut ``model`` (parameters on meta, or real) at the plan's boundaries, give only this rank's chunks real
     parameters (from ``weights``, else initialised by FQN) and wrap them in PipelineStage objects. ``rank``
     is the pipeline rank and ``group`` the pipeline's process group (None: the world). ``wrap(piece,
     layer_names)`` wraps each stage for its data-parallel replicas (:func:`stageplan.running.replicas.
-    wrap_stage`) before its PipelineStage is made."""
+    wrap_stage`) before its PipelineStage is made. ``cut``: the model already cut at the plan's boundaries
+    (:func:`cut_rank_stages`), used as it is; None cuts it here."""
     from torch.distributed.pipelining import PipelineStage
 
     S = plan.num_chunks
     mine = [s for s, st in enumerate(plan.stages) if st.rank == rank]
     ties = tie_groups(model)
-    cut = cut_stages(model, mb_args, plan.layer_names, plan.boundaries, plan.profile_meta.get("layers_arg"))
-    retarget_devices(cut, device)  # a trace with meta tensors flowing bakes device=meta into the pieces
+    if cut is None:
+        cut = cut_rank_stages(model, plan, mb_args, device)
     holders = tie_holders(ties, cut, plan)  # a spanning tie this rank does not hold costs it nothing
     across = [len(ranks) > 1 for ranks in holders]
     tie_pgs = tie_process_groups(holders, rank, group)

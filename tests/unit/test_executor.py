@@ -149,3 +149,34 @@ def test_retiming_starts_from_a_released_stage() -> None:
         ("0.weight", "meta", (32, 64)), ("0.bias", "meta", (32,)), ("1.weight", "meta", (64, 32)),
         ("1.bias", "meta", (64,))]
     assert rs.params == {} and rs.unique_params == []
+
+
+def test_a_released_stage_hands_its_pages_back_to_the_system() -> None:
+    """The stage's freed weights and gradients leave the resident set at once, where the steady allocator
+    would keep them (its trim threshold is 2 GiB, and 4 MiB tensors are under its 32 MiB mmap threshold, so
+    they sit in the heap): retiming's copy then starts from what the rank still holds, not on top of the
+    holes of its steps."""
+    import platform
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from stageplan.measure import resident_bytes, steady_allocator
+    from stageplan.running.executor import _release_stages
+    from stageplan.running.stages import RankStages
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or not steady_allocator():
+        pytest.skip("glibc's heap only")
+    module = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])  # 16 x 4 MiB
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(1.0)  # touched: resident
+            p.grad = torch.ones_like(p)
+    rs = RankStages([SimpleNamespace(submod=module)], [0], dict(module.named_parameters()),
+                    list(module.parameters()), [], [])
+    before = resident_bytes()
+    freed = _release_stages(rs)
+    assert freed == 2 * 16 * 4 * 2**20
+    # most of the 128 MiB goes (a page or so at each chunk's edges may stay)
+    assert before - resident_bytes() >= 0.9 * freed

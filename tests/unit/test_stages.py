@@ -114,3 +114,35 @@ def test_a_plan_for_another_model_says_so_before_any_shape_or_batch_check() -> N
     check_model_name("mypkg.models:build", "build")
     with pytest.raises(StageplanError, match=r"^profile made for 'mymodel:build'"):
         check_model_name("mymodel:other", "mymodel:build", "profile")
+
+
+def test_a_rank_builds_its_stage_from_the_cut_it_was_given(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor cuts the meta model before it reads its memory baseline (the trace's objects are set-up,
+    as the meta model is, not the stage's memory) and builds the stage from that cut: build_rank_stages takes
+    the cut's pieces as they are and traces nothing again."""
+    import torch.distributed as dist
+
+    from stageplan.materialize import init_empty_weights
+    from stageplan.running import stages
+
+    names = ["tok_emb+pos_emb", "blocks.0", "blocks.1", "ln_f+head"]
+    prof = Profile(tuple(LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names),
+                   {"batch_size": 8, "microbatch_size": 2})
+    the_plan = plan(prof, 1, num_microbatches=4)
+    with init_empty_weights():
+        wl = gpt(n_layer=2)
+    mb = stages.first_microbatch_of_plan(wl, the_plan)
+    cut = stages.cut_rank_stages(wl.model, the_plan, mb, torch.device("cpu"))
+
+    def traced_again(*_: object, **__: object) -> None:
+        raise AssertionError("the model was cut a second time")
+
+    monkeypatch.setattr(stages, "cut_stages", traced_again)
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        rs = stages.build_rank_stages(wl.model, the_plan, 0, torch.device("cpu"), mb, cut=cut)
+    finally:
+        dist.destroy_process_group()
+    assert rs.pieces == [cut.pieces[0].module]
+    assert rs.unique_params and all(p.device.type == "cpu" for p in rs.unique_params)
