@@ -4,13 +4,13 @@ of 2 steps after 1 warm-up compared with one process training the whole global b
 
 The model has n_layer = 2 (4 profiled layers: embedding, two blocks, head) except 4 x 1 Interleaved1F1B, whose
 8 stages need 8 layers: n_layer = 6 there. One line a combination: the mesh, sharding, schedule, n_layer,
-whether --check passed, the largest parameter difference after the steps (each step's update is made from
-the gradient, so a wrong or missing gradient shows here, by FQN, on every replica), the largest loss
-difference, and the run's wall seconds. Exits 1 when any combination fails or is refused.
+whether --check passed, the largest gradient difference in the last step and the largest parameter
+difference after the steps (both by FQN, on every replica), the largest loss difference, and the run's wall
+seconds. Exits 1 when any combination fails or is refused.
 
-Adam (the default, as the integration tests) divides each gradient by its own running size, so a gradient
-off by a constant factor (summed over the replicas instead of averaged) would step the parameters the same:
---optimizer sgd (lr 0.05) moves each parameter by the gradient itself and shows such a factor.
+The gradients are compared on their own because Adam (the default, as the integration tests) divides each
+gradient by its own running size: a gradient off by a constant factor (summed over the replicas instead of
+averaged) steps the parameters the same. --optimizer sgd (lr 0.05) runs the sweep with plain SGD.
 
 Run alone (about 7 minutes on 2 cores): python benchmarks/check_matrix.py [--mesh 2x2 ...]
 [--sharding ddp ...] [--schedule 1F1B ...] [--optimizer sgd]."""
@@ -65,6 +65,7 @@ def check_one(profiles: dict[int, Path], p: int, d: int, sharding: str, schedule
         return row
     check = report.check or {}
     row.update(passed=bool(check.get("passed")), max_param_diff=check.get("max_param_diff"),
+               max_grad_diff=check.get("max_grad_diff"), worst_grad=check.get("worst_grad"),
                worst_param=check.get("worst_param"), max_loss_diff=check.get("max_loss_diff"),
                params_compared=check.get("params_compared"), hint=check.get("hint"),
                wall_s=time.perf_counter() - t0)
@@ -80,7 +81,8 @@ def line(row: dict[str, object]) -> str:
             f"{'PASS' if row['passed'] else 'FAIL'}")
     if "error" in row:
         return f"{head}  refused or failed in {row['wall_s']:.1f} s: {row['error']}"
-    return (f"{head}  max|param diff| {_e(row['max_param_diff'])} ({row['worst_param'] or '-'})  "
+    return (f"{head}  max|grad diff| {_e(row['max_grad_diff'])} ({row['worst_grad'] or '-'})  "
+            f"max|param diff| {_e(row['max_param_diff'])} ({row['worst_param'] or '-'})  "
             f"max|loss diff| {_e(row['max_loss_diff'])}  params compared {row['params_compared']}  "
             f"wall {row['wall_s']:.1f} s" + (f"  hint: {row['hint']}" if row["hint"] else ""))
 
@@ -106,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line(rows[-1]), flush=True)
     failed = [r for r in rows if not r["passed"]]
     measured = [x for r in rows if isinstance(x := r.get("max_param_diff"), float)]
-    print(f"{args.optimizer}: {len(rows) - len(failed)} of {len(rows)} passed; largest parameter difference "
-          f"{max(measured, default=0.0):.2e}; {time.perf_counter() - t0:.0f} s in all", flush=True)
+    grads = [x for r in rows if isinstance(x := r.get("max_grad_diff"), float)]
+    print(f"{args.optimizer}: {len(rows) - len(failed)} of {len(rows)} passed; largest gradient difference "
+          f"{max(grads, default=0.0):.2e}, parameter difference {max(measured, default=0.0):.2e}; "
+          f"{time.perf_counter() - t0:.0f} s in all", flush=True)
     return 1 if failed else 0
 
 

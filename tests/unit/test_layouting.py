@@ -234,3 +234,34 @@ def test_a_measured_link_prices_the_sync_of_replicas_within_a_node_and_not_acros
                "--link", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "timed no all-reduce" in err and "Traceback" not in err
+
+
+def test_the_modes_own_sync_from_the_link_prices_the_layouts_of_its_d_within_a_node(
+        profile_path: str) -> None:
+    """layout --link with each mode's own sync (stageplan link --data-parallel 2): FSDP2's reduce priced at
+    1 s a unit (a fixed cost only), so the replicas' sync of the given 4 x 2 layout is one second for each
+    layer holding parameters on its fullest rank (embedding + 3 blocks, or 3 blocks + the head: 4); not
+    across nodes, and not at another d, where the ring of the all-reduce prices it."""
+    from unit.test_link import SYNC_SIZES, _sync_link
+
+    link = _sync_link()
+    link["dp_sync_fit"] = {"fsdp_reduce": [1.0, 1e30], "fsdp_gather": [0.0, 1e30]}
+    link["dp_sync_s"] = {k: [1.0] * len(SYNC_SIZES) for k in link["dp_sync_fit"]}
+
+    ring = {k: v for k, v in link.items() if not k.startswith("dp_sync")}
+
+    def dp_sync(per_node: int, d: int, link: dict = link) -> float:  # type: ignore[type-arg]
+        pp = 8 // d  # the profile's 12 blocks evenly over pp stages, the embedding first and the head last
+        given = f"tp=1,pp={pp},dp={d},mbs=1,sharding=fsdp,layout=E{'|'.join([f't*{12 // pp}'] * pp)}L"
+        lay = layout(profile_path, 8, global_batch_size=16, devices_per_node=per_node,
+                     intra_node_bandwidth=1e11, inter_node_bandwidth=1e9, microbatch_sizes=[1],
+                     schedules=["1F1B"], recompute=[False], shardings=["fsdp"], given=given, link=link)
+        assert lay.given is not None
+        assert any("each sharding mode's own sync, timed by the link over 2 replicas" in n
+                   for n in lay.notes) == ("dp_sync_fit" in link)
+        return lay.given.step_parts["dp_sync_s"]
+
+    assert dp_sync(8, 2) == pytest.approx(4.0, rel=1e-9)
+    for per_node, d in ((1, 2), (8, 4)):  # across nodes; another d
+        assert dp_sync(per_node, d) == pytest.approx(dp_sync(per_node, d, ring), rel=1e-12)
+        assert dp_sync(per_node, d) < 1.0
