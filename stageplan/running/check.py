@@ -30,7 +30,8 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
     dev = next(reference.parameters()).device
     ref_losses: list[float] = []
     ref_grads: dict[str, Any] = {}
-    for _ in range(int(options["warmup"]) + int(options["steps"]) + int(options.get("clock_steps", 0))):
+    steps = int(options["warmup"]) + int(options["steps"]) + int(options.get("clock_steps", 0))
+    for step in range(steps):
         for p in reference.parameters():
             p.grad = None
         total = 0.0
@@ -40,9 +41,9 @@ def compare_with_single_process(workload: Workload, reference: nn.Module, gather
             loss = workload.compute_loss(reference(*args), tgt)
             (loss / m).backward()
             total += float(loss.detach())
-        # the last step's gradients, before its update (a tied parameter's one gradient under each name)
-        ref_grads = {name: p.grad.detach().cpu().clone()
-                     for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+        if step == steps - 1:  # the last step's gradients, before its update (a tie's one under each name)
+            ref_grads = {name: p.grad.detach().cpu().clone() for name, p
+                         in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
         if optimizer is not None:
             optimizer.step()
         ref_losses.append(total / m)

@@ -548,7 +548,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         t0 = time.perf_counter()
         wall0 = time.time()
         if gather:
-            sync.gather(rs.stages)
+            sync.gather()
         losses: list[Any] = []
         kwargs: dict[str, Any] = {"return_outputs": False}
         if has_last:

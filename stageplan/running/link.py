@@ -421,20 +421,19 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
     import types
 
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.pipelining.stage import _PipelineStageBase
-    from torch.nn.parallel import DistributedDataParallel
+
+    from stageplan.running.replicas import fsdp_units, make_replica_optimizer, wrap_stage
 
     x = torch.ones((), device=dev)
+    names = [f"layers.{i}" for i in range(units)]
     reduce = getattr(_PipelineStageBase, "perform_reduce_grad", None)
     # torch before the schedule ran FSDP2's reduce itself (perform_reduce_grad) reduces inside the last
     # backward, a path this probe does not time: those links price fsdp from the all-reduce
     out: dict[str, list[float]] = {k: [] for k in DP_SYNC_KINDS if reduce is not None or k.startswith(
         ("ddp", "zero1"))}
-    # DDP, as a run wraps a stage (replicas.wrap_stage): gradients as views into its buckets, zeroed in place
-    ddp = DistributedDataParallel(_sync_module(n, units, dev), process_group=mesh.dp_group,
-                                  broadcast_buffers=False, gradient_as_bucket_view=True)
+    # DDP, as a run wraps a stage (gradients as views into its buckets, zeroed in place)
+    ddp: Any = wrap_stage(_sync_module(n, units, dev), names, "ddp", mesh)
     apart, synced = [], []
     for _ in range(rounds):
         ddp.zero_grad(set_to_none=False)
@@ -443,17 +442,13 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
         synced.append(timed(lambda: ddp(x).backward()))
     out["ddp"] = [max(0.0, s - a) for s, a in zip(synced, apart)]
     # ZeRO-1's broadcast, with each replica's partition in one bucket as a run builds it
-    zero = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.SGD,
-                                   process_group=mesh.dp_group, parameters_as_bucket_view=True, lr=0.0)
-    out["zero1_broadcast"] = [timed(zero._sync_params) for _ in range(rounds)]  # type: ignore[attr-defined]
+    zero = make_replica_optimizer("sgd", list(ddp.parameters()), 0.0, "zero1", mesh)
+    out["zero1_broadcast"] = [timed(zero._sync_params) for _ in range(rounds)]  # type: ignore[union-attr]
     if reduce is None:
         return out
     # FSDP2, as a run wraps a stage: every layer a unit, then the root, not resharded after forward
-    fsdp = _sync_module(n, units, dev)
-    for layer in fsdp.layers:
-        fully_shard(layer, mesh=mesh.dp_mesh, reshard_after_forward=False)
-    fully_shard(fsdp, mesh=mesh.dp_mesh, reshard_after_forward=False)
-    unit_modules = [m for m in fsdp.modules() if hasattr(m, "unshard")]
+    fsdp: Any = wrap_stage(_sync_module(n, units, dev), names, "fsdp", mesh)
+    unit_modules = fsdp_units(fsdp)
     # torch's own reduce, called as the schedule calls it: it reads only the stage's module
     # (torch/distributed/pipelining/stage.py, perform_reduce_grad)
     stage = types.SimpleNamespace(submod=fsdp)

@@ -273,6 +273,8 @@ class SyncClock(DeviceClock):
         self.cuda = device.type == "cuda"
         # (begin, end, stage): a stage's reduce, or the optimizer's broadcast (stage None)
         self.spans: list[tuple[Any, Any, int | None]] = []
+        # each stage's FSDP2 units, found once (attach) for the step's gather
+        self.units: dict[int, list[Any]] = {}
 
     @property
     def seconds(self) -> float:
@@ -293,17 +295,23 @@ class SyncClock(DeviceClock):
                 st.perform_reduce_grad = self.timed(st.perform_reduce_grad, int(st.stage_index))
         if optimizer is not None and hasattr(optimizer, "_sync_params"):
             optimizer._sync_params = self.timed(optimizer._sync_params)
+        self.units = {int(st.stage_index): fsdp_units(st.submod) for st in stages}
 
-    def gather(self, stages: Sequence[Any]) -> None:
+    def gather(self) -> None:
         """Unshard (all-gather) every FSDP2 unit of each stage now, timed as that stage's sync: at a step's
         start, where FSDP2 not resharded after forward would otherwise gather each unit inside the first
         microbatch's forward, out of sight of the sync clock. ``FSDPModule.unshard`` is FSDP2's own call
         for it (torch/distributed/fsdp/_fully_shard/_fully_shard.py); the forward then finds the units
         gathered."""
-        for st in stages:
-            units = [m for m in st.submod.modules() if callable(getattr(m, "unshard", None))]
+        for stage, units in self.units.items():
             if units:
-                self.timed(lambda units=units: [m.unshard() for m in units], int(st.stage_index))()
+                self.timed(lambda units=units: [m.unshard() for m in units], stage)()
+
+
+def fsdp_units(module: nn.Module) -> list[Any]:
+    """The FSDP2 units in ``module`` (each ``fully_shard`` call's module, with its own ``unshard``); none in a
+    module FSDP2 did not wrap."""
+    return [m for m in module.modules() if callable(getattr(m, "unshard", None))]
 
 
 def ddp_exposed(backwards: Sequence[tuple[int, int, float]], m: int) -> dict[int, float]:
