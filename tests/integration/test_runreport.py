@@ -84,10 +84,38 @@ def test_a_run_times_each_wait_on_a_receive(
     for r in report.ranks:
         assert r["predicted_after_idle_calls"] == counts[r["rank"]]
         if schedule != "LoopedBFS":
-            assert counts[r["rank"]] <= r["measured_after_idle_calls"] <= counts[r["rank"]] + 1, r
+            # never fewer (a gap of 8 ms and more is one in the run); the upper side at 1 ms is the host's
+            # scheduling noise (CI's 2 busy cores stalled a rank over 1 ms between back-to-back calls in 2 of
+            # 3 steps), so it is held below at half the smallest simulated gap instead
+            assert counts[r["rank"]] <= r["measured_after_idle_calls"], r
         if r["after_idle_excess_s"] is not None:
             assert abs(r["after_idle_excess_s"]) <= 0.002 * max(counts[r["rank"]], 1), r
             assert 0.9 <= r["back_to_back_ratio"] <= 1.2, r
+
+    # the last step's timeline: the gaps of 4 ms and more (half the smallest in GPipe's and 1F1B's simulation,
+    # whose gaps are 0 or 8 ms and more; LoopedBFS has gaps of 2, 3 and 5 ms, too near any threshold) between
+    # one action's end and the next's start on a rank, exactly the simulator's (the step's first call, after
+    # the barrier, is not counted on either side)
+    def long_gaps(events: list[dict]) -> list[int]:
+        spans: dict[tuple[int, str, int, int], list[float]] = {}
+        for e in events:
+            if e["kind"] in ("F", "B"):
+                span = spans.setdefault((e["rank"], e["kind"], e["stage"], e["microbatch"]),
+                                        [e["start_s"], e["end_s"]])
+                span[0], span[1] = min(span[0], e["start_s"]), max(span[1], e["end_s"])
+        out = []
+        for rank in range(2):
+            mine = sorted(sp for key, sp in spans.items() if key[0] == rank)
+            out.append(sum(b[0] - a[1] >= 0.004 for a, b in zip(mine, mine[1:])))
+        return out
+
+    sim = simulate(schedule, [float(x) / 1e3 for x in fwd_ms.split(",")],
+                   [float(x) / 1e3 for x in bwd_ms.split(",")], 2, virtual_stages=v)
+    simulated = long_gaps([{"rank": e.rank, "kind": e.kind, "stage": e.stage, "microbatch": e.microbatch,
+                            "start_s": e.start_s, "end_s": e.end_s} for e in sim.timeline])
+    if schedule != "LoopedBFS":
+        assert simulated == {"GPipe": [1, 1], "1F1B": [0, 1]}[schedule]
+        assert long_gaps(list(report.timeline)) == simulated, report.timeline
 
     # one transfer event per crossing, on the receiving rank,
     # between its producer's end and its consumer's start
