@@ -194,6 +194,9 @@ def _add_profile_command(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
                    help="time more rounds than --repeats until they span SECONDS, so that the medians "
                    "average out a shared machine's drift (docs/accuracy.md)")
+    p.add_argument("--max-time", type=float, default=30.0, metavar="SECONDS",
+                   help="stop a slow layer's timed rounds once they span SECONDS and number at least 5, and "
+                   "its warm-up after a quarter of it (inf: every round)")
     p.add_argument("--streaming", action="store_true", default=None,
                    help="profile one layer at a time from a model on meta, never holding the whole model "
                    "(default: chosen when the whole model would not fit in free memory)")
@@ -397,7 +400,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
                "layers": a.layers,
                "streaming": a.streaming, "dedup": not a.no_dedup, "compute_efficiency": a.compute_efficiency,
                "memory_efficiency": a.memory_efficiency, "min_time_s": a.min_time,
-               "order": a.order}
+               "order": a.order, "max_time_s": a.max_time}
     if a.processes != 1:
         from stageplan.running.launch import profile_in_processes
 

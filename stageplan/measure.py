@@ -7,6 +7,7 @@ from 1 is the cost model's doing, not a difference between two instruments.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -167,22 +168,42 @@ def median_iqr(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.median(xs), q[2] - q[0]
 
 
-def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0) -> Iterator[int]:
-    """Round numbers 0, 1, 2, ...: ``warmup`` rounds, then timed rounds, at least ``repeats`` of them and more
-    until the timed ones have spanned ``min_time_s`` seconds of wall clock (what ``profile --min-time`` asks
-    for: a shared machine's speed drifts by the second, and medians over rounds spread further apart average
-    more of it out).
+MAX_LAYER_S = 30.0  # profile --max-time's default: a layer's timed rounds stop past this many seconds
+MIN_TIMED_ROUNDS = 5  # the fewest timed rounds a layer's cap (max_time_s) leaves: a median and quartiles
+WARMUP_SHARE = 0.25  # the warm-up rounds stop early once they span this share of max_time_s (at least one)
+
+
+def timed_rounds(warmup: int, repeats: int, min_time_s: float = 0.0,
+                 max_time_s: float = math.inf) -> Iterator[tuple[int, bool]]:
+    """``(round number, timed?)`` for rounds 0, 1, 2, ...: ``warmup`` warm-up rounds, then timed rounds, at
+    least ``repeats`` of them and more until the timed ones have spanned ``min_time_s`` seconds of wall clock
+    (what ``profile --min-time`` asks for: a shared machine's speed drifts by the second, and medians over
+    rounds spread further apart average more of it out).
+
+    ``max_time_s`` caps a slow layer's rounds (``profile --max-time``): the warm-up stops after its first
+    round once it has spanned ``WARMUP_SHARE`` of it, and the timed rounds stop once they have spanned it and
+    number at least ``MIN_TIMED_ROUNDS`` (or ``repeats``, if fewer). A round of a Qwen2-7B block takes about
+    3 s on one CPU core, and its 2.2 GB head about 9 s: 25 rounds of each spent 15 minutes on a profile whose
+    medians need far fewer; a layer of milliseconds never reaches the cap. ``min_time_s`` wins over it.
 
     >>> list(timed_rounds(2, 3))
-    [0, 1, 2, 3, 4]
+    [(0, False), (1, False), (2, True), (3, True), (4, True)]
     """
-    started = float("inf")
     rnd = 0
-    while rnd < warmup + repeats or time.perf_counter() - started < min_time_s:
-        if rnd == warmup:
-            started = time.perf_counter()
-        yield rnd
+    warm_start = time.perf_counter()
+    while rnd < warmup and (rnd == 0 or time.perf_counter() - warm_start < WARMUP_SHARE * max_time_s):
+        yield rnd, False
         rnd += 1
+    least = min(repeats, MIN_TIMED_ROUNDS)
+    started = time.perf_counter()
+    timed = 0
+    while True:
+        spent = time.perf_counter() - started
+        if not ((timed < repeats and (timed < least or spent < max_time_s)) or spent < min_time_s):
+            return
+        yield rnd, True
+        rnd += 1
+        timed += 1
 
 
 class DeviceClock:

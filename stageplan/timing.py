@@ -4,6 +4,7 @@ timed; medians and spreads with :mod:`stageplan.measure`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,24 +174,26 @@ def chain_time(timer: Timer, runs: Sequence[LayerRun]) -> list[tuple[float, floa
 def time_rounds(runs: Sequence[LayerRun], timer: Timer, warmup: int, repeats: int,
                  whole: Callable[[], float] | None = None,
                  on_round: Callable[[int], None] | None = None,
-                 min_time_s: float = 0.0, chain: bool = False) -> tuple[list[list[list[float]]], list[float]]:
+                 min_time_s: float = 0.0, chain: bool = False,
+                 max_time_s: float = math.inf) -> tuple[list[list[list[float]]], list[float]]:
     """Rounds: each round times every run's forward and backward (and the whole model once), so that a load
     change on the machine hits all of them alike (medians are taken across rounds). Timed rounds go on past
     ``repeats`` until they span ``min_time_s`` seconds, so that the medians average over the machine's own
-    drift rather than catch one moment of it. ``chain``: the runs in a stage's order (:func:`chain_time`),
-    else each backward right after its own forward (:func:`fwd_bwd_time`). Returns, per run, [forward,
-    backward, accumulating backward] samples, and the whole-model samples."""
+    drift rather than catch one moment of it, and stop early past ``max_time_s`` (all the runs' rounds
+    together; :func:`stageplan.measure.timed_rounds`). ``chain``: the runs in a stage's order
+    (:func:`chain_time`), else each backward right after its own forward (:func:`fwd_bwd_time`). Returns,
+    per run, [forward, backward, accumulating backward] samples, and the whole-model samples."""
     samples: list[list[list[float]]] = [[[], [], []] for _ in runs]
     whole_times: list[float] = []
-    for rnd in timed_rounds(warmup, repeats, min_time_s):
+    for rnd, timed in timed_rounds(warmup, repeats, min_time_s, max_time_s):
         rows = chain_time(timer, runs) if chain else [fwd_bwd_time(timer, run) for run in runs]
         for i, times in enumerate(rows):
-            if rnd >= warmup:
+            if timed:
                 for j in range(3):
                     samples[i][j].append(times[j])
         if whole is not None:
             t_w = whole()
-            if rnd >= warmup:
+            if timed:
                 whole_times.append(t_w)
         if on_round is not None:
             on_round(rnd + 1)
@@ -275,6 +278,7 @@ class LayerContext:
     dedup: bool
     min_time_s: float = 0.0
     order: str | None = None  # 'stage' or 'layer' (profile_model's order); None for an estimate
+    max_time_s: float = math.inf  # a measured layer's timed rounds stop past this (profile_model's)
     timed_rounds: list[int] = field(default_factory=list)  # per time_rounds call: the rounds it timed
 
     def target(self) -> Any:

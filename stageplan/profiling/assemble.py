@@ -112,6 +112,8 @@ def assemble(ctx: LayerContext, cut: CutModel, model: nn.Module, plan: Dedup, fi
         "repeats": ctx.repeats,
         # min_time_s can make more rounds than repeats: the fewest a measured layer got (None for an estimate)
         "min_time_s": ctx.min_time_s,
+        # and max_time_s fewer, for a slow layer (None: no cap)
+        "max_time_s": ctx.max_time_s if ctx.max_time_s < float("inf") else None,
         "timed_rounds": min(ctx.timed_rounds) if ctx.timed_rounds else None,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": "cuda_event" if dev.type == "cuda" else "perf_counter",

@@ -35,6 +35,7 @@ from stageplan.materialize import (
     real_parameters,
 )
 from stageplan.measure import (
+    MAX_LAYER_S,
     Timer,
     first_microbatch,
     median_iqr,
@@ -140,6 +141,7 @@ def profile_model(
     memory_efficiency: float | None = None,
     min_time_s: float = 0.0,
     order: str | None = None,
+    max_time_s: float = MAX_LAYER_S,
 ) -> Profile:
     """Profile every layer of ``workload`` at ``microbatch_size``; the user's model is untouched.
 
@@ -163,6 +165,10 @@ def profile_model(
       the second: on a 2-core CPU host two windows of the same work differed by up to 33% (98th percentile)
       over 1.7 s and 9% over 20 s (README, Limitations); the medians of rounds spread over longer average more
       of it out.
+    - ``max_time_s``: a measured layer's timed rounds stop once they span this many seconds and number at
+      least 5, and its warm-up after a quarter of it (at least one round): a Qwen2-7B block's round takes
+      about 3 s on one CPU core, and 25 of them are not needed for its median. ``math.inf``: every round.
+      ``min_time_s`` wins over it.
     - ``order``: 'stage' times the layers as a stage runs them, every forward in turn and then every backward
       in reverse, so that a layer's backward follows the next layer's and reads activations the rest of the
       model has since pushed out of the cache (every layer is timed in its place; identical layers share their
@@ -176,6 +182,7 @@ def profile_model(
         raise StageplanError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}; "
                              f"e.g. --warmup 3 --repeats 10")
     check_min_time(min_time_s)
+    check_max_time(max_time_s)
     check_order(order)
     estimate = is_estimate_device(device)
     if estimate:
@@ -203,7 +210,7 @@ def profile_model(
     steady_allocator()  # reuse large buffers, as every rank does: see measure.steady_allocator
     with _one_thread_rng_restored(dev):
         ctx = LayerContext(workload, microbatch_size, dev, dt, warmup, repeats, layers, progress, mb_args_cpu,
-                           dedup, float(min_time_s), order)
+                           dedup, float(min_time_s), order, max_time_s=float(max_time_s))
         if estimate:
             return profile_estimate(ctx, gpu, compute_efficiency, memory_efficiency)
         return _profile_measured(ctx, streaming, order)
@@ -282,6 +289,13 @@ def _profile_measured(ctx: LayerContext, streaming: bool | None, order: str | No
     return _profile_whole(ctx, memory)
 
 
+def check_max_time(max_time_s: object) -> None:
+    """Refuse a ``max_time_s`` that is not a number of seconds > 0 (``math.inf``: no cap)."""
+    if isinstance(max_time_s, bool) or not isinstance(max_time_s, (int, float)) or not max_time_s > 0:
+        raise StageplanError(f"max_time_s must be a number of seconds > 0 (inf for no cap), got "
+                             f"{max_time_s!r}; e.g. --max-time 30")
+
+
 def check_min_time(min_time_s: object) -> None:
     """Refuse a ``min_time_s`` that is not a finite number of seconds >= 0."""
     if (
@@ -345,7 +359,7 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         runs, timer, ctx.warmup, ctx.repeats, whole,
         lambda r: bar.update(r,
                              " ".join(filter(None, ["warm-up" if r <= ctx.warmup else "measuring", doing]))),
-        ctx.min_time_s, chain=stage)
+        ctx.min_time_s, chain=stage, max_time_s=ctx.max_time_s * len(runs))
     ctx.timed_rounds.append(len(whole_times))
     bar.close()
     by_layer = dict(zip(timed, zip(runs, samples)))
@@ -363,7 +377,8 @@ def _profile_whole(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
         if apart:
             more = [make_run(cut.pieces[k], k, n, values[k], ctx.workload, target) for k in apart]
             more_samples, _ = time_rounds(more, timer, ctx.warmup, ctx.repeats,
-                                          min_time_s=ctx.min_time_s * len(apart) / len(timed))
+                                          min_time_s=ctx.min_time_s * len(apart) / len(timed),
+                                          max_time_s=ctx.max_time_s * len(apart))
             ctx.timed_rounds.append(len(more_samples[0][0]))
             by_layer.update(zip(apart, zip(more, more_samples)))
     measured = plan.measured

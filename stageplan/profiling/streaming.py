@@ -127,7 +127,7 @@ def profile_streaming(ctx: LayerContext, memory: dict[str, Any]) -> Profile:
             # a line per round too: one LLaMA-2-7B block took minutes on a CPU
             (s,), _ = time_rounds([run], timer, ctx.warmup, ctx.repeats,
                                   on_round=bar.within(k, piece.name, ctx.warmup + ctx.repeats),
-                                  min_time_s=ctx.min_time_s / len(measured))
+                                  min_time_s=ctx.min_time_s / len(measured), max_time_s=ctx.max_time_s)
             ctx.timed_rounds.append(len(s[0]))
             act, peak = bytes_and_peak(run, ctx.dev, peaks)
             figures[k] = make_figures(s, act, peak,

@@ -239,14 +239,15 @@ def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyP
 
     from stageplan import measure
 
-    assert list(measure.timed_rounds(1, 2)) == [0, 1, 2]
+    assert [r for r, _ in measure.timed_rounds(1, 2)] == [0, 1, 2]
     now = [0.0]
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def rounds(warmup: int, repeats: int, min_time_s: float) -> list[int]:
         now[0] = 0.0
         seen = []
-        for rnd in measure.timed_rounds(warmup, repeats, min_time_s):
+        for rnd, timed in measure.timed_rounds(warmup, repeats, min_time_s):
+            assert timed == (rnd >= warmup)
             seen.append(rnd)
             now[0] += 0.5 if rnd < warmup else 0.25
         return seen
@@ -254,6 +255,46 @@ def test_timed_rounds_go_on_until_they_span_min_time(monkeypatch: pytest.MonkeyP
     assert rounds(1, 2, 1.0) == [0, 1, 2, 3, 4]  # 4 timed rounds, 1 s
     assert rounds(1, 6, 1.0) == [0, 1, 2, 3, 4, 5, 6]  # 6 repeats outlast 1 s
     assert rounds(0, 1, 0.6) == [0, 1, 2]  # no warm-up: timing starts with round 0
+
+
+def test_a_slow_layers_rounds_stop_past_max_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock the test moves, rounds of a known length against the closed form: the warm-up stops after
+    the first round at which it has spanned a quarter of max_time (never before round 1), the timed rounds
+    once they have spanned max_time and number at least 5 (or the repeats, if fewer); min_time wins over
+    it."""
+    import math
+    import types
+
+    from stageplan import measure
+
+    now = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def counts(round_s: float, warmup: int, repeats: int, max_time_s: float,
+               min_time_s: float = 0.0) -> tuple[int, int]:
+        now[0] = 0.0
+        warm = timed = 0
+        for _, is_timed in measure.timed_rounds(warmup, repeats, min_time_s, max_time_s):
+            timed += is_timed
+            warm += not is_timed
+            now[0] += round_s
+        return warm, timed
+
+    def closed_form(round_s: float, warmup: int, repeats: int, max_time_s: float) -> tuple[int, int]:
+        # warm-up: rounds until ceil(max/4 / round) have run; timed: ceil(max / round), within [min(5, r), r]
+        warm = min(warmup, max(1, math.ceil(max_time_s / 4 / round_s)))
+        timed = min(repeats, max(min(5, repeats), math.ceil(max_time_s / round_s)))
+        return warm, timed
+
+    assert counts(3.0, 5, 20, 30.0) == (3, 10) == closed_form(3.0, 5, 20, 30.0)  # a Qwen2-7B block's round
+    assert counts(9.0, 5, 20, 30.0) == (1, 5) == closed_form(9.0, 5, 20, 30.0)  # its head's: the least
+    assert counts(0.01, 5, 20, 30.0) == (5, 20)  # a layer of milliseconds never reaches it
+    assert counts(9.0, 5, 3, 30.0) == (1, 3)  # fewer repeats than 5: the repeats
+    assert counts(9.0, 0, 20, 30.0) == (0, 5)  # no warm-up asked for, none run
+    assert counts(9.0, 5, 20, 30.0, min_time_s=60.0) == (1, 7)  # min_time wins: 7 rounds span 63 s
+    assert counts(9.0, 5, 20, math.inf) == (5, 20)  # no cap
+    for round_s in (0.7, 1.3, 2.0, 4.1, 7.9, 12.0):
+        assert counts(round_s, 5, 20, 30.0) == closed_form(round_s, 5, 20, 30.0), round_s
 
 
 @pytest.mark.timing
