@@ -635,9 +635,13 @@ def link_table(link: dict[str, Any]) -> str:
         for kind, (fixed, rate) in link["dp_sync_fit"].items():
             # FSDP2's fixed cost is stored per unit (link.dp_sync_fields): the probe paid it once a unit
             whole = fixed * (units if kind.startswith("fsdp") else 1)
+            many = (link.get("dp_sync_many_s") or {}).get(kind)
+            more = int(link.get("dp_sync_many_units") or 0), int(link.get("dp_sync_many_size") or 0)
             lines.append(f"    {kind}: " + ", ".join(
                 f"{t * 1e3:.2f} ({(whole + n / rate) * 1e3:.2f}) at {_kib(n)}"
-                for n, t in zip(link["dp_sync_sizes"], link["dp_sync_s"].get(kind, []))))
+                for n, t in zip(link["dp_sync_sizes"], link["dp_sync_s"].get(kind, [])))
+                + ("" if many is None else f"; {more[0]} units: {many * 1e3:.2f} "
+                   f"({(fixed * more[0] + more[1] / rate) * 1e3:.2f}) at {_kib(more[1])}"))
     return "\n".join(lines)
 
 

@@ -147,6 +147,15 @@ def check_dp_sync(data: Mapping[str, Any], source: str) -> None:
     good = isinstance(fits, Mapping) and whole(ranks, 2) and whole(units, 1) and all(
         k in DP_SYNC_KINDS and isinstance(v, (list, tuple)) and len(v) == 2 and _seconds(v[0])
         and is_number(v[1]) and v[1] > 0 for k, v in fits.items())
+    many = data.get("dp_sync_many_s")
+    if good and many is not None and not (
+            isinstance(many, Mapping) and whole(data.get("dp_sync_many_units"), 2)
+            and whole(data.get("dp_sync_many_size"), 1)
+            and all(k in DP_SYNC_KINDS[2:] and _seconds(v) for k, v in many.items())):
+        raise SchemaError(f"{source} has dp_sync_many_s = {short_repr(many)}; it must map "
+                          f"{DP_SYNC_KINDS[2]} or {DP_SYNC_KINDS[3]} to seconds >= 0, with "
+                          "dp_sync_many_units an integer >= 2 and dp_sync_many_size bytes >= 1 beside it, or "
+                          "be absent; measure it again with stageplan link --data-parallel D")
     if not good:
         raise SchemaError(f"{source} has dp_sync_fit = {short_repr(fits)}; it must map "
                           f"{', '.join(DP_SYNC_KINDS[:-1])} or {DP_SYNC_KINDS[-1]} to [fixed seconds >= 0, "

@@ -340,6 +340,12 @@ def dp_allreduce_fields(sizes_bytes: Sequence[int], seconds: Sequence[float], ra
 # show) to DP_SYNC_SIZES[-1] (past DDP's 25 MiB bucket, as a stage's gradients are).
 DP_SYNC_SIZES = (64 * 2**10, 2**20, 16 * 2**20, 32 * 2**20)
 DP_SYNC_UNITS = 4
+# FSDP2's kinds timed once more at one size over more units: their fixed cost a unit where units hold MiBs, as
+# a stage's layers do. Read from the smallest size alone the all-gather's was 0.5 ms a unit, where at 20.6 MiB
+# 9 units took 33-38 ms against 27-29 ms for 4, 1-2 ms for each unit more (gloo, 2 replicas, a 2-core CPU
+# host)
+DP_SYNC_MANY_UNITS = 16
+DP_SYNC_MANY_SIZE = 16 * 2**20
 DP_SYNC_WARMUP = 2
 DP_SYNC_REPEATS = 7
 # What each kind times: DDP's backward with its sync less the same backward under no_sync (the whole
@@ -354,13 +360,16 @@ DP_SYNC_PER_UNIT = ("fsdp_reduce", "fsdp_gather")
 
 
 def dp_sync_probe(device: Any, mesh: Any, *, sizes_bytes: Sequence[int] = DP_SYNC_SIZES,
-                  units: int = DP_SYNC_UNITS, warmup: int = DP_SYNC_WARMUP, repeats: int = DP_SYNC_REPEATS
+                  units: int = DP_SYNC_UNITS, warmup: int = DP_SYNC_WARMUP, repeats: int = DP_SYNC_REPEATS,
+                  many_units: int = DP_SYNC_MANY_UNITS, many_size: int = DP_SYNC_MANY_SIZE
                   ) -> dict[str, Any] | None:
     """Time each sharding mode's own data-parallel sync (:data:`DP_SYNC_KINDS`) on the replicas of ``mesh``
     (:class:`stageplan.running.replicas.Mesh`): a module of ``units`` equal layers holding ``n`` bytes of fp32
     weights in all, per size, wrapped as a run wraps a stage. Every stage's replicas probe at once, each round
     after a barrier of the whole world; the median per rank, kind and size, the slowest rank's per kind and
-    size (the step waits for the last replica). Stored as :func:`dp_sync_fields`. None with one replica."""
+    size (the step waits for the last replica). FSDP2's kinds once more at ``many_size`` over ``many_units``
+    layers (skipped where ``many_size`` is not one of the sizes). Stored as :func:`dp_sync_fields`. None with
+    one replica."""
     import time
 
     import torch
@@ -387,11 +396,18 @@ def dp_sync_probe(device: Any, mesh: Any, *, sizes_bytes: Sequence[int] = DP_SYN
     for n in sizes:
         for kind, seconds in _dp_sync_rounds(dev, mesh, n, units, warmup + repeats, timed).items():
             medians.setdefault(kind, []).append(median_iqr(seconds[warmup:])[0])
+    many: dict[str, float] = {}
+    if many_size in sizes and many_units > units:
+        for kind, seconds in _dp_sync_rounds(dev, mesh, many_size, many_units, warmup + repeats, timed,
+                                             fsdp_only=True).items():
+            many[kind] = median_iqr(seconds[warmup:])[0]
     took = time.perf_counter() - began
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, medians)
-    slowest = {k: [max(row[k][i] for row in gathered) for i in range(len(sizes))] for k in medians}
-    return {**dp_sync_fields(sizes, slowest, d, units), "dp_sync_probe_s": took}
+    dist.all_gather_object(gathered, (medians, many))
+    slowest = {k: [max(row[0][k][i] for row in gathered) for i in range(len(sizes))] for k in medians}
+    slowest_many = {k: max(row[1][k] for row in gathered) for k in many}
+    more = (many_units, many_size, slowest_many) if slowest_many else None
+    return {**dp_sync_fields(sizes, slowest, d, units, more), "dp_sync_probe_s": took}
 
 
 def _sync_module(n: int, units: int, device: Any) -> Any:
@@ -414,39 +430,33 @@ def _sync_module(n: int, units: int, device: Any) -> Any:
     return Units()
 
 
-def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed: Any
+def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed: Any, fsdp_only: bool = False
                     ) -> dict[str, list[float]]:
-    """Seconds of every round of each kind at ``n`` bytes (see :data:`DP_SYNC_KINDS`); ``timed(call)`` runs
-    ``call`` after a barrier of the world and returns its seconds."""
+    """Seconds of every round of each kind at ``n`` bytes (see :data:`DP_SYNC_KINDS`; FSDP2's alone with
+    ``fsdp_only``); ``timed(call)`` runs ``call`` after a barrier of the world and returns its seconds."""
     import types
 
     import torch
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from stageplan.running.replicas import fsdp_units, make_replica_optimizer, wrap_stage
+    from stageplan.running.replicas import fsdp_units, wrap_stage
 
     x = torch.ones((), device=dev)
-    names = [f"layers.{i}" for i in range(units)]
     reduce = getattr(_PipelineStageBase, "perform_reduce_grad", None)
     # torch before the schedule ran FSDP2's reduce itself (perform_reduce_grad) reduces inside the last
     # backward, a path this probe does not time: those links price fsdp from the all-reduce
     out: dict[str, list[float]] = {k: [] for k in DP_SYNC_KINDS if reduce is not None or k.startswith(
         ("ddp", "zero1"))}
-    # DDP, as a run wraps a stage (gradients as views into its buckets, zeroed in place)
-    ddp: Any = wrap_stage(_sync_module(n, units, dev), names, "ddp", mesh)
-    apart, synced = [], []
-    for _ in range(rounds):
-        ddp.zero_grad(set_to_none=False)
-        with ddp.no_sync():
-            apart.append(timed(lambda: ddp(x).backward()))
-        synced.append(timed(lambda: ddp(x).backward()))
-    out["ddp"] = [max(0.0, s - a) for s, a in zip(synced, apart)]
-    # ZeRO-1's broadcast, with each replica's partition in one bucket as a run builds it
-    zero = make_replica_optimizer("sgd", list(ddp.parameters()), 0.0, "zero1", mesh)
-    out["zero1_broadcast"] = [timed(zero._sync_params) for _ in range(rounds)]  # type: ignore[union-attr]
+    if fsdp_only:
+        out = {k: v for k, v in out.items() if k in DP_SYNC_PER_UNIT}
+        if not out:
+            return out
+    else:
+        _ddp_and_zero1_rounds(dev, mesh, n, units, rounds, timed, out)
     if reduce is None:
         return out
     # FSDP2, as a run wraps a stage: every layer a unit, then the root, not resharded after forward
+    names = [f"layers.{i}" for i in range(units)]
     fsdp: Any = wrap_stage(_sync_module(n, units, dev), names, "fsdp", mesh)
     unit_modules = fsdp_units(fsdp)
     # torch's own reduce, called as the schedule calls it: it reads only the stage's module
@@ -463,25 +473,65 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
     return out
 
 
-def dp_sync_fields(sizes_bytes: Sequence[int], seconds: Mapping[str, Sequence[float]], ranks: int, units: int
-                   ) -> dict[str, Any]:
+def _ddp_and_zero1_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed: Any,
+                          out: dict[str, list[float]]) -> None:
+    """DDP's and ZeRO-1's rounds of :func:`_dp_sync_rounds`, into ``out``."""
+    import torch
+
+    from stageplan.running.replicas import make_replica_optimizer, wrap_stage
+
+    x = torch.ones((), device=dev)
+    names = [f"layers.{i}" for i in range(units)]
+    # DDP, as a run wraps a stage (gradients as views into its buckets, zeroed in place)
+    ddp: Any = wrap_stage(_sync_module(n, units, dev), names, "ddp", mesh)
+    apart, synced = [], []
+    for _ in range(rounds):
+        ddp.zero_grad(set_to_none=False)
+        with ddp.no_sync():
+            apart.append(timed(lambda: ddp(x).backward()))
+        synced.append(timed(lambda: ddp(x).backward()))
+    out["ddp"] = [max(0.0, s - a) for s, a in zip(synced, apart)]
+    # ZeRO-1's broadcast, with each replica's partition in one bucket as a run builds it
+    zero = make_replica_optimizer("sgd", list(ddp.parameters()), 0.0, "zero1", mesh)
+    out["zero1_broadcast"] = [timed(zero._sync_params) for _ in range(rounds)]  # type: ignore[union-attr]
+
+
+def dp_sync_fields(sizes_bytes: Sequence[int], seconds: Mapping[str, Sequence[float]], ranks: int, units: int,
+                   many: tuple[int, int, Mapping[str, float]] | None = None) -> dict[str, Any]:
     """LINK.json's fields for the sharding modes' sync timed at ``seconds[kind]`` per size over ``ranks``
     replicas on a module of ``units`` layers: per kind, the :func:`line_through_ends` a + n / B as
     ``dp_sync_fit[kind] = [fixed_s, bytes_per_s]``, the fixed cost per FSDP2 unit for the kinds of
-    :data:`DP_SYNC_PER_UNIT` (a / units), per stage for the others; and the sizes and times it was fitted to.
+    :data:`DP_SYNC_PER_UNIT`, per stage for the others; and the sizes and times it was fitted to.
+
+    An FSDP2 unit's fixed cost is a / units, or, with ``many`` = (more units, one of the sizes, seconds per
+    kind there), what each unit past ``units`` added at that size, where it added anything: the units a run's
+    stage holds are MiBs, not the smallest size's KiBs.
 
     >>> sizes = [2**16, 2**25]
     >>> f = dp_sync_fields(sizes, {k: [4e-3 + n / 1e9 for n in sizes] for k in DP_SYNC_KINDS}, 2, 4)
     >>> [(round(a * 1e3, 6), round(b)) for a, b in (f["dp_sync_fit"]["ddp"], f["dp_sync_fit"]["fsdp_gather"])]
     [(4.0, 1000000000), (1.0, 1000000000)]
+    >>> f = dp_sync_fields(sizes, {k: [4e-3 + n / 1e9 for n in sizes] for k in DP_SYNC_KINDS}, 2, 4,
+    ...                    (16, 2**25, {"fsdp_gather": 4e-3 + 2**25 / 1e9 + 12 * 2e-3}))
+    >>> [round(f["dp_sync_fit"][k][0] * 1e3, 6) for k in ("fsdp_gather", "fsdp_reduce")]
+    [2.0, 1.0]
     """
     fits = {}
     for kind in (k for k in DP_SYNC_KINDS if k in seconds):
         fixed, rate = line_through_ends(sizes_bytes, seconds[kind])
-        fits[kind] = [fixed / units if kind in DP_SYNC_PER_UNIT else fixed, rate]
-    return {"dp_sync_ranks": int(ranks), "dp_sync_units": int(units),
-            "dp_sync_sizes": [int(n) for n in sizes_bytes],
-            "dp_sync_s": {k: [float(t) for t in seconds[k]] for k in fits}, "dp_sync_fit": fits}
+        if kind in DP_SYNC_PER_UNIT:
+            fixed /= units
+            if many is not None and kind in many[2] and many[0] > units and many[1] in sizes_bytes:
+                added = (many[2][kind] - seconds[kind][list(sizes_bytes).index(many[1])]) / (many[0] - units)
+                fixed = added if added > 0 else fixed
+        fits[kind] = [fixed, rate]
+    out = {"dp_sync_ranks": int(ranks), "dp_sync_units": int(units),
+           "dp_sync_sizes": [int(n) for n in sizes_bytes],
+           "dp_sync_s": {k: [float(t) for t in seconds[k]] for k in fits}, "dp_sync_fit": fits}
+    if many is not None:
+        out.update(dp_sync_many_units=int(many[0]), dp_sync_many_size=int(many[1]),
+                   dp_sync_many_s={k: float(t) for k, t in many[2].items()})
+    return out
 
 
 def schedule_overheads(device: Any, *, group: Any = None, microbatches: int = ACTION_MICROBATCHES,

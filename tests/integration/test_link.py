@@ -100,6 +100,10 @@ def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_
     for kind in kinds:  # 32 MiB takes longer than 64 KiB in every mode
         assert all(t > 0 for t in link["dp_sync_s"][kind]) and link["dp_sync_s"][kind][-1] > link[
             "dp_sync_s"][kind][0], kind
+    # FSDP2's kinds once more over 16 units at 16 MiB
+    assert (link["dp_sync_many_units"], link["dp_sync_many_size"]) == (16, 16 * 2**20)
+    assert sorted(link["dp_sync_many_s"]) == ["fsdp_gather", "fsdp_reduce"]
+    assert all(t > 0 for t in link["dp_sync_many_s"].values())
     assert 0 < link["dp_sync_probe_s"] < 60.0  # a ceiling: 16 s at load 7 on a 2-core VM
     assert "each sharding mode's own sync over 2 replicas" in stdout
 
@@ -122,11 +126,14 @@ def test_cli_link_times_the_replicas_all_reduce_and_plan_prices_their_sync_with_
             if sharding == "ddp":
                 a, c = through_ends(sync_sizes, link["dp_sync_s"]["ddp"])
                 want = a + grads * c
-            else:  # FSDP2's fixed costs once per unit: the stage's layers that hold parameters
+            else:  # FSDP2's fixed costs once per unit: the stage's layers that hold parameters; a unit's is
+                # what each of the 12 units more added at 16 MiB, where they added anything, else a / 4
                 units = sum(1 for n in params[st.first_layer:st.end_layer] if n > 0)
-                want = sum(through_ends(sync_sizes, link["dp_sync_s"][k])[0] / 4 * units
-                           + grads * through_ends(sync_sizes, link["dp_sync_s"][k])[1]
-                           for k in ("fsdp_reduce", "fsdp_gather"))
+                want = 0.0
+                for k in ("fsdp_reduce", "fsdp_gather"):
+                    a, c = through_ends(sync_sizes, link["dp_sync_s"][k])
+                    added = (link["dp_sync_many_s"][k] - link["dp_sync_s"][k][2]) / 12
+                    want += (added if added > 0 else a / 4) * units + grads * c
             assert st.dp_sync_s == pytest.approx(want, rel=1e-6), (sharding, st)
         assert any("the link's data-parallel all-reduce" in x and "a sharding mode's own sync" in x
                    for x in pl.notes)

@@ -439,6 +439,14 @@ def test_a_bad_sharding_sync_probe_is_refused_in_one_line(
         with pytest.raises(SchemaError, match=r"dp_sync_fit = .*; it must map ddp, zero1_broadcast, "
                                               r"fsdp_reduce or fsdp_gather to .* --data-parallel D$"):
             load_link({**good, **bad})
+    many = {"dp_sync_many_units": 16, "dp_sync_many_size": 2**24, "dp_sync_many_s": {"fsdp_gather": 0.03}}
+    assert load_link({**good, **many})["dp_sync_many_s"] == {"fsdp_gather": 0.03}
+    for bad in ({"dp_sync_many_s": {"ddp": 0.03}}, {"dp_sync_many_s": {"fsdp_gather": -1.0}},
+                {"dp_sync_many_s": [0.03]}, {"dp_sync_many_units": 1}, {"dp_sync_many_size": None}):
+        with pytest.raises(SchemaError, match=r"dp_sync_many_s = .*; it must map fsdp_reduce or "
+                                              r"fsdp_gather to seconds >= 0, with dp_sync_many_units .* "
+                                              r"--data-parallel D$"):
+            load_link({**good, **many, **bad})
     path = tmp_path / "link.json"
     path.write_text(json.dumps({**good, "dp_sync_fit": {"ddp": [1e-3, -5]}}))
     code, _, err = run_cli(["plan", str(GPT), "--stages", "2", "--data-parallel", "2", "--link", str(path)],
@@ -456,3 +464,9 @@ def test_show_link_lists_each_modes_sync_measured_and_fitted() -> None:
     gather = next(x for x in lines if x.strip().startswith("fsdp_gather:"))
     fit_ms = (6e-3 + 2**20 / 5e8) * 1e3
     assert f"50.00 ({fit_ms:.2f}) at 1 MiB" in gather
+    assert "units:" not in gather
+    # FSDP2's kinds timed once more over 16 units: shown after the sizes, beside the fit at 16 units
+    link.update(dp_sync_many_units=16, dp_sync_many_size=2**24, dp_sync_many_s={"fsdp_gather": 0.07})
+    fixed, rate = link["dp_sync_fit"]["fsdp_gather"]
+    gather = next(x for x in link_table(link).splitlines() if x.strip().startswith("fsdp_gather:"))
+    assert gather.endswith(f"; 16 units: 70.00 ({(16 * fixed + 2**24 / rate) * 1e3:.2f}) at 16 MiB")

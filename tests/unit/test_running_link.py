@@ -77,3 +77,33 @@ def test_the_replicas_line_runs_through_the_ends_and_holds_its_fixed_cost_at_zer
     fixed, rate = line_through_ends(SIZES, steep)
     assert fixed == 0.0 and SIZES[-1] / rate == pytest.approx(0.02)
     assert line_through_ends([4096, 2**22], [2e-3, 1e-3]) == fit([4096, 2**22], [2e-3, 1e-3])
+
+
+def test_an_fsdp_units_fixed_cost_is_what_each_unit_more_adds_at_a_size_of_mibs() -> None:
+    """Synthetic times on a known model, u units of n bytes in all: t = u c(n) + n / B, where a unit costs
+    0.5 ms at the smallest size and 1.5 ms at 16 MiB. From the ends alone an FSDP2 unit's fixed cost is the
+    line's a / 4; timed once more over 16 units at 16 MiB, it is (t16 - t4) / 12 = 1.5 ms, the rate still the
+    line's; a count that added nothing (or less than nothing) keeps a / 4; DDP and ZeRO-1 are untouched."""
+    from stageplan.formats.link import DP_SYNC_KINDS
+    from stageplan.running.link import dp_sync_fields, line_through_ends
+
+    sizes = [64 * 2**10, 2**20, 16 * 2**20, 32 * 2**20]
+    rate = 1e9
+
+    def c(n: int) -> float:
+        return 0.5e-3 if n <= 2**20 else 1.5e-3
+
+    four = {k: [4 * c(n) + n / rate for n in sizes] for k in DP_SYNC_KINDS}
+    a, b = line_through_ends(sizes, four["fsdp_gather"])
+    plain = dp_sync_fields(sizes, four, 2, 4)
+    assert plain["dp_sync_fit"]["fsdp_gather"] == pytest.approx([a / 4, b])
+    assert "dp_sync_many_s" not in plain
+    many = {k: 16 * c(2**24) + 2**24 / rate for k in ("fsdp_reduce", "fsdp_gather")}
+    f = dp_sync_fields(sizes, four, 2, 4, (16, 2**24, many))
+    for k in ("fsdp_reduce", "fsdp_gather"):
+        assert f["dp_sync_fit"][k] == pytest.approx([1.5e-3, b], rel=1e-9)
+    assert f["dp_sync_fit"]["ddp"] == plain["dp_sync_fit"]["ddp"]
+    assert (f["dp_sync_many_units"], f["dp_sync_many_size"], f["dp_sync_many_s"]) == (16, 2**24, many)
+    slower = {"fsdp_gather": four["fsdp_gather"][2] - 1e-3}  # 16 units no slower than 4: a / 4 stays
+    assert dp_sync_fields(sizes, four, 2, 4, (16, 2**24, slower))["dp_sync_fit"]["fsdp_gather"] == \
+        pytest.approx([a / 4, b])
