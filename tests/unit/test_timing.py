@@ -77,8 +77,9 @@ def test_a_profile_stops_a_slow_layers_rounds_past_max_time(tmp_path, capsys) ->
     """Layers that sleep 10 ms forward and 10 ms backward: a round (a forward, and a backward into empty and
     into accumulating gradients, each after its own forward) takes at least 50 ms a layer, so a cap of 0.05 s
     a layer is reached after one round and the least, 5 timed rounds, are left after 1 warm-up (a quarter of
-    the cap is less than a round): whole model, layer at a time, and from the CLI. Layers of 1 ms never reach
-    a cap of 1 s: the 20 repeats. A cap <= 0 is refused in one line, and nothing is written."""
+    the cap is less than a round): whole model, layer at a time, and from the CLI (that layers of milliseconds
+    keep all their rounds: test_measure's closed form). A cap <= 0 is refused in one line, and nothing is
+    written."""
     from conftest import run_cli
 
     from stageplan.formats.profile import Profile
@@ -90,9 +91,6 @@ def test_a_profile_stops_a_slow_layers_rounds_past_max_time(tmp_path, capsys) ->
         assert prof.meta["timed_rounds"] == 5 and prof.meta["max_time_s"] == 0.05, (streaming, prof.meta)
         # the sleeps, measured from the 5 rounds (a sleep overshoots, never undershoots)
         assert all(0.010 <= x.forward_s <= 0.015 and 0.010 <= x.backward_s <= 0.015 for x in prof.layers)
-    fast = build_workload("workloads:sleepers", {"forward_ms": "1,1", "backward_ms": "1,1"})
-    prof = profile_model(fast, microbatch_size=2, warmup=1, repeats=20, dedup=False, max_time_s=1.0)
-    assert prof.meta["timed_rounds"] == 20
     with pytest.raises(StageplanError, match=r"max_time_s must be a number of seconds > 0 \(inf for no "
                                              r"cap\), got 0; e\.g\. --max-time 30"):
         profile_model(wl, microbatch_size=2, max_time_s=0)
