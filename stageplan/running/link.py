@@ -442,6 +442,7 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
     from stageplan.running.replicas import fsdp_units, wrap_stage
 
     x = torch.ones((), device=dev)
+    names = [f"layers.{i}" for i in range(units)]
     reduce = getattr(_PipelineStageBase, "perform_reduce_grad", None)
     # torch before the schedule ran FSDP2's reduce itself (perform_reduce_grad) reduces inside the last
     # backward, a path this probe does not time: those links price fsdp from the all-reduce
@@ -449,14 +450,11 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
         ("ddp", "zero1"))}
     if fsdp_only:
         out = {k: v for k, v in out.items() if k in DP_SYNC_PER_UNIT}
-        if not out:
-            return out
     else:
-        _ddp_and_zero1_rounds(dev, mesh, n, units, rounds, timed, out)
+        _ddp_and_zero1_rounds(_sync_module(n, units, dev), names, x, mesh, rounds, timed, out)
     if reduce is None:
         return out
     # FSDP2, as a run wraps a stage: every layer a unit, then the root, not resharded after forward
-    names = [f"layers.{i}" for i in range(units)]
     fsdp: Any = wrap_stage(_sync_module(n, units, dev), names, "fsdp", mesh)
     unit_modules = fsdp_units(fsdp)
     # torch's own reduce, called as the schedule calls it: it reads only the stage's module
@@ -473,17 +471,14 @@ def _dp_sync_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed:
     return out
 
 
-def _ddp_and_zero1_rounds(dev: Any, mesh: Any, n: int, units: int, rounds: int, timed: Any,
+def _ddp_and_zero1_rounds(module: Any, names: list[str], x: Any, mesh: Any, rounds: int, timed: Any,
                           out: dict[str, list[float]]) -> None:
-    """DDP's and ZeRO-1's rounds of :func:`_dp_sync_rounds`, into ``out``."""
-    import torch
-
+    """DDP's and ZeRO-1's rounds of :func:`_dp_sync_rounds` on ``module`` (its units ``names``), into
+    ``out``."""
     from stageplan.running.replicas import make_replica_optimizer, wrap_stage
 
-    x = torch.ones((), device=dev)
-    names = [f"layers.{i}" for i in range(units)]
     # DDP, as a run wraps a stage (gradients as views into its buckets, zeroed in place)
-    ddp: Any = wrap_stage(_sync_module(n, units, dev), names, "ddp", mesh)
+    ddp: Any = wrap_stage(module, names, "ddp", mesh)
     apart, synced = [], []
     for _ in range(rounds):
         ddp.zero_grad(set_to_none=False)
