@@ -1,25 +1,33 @@
 """Models bigger than the machine: profile LLaMA-2-7B layer at a time on this CPU (27 GB of fp32 parameters on
-a 24 GiB machine), and estimate LLaMA-2-70B for an H100 SXM without running it. Prints wall time, peak RSS and
+a 24 GiB machine) and Qwen2-7B's shape from the CLI, and estimate LLaMA-2-70B for an H100 SXM without running
+it. Prints wall time, peak RSS and
 how many blocks were measured once for all. Not a unit test: each part runs in a fresh process (peak RSS is a
 process's own), and the 7B part takes minutes.
 
-    python benchmarks/bench_large.py            # both parts
-    python benchmarks/bench_large.py --part 70b # one part
+    python benchmarks/bench_large.py            # every part, recorded (section "large" of a record)
+    python benchmarks/bench_large.py --part 70b # one part, printed only
 
 Goals: 7B (seq 128, microbatch 1, streaming, dedup, default repeats): peak RSS <= 8 GB, <= 15 minutes, 32
 blocks, 30 of them measured_as the second (the first two are measured: the first follows another kind of
 layer). 70B (seq 4096, microbatch 1 of a batch of 8, bfloat16, estimate:h100-sxm):
 <= 2 minutes, peak RSS <= 4 GB; the profile is written to profiles/estimate/llama2-70b-h100-sxm.json.
+Qwen2-7B (152k vocabulary, untied: a 2.2 GB fp32 head), `stageplan profile hf --set preset=qwen2-7b --set
+seq_len=128 --microbatch-size 1`: peak RSS <= 8 GB, <= 15 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results
 
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATE_OUT = ROOT / "profiles" / "estimate" / "llama2-70b-h100-sxm.json"
@@ -72,7 +80,7 @@ def _llama_workload(size: str, *, seq_len: int, batch_size: int, dtype: str) -> 
                                      "dtype": dtype})
 
 
-def part_7b() -> None:
+def part_7b() -> dict[str, float]:
     import torch
 
     from stageplan.materialize import parameter_bytes
@@ -102,9 +110,10 @@ def part_7b() -> None:
         print(f"  {x.name:22s} fwd {x.forward_s * 1e3:8.1f} ms  bwd {x.backward_s * 1e3:8.1f} ms  "
               f"act {x.activation_bytes / 2**20:7.1f} MiB  params {x.param_bytes / 2**20:7.1f} MiB")
     print(f"  load average at the end {prof.meta['load_average_1min']:.2f} (2 shared cores)")
+    return {"llama2_7b_s": wall, "llama2_7b_peak_rss_gb": peak_rss_bytes() / 1e9}
 
 
-def part_70b() -> None:
+def part_70b() -> dict[str, float]:
     from stageplan.materialize import parameter_bytes
     from stageplan.profiling.memory import peak_rss_bytes
     from stageplan.profiling.profiler import profile_model
@@ -130,23 +139,59 @@ def part_70b() -> None:
     step = sum(x.forward_s + x.backward_s for x in prof.layers)
     print(f"  one microbatch forward+backward on one H100 SXM: {step:.2f} s (all 80 blocks); wrote "
           f"{ESTIMATE_OUT.relative_to(ROOT)}")
+    return {"llama2_70b_s": wall, "llama2_70b_peak_rss_gb": peak_rss_bytes() / 1e9}
+
+
+def part_qwen() -> dict[str, float]:
+    """The command a user types, in a child process: its wall time and its peak resident set (the children's
+    ru_maxrss, KiB on Linux: getrusage(2))."""
+    import resource
+    import tempfile
+
+    command = [sys.executable, "-m", "stageplan", "profile", "hf", "--set", "preset=qwen2-7b", "--set",
+               "seq_len=128", "--microbatch-size", "1", "--quiet", "-o"]
+    print("  stageplan profile hf --set preset=qwen2-7b --set seq_len=128 --microbatch-size 1", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        subprocess.run([*command, str(Path(tmp) / "q.json")], check=True)
+        wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print(f"  wall time {wall:.0f} s (goal <= 900 s); peak RSS {peak / 1e9:.2f} GB (goal <= 8 GB)")
+    return {"qwen2_7b_s": wall, "qwen2_7b_peak_rss_gb": peak / 1e9}
 
 
 PARTS = {"7b": ("LLaMA-2-7B, seq 128, microbatch 1, fp32, layer at a time on this CPU", part_7b),
-         "70b": ("LLaMA-2-70B, seq 4096, microbatch 1, bfloat16, estimate:h100-sxm", part_70b)}
+         "70b": ("LLaMA-2-70B, seq 4096, microbatch 1, bfloat16, estimate:h100-sxm", part_70b),
+         "qwen2-7b": ("Qwen2-7B's shape (152k vocabulary, untied), seq 128, microbatch 1, fp32, from the CLI",
+                      part_qwen)}
+FIGURES = "FIGURES "  # the line a part's process ends with: its figures as JSON, for the record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=sorted(PARTS), default=None, help="run one part in this process")
+    parser.add_argument("--part", choices=sorted(PARTS), default=None,
+                        help="run one part in this process (printed, not recorded)")
     args = parser.parse_args()
     if args.part is not None:
         title, fn = PARTS[args.part]
         print(title, flush=True)
-        fn()
+        print(FIGURES + json.dumps(fn()), flush=True)
         return
-    for name in ("70b", "7b"):  # each in a fresh process: its peak RSS is its own
-        subprocess.run([sys.executable, __file__, "--part", name], check=True)
+    start, t0 = results.host(), time.perf_counter()
+    figures: dict[str, float | int | None] = {}
+    for name in ("70b", "qwen2-7b", "7b"):  # each in a fresh process: its peak RSS is its own
+        proc = subprocess.Popen([sys.executable, __file__, "--part", name], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(FIGURES):
+                figures.update(json.loads(line[len(FIGURES):]))
+            else:
+                print(line, end="", flush=True)
+        if proc.wait() != 0:
+            sys.exit(f"bench_large: part {name} failed (exit {proc.returncode}); nothing recorded")
+    path = results.record({"large": figures}, start=start, wall_s=time.perf_counter() - t0)
+    results.regenerate()
+    print(f"recorded {path.relative_to(results.ROOT)}; regenerated {results.DOC.relative_to(results.ROOT)}")
 
 
 if __name__ == "__main__":

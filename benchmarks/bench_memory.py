@@ -4,8 +4,12 @@ resident memory, sampled from outside, against one model's weights.
 A 24-block GPT with d = 1280 (1.97 GB of fp32 parameters, untied) is profiled analytically in fp32 (an
 estimate on fake tensors: its parameter and saved-activation bytes are exact, its times do not matter here),
 planned uniformly on 4 ranks with 4 microbatches, and run on local gloo ranks for 2 steps, retiming included
-(on by default). While it runs, the resident set (VmRSS) of `stageplan run` and all its children is summed
-every 50 ms; the peak of that sum is the memory the run needed at once. Two bounds, printed with pass/fail:
+(on by default). While it runs, the memory of `stageplan run` and all its children is summed every 50 ms
+(each process's anonymous pages, and the file-backed pages such as torch's libraries once: checked once a
+second against the kernel's proportional set sizes); the peak of that sum is the memory the run needed at
+once. Two bounds, printed with pass/fail
+and recorded (section "memory" of a record in benchmarks/results/, from which docs/accuracy.md's table is
+regenerated):
 
 - each rank's RunReport memory_ratio, (its peak - its baseline before its stage) / the plan's memory, within
   1.15 either way;
@@ -22,12 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,21 +46,45 @@ def _options(d_model: int) -> list[str]:
             "--set", "batch_size=8"]
 
 
-def _tree_rss(pid: int) -> dict[int, int]:
-    """Bytes resident in ``pid`` and each of its descendants."""
+def _tree_memory(pid: int) -> dict[int, tuple[int, int]]:
+    """``pid`` and each of its descendants: (anonymous and shared-memory bytes resident, file-backed bytes
+    resident), from /proc/PID/status (RssAnon + RssShmem, RssFile: proc(5))."""
     sizes = {}
     stack = [pid]
     while stack:
         p = stack.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            line = next(ln for ln in status.splitlines() if ln.startswith("VmRSS:"))
-            sizes[p] = int(line.split()[1]) * 1024
+            fields = dict(ln.split(":", 1) for ln in Path(f"/proc/{p}/status").read_text().splitlines()
+                          if ln.startswith(("RssAnon:", "RssShmem:", "RssFile:")))
+            kib = {k: int(v.split()[0]) * 1024 for k, v in fields.items()}
+            sizes[p] = (kib["RssAnon"] + kib.get("RssShmem", 0), kib["RssFile"])
             children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except (OSError, StopIteration):
+        except (OSError, KeyError, ValueError):
             continue
         stack.extend(int(c) for c in children)
     return sizes
+
+
+def _tree_bytes(sizes: dict[int, tuple[int, int]]) -> int:
+    """The tree's memory at once: every process's anonymous pages (its own: the ranks are spawned, not forked
+    from one another) and the file-backed pages once, as the largest process's. Summing each process's
+    resident set would count torch's libraries, mapped by all five processes, five times (about 0.08 GB
+    each). :func:`_tree_pss` checks this against the kernel's proportional set sizes."""
+    return sum(a for a, _ in sizes.values()) + max((f for _, f in sizes.values()), default=0)
+
+
+def _tree_pss(pids: list[int]) -> int:
+    """The sum of the processes' proportional set sizes (a page shared by n processes counts 1/n in each:
+    /proc/PID/smaps_rollup, proc(5)); slower to read than status, so read once a second."""
+    total = 0
+    for p in pids:
+        try:
+            line = next(ln for ln in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+                        if ln.startswith("Pss:"))
+            total += int(line.split()[1]) * 1024
+        except (OSError, StopIteration):
+            continue
+    return total
 
 
 RATIO_BOUND = 1.15  # each rank's measured / predicted memory, either way
@@ -82,12 +115,15 @@ def measure(repo: Path, ranks: int, optimizer: str, d_model: int) -> dict[str, A
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         peak = 0
         timeline: list[tuple[float, dict[int, int]]] = []
+        checks: list[tuple[int, int]] = []  # (this bench's sum, the kernel's PSS sum), once a second
         while proc.poll() is None:
-            sizes = _tree_rss(proc.pid)
-            peak = max(peak, sum(sizes.values()))
+            sizes = _tree_memory(proc.pid)
+            peak = max(peak, _tree_bytes(sizes))
             now = time.perf_counter() - start
             if not timeline or now - timeline[-1][0] >= 1.0:
-                timeline.append((now, sizes))
+                timeline.append((now, {p: a + f for p, (a, f) in sizes.items()}))
+                if sizes:
+                    checks.append((_tree_bytes(sizes), _tree_pss(list(sizes))))
             time.sleep(0.05)
         out = proc.stdout.read().decode() if proc.stdout else ""
         failed = out.strip().splitlines()[-1] if proc.returncode != 0 and out.strip() else ""
@@ -97,7 +133,9 @@ def measure(repo: Path, ranks: int, optimizer: str, d_model: int) -> dict[str, A
                               capture_output=True, text=True, env=env, check=False)
     if baseline.returncode != 0:  # said, not raised: the run's own figures above still stand
         print(f"(a bare torch process failed: {(baseline.stderr.strip().splitlines() or [''])[-1]})")
-    return {"peak_tree_rss_bytes": peak, "model_bytes": model_bytes, "wall_s": time.perf_counter() - start,
+    worst_check = max((abs(a / b - 1) for a, b in checks if b), default=None)
+    return {"peak_tree_rss_bytes": peak, "pss_check": worst_check, "model_bytes": model_bytes,
+            "wall_s": time.perf_counter() - start,
             "torch_baseline_bytes": float(baseline.stdout.strip() or "nan"), "failed": failed,
             "ranks": report["ranks"], "timeline": timeline}
 
@@ -111,7 +149,11 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true",
                         help="print each process's resident set each second")
     parser.add_argument("--d-model", type=int, default=1280, help="the GPT's width (1280: 1.97 GB of fp32)")
+    parser.add_argument("--no-record", action="store_true",
+                        help="print only: write no record to benchmarks/results/ (a setting other than the "
+                        "default's is never recorded)")
     a = parser.parse_args()
+    start, t0 = results.host(), time.perf_counter()
     rows = [("this checkout", measure(ROOT, a.ranks, a.optimizer, a.d_model))]
     if a.reference_repo is not None:
         rows.append((f"reference {a.reference_repo}",
@@ -137,12 +179,39 @@ def main() -> None:
                   f"{(row.get('measured_peak_memory_bytes') or 0) / 1e9:.3f} GB): ratio "
                   + (f"{ratio:.3f}" if ratio is not None else "n/a")
                   + f" (bound {1 / RATIO_BOUND:.2f}-{RATIO_BOUND:.2f}) {'pass' if ok else 'FAIL'}")
+        if r["pss_check"] is not None:
+            print(f"  the tree's sum and the kernel's PSS sum, read together once a second: worst difference "
+                  f"{r['pss_check']:.1%}")
         print(f"  process tree peak {peak / 1e9:.2f} GB = {peak / model_bytes:.2f} x the weights (bound "
               f"{TREE_WEIGHTS_BOUND} x weights + {TREE_PER_RANK_BYTES / 1e9:.1f} GB x {a.ranks} ranks = "
               f"{bound / 1e9:.2f} GB) {'pass' if 0 < peak <= bound else 'FAIL'}")
     if len(rows) == 2:
         print(f"ratio reference / this checkout: "
               f"{rows[1][1]['peak_tree_rss_bytes'] / rows[0][1]['peak_tree_rss_bytes']:.2f}x")
+    default = (a.ranks, a.optimizer, a.d_model) == (4, "sgd", 1280)
+    if a.no_record or not default or rows[0][1]["failed"]:
+        print("(no record written: " + ("--no-record" if a.no_record else "a setting other than the default"
+                                         if not default else "the run failed") + ")")
+        return
+    path = results.record({"memory": figures(rows[0][1], bound)}, start=start,
+                          wall_s=time.perf_counter() - t0)
+    results.regenerate()
+    print(f"recorded {path.relative_to(results.ROOT)}; regenerated {results.DOC.relative_to(results.ROOT)}")
+
+
+def figures(r: dict[str, Any], bound: float) -> dict[str, float | int | None]:
+    """A run's figures for its record: each rank's measured ÷ predicted as its fold either way (max(x, 1/x),
+    so 1.15 is the bound whichever side), their median and worst, and the process tree's peak against its
+    bound."""
+    folds = [max(x, 1 / x) for x in (row.get("memory_ratio") for row in r["ranks"]) if x]
+    return {"rank_fold_median": statistics.median(folds) if folds else None,
+            "rank_fold_worst": max(folds) if folds else None,
+            "tree_peak_gb": r["peak_tree_rss_bytes"] / 1e9,
+            "tree_peak_over_bound": r["peak_tree_rss_bytes"] / bound,
+            "tree_pss_check_worst": r["pss_check"],
+            "baseline_gb": statistics.median(float(row.get("measured_baseline_memory_bytes") or 0)
+                                             for row in r["ranks"]) / 1e9 if r["ranks"] else None,
+            "wall_s": r["wall_s"]}
 
 
 if __name__ == "__main__":

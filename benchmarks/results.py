@@ -215,6 +215,8 @@ _PROF = "`make bench` (profiler)"
 _SOLVER = "`make bench` (solver)"
 _LAYOUT = "`make bench` (layout)"
 _REPL = "`make bench` (replicas)"
+_MEM = "`make bench-large` (memory: `benchmarks/bench_memory.py`)"
+_LARGE = "`make bench-large` (large: `benchmarks/bench_large.py`)"
 
 TABLES: dict[str, Sequence[Row] | None] = {
     "runs": None,  # the records themselves
@@ -311,6 +313,30 @@ TABLES: dict[str, Sequence[Row] | None] = {
             "replicas", "ranking_pairs_checked", number, command=_REPL),
         Row("the same: share measured in the predicted order", "replicas", "ranking_in_order_share",
             worst="min", command=_REPL),
+    ],
+    "memory": [
+        Row("a 4-rank run of a 1.97 GB fp32 GPT (d_model 1280, untied), SGD, 1F1B, m = 4: the worst rank's "
+            "measured ÷ predicted, as a fold either way (max(x, 1/x))", "memory", "rank_fold_worst", times,
+            goal=1.15, command=_MEM),
+        Row("the same, the median rank", "memory", "rank_fold_median", times, goal=1.15, command=_MEM),
+        Row("the same run: the process tree's peak, sampled every 50 ms (GB; each process's anonymous pages, "
+            "the file-backed ones once)", "memory", "tree_peak_gb", number, command=_MEM),
+        Row("the tree's peak ÷ its bound (2.2 × the weights + 0.6 GB a rank)", "memory",
+            "tree_peak_over_bound", times, goal=1.0, command=_MEM),
+        Row("that sum against the kernel's proportional set sizes, read together once a second: worst "
+            "difference", "memory", "tree_pss_check_worst", pct, command=_MEM),
+    ],
+    "large": [
+        Row("LLaMA-2-7B (27 GB in fp32) profiled layer at a time, seq 128: wall time", "large", "llama2_7b_s",
+            seconds, goal=900.0, command=_LARGE),
+        Row("the same, peak RSS (GB)", "large", "llama2_7b_peak_rss_gb", number, goal=8.0, command=_LARGE),
+        Row("Qwen2-7B's shape (152k vocabulary, untied), `stageplan profile hf --set preset=qwen2-7b --set "
+            "seq_len=128 --microbatch-size 1`: wall time", "large", "qwen2_7b_s", seconds, goal=900.0,
+            command=_LARGE),
+        Row("the same, peak RSS (GB)", "large", "qwen2_7b_peak_rss_gb", number, goal=8.0, command=_LARGE),
+        Row("LLaMA-2-70B, seq 4096, estimated for an H100 SXM: wall time", "large", "llama2_70b_s", seconds,
+            goal=120.0, command=_LARGE),
+        Row("the same, peak RSS (GB)", "large", "llama2_70b_peak_rss_gb", number, goal=4.0, command=_LARGE),
     ],
     "calibration": [
         Row("cross-split prediction after one calibration, median |measured ÷ predicted − 1|", "calibration",

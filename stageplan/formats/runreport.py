@@ -390,6 +390,9 @@ def _rank_row(plan: Plan, g: dict[str, Any], retimed: dict[int, tuple[float, flo
         "measured_run_memory_bytes": run_bytes,
         "memory_ratio": (run_bytes / plan.rank_memory_bytes[r]
                          if run_bytes and plan.rank_memory_bytes[r] else None),
+        # CPU: how often the rank handed its heap's free pages back after a chunk call of 0.1 s or more
+        # (stageplan.measure.HeapTrim); None in a report made before it
+        "heap_trims": g.get("heap_trims"),
         # where the rank sits in the ("pp", "dp") mesh, its global rank, the data-parallel sync it waited for
         # (the plan's exposed sync beside the run's, per step) and its memory by kind (the plan's bytes
         # beside what the rank held: parameters, gradients, the FSDP shard or master copy, optimizer states)

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from stageplan.formats.runreport import RunReport
 from stageplan.formats.schedule import TRANSFER_KINDS
 from stageplan.materialize import Checkpoint
 from stageplan.measure import (
+    HeapTrim,
     LayerClock,
     SavedTensorTracker,
     Timer,
@@ -262,6 +264,8 @@ class _Instruments:
     tracking: bool = True
     # per receive waited on, the wall time torch posted it: (kind, stage, microbatch) -> time.time()
     posted: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    # the heap's free pages handed back after long chunk calls (CPU)
+    trim: HeapTrim = field(default_factory=HeapTrim)
 
     def saving(self) -> Any:
         return self.tracker.hooks() if self.tracking else contextlib.nullcontext()
@@ -329,20 +333,26 @@ class _Instruments:
         st.get_fwd_recv_ops = get_fwd_recv_ops
         st.get_bwd_recv_ops = get_bwd_recv_ops
 
+        def trimmed(kind: str, chunk: int, call: Callable[[], Any]) -> Any:
+            t0 = time.perf_counter()
+            out = self.timer.record(kind, s, chunk, call)
+            self.trim.after(time.perf_counter() - t0)  # outside the timed call: see measure.HeapTrim
+            return out
+
         def forward_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
             with self.saving(), self.clock.phase("F", s):
-                return self.timer.record("F", s, chunk, lambda: fwd(chunk, *a, **k))
+                return trimmed("F", chunk, lambda: fwd(chunk, *a, **k))
 
         def backward_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
             with self.clock.phase("B", s):
-                return self.timer.record("B", s, chunk, lambda: bwd(chunk, *a, **k))
+                return trimmed("B", chunk, lambda: bwd(chunk, *a, **k))
 
         st.forward_one_chunk = forward_one_chunk
         st.backward_one_chunk = backward_one_chunk
         if bwd_w is not None:
             def backward_weight_one_chunk(chunk: int, *a: Any, **k: Any) -> Any:
                 with self.clock.phase("W", s):
-                    return self.timer.record("W", s, chunk, lambda: bwd_w(chunk, *a, **k))
+                    return trimmed("W", chunk, lambda: bwd_w(chunk, *a, **k))
 
             st.backward_weight_one_chunk = backward_weight_one_chunk
 
@@ -864,7 +874,8 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
         for st in rs.stages:
             counter.wrap(st)
     own = {_local(p).untyped_storage().data_ptr() for p in rs.unique_params}
-    ins = _Instruments(Timer(device), SavedTensorTracker(set(own)), LayerClock(device))
+    ins = _Instruments(Timer(device), SavedTensorTracker(set(own)), LayerClock(device),
+                       trim=HeapTrim(enabled=device.type == "cpu"))
     if mesh.data_parallel > 1 and sharding.startswith("fsdp"):
         _exclude_gathered_parameters(rs, ins.tracker)
     for st in rs.stages:
@@ -903,7 +914,9 @@ def worker_main(workload: Workload, plan: Plan, *, rank: int, world_size: int, o
               "cpus": process_cpus() if cpus is not None else None,
               "clock_compute_s": median_iqr(samples.clock_compute_s)[0] if samples.clock_compute_s else None,
               "calls": samples.calls, "short_slice_threads": short_threads,
-              "tp_collectives": dict(counter.counts) if t > 1 else None}
+              "tp_collectives": dict(counter.counts) if t > 1 else None,
+              # how often the heap's free pages went back after a long call (measure.HeapTrim)
+              "heap_trims": ins.trim.count}
     steps_measured = len(samples.step_s)
     del samples
     # an interrupted run ends at once: its user is waiting, so no retiming and no single-process check

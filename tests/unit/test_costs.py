@@ -25,26 +25,32 @@ from .test_planner import NOTE
 GPT = str(Path(__file__).resolve().parents[2] / "profiles" / "cpu" / "gpt.json")
 
 
-def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_step_past_the_simulators_limit_is_refused_at_once(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """--microbatches 100000000 (a slip of the finger) had planned for hours: a step's microbatches x stages
-    is at most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take."""
+    is at most costmodel.MAX_STEP_PAIRS, and the line gives the most microbatches these stages take. The
+    limit is lowered to 24,000 pairs for the accepted edge cases (building options for the real limit's
+    125,000 microbatches takes seconds); the CLI's refusal runs at the real one."""
     from stageplan import Profile
     from stageplan.errors import StageplanError
-    from stageplan.planning.costs import MAX_STEP_PAIRS, make_options
+    from stageplan.planning import costs
 
     prof = Profile.load(GPT)
-    most = MAX_STEP_PAIRS // 8
-    assert make_options(prof, 4, num_microbatches=most, schedule="Interleaved1F1B").num_microbatches == most
+    monkeypatch.setattr(costs, "MAX_STEP_PAIRS", 24_000)
+    most = 24_000 // 8
+    assert costs.make_options(prof, 4, num_microbatches=most,
+                              schedule="Interleaved1F1B").num_microbatches == most
     with pytest.raises(StageplanError,
                        match=rf"got {most + 1:,} x 8 = {8 * most + 8:,}; use --microbatches {most} "):
-        make_options(prof, 4, num_microbatches=most + 1, schedule="Interleaved1F1B")
-    # 3 ranks x 2 chunks: 166,666 would not divide into
+        costs.make_options(prof, 4, num_microbatches=most + 1, schedule="Interleaved1F1B")
+    # 3 ranks x 2 chunks: 4,000 would not divide into
     # Interleaved1F1B's rounds; the line gives a multiple of 3
-    with pytest.raises(StageplanError, match=r"use --microbatches 166665 or fewer"):
-        make_options(prof, 3, num_microbatches=10**6, schedule="Interleaved1F1B")
-    assert (
-        make_options(prof, 3, num_microbatches=166665, schedule="Interleaved1F1B").num_microbatches == 166665
-    )
+    with pytest.raises(StageplanError, match=r"use --microbatches 3999 or fewer"):
+        costs.make_options(prof, 3, num_microbatches=10**6, schedule="Interleaved1F1B")
+    assert costs.make_options(prof, 3, num_microbatches=3999,
+                              schedule="Interleaved1F1B").num_microbatches == 3999
+    monkeypatch.undo()
+    assert costs.MAX_STEP_PAIRS == 1_000_000
     code, _, err = run_cli(["plan", GPT, "--stages", "2", "--microbatches", "100000000"], capsys)
     assert_one_line_error(code, err, r"a step's timeline is at most 1,000,000 forward/backward pairs "
                                      r"\(microbatches x stages\), got 100,000,000 x 2 = 200,000,000; use "

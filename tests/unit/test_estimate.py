@@ -292,20 +292,27 @@ def test_the_estimate_records_ties_in_the_profiled_dtype() -> None:
     assert [(t.layers, t.bytes) for t in prof.tied] == [((0, len(prof) - 1), 8192 * 128 * 2)]
 
 
-def test_llama2_7b_block_at_4096_boundary_is_32_mib_and_saves_the_hand_count() -> None:
-    """LLaMA-2-7B (preset llama2-7b), sequence 4096, microbatch 1, bf16, estimated for an H100: a boundary
-    carries the hidden states alone, and a block saves what its tensors add up to."""
+def test_llama2_7b_block_at_4096_boundary_is_32_mib_and_saves_the_hand_count(tmp_path: Path) -> None:
+    """LLaMA-2-7B (preset llama2-7b's shapes, 3 of its 32 blocks: every block is the same, and each is
+    estimated on its own), sequence 4096, microbatch 1, bf16, estimated for an H100: a boundary carries the
+    hidden states alone, and a block saves what its tensors add up to."""
     from stageplan.profiling.profiler import build_workload_for_profile
+    from stageplan.profiling.shards import hf_fields
     from unit.test_zoo import llama_block_saved_bytes
 
     b, s, h, f, heads = 1, 4096, 4096, 11008, 32
-    wl = build_workload_for_profile("hf", {"preset": "llama2-7b", "seq_len": s, "batch_size": b},
+    fields = hf_fields({"preset": "llama2-7b"})
+    assert (fields["hidden_size"], fields["intermediate_size"], fields["num_attention_heads"],
+            fields["num_hidden_layers"]) == (h, f, heads, 32)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fields, "num_hidden_layers": 3}))
+    wl = build_workload_for_profile("hf", {"config": str(config), "seq_len": s, "batch_size": b},
                                     device="estimate:h100-sxm", dtype="bfloat16")
     prof = profile_model(wl, microbatch_size=b, device="estimate:h100-sxm", dtype="bfloat16")
     blocks = [x for x in prof.layers if x.name.startswith("model.layers.")]
-    assert len(blocks) == 32
+    assert len(blocks) == 3
     # boundary: (b, s, h) bf16 hidden states, 32 MiB; no (s x s) mask, no rotary cos/sin
-    assert [x.output_bytes for x in prof.layers[:-1]] == [b * s * h * 2] * 33 == [32 * 2**20] * 33
+    assert [x.output_bytes for x in prof.layers[:-1]] == [b * s * h * 2] * 4 == [32 * 2**20] * 4
     parts = llama_block_saved_bytes(b=b, s=s, h=h, f=f, heads=heads, kv_heads=heads, e=2)
     hand = sum(parts.values())
     # Cross-check against Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer

@@ -338,3 +338,37 @@ def test_free_memory_is_handed_back_where_glibc_can_and_nowhere_else() -> None:
     before = resident_bytes()
     assert release_free_memory() is glibc
     assert resident_bytes() <= before
+
+
+def test_the_heap_is_trimmed_after_long_calls_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HeapTrim hands the heap back after a call of at least its threshold (0.1 s by default), never after a
+    shorter one, and never where it is disabled (a CUDA rank); where it trims, holes that 64 freed 4 MiB
+    buffers left among live ones stop being resident."""
+    import platform
+
+    from stageplan import measure
+    from stageplan.measure import TRIM_AFTER_CALL_S, HeapTrim, resident_bytes, steady_allocator
+
+    assert TRIM_AFTER_CALL_S == 0.1
+    calls: list[int] = []
+    monkeypatch.setattr(measure, "release_free_memory", lambda: calls.append(1) or True)
+    trim = HeapTrim()
+    for seconds in (0.0, 0.099, 0.1, 2.5, 0.05):
+        trim.after(seconds)
+    assert trim.count == len(calls) == 2
+    off = HeapTrim(enabled=False)
+    off.after(10.0)
+    assert off.count == 0 and len(calls) == 2
+    monkeypatch.undo()
+    if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
+        return
+    steady_allocator()  # 4 MiB buffers stay in the heap (under its fixed 32 MiB mmap threshold)
+    buffers = [torch.ones(2**20) for _ in range(128)]
+    del buffers[::2]  # 64 holes of 4 MiB between live buffers: not at the heap's top
+    before = resident_bytes()
+    real = HeapTrim()
+    real.after(0.05)
+    assert real.count == 0 and resident_bytes() > before - 64 * 2**20 // 2
+    real.after(0.1)
+    assert real.count == 1
+    assert resident_bytes() < before - 64 * 2**20 // 2  # at least half the holes' 256 MiB went back
