@@ -493,6 +493,11 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
                                        mesh)
     # ZeRO-1's bucket views moved the parameters into its buckets: their new storages are parameters too
     ins.tracker.exclude.update(_local(p).untyped_storage().data_ptr() for p in rs.unique_params)
+    # what building the stage freed goes back to the system once, before the first step: the parameters'
+    # first storages where ZeRO-1 copied them into its buckets or FSDP2 into its shards (in the heap below
+    # the steady allocator's 32 MiB mmap threshold), which later tensors of other sizes reuse only in part
+    if ins.trim.enabled:
+        release_free_memory()
     sync = SyncClock(device)
     sync.attach(rs.stages, optimizer)
     d = mesh.data_parallel
@@ -583,6 +588,10 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
         t1 = time.perf_counter()
         if out.reading:
             out._max("optimizer", optimizer_state_bytes(optimizer))
+        # after a long sync and optimizer step as after a long chunk call (measure.HeapTrim): FSDP2's gathered
+        # parameters and whole gradients, freed by then; outside the step's time (t0 comes after the
+        # all-reduce that starts the next step, where every rank waits for the last)
+        ins.trim.after(t1 - t_other)
         ins.timer.mark()  # the next step's first chunk call is idle from here, through the barrier
         intervals = ins.timer.drain()
         phases = ins.clock.drain(lambda s: range(bounds[s], bounds[s + 1]))
