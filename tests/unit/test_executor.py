@@ -1,5 +1,6 @@
 """stageplan.running.executor in this process and a forked child (no ranks): a rank's threads
-pinned to its block of CPUs, and the backend threads' short scheduler slice."""
+pinned to its block of CPUs, the backend threads' short scheduler slice, and the heap trimmed after long chunk
+calls."""
 
 from __future__ import annotations
 
@@ -180,3 +181,47 @@ def test_a_released_stage_hands_its_pages_back_to_the_system() -> None:
     assert freed == 2 * 16 * 4 * 2**20
     # most of the 128 MiB goes (a page or so at each chunk's edges may stay)
     assert before - resident_bytes() >= 0.9 * freed
+
+
+def test_a_rank_trims_its_heap_after_long_chunk_calls_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk calls the executor wraps hand the heap back after a call of 0.1 s or more (forward, backward
+    and weight-gradient alike) and never after a call of milliseconds, outside the call the timer records."""
+    import time
+
+    import torch
+
+    from stageplan import measure
+    from stageplan.measure import HeapTrim, LayerClock, SavedTensorTracker, Timer
+    from stageplan.running.executor import _Instruments
+
+    trims: list[float] = []
+    monkeypatch.setattr(measure, "release_free_memory", lambda: trims.append(time.perf_counter()) or True)
+
+    class Stage:  # the PipelineStage methods the instruments wrap
+        stage_index = 0
+
+        def __init__(self) -> None:
+            self.ended: list[float] = []
+
+        def _call(self, chunk: int, *a: object, **k: object) -> None:
+            time.sleep(0.12 if chunk == 1 else 0.002)
+            self.ended.append(time.perf_counter())
+
+        forward_one_chunk = backward_one_chunk = backward_weight_one_chunk = _call
+
+        def get_fwd_recv_ops(self, chunk: int) -> list[object]:
+            return []
+
+        get_bwd_recv_ops = get_fwd_recv_ops
+
+    cpu = torch.device("cpu")
+    ins = _Instruments(Timer(cpu), SavedTensorTracker(set()), LayerClock(cpu), trim=HeapTrim())
+    st = Stage()
+    ins.wrap(st)
+    for call in (st.forward_one_chunk, st.backward_one_chunk, st.backward_weight_one_chunk):
+        call(0)
+        call(1)
+    assert ins.trim.count == len(trims) == 3
+    assert all(end <= t for end, t in zip(st.ended[1::2], trims))  # each after its long call had ended
+    intervals = ins.timer.drain()
+    assert [round(sec, 1) for _, _, mb, _, sec, *_ in intervals if mb == 1] == [0.1, 0.1, 0.1]
