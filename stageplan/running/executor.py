@@ -590,7 +590,7 @@ def _train(plan: Plan, workload: Workload, rs: RankStages, device: torch.device,
             out._max("optimizer", optimizer_state_bytes(optimizer))
         # after a long sync and optimizer step as after a long chunk call (measure.HeapTrim): FSDP2's gathered
         # parameters and whole gradients, freed by then; outside the step's time (t0 comes after the
-        # all-reduce that starts the next step, where every rank waits for the last)
+        # barrier that starts the next step, where every rank waits for the last: _stop_requested)
         ins.trim.after(t1 - t_other)
         ins.timer.mark()  # the next step's first chunk call is idle from here, through the barrier
         intervals = ins.timer.drain()
