@@ -1,8 +1,7 @@
 """Models bigger than the machine: profile LLaMA-2-7B layer at a time on this CPU (27 GB of fp32 parameters on
 a 24 GiB machine) and Qwen2-7B's shape from the CLI, and estimate LLaMA-2-70B for an H100 SXM without running
-it. Prints wall time, peak RSS and
-how many blocks were measured once for all. Not a unit test: each part runs in a fresh process (peak RSS is a
-process's own), and the 7B part takes minutes.
+it. Prints wall time, peak RSS and how many blocks were measured once for all. Not a unit test: each part runs
+in a fresh process (peak RSS is a process's own), and the 7B parts take minutes.
 
     python benchmarks/bench_large.py            # every part, recorded (section "large" of a record)
     python benchmarks/bench_large.py --part 70b # one part, printed only

@@ -7,9 +7,8 @@ planned uniformly on 4 ranks with 4 microbatches, and run on local gloo ranks fo
 (on by default). While it runs, the memory of `stageplan run` and all its children is summed every 50 ms
 (each process's anonymous pages, and the file-backed pages such as torch's libraries once: checked once a
 second against the kernel's proportional set sizes); the peak of that sum is the memory the run needed at
-once. Two bounds, printed with pass/fail
-and recorded (section "memory" of a record in benchmarks/results/, from which docs/accuracy.md's table is
-regenerated):
+once. Two bounds, printed with pass/fail and recorded (section "memory" of a record in benchmarks/results/,
+from which docs/accuracy.md's table is regenerated):
 
 - each rank's RunReport memory_ratio, (its peak - its baseline before its stage) / the plan's memory, within
   1.15 either way;
@@ -138,10 +137,10 @@ def measure(repo: Path, ranks: int, optimizer: str, d_model: int) -> dict[str, A
                               capture_output=True, text=True, env=env, check=False)
     if baseline.returncode != 0:  # said, not raised: the run's own figures above still stand
         print(f"(a bare torch process failed: {(baseline.stderr.strip().splitlines() or [''])[-1]})")
-    differences = sorted(abs(a / b - 1) for a, b in checks if b)
+    differences = [abs(a / b - 1) for a, b in checks if b]
     # the median: a process exiting between its two reads tears its pages down in between
-    worst_check = statistics.median(differences) if differences else None
-    return {"peak_tree_rss_bytes": peak, "pss_check": worst_check, "model_bytes": model_bytes,
+    pss_median = statistics.median(differences) if differences else None
+    return {"peak_tree_bytes": peak, "pss_check": pss_median, "model_bytes": model_bytes,
             "wall_s": time.perf_counter() - start,
             "torch_baseline_bytes": float(baseline.stdout.strip() or "nan"), "failed": failed,
             "ranks": report["ranks"], "timeline": timeline}
@@ -171,7 +170,7 @@ def main() -> None:
           f"{model_bytes / 4e6:.0f} M parameters, {model_bytes / 1e9:.2f} GB fp32 weights (+ the same again "
           "in gradients)")
     for name, r in rows:
-        peak = r["peak_tree_rss_bytes"]
+        peak = r["peak_tree_bytes"]
         print(f"{name}: wall {r['wall_s']:.0f} s; one torch process alone "
               f"{r['torch_baseline_bytes'] / 1e9:.2f} GB"
               + (f"; FAILED: {r['failed']}" if r["failed"] else ""))
@@ -194,7 +193,7 @@ def main() -> None:
               f"{bound / 1e9:.2f} GB) {'pass' if 0 < peak <= bound else 'FAIL'}")
     if len(rows) == 2:
         print(f"ratio reference / this checkout: "
-              f"{rows[1][1]['peak_tree_rss_bytes'] / rows[0][1]['peak_tree_rss_bytes']:.2f}x")
+              f"{rows[1][1]['peak_tree_bytes'] / rows[0][1]['peak_tree_bytes']:.2f}x")
     default = (a.ranks, a.optimizer, a.d_model) == (4, "sgd", 1280)
     if a.no_record or not default or rows[0][1]["failed"]:
         print("(no record written: " + ("--no-record" if a.no_record else "a setting other than the default"
@@ -213,8 +212,8 @@ def figures(r: dict[str, Any], bound: float) -> dict[str, float | int | None]:
     folds = [max(x, 1 / x) for x in (row.get("memory_ratio") for row in r["ranks"]) if x]
     return {"rank_fold_median": statistics.median(folds) if folds else None,
             "rank_fold_worst": max(folds) if folds else None,
-            "tree_peak_gb": r["peak_tree_rss_bytes"] / 1e9,
-            "tree_peak_over_bound": r["peak_tree_rss_bytes"] / bound,
+            "tree_peak_gb": r["peak_tree_bytes"] / 1e9,
+            "tree_peak_over_bound": r["peak_tree_bytes"] / bound,
             "tree_pss_check_median": r["pss_check"],
             "baseline_gb": statistics.median(float(row.get("measured_baseline_memory_bytes") or 0)
                                              for row in r["ranks"]) / 1e9 if r["ranks"] else None,
